@@ -43,7 +43,10 @@ build_native() {
 }
 
 ensure_env
-build_native
+# RLCORE_SKIP_NATIVE_BUILD=1 reuses the extension already built in place (parallel work on rust/).
+if [ "${RLCORE_SKIP_NATIVE_BUILD:-0}" != 1 ] || ! ls "$RLCORE_ROOT"/rlcore/_native*.so >/dev/null 2>&1; then
+  build_native
+fi
 
 export PYTHONPATH="$RLCORE_ROOT${PYTHONPATH:+:$PYTHONPATH}"
 # Two cores: oversubscribed BLAS/OpenMP threads make torch 10-60x slower.

@@ -1,0 +1,126 @@
+"""Triton kernels under TRITON_INTERPRET=1 against the chunked torch path, forward and backward.
+
+``triton.jit`` reads TRITON_INTERPRET when a kernel is decorated, i.e. when
+rlcore.triton_kernels.triton_impl is first imported. Setting it inside the pytest process could
+also flip other triton users, so this file re-runs itself as a subprocess with the variable set
+(see ``__main__`` below): the child computes the triton results on shared inputs, the parent
+compares them with the torch path. Shapes are small on purpose (the interpreter is ~1000x slower).
+
+Tolerances: fp32 1e-5 on values and 1e-5 relative to the largest gradient entry. bf16 values
+1e-5 (fp32 accumulation on both sides); bf16 gradients 2e-2 relative, because the kernels round
+grad_logits to bf16 before the tensor-core matmul, as a GPU bf16 backward would, while the
+torch path keeps them in fp32.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+# name -> (N, H, V, dtype, temperature, block sizes or None for the kernel defaults)
+CASES = {
+    "fp32_defaults": (19, 40, 100, torch.float32, 0.7, None),
+    "fp32_small_blocks": (37, 40, 100, torch.float32, 1.3, (16, 32, 16)),
+    "fp32_single_token": (1, 32, 96, torch.float32, 1.0, (16, 32, 16)),
+    "bf16_small_blocks": (37, 40, 100, torch.bfloat16, 0.9, (16, 32, 16)),
+    "fp32_zero_tokens": (0, 32, 96, torch.float32, 1.0, None),
+}
+
+
+def _case_inputs(n, h, v, dtype, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return {
+        "hidden": torch.randn(n, h, generator=g).to(dtype),
+        "weight": (0.5 * torch.randn(v, h, generator=g)).to(dtype),
+        "targets": torch.randint(0, v, (n,), generator=g),
+        "ref": -3.0 + torch.randn(n, generator=g),
+        "g_lp": torch.randn(n, generator=g),
+        "g_ent": torch.randn(n, generator=g),
+        "g_kl": torch.randn(n, generator=g),
+    }
+
+
+def _run_case(x, temperature, blocks, backend_fn):
+    """(logprobs, entropy, kl, grad_hidden, grad_weight) for one implementation."""
+    hidden = x["hidden"].clone().requires_grad_(True)
+    weight = x["weight"].clone().requires_grad_(True)
+    out = backend_fn(hidden, weight, x["targets"], temperature, x["ref"], blocks)
+    loss = (out.logprobs * x["g_lp"]).sum() + (out.entropy * x["g_ent"]).sum() + (out.kl * x["g_kl"]).sum()
+    gh, gw = torch.autograd.grad(loss, [hidden, weight])
+    return [out.logprobs.detach(), out.entropy.detach(), out.kl.detach(), gh, gw]
+
+
+def _triton_fn(hidden, weight, targets, temperature, ref, blocks):
+    from rlcore.triton_kernels import fused_token_logprobs, triton_impl
+
+    defaults = triton_impl.BLOCK_N, triton_impl.BLOCK_V, triton_impl.BLOCK_H
+    if blocks is not None:
+        triton_impl.BLOCK_N, triton_impl.BLOCK_V, triton_impl.BLOCK_H = blocks
+    try:
+        return fused_token_logprobs(hidden, weight, targets, temperature=temperature, ref_logprobs=ref,
+                                    backend="triton")
+    finally:
+        triton_impl.BLOCK_N, triton_impl.BLOCK_V, triton_impl.BLOCK_H = defaults
+
+
+def _torch_fn(hidden, weight, targets, temperature, ref, blocks):
+    from rlcore.triton_kernels import fused_token_logprobs
+
+    return fused_token_logprobs(hidden, weight, targets, temperature=temperature, ref_logprobs=ref,
+                                chunk_tokens=8, chunk_vocab=48, backend="torch")
+
+
+def _child(path: str) -> None:
+    """Subprocess body: TRITON_INTERPRET=1 is already in the environment."""
+    assert os.environ.get("TRITON_INTERPRET") == "1"
+    results = {}
+    for name, (n, h, v, dtype, temperature, blocks) in CASES.items():
+        x = _case_inputs(n, h, v, dtype)
+        results[name] = _run_case(x, temperature, blocks, _triton_fn)
+    torch.save(results, path)
+
+
+@pytest.fixture(scope="module")
+def triton_results(tmp_path_factory):
+    path = tmp_path_factory.mktemp("triton") / "results.pt"
+    root = str(Path(__file__).resolve().parents[1])
+    pythonpath = os.pathsep.join(p for p in (root, os.environ.get("PYTHONPATH", "")) if p)
+    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=pythonpath)
+    proc = subprocess.run([sys.executable, __file__, str(path)], env=env, capture_output=True, text=True,
+                          timeout=300)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    return torch.load(path)
+
+
+def _assert_rel(actual, expected, rtol, what):
+    assert actual.shape == expected.shape, what
+    if expected.numel() == 0:
+        return
+    scale = expected.float().abs().max().clamp_min(1.0)
+    err = (actual.float() - expected.float()).abs().max()
+    assert err <= rtol * scale, f"{what}: max abs err {err:.3g} > {rtol} * {scale:.3g}"
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", list(CASES))
+def test_triton_interpreter_matches_torch_path(name, triton_results):
+    n, h, v, dtype, temperature, blocks = CASES[name]
+    x = _case_inputs(n, h, v, dtype)
+    want = _run_case(x, temperature, blocks, _torch_fn)
+    got = triton_results[name]
+    for label, a, b in zip(("logprobs", "entropy", "kl"), got[:3], want[:3]):
+        assert a.dtype == torch.float32 and a.shape == (n,)
+        torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5, msg=f"{name} {label}")
+    grad_rtol = 1e-5 if dtype == torch.float32 else 2e-2
+    for label, a, b in zip(("grad_hidden", "grad_weight"), got[3:], want[3:]):
+        assert a.dtype == dtype
+        _assert_rel(a, b, grad_rtol, f"{name} {label}")
+
+
+if __name__ == "__main__":
+    _child(sys.argv[1])

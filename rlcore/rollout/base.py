@@ -1,0 +1,120 @@
+"""What every rollout backend promises: sampling parameters and the `RolloutEngine` protocol.
+
+A rollout engine turns a prompt `Batch` into a response `Batch` (see the shared data contract in
+`rlcore.protocol`) and accepts fresh weights from the actor after every update. Backends (HF
+transformers, vLLM, ...) differ only in how fast they do it, never in the shape of the output, so
+the control flow can swap them by configuration.
+"""
+
+from __future__ import annotations
+
+import importlib
+from collections.abc import Iterable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
+
+import torch
+
+if TYPE_CHECKING:
+    from rlcore.protocol import Batch
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """How to sample responses; validated on construction so a bad config fails before a rollout.
+
+    `top_k=-1` and `top_p=1.0` switch those filters off. `do_sample=False` is greedy decoding
+    (temperature, top-k and top-p are then ignored). `seed` makes sampling reproducible: the
+    same prompts, weights and seed give the same responses.
+    """
+
+    n: int = 1
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1
+    max_new_tokens: int = 64
+    do_sample: bool = True
+    seed: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.n < 1:
+            raise ValueError(f"SamplingParams.n must be >= 1, got {self.n}")
+        if self.max_new_tokens < 1:
+            raise ValueError(f"SamplingParams.max_new_tokens must be >= 1, got {self.max_new_tokens}")
+        if self.do_sample and not self.temperature > 0:
+            raise ValueError(
+                f"SamplingParams.temperature must be > 0 when do_sample=True, got {self.temperature} "
+                "(use do_sample=False for greedy decoding)"
+            )
+        if not 0.0 < self.top_p <= 1.0:
+            raise ValueError(f"SamplingParams.top_p must be in (0, 1], got {self.top_p}")
+        if self.top_k == 0 or self.top_k < -1:
+            raise ValueError(f"SamplingParams.top_k must be -1 (off) or >= 1, got {self.top_k}")
+
+    @property
+    def logprob_temperature(self) -> float:
+        """Temperature the reported log-probs are computed at (1.0 for greedy decoding).
+
+        The actor must recompute its log-probs at this same temperature for the rollout and
+        actor log-probs to be comparable.
+        """
+        return self.temperature if self.do_sample else 1.0
+
+
+@runtime_checkable
+class RolloutEngine(Protocol):
+    """A generator of responses whose weights the trainer can replace in place.
+
+    `generate` takes the rollout input batch (left-padded `input_ids`, `attention_mask`, per-sample
+    meta) and returns the rollout output batch: each prompt repeated `params.n` times
+    consecutively with its meta, plus `prompts`, `responses`, `response_mask`, `input_ids`,
+    `attention_mask`, `position_ids` and `rollout_log_probs` (log-probs of the sampled tokens
+    under the temperature-scaled distribution *before* top-k/top-p filtering).
+    """
+
+    def generate(self, batch: Batch, params: SamplingParams) -> Batch: ...
+
+    def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Load (a bucket of) named tensors into the model; may be called many times per sync.
+
+        Names are the HF state-dict names. For models with tied input/output embeddings
+        either `lm_head.weight` or `model.embed_tokens.weight` updates the shared tensor.
+        """
+        ...
+
+    def sleep(self) -> None:
+        """Release accelerator memory (weights, caches) so training can use it."""
+        ...
+
+    def wake(self) -> None:
+        """Bring the engine back onto its device after `sleep`."""
+        ...
+
+
+# Backend name -> "module:attribute" of its engine class. Imported lazily so that e.g. the
+# HF backend works on machines without vLLM. A backend class is built either from a model
+# path (`path=...` -> `cls.from_pretrained(**kwargs)`) or from its constructor arguments.
+_BACKENDS: dict[str, str] = {
+    "hf": "rlcore.rollout.hf:HFRolloutEngine",
+}
+
+
+def register_backend(name: str, target: str) -> None:
+    """Register a backend as "module:ClassName" (lets new backends plug in without editing here)."""
+    _BACKENDS[name] = target
+
+
+def make_rollout_engine(backend: str, **kwargs: Any) -> RolloutEngine:
+    """Build a rollout engine by backend name.
+
+    With a `path` keyword the engine loads a model from disk (`cls.from_pretrained(**kwargs)`);
+    otherwise the keywords go to the class constructor (e.g. an in-memory `model`).
+    """
+    if backend not in _BACKENDS:
+        known = ", ".join(sorted(_BACKENDS))
+        raise ValueError(f"unknown rollout backend {backend!r}; known backends: {known}")
+    module_name, _, attr = _BACKENDS[backend].partition(":")
+    cls = getattr(importlib.import_module(module_name), attr)
+    if "path" in kwargs:
+        return cls.from_pretrained(**kwargs)
+    return cls(**kwargs)

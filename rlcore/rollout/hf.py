@@ -1,0 +1,260 @@
+"""Rollout with a plain transformers model and our own KV-cache decoding loop (CPU or GPU).
+
+Why not `model.generate`: we need the log-prob of every sampled token under exactly the
+distribution it was drawn from (see `rlcore.rollout.sampling`), and full control over batching.
+The loop is: one prefill forward over the left-padded prompts (position ids counted from the
+first real token, padding masked), the KV cache repeated `n` times, then one token per step for
+all prompts x n at once. Rows that emitted an EOS stop: they get pad tokens and mask 0, and are
+dropped from the cache once enough of them piled up, so long stragglers do not pay for
+finished rows. The loop stops as soon as every row is finished.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Any
+
+import numpy as np
+import torch
+from transformers import AutoModelForCausalLM, PreTrainedModel
+
+from rlcore.protocol import Batch
+from rlcore.rollout.base import SamplingParams
+from rlcore.rollout.kv_cache import make_decode_cache
+from rlcore.rollout.sampling import choose_tokens
+
+# Drop finished rows from the KV cache once they are at least this fraction of the rows still
+# being decoded: compacting copies the cache, so doing it on every single finish costs more than
+# it saves on small batches.
+_COMPACT_FRACTION = 0.25
+
+_PROMPT_KEYS = ("input_ids", "attention_mask", "position_ids")
+
+
+class HFRolloutEngine:
+    """`RolloutEngine` over a transformers causal LM. See the module docstring for the loop."""
+
+    def __init__(
+        self,
+        model: PreTrainedModel,
+        pad_token_id: int,
+        eos_token_ids: list[int],
+        device: str | torch.device = "cpu",
+    ) -> None:
+        self.device = torch.device(device)
+        self.model = model.to(self.device).eval()
+        self.pad_token_id = int(pad_token_id)
+        self.eos_token_ids = [int(t) for t in eos_token_ids]
+        self._eos = torch.tensor(self.eos_token_ids, dtype=torch.long, device=self.device)
+        self._asleep = False
+
+    @classmethod
+    def from_pretrained(
+        cls,
+        path: str,
+        dtype: str | torch.dtype = "float32",
+        device: str | torch.device = "cpu",
+        pad_token_id: int | None = None,
+        eos_token_ids: list[int] | None = None,
+        **model_kwargs: Any,
+    ) -> HFRolloutEngine:
+        """Load a local HF checkpoint; EOS and pad ids come from its generation config / config.
+
+        Without a pad id anywhere, the first EOS id is used as pad (pad positions are masked,
+        so the id only has to be a valid token).
+        """
+        torch_dtype = getattr(torch, dtype) if isinstance(dtype, str) else dtype
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=torch_dtype, **model_kwargs)
+        gen_cfg = getattr(model, "generation_config", None)
+        if eos_token_ids is None:
+            eos = getattr(gen_cfg, "eos_token_id", None)
+            if eos is None:
+                eos = model.config.eos_token_id
+            eos_token_ids = [] if eos is None else ([eos] if isinstance(eos, int) else list(eos))
+        if pad_token_id is None:
+            pad_token_id = getattr(gen_cfg, "pad_token_id", None)
+            if pad_token_id is None:
+                pad_token_id = getattr(model.config, "pad_token_id", None)
+            if pad_token_id is None:
+                if not eos_token_ids:
+                    raise ValueError(f"{path}: config has neither pad_token_id nor eos_token_id; pass pad_token_id")
+                pad_token_id = eos_token_ids[0]
+        return cls(model, pad_token_id=pad_token_id, eos_token_ids=eos_token_ids, device=device)
+
+    # ------------------------------------------------------------------ generation
+
+    @torch.inference_mode()
+    def generate(self, batch: Batch, params: SamplingParams) -> Batch:
+        """Sample `params.n` responses per prompt; returns the rollout output batch.
+
+        `rollout_log_probs` are log_softmax(logits / temperature) at the chosen tokens, before
+        top-k/top-p filtering (temperature 1 for greedy); `info["temperature"]` records the
+        temperature the actor should recompute log-probs at.
+        """
+        if self._asleep:
+            raise RuntimeError("HFRolloutEngine.generate called while asleep; call wake() first")
+        prompt_ids = batch.tensors["input_ids"]
+        prompt_mask = batch.tensors["attention_mask"]
+        _check_left_padded(prompt_mask)
+        out_device = prompt_ids.device
+        n = params.n
+
+        responses, response_mask, log_probs = self._decode(
+            prompt_ids.to(self.device), prompt_mask.to(self.device), params
+        )
+        responses = responses.to(out_device)
+        response_mask = response_mask.to(out_device)
+        log_probs = log_probs.to(out_device)
+
+        tensors = {k: v.repeat_interleave(n, dim=0) for k, v in batch.tensors.items() if k not in _PROMPT_KEYS}
+        prompts = prompt_ids.repeat_interleave(n, dim=0)
+        attention_mask = torch.cat(
+            [prompt_mask.repeat_interleave(n, dim=0), response_mask.to(prompt_mask.dtype)], dim=1
+        )
+        tensors.update(
+            prompts=prompts,
+            responses=responses,
+            response_mask=response_mask,
+            input_ids=torch.cat([prompts, responses], dim=1),
+            attention_mask=attention_mask,
+            position_ids=(attention_mask.long().cumsum(dim=1) - 1).clamp(min=0),
+            rollout_log_probs=log_probs,
+        )
+        meta = {k: np.repeat(v, n, axis=0) for k, v in batch.meta.items()}
+        info = {**batch.info, "temperature": params.logprob_temperature}
+        return Batch(tensors=tensors, meta=meta, info=info)
+
+    def _decode(
+        self, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, params: SamplingParams
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The decoding loop. Returns (responses [N,R] long, mask [N,R] float, log-probs [N,R] float32)."""
+        n, max_new = params.n, params.max_new_tokens
+        num_rows = prompt_ids.shape[0] * n
+        dev = self.device
+        generator = None
+        if params.seed is not None and params.do_sample:
+            generator = torch.Generator(device=dev).manual_seed(params.seed)
+
+        # Prefill the distinct prompts once, then repeat the cache for the n samples.
+        mask = prompt_mask.long()
+        positions = (mask.cumsum(dim=1) - 1).clamp(min=0)
+        cache = make_decode_cache(self.model.config, capacity=prompt_ids.shape[1] + max_new)
+        out = self.model(
+            input_ids=prompt_ids,
+            attention_mask=mask,
+            position_ids=positions,
+            past_key_values=cache,
+            use_cache=True,
+            logits_to_keep=1,
+        )
+        logits = out.logits[:, -1, :]
+        next_pos = positions[:, -1] + 1
+        if n > 1:
+            cache.batch_repeat_interleave(n)
+            logits = logits.repeat_interleave(n, dim=0)
+            next_pos = next_pos.repeat_interleave(n, dim=0)
+            mask = mask.repeat_interleave(n, dim=0)
+
+        tokens = torch.full((num_rows, max_new), self.pad_token_id, dtype=torch.long, device=dev)
+        log_probs = torch.zeros(num_rows, max_new, dtype=torch.float32, device=dev)
+        lengths = torch.zeros(num_rows, dtype=torch.long, device=dev)
+        # Rows still in the cache (indices into the N outputs) and which of them have finished.
+        rows = torch.arange(num_rows, device=dev)
+        done = torch.zeros(num_rows, dtype=torch.bool, device=dev)
+        # Attention mask of the rows in the cache: prompt, then one 1 per generated token.
+        attn = torch.cat([mask, mask.new_ones(num_rows, max_new)], dim=1)
+        prompt_len = prompt_ids.shape[1]
+
+        for step in range(max_new):
+            tok, lp = choose_tokens(logits, params, generator)
+            live = ~done
+            live_rows = rows[live]
+            tokens[live_rows, step] = tok[live]
+            log_probs[live_rows, step] = lp[live]
+            lengths[live_rows] = step + 1
+            done = done | torch.isin(tok, self._eos)
+            num_done = int(done.sum())
+            if num_done == rows.shape[0] or step == max_new - 1:
+                break
+            if num_done >= max(1, int(_COMPACT_FRACTION * rows.shape[0])):
+                keep = (~done).nonzero().squeeze(-1)
+                cache.batch_select_indices(keep)
+                rows, tok, next_pos, attn = rows[keep], tok[keep], next_pos[keep], attn[keep]
+                done = done[keep]
+            out = self.model(
+                input_ids=tok.unsqueeze(-1),
+                attention_mask=attn[:, : prompt_len + step + 1],
+                position_ids=next_pos.unsqueeze(-1),
+                past_key_values=cache,
+                use_cache=True,
+            )
+            logits = out.logits[:, -1, :]
+            next_pos = next_pos + 1
+
+        resp_len = max(1, int(lengths.max()))
+        response_mask = (torch.arange(resp_len, device=dev) < lengths.unsqueeze(-1)).float()
+        return tokens[:, :resp_len], response_mask, log_probs[:, :resp_len]
+
+    # ------------------------------------------------------------------ weights and memory
+
+    def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Copy named tensors into the model in place (any dtype/device; cast on copy).
+
+        Tied embeddings: the model's state dict lists both `lm_head.weight` and
+        `model.embed_tokens.weight` for the one shared tensor, so either name updates it.
+        """
+        targets = self._named_targets()
+        with torch.no_grad():
+            for name, tensor in named_tensors:
+                dst = targets.get(name)
+                if dst is None:
+                    raise ValueError(
+                        f"update_weights: unknown parameter {name!r} "
+                        f"(not in {type(self.model).__name__}'s state dict)"
+                    )
+                if tuple(dst.shape) != tuple(tensor.shape):
+                    raise ValueError(
+                        f"update_weights: shape mismatch for {name!r}: got {tuple(tensor.shape)}, "
+                        f"model has {tuple(dst.shape)}"
+                    )
+                dst.copy_(tensor)
+
+    def _named_targets(self) -> dict[str, torch.Tensor]:
+        """Every name a weight may arrive under, including both names of a tied tensor.
+
+        torch's state dict does not deduplicate, so a tied model lists the shared embedding under
+        both names; the explicit alias covers models whose state dict omits the head.
+        """
+        targets: dict[str, torch.Tensor] = dict(self.model.state_dict(keep_vars=True))
+        out_emb, in_emb = self.model.get_output_embeddings(), self.model.get_input_embeddings()
+        if out_emb is not None and in_emb is not None and out_emb.weight is in_emb.weight:
+            targets.setdefault("lm_head.weight", in_emb.weight)
+        return targets
+
+    def sleep(self) -> None:
+        """Move the weights to CPU and free the accelerator cache (no-op on a CPU engine)."""
+        if self.device.type == "cpu" or self._asleep:
+            return
+        self.model.to("cpu")
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()
+        self._asleep = True
+
+    def wake(self) -> None:
+        """Move the weights back onto the engine's device (no-op on a CPU engine)."""
+        if not self._asleep:
+            return
+        self.model.to(self.device)
+        self._asleep = False
+
+
+def _check_left_padded(mask: torch.Tensor) -> None:
+    """Reject right-padded prompts: decoding appends after the last column, so it must be real."""
+    if mask.ndim != 2:
+        raise ValueError(f"attention_mask must be [batch, prompt_len], got shape {tuple(mask.shape)}")
+    bad = (mask[:, -1] == 0).nonzero().flatten()
+    if bad.numel():
+        raise ValueError(
+            f"input_ids must be LEFT-padded (last column real for every row); rows {bad[:8].tolist()} "
+            "end in padding (or are empty)"
+        )

@@ -1,0 +1,314 @@
+"""What every RL control flow shares: worker groups, the step loop, validation, checkpoints.
+
+The algorithm itself lives in a subclass's `train_step` (grpo.py, ppo.py): a readable sequence
+of worker-group calls. This module only runs steps, validates, saves, resumes and logs.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any, Iterator
+
+import numpy as np
+import torch
+
+from rlcore.algos import FixedKLController, kl_penalty, make_kl_controller, masked_mean
+from rlcore.checkpoint import (
+    CheckpointManager,
+    load_trainer_state,
+    rng_state,
+    save_trainer_state,
+    set_rng_state,
+    step_of,
+)
+from rlcore.config import Config, dump_config
+from rlcore.data import PromptLoader, RLDataset
+from rlcore.protocol import Batch
+from rlcore.tracking import ConsoleSink, JsonlSink, Tracker, truncate_jsonl
+from rlcore.trainer.roles import WorkerGroups, build_worker_groups
+from rlcore.workers.tokenizer import load_tokenizer
+
+log = logging.getLogger(__name__)
+
+
+class TrainingStopped(RuntimeError):
+    """The run stopped on purpose (e.g. too many non-finite updates in a row); work so far is saved."""
+
+
+class Timer:
+    def __init__(self) -> None:
+        self.seconds: dict[str, float] = {}
+
+    @contextmanager
+    def phase(self, name: str) -> Iterator[None]:
+        start = time.perf_counter()
+        yield
+        self.seconds[name] = self.seconds.get(name, 0.0) + time.perf_counter() - start
+
+
+def sampling_seed(seed: int, step: int) -> int:
+    """A per-step seed that a resumed run reproduces without saving generator state."""
+    return (seed * 1_000_003 + step * 7919) % (2**31 - 1)
+
+
+class RLTrainer:
+    """Runs `train_step` for `trainer.total_steps` steps with validation, checkpoints and resume."""
+
+    algorithm = "base"
+
+    def __init__(self, config: Config, groups: WorkerGroups | None = None) -> None:
+        self.config = config
+        self.run_dir = Path(config.trainer.output_dir)
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        (self.run_dir / "config.yaml").write_text(dump_config(config))
+        torch.manual_seed(config.trainer.seed)
+        np.random.seed(config.trainer.seed)
+        self.tokenizer = load_tokenizer(config.model.path)
+        self.train_loader = self._make_loader(config.data.train_files, config.data.train_batch_size, shuffle=config.data.shuffle, drop_last=True)
+        self.val_loader = (
+            self._make_loader(config.data.val_files, config.data.val_batch_size, shuffle=False, drop_last=False)
+            if config.data.val_files
+            else None
+        )
+        self.groups = groups or build_worker_groups(config)
+        self.kl_ctrl = make_kl_controller(
+            config.algorithm.kl_ctrl.type,
+            kl_coef=config.algorithm.kl_ctrl.kl_coef,
+            target_kl=config.algorithm.kl_ctrl.target_kl,
+            horizon=config.algorithm.kl_ctrl.horizon,
+        )
+        self.checkpoints = CheckpointManager(self.run_dir / "checkpoints", keep_last=config.trainer.keep_last)
+        self.metrics_path = self.run_dir / "metrics.jsonl"
+        self.step = 0
+        self.bad_steps_in_a_row = 0
+        self.bad_steps_total = 0
+        self.history: list[dict[str, Any]] = []
+
+    # ------------------------------------------------------------------ setup
+    def _make_loader(self, files: list[str], batch_size: int, shuffle: bool, drop_last: bool) -> PromptLoader:
+        cfg = self.config.data
+        dataset = RLDataset(
+            files,
+            self.tokenizer,
+            max_prompt_length=cfg.max_prompt_length,
+            apply_chat_template=cfg.apply_chat_template,
+            on_bad_row=cfg.on_bad_row,
+        )
+        return PromptLoader(dataset, batch_size=batch_size, seed=self.config.trainer.seed, shuffle=shuffle, drop_last=drop_last)
+
+    def _open_tracker(self) -> Tracker:
+        sinks = []
+        if "jsonl" in self.config.trainer.loggers:
+            sinks.append(JsonlSink(self.metrics_path))
+        if "console" in self.config.trainer.loggers:
+            sinks.append(ConsoleSink(self.config.trainer.total_steps))
+        return Tracker(sinks)
+
+    # ------------------------------------------------------------------ resume / save
+    def _resume_point(self) -> Path | None:
+        mode = self.config.trainer.resume
+        if mode == "disable":
+            return None
+        if mode == "auto":
+            return self.checkpoints.latest()
+        path = Path(mode)
+        self.checkpoints.verify(path)
+        return path
+
+    def resume(self) -> None:
+        path = self._resume_point()
+        if path is None:
+            truncate_jsonl(self.metrics_path, 0)
+            return
+        state = load_trainer_state(path)
+        self.groups.load_checkpoint(str(path))
+        self.train_loader.load_state_dict(state["train_loader"])
+        self.kl_ctrl.load_state_dict(state["kl_ctrl"])
+        self.bad_steps_in_a_row = state["bad_steps_in_a_row"]
+        self.bad_steps_total = state["bad_steps_total"]
+        self.step = step_of(path)
+        set_rng_state(state["rng"])
+        truncate_jsonl(self.metrics_path, self.step)
+        log.info("resumed from %s (step %d)", path, self.step)
+
+    def save_checkpoint(self) -> Path:
+        def write(folder: Path) -> None:
+            self.groups.save_checkpoint(str(folder), tokenizer_dir=self.config.model.path)
+            save_trainer_state(
+                folder,
+                {
+                    "step": self.step,
+                    "train_loader": self.train_loader.state_dict(),
+                    "kl_ctrl": self.kl_ctrl.state_dict(),
+                    "bad_steps_in_a_row": self.bad_steps_in_a_row,
+                    "bad_steps_total": self.bad_steps_total,
+                    "rng": rng_state(),
+                },
+            )
+
+        return self.checkpoints.save(self.step, write, extra={"algorithm": self.algorithm})
+
+    # ------------------------------------------------------------------ the loop
+    def fit(self) -> list[dict[str, Any]]:
+        cfg = self.config.trainer
+        self.resume()
+        tracker = self._open_tracker()
+        try:
+            if self.step == 0 and cfg.val_before_train and self.val_loader is not None:
+                tracker.log(0, self.validate())
+            while self.step < cfg.total_steps:
+                self.step += 1
+                start = time.perf_counter()
+                batch = self.train_loader.next_batch()
+                metrics = self.train_step(batch)
+                metrics["time/step_s"] = time.perf_counter() - start
+                self._check_health(metrics)
+                last = self.step == cfg.total_steps
+                if self.val_loader is not None and (self.step % cfg.val_every == 0 or last):
+                    metrics.update(self.validate())
+                tracker.log(self.step, metrics)
+                self.history.append(metrics)
+                if self.step % cfg.save_every == 0 or last:
+                    self.save_checkpoint()
+        finally:
+            tracker.close()
+            self.groups.close()
+        return self.history
+
+    def train_step(self, batch: Batch) -> dict[str, Any]:  # pragma: no cover - abstract
+        raise NotImplementedError
+
+    def _check_health(self, metrics: dict[str, Any]) -> None:
+        bad = metrics.get("actor/bad_updates", 0.0) > 0 or not math.isfinite(metrics.get("actor/pg_loss", 0.0))
+        if bad:
+            self.bad_steps_in_a_row += 1
+            self.bad_steps_total += 1
+        else:
+            self.bad_steps_in_a_row = 0
+        metrics["train/bad_steps_total"] = float(self.bad_steps_total)
+        limit = self.config.actor.max_consecutive_bad_steps
+        if self.bad_steps_in_a_row >= limit:
+            raise TrainingStopped(
+                f"{self.bad_steps_in_a_row} steps in a row had a non-finite loss or gradient (limit "
+                f"actor.max_consecutive_bad_steps={limit}); the last good checkpoint is kept in {self.checkpoints.root}"
+            )
+
+    # ------------------------------------------------------------------ shared step pieces
+    def sampling(self, *, validation: bool = False) -> dict[str, Any]:
+        r = self.config.rollout
+        if validation:
+            return dict(
+                n=r.val_n,
+                temperature=r.val_temperature,
+                do_sample=not r.val_greedy,
+                top_p=r.top_p,
+                top_k=r.top_k,
+                max_new_tokens=r.max_new_tokens,
+                seed=sampling_seed(self.config.trainer.seed + 1, self.step),
+            )
+        return dict(
+            n=r.n,
+            temperature=r.temperature,
+            top_p=r.top_p,
+            top_k=r.top_k,
+            max_new_tokens=r.max_new_tokens,
+            seed=sampling_seed(self.config.trainer.seed, self.step),
+        )
+
+    def generate_and_score(self, batch: Batch, timer: Timer, *, validation: bool = False) -> tuple[Batch, dict[str, float]]:
+        batch.info["sampling"] = self.sampling(validation=validation)
+        with timer.phase("generate"):
+            gen = self.groups.rollout.generate_sequences(batch)
+        with timer.phase("reward"):
+            scored = self.groups.reward.compute_reward(gen)
+        metrics = dict(scored.info.pop("reward_metrics", {}))
+        first_error = scored.info.pop("reward_first_error", None)
+        if first_error:
+            log.warning("reward function error (counted, score=%s): %s", self.config.reward.error_score, first_error)
+        return gen.union(scored), metrics
+
+    def old_and_ref_log_probs(self, gen: Batch, timer: Timer) -> Batch:
+        with timer.phase("old_log_prob"):
+            gen = gen.union(self.groups.actor.compute_log_prob(gen))
+        if self.groups.ref is not None:
+            with timer.phase("ref_log_prob"):
+                gen = gen.union(self.groups.ref.compute_ref_log_prob(gen))
+        return gen
+
+    def rewards_with_kl(self, gen: Batch) -> tuple[torch.Tensor, dict[str, float]]:
+        """Token-level rewards: the scores, minus a KL penalty when it is in the reward."""
+        scores = gen["token_level_scores"]
+        if not self.config.algorithm.use_kl_in_reward:
+            return scores, {}
+        mask = gen["response_mask"].float()
+        kl = kl_penalty(gen["old_log_probs"], gen["ref_log_probs"], self.config.algorithm.kl_penalty) * mask
+        beta = self.kl_ctrl.value
+        current_kl = float(masked_mean(kl, mask, dim=-1).mean())
+        self.kl_ctrl.update(current_kl, n_steps=len(gen))
+        return scores - beta * kl, {"critic/kl_in_reward": current_kl, "critic/kl_coef": beta}
+
+    def sync_weights(self, timer: Timer) -> None:
+        with timer.phase("weight_sync"):
+            self.groups.rollout.update_weights(self.groups.actor.weights_for_rollout())
+
+    def batch_metrics(self, gen: Batch, timer: Timer) -> dict[str, float]:
+        mask = gen["response_mask"].float()
+        lengths = mask.sum(-1)
+        scores = gen["scores"]
+        m: dict[str, float] = {
+            "reward/mean": float(scores.mean()),
+            "reward/std": float(scores.std()) if len(scores) > 1 else 0.0,
+            "acc/mean": float(gen["acc"].mean()),
+            "response_length/mean": float(lengths.mean()),
+            "response_length/max": float(lengths.max()),
+            "response_length/clip_frac": float((lengths >= self.config.rollout.max_new_tokens).float().mean()),
+        }
+        if "advantages" in gen:
+            adv = gen["advantages"]
+            m["advantages/mean"] = float(masked_mean(adv, mask))
+            m["advantages/max"] = float(adv[mask.bool()].max()) if mask.any() else 0.0
+            m["advantages/min"] = float(adv[mask.bool()].min()) if mask.any() else 0.0
+        if "entropy" in gen:
+            m["actor/entropy"] = float(masked_mean(gen["entropy"], mask))
+        if "ref_log_probs" in gen:
+            m["actor/kl"] = float(masked_mean(kl_penalty(gen["old_log_probs"], gen["ref_log_probs"], "k3"), mask))
+        if "rollout_log_probs" in gen and "old_log_probs" in gen:
+            diff = (gen["rollout_log_probs"] - gen["old_log_probs"]).abs()[mask.bool()]
+            m["rollout/logprob_diff_mean"] = float(diff.mean()) if diff.numel() else 0.0
+            m["rollout/logprob_diff_max"] = float(diff.max()) if diff.numel() else 0.0
+        n_tokens = float(mask.sum())
+        for name, secs in timer.seconds.items():
+            m[f"time/{name}_s"] = secs
+        if timer.seconds.get("generate"):
+            m["throughput/generate_tok_s"] = n_tokens / timer.seconds["generate"]
+        if timer.seconds.get("update_actor"):
+            total_tokens = float(gen["attention_mask"].sum())
+            m["throughput/update_tok_s"] = total_tokens * self.config.actor.ppo_epochs / timer.seconds["update_actor"]
+        return m
+
+    # ------------------------------------------------------------------ validation
+    def validate(self) -> dict[str, float]:
+        assert self.val_loader is not None
+        timer = Timer()
+        scores, accs, uids = [], [], []
+        for batch in self.val_loader.epoch_batches():
+            gen, _ = self.generate_and_score(batch, timer, validation=True)
+            scores.append(gen["scores"])
+            accs.append(gen["acc"])
+            uids.extend(gen.meta["uid"].tolist())
+        score = torch.cat(scores)
+        acc = torch.cat(accs)
+        out = {"val/reward": float(score.mean()), "val/acc": float(acc.mean()), "time/validate_s": timer.seconds.get("generate", 0.0) + timer.seconds.get("reward", 0.0)}
+        if self.config.rollout.val_n > 1:
+            by_uid: dict[str, float] = {}
+            for uid, a in zip(uids, acc.tolist()):
+                by_uid[uid] = max(by_uid.get(uid, 0.0), a)
+            out[f"val/pass@{self.config.rollout.val_n}"] = sum(by_uid.values()) / len(by_uid)
+        return out
+
+
+__all__ = ["RLTrainer", "Timer", "TrainingStopped", "FixedKLController", "sampling_seed"]

@@ -1,0 +1,58 @@
+"""Reward worker: decode responses, score them in parallel under timeouts, place token rewards."""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from rlcore.config import Config
+from rlcore.controller import Dispatch, Worker, register
+from rlcore.protocol import Batch
+from rlcore.rewards import RewardScorer, ScoreItem, scores_to_token_rewards
+from rlcore.workers.tokenizer import load_tokenizer
+
+
+class RewardWorker(Worker):
+    def __init__(self, config: Config, rank: int = 0, world_size: int = 1) -> None:
+        super().__init__(rank=rank, world_size=world_size, role="reward")
+        self.config = config
+
+    def setup(self) -> None:
+        cfg = self.config.reward
+        self.tokenizer = load_tokenizer(self.config.model.path)
+        self.scorer = RewardScorer(cfg.function, num_workers=cfg.num_workers, timeout_s=cfg.timeout_s, error_score=cfg.error_score)
+
+    def decode_responses(self, batch: Batch) -> list[str]:
+        responses = batch["responses"]
+        lengths = batch["response_mask"].sum(-1).long().tolist()
+        return [self.tokenizer.decode(row[:n].tolist(), skip_special_tokens=True) for row, n in zip(responses, lengths)]
+
+    @register(dispatch=Dispatch.RANK_ZERO)
+    def compute_reward(self, batch: Batch) -> Batch:
+        texts = self.decode_responses(batch)
+        extra_info = batch.meta.get("extra_info", np.array([None] * len(batch), dtype=object))
+        items = [
+            ScoreItem(data_source=str(ds), solution_str=text, ground_truth=str(gt), extra_info=ei if isinstance(ei, dict) else None)
+            for ds, text, gt, ei in zip(batch.meta["data_source"], texts, batch.meta["ground_truth"], extra_info)
+        ]
+        result = self.scorer.score(items)
+        scores = torch.as_tensor(result.scores, dtype=torch.float32)
+        acc = torch.as_tensor(result.extra["acc"], dtype=torch.float32) if "acc" in result.extra else (scores >= 1.0).float()
+        out = Batch(
+            tensors={
+                "token_level_scores": scores_to_token_rewards(scores, batch["response_mask"]),
+                "scores": scores,
+                "acc": acc,
+            },
+            meta={"response_text": np.array(texts, dtype=object)},
+        )
+        out.info["reward_metrics"] = {
+            "reward/errors": float(result.n_errors),
+            "reward/timeouts": float(result.n_timeouts),
+        }
+        if result.first_error:
+            out.info["reward_first_error"] = result.first_error
+        return out
+
+    def shutdown(self) -> None:
+        self.scorer.close()

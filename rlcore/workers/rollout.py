@@ -1,0 +1,60 @@
+"""Rollout worker: wraps a `RolloutEngine` (hf now; vllm later) behind the worker interface."""
+
+from __future__ import annotations
+
+from typing import Iterable
+
+import torch
+
+from rlcore.config import Config
+from rlcore.controller import Dispatch, Worker, register
+from rlcore.protocol import Batch
+from rlcore.rollout import SamplingParams, make_rollout_engine
+from rlcore.workers.modeling import resolve_device
+from rlcore.workers.tokenizer import load_tokenizer
+
+
+class RolloutWorker(Worker):
+    def __init__(self, config: Config, rank: int = 0, world_size: int = 1) -> None:
+        super().__init__(rank=rank, world_size=world_size, role="rollout")
+        self.config = config
+        self.device = resolve_device(config.trainer.device)
+
+    def setup(self, model_path: str | None = None) -> None:
+        cfg = self.config
+        tokenizer = load_tokenizer(cfg.model.path)
+        eos = tokenizer.eos_token_id
+        self.engine = make_rollout_engine(
+            cfg.rollout.backend,
+            path=model_path or cfg.model.path,
+            dtype=cfg.model.dtype,
+            device=str(self.device),
+            pad_token_id=tokenizer.pad_token_id if tokenizer.pad_token_id is not None else eos,
+            eos_token_ids=[eos],
+        )
+
+    @register(dispatch=Dispatch.ONE_TO_ALL)
+    def load_model(self, model_path: str) -> None:
+        """Restart the engine on another model folder (resume from a checkpoint)."""
+        self.setup(model_path=model_path)
+
+    @register(dispatch=Dispatch.DP_COMPUTE)
+    def generate_sequences(self, batch: Batch) -> Batch:
+        params = SamplingParams(**batch.info["sampling"])
+        out = self.engine.generate(batch, params)
+        out.info.update(batch.info)
+        out.info["temperature"] = params.temperature
+        out.info["n"] = params.n
+        return out
+
+    @register(dispatch=Dispatch.ONE_TO_ALL)
+    def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
+        self.engine.update_weights(named_tensors)
+
+    @register(dispatch=Dispatch.ONE_TO_ALL)
+    def sleep(self) -> None:
+        self.engine.sleep()
+
+    @register(dispatch=Dispatch.ONE_TO_ALL)
+    def wake(self) -> None:
+        self.engine.wake()

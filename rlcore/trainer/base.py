@@ -11,12 +11,12 @@ import math
 import time
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator, Sequence
 
 import numpy as np
 import torch
 
-from rlcore.algos import FixedKLController, kl_penalty, make_kl_controller, masked_mean
+from rlcore.algos import kl_penalty, make_kl_controller, masked_mean
 from rlcore.checkpoint import (
     CheckpointManager,
     load_trainer_state,
@@ -60,8 +60,16 @@ class RLTrainer:
 
     algorithm = "base"
 
-    def __init__(self, config: Config, groups: WorkerGroups | None = None) -> None:
+    def __init__(
+        self,
+        config: Config,
+        groups: WorkerGroups | None = None,
+        step_hooks: Sequence[Callable[[int, dict[str, Any]], None]] = (),
+    ) -> None:
+        """`step_hooks` see every step's metrics before they are logged and saved; a hook that
+        raises `TrainingStopped` ends the run without checkpointing that step (health guards)."""
         self.config = config
+        self.step_hooks = list(step_hooks)
         self.run_dir = Path(config.trainer.output_dir)
         self.run_dir.mkdir(parents=True, exist_ok=True)
         (self.run_dir / "config.yaml").write_text(dump_config(config))
@@ -170,7 +178,11 @@ class RLTrainer:
                 last = self.step == cfg.total_steps
                 if self.val_loader is not None and (self.step % cfg.val_every == 0 or last):
                     metrics.update(self.validate())
-                tracker.log(self.step, metrics)
+                try:
+                    for hook in self.step_hooks:
+                        hook(self.step, metrics)
+                finally:
+                    tracker.log(self.step, metrics)
                 self.history.append(metrics)
                 if self.step % cfg.save_every == 0 or last:
                     self.save_checkpoint()
@@ -311,4 +323,4 @@ class RLTrainer:
         return out
 
 
-__all__ = ["RLTrainer", "Timer", "TrainingStopped", "FixedKLController", "sampling_seed"]
+__all__ = ["RLTrainer", "Timer", "TrainingStopped", "sampling_seed"]

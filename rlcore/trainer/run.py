@@ -7,15 +7,16 @@ from typing import Any
 from rlcore.config import Config
 
 
-def make_trainer(config: Config):
+def make_trainer(config: Config, **kwargs: Any):
+    """kwargs go to the trainer (e.g. `step_hooks`)."""
     if config.algorithm.name == "ppo":
         from rlcore.trainer.ppo import PPOTrainer
 
-        return PPOTrainer(config)
+        return PPOTrainer(config, **kwargs)
     from rlcore.trainer.grpo import GRPOTrainer
 
-    return GRPOTrainer(config)
+    return GRPOTrainer(config, **kwargs)
 
 
-def run_training(config: Config) -> list[dict[str, Any]]:
-    return make_trainer(config).fit()
+def run_training(config: Config, **kwargs: Any) -> list[dict[str, Any]]:
+    return make_trainer(config, **kwargs).fit()

@@ -84,6 +84,8 @@ fn tokens_f32<'py>(obj: &Bound<'py, PyAny>, name: &str) -> PyResult<Bound<'py, P
     Ok(arr)
 }
 
+type AdvantagesAndReturns<'py> = (Bound<'py, PyArray2<f32>>, Bound<'py, PyArray2<f32>>);
+
 /// Masked GAE (verl's recurrence); see rlcore/_native.pyi.
 #[pyfunction]
 #[pyo3(name = "gae", signature = (rewards, values, mask, gamma, lam))]
@@ -94,7 +96,7 @@ fn py_gae<'py>(
     mask: &Bound<'py, PyAny>,
     gamma: f64,
     lam: f64,
-) -> PyResult<(Bound<'py, PyArray2<f32>>, Bound<'py, PyArray2<f32>>)> {
+) -> PyResult<AdvantagesAndReturns<'py>> {
     let params = gae::GaeParams::new(finite_scalar(gamma, "gamma")?, finite_scalar(lam, "lam")?);
     let r_arr = tokens_f32(rewards, "rewards")?;
     let shape = r_arr.shape().to_vec();

@@ -1,0 +1,41 @@
+"""Turning a dataset prompt (chat messages or a plain string) into the text the model sees.
+
+One function shared by the RL dataset, the SFT trainer and evaluation, so a model is trained and
+scored on exactly the prompt rendering it will be sampled with.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+
+def has_chat_template(tokenizer: Any) -> bool:
+    return bool(getattr(tokenizer, "chat_template", None))
+
+
+def render_prompt(prompt: str | list[dict[str, str]], tokenizer: Any, apply_chat_template: bool = True) -> str:
+    """Render `prompt` as text ready for generation.
+
+    Messages go through the tokenizer's chat template with the generation prompt appended when
+    the tokenizer has one and `apply_chat_template` is on; otherwise the message contents are
+    joined with newlines. A plain string is returned as is.
+    """
+    if isinstance(prompt, str):
+        return prompt
+    messages = [{"role": str(m["role"]), "content": str(m["content"])} for m in prompt]
+    if apply_chat_template and has_chat_template(tokenizer):
+        return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    return "\n".join(m["content"] for m in messages)
+
+
+def encode_prompt(text: str, tokenizer: Any, templated: bool) -> list[int]:
+    """Token ids of a rendered prompt. A chat template already wrote the special tokens it wants
+    (BOS included), so the tokenizer must not add them a second time."""
+    return list(tokenizer(text, add_special_tokens=not templated)["input_ids"])
+
+
+def prompt_ids(prompt: str | list[dict[str, str]], tokenizer: Any, apply_chat_template: bool = True) -> tuple[str, list[int]]:
+    """(rendered text, token ids) for one prompt."""
+    text = render_prompt(prompt, tokenizer, apply_chat_template)
+    templated = not isinstance(prompt, str) and apply_chat_template and has_chat_template(tokenizer)
+    return text, encode_prompt(text, tokenizer, templated)

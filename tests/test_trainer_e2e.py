@@ -49,9 +49,15 @@ def _steady(record: dict) -> dict:
 
 
 def test_grpo_two_steps_writes_loadable_checkpoint(tiny_example, tmp_path):
-    cfg = _config(tiny_example, tmp_path / "run", extra=("trainer.total_steps=2", "trainer.save_every=1"))
+    cfg = _config(
+        tiny_example,
+        tmp_path / "run",
+        extra=("trainer.total_steps=2", "trainer.save_every=1", "actor.use_kl_loss=true", "actor.kl_loss_coef=0.1"),
+    )
     history = make_trainer(cfg).fit()
     assert len(history) == 2
+    assert history[0]["actor/kl"] == pytest.approx(0.0, abs=1e-6)  # reference == policy at step 1
+    assert history[1]["actor/kl"] > 0
     for m in history:
         assert math.isfinite(m["actor/pg_loss"]) and m["actor/grad_norm"] > 0
         assert 0.0 <= m["acc/mean"] <= 1.0
@@ -71,10 +77,18 @@ def test_grpo_two_steps_writes_loadable_checkpoint(tiny_example, tmp_path):
     assert any(not torch.equal(start[k], saved[k]) for k in saved)
 
 
-def test_ppo_two_steps_trains_critic(tiny_example, tmp_path):
-    cfg = _config(tiny_example, tmp_path / "run", "ppo", extra=("trainer.total_steps=2", "trainer.save_every=2"))
+def test_ppo_two_steps_trains_critic_with_kl_in_reward(tiny_example, tmp_path):
+    cfg = _config(
+        tiny_example,
+        tmp_path / "run",
+        "ppo",
+        extra=("trainer.total_steps=2", "trainer.save_every=2", "algorithm.use_kl_in_reward=true", "algorithm.kl_ctrl.kl_coef=0.01"),
+    )
     history = make_trainer(cfg).fit()
     assert all(math.isfinite(m["critic/vf_loss"]) for m in history)
+    # step 1: policy == reference, so the KL penalty is exactly zero; step 2 has moved
+    assert history[0]["critic/kl_in_reward"] == pytest.approx(0.0, abs=1e-6)
+    assert history[1]["critic/kl_in_reward"] != 0  # k1 is a signed estimate
     ckpt = CheckpointManager(tmp_path / "run" / "checkpoints").latest()
     assert (ckpt / "critic" / "config.json").is_file() and (ckpt / "critic_optim.pt").is_file()
 
@@ -163,3 +177,5 @@ def test_reward_function_that_raises_is_counted_and_training_goes_on(tiny_exampl
     assert len(history) == 2
     errors = sum(m["reward/errors"] for m in history)
     assert errors > 0
+    assert any("no zeros please" in m.get("reward/first_error", "") for m in history)
+    assert any(m["reward/mean"] < 1.0 for m in history)  # the failed items got error_score

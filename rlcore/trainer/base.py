@@ -240,6 +240,7 @@ class RLTrainer:
         metrics = dict(scored.info.pop("reward_metrics", {}))
         first_error = scored.info.pop("reward_first_error", None)
         if first_error:
+            metrics["reward/first_error"] = first_error
             log.warning("reward function error (counted, score=%s): %s", self.config.reward.error_score, first_error)
         return gen.union(scored), metrics
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import os
 import sys
 from pathlib import Path
 
@@ -40,31 +41,113 @@ def tiny_example_overrides(example, output_dir: str) -> list[str]:
     ]
 
 
-def _cmd_pipeline_run(args: argparse.Namespace) -> int:
-    """The main job on the built-in tiny example: build it, train GRPO, report before/after."""
-    from rlcore.example import build_tiny_example
-    from rlcore.trainer.run import run_training
+FLOWS_DIR = Path(__file__).resolve().parents[1] / "flows"
 
-    example = build_tiny_example(seed=args.seed)
-    config_path = CONFIG_DIR / f"tiny_{args.algorithm}.yaml"
-    overrides = tiny_example_overrides(example, args.output_dir) + list(args.overrides)
-    config = load_config(config_path, overrides)
-    history = run_training(config)
-    vals = [h for h in history if "val/acc" in h]
-    from rlcore.tracking import read_jsonl
 
-    records = read_jsonl(Path(config.trainer.output_dir) / "metrics.jsonl")
-    before = next((r["val/acc"] for r in records if r["step"] == 0 and "val/acc" in r), None)
-    after = vals[-1]["val/acc"] if vals else None
-    summary = {
-        "algorithm": args.algorithm,
-        "val_acc_before": before,
-        "val_acc_after": after,
-        "steps": config.trainer.total_steps,
-        "run_dir": str(Path(config.trainer.output_dir).resolve()),
-        "model": str(Path(config.trainer.output_dir).resolve() / "checkpoints"),
+def _quiet_defaults() -> None:
+    """No telemetry (no network here), unless the user set these explicitly."""
+    for key, value in (("PREFECT_SERVER_ANALYTICS_ENABLED", "false"), ("MLFLOW_DISABLE_TELEMETRY", "true"),
+                       ("DO_NOT_TRACK", "true")):
+        os.environ.setdefault(key, value)
+
+
+def load_flow(entrypoint: str = "rl_pipeline.py:rl_pipeline"):
+    """A flow from `flows/` by entrypoint path, exactly as prefect.yaml points at it."""
+    from prefect.flows import load_flow_from_entrypoint
+
+    return load_flow_from_entrypoint(f"{FLOWS_DIR / entrypoint}", use_placeholder_flow=False)
+
+
+def _pipeline_inputs(args: argparse.Namespace) -> dict:
+    """Flow parameters: the given config, or the tiny example with its embedded config."""
+    example = args.config is None
+    config_path = Path(args.config) if args.config else CONFIG_DIR / f"tiny_{args.algorithm}.yaml"
+    return {
+        "config_path": str(config_path.resolve()),
+        "overrides": list(args.overrides),
+        "example": example,
+        "workdir": str(Path(args.output_dir).resolve()),
     }
-    print(json.dumps(summary, indent=1))
+
+
+def format_summary(summary: dict) -> str:
+    def pct(x):
+        return "n/a" if x is None else f"{100 * x:.1f}%"
+
+    lines = [
+        "",
+        f"rlcore pipeline run {summary['pipeline_run']}",
+        f"  data             fingerprint {summary['dataset_fingerprint'][:16]}",
+        f"  trained from     {summary['warm_start'] or 'the base model'} ({summary['steps']} steps)",
+    ]
+    if summary.get("health_stop"):
+        lines.append(f"  health stop      {summary['health_stop']}")
+    lines += [
+        f"  accuracy         before {pct(summary['accuracy_before'])} ({summary['baseline'] or 'n/a'}) -> after {pct(summary['accuracy_after'])}",
+    ]
+    if summary.get("version") is not None:
+        verdict = "yes: now the champion" if summary["champion"] else "no: challenger"
+        lines += [f"  registered       version {summary['version']} ({summary['model_uri']})",
+                  f"  champion         {verdict}",
+                  f"  why              {summary['reason']}"]
+    else:
+        lines.append(f"  registered       nothing ({summary['reason']})")
+    lines += [
+        f"  run directory    {summary['run_dir']}",
+        f"  look at          {summary['mlflow_ui']}",
+        f"                   {summary['prefect_ui']}",
+    ]
+    return "\n".join(lines)
+
+
+def _cmd_pipeline_run(args: argparse.Namespace) -> int:
+    """The main job: the rl_pipeline flow (data_prep -> train -> evaluate -> promote) on the tiny
+    example, with Prefect in ephemeral mode and MLflow in a SQLite file here."""
+    _quiet_defaults()
+    flow = load_flow()
+    summary = flow(**_pipeline_inputs(args), data_path=args.data)
+    print(json.dumps(summary, indent=1, default=str) if args.json else format_summary(summary))
+    return 0
+
+
+def _require_server() -> str | None:
+    from prefect.settings import PREFECT_API_URL
+
+    url = PREFECT_API_URL.value()
+    if not url:
+        print("rlcore: serving needs a Prefect server: run `prefect server start` and set "
+              "PREFECT_API_URL=http://127.0.0.1:4200/api", file=sys.stderr)
+    return url
+
+
+def _cmd_pipeline_serve(args: argparse.Namespace) -> int:
+    """Deploy rl_pipeline with a cron schedule and a data-event trigger; run its flow runs here."""
+    _quiet_defaults()
+    if not _require_server():
+        return 2
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("rlcore_flows_serve", FLOWS_DIR / "deployments" / "serve.py")
+    serve_mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(serve_mod)
+    serve_mod.serve_pipeline(load_flow(), _pipeline_inputs(args), cron=args.cron or None,
+                             watch_dir=args.watch, watch_interval_s=args.watch_interval, limit=args.limit)
+    return 0
+
+
+def _cmd_pipeline_emit(args: argparse.Namespace) -> int:
+    """Announce a data file: the served pipeline's trigger runs the pipeline on it."""
+    _quiet_defaults()
+    if not _require_server():
+        return 2
+    from rlcore.lifecycle.events import emit_data_arrived
+
+    path = Path(args.path)
+    if not path.is_file():
+        print(f"rlcore: no such data file: {path}", file=sys.stderr)
+        return 2
+    event = emit_data_arrived(path)
+    print(event.id if event is not None else "event not sent (events disabled?)")
     return 0
 
 
@@ -88,12 +171,27 @@ def build_parser() -> argparse.ArgumentParser:
 
     pipeline = sub.add_parser("pipeline", help="the end-to-end pipeline")
     pipeline_sub = pipeline.add_subparsers(dest="pipeline_command", required=True)
-    run = pipeline_sub.add_parser("run", help="tiny example end to end: build, train, report accuracy before/after")
-    run.add_argument("--algorithm", choices=["grpo", "ppo"], default="grpo")
-    run.add_argument("--seed", type=int, default=0)
-    run.add_argument("--output-dir", default="runs/tiny-pipeline")
-    run.add_argument("overrides", nargs="*")
+    def common(p: argparse.ArgumentParser) -> None:
+        p.add_argument("--config", default=None, help="a training config (default: the tiny example's embedded one)")
+        p.add_argument("--algorithm", choices=["grpo", "ppo"], default="grpo", help="which tiny-example config")
+        p.add_argument("--output-dir", default="runs/pipeline", help="work directory: prepared data, runs, champion cache")
+        p.add_argument("overrides", nargs="*", help="dotted.key=value config overrides")
+
+    run = pipeline_sub.add_parser("run", help="run rl_pipeline once (ephemeral Prefect, SQLite MLflow here) and print a summary")
+    common(run)
+    run.add_argument("--data", default=None, help="train on this data file instead of the config's")
+    run.add_argument("--json", action="store_true", help="print the summary as JSON")
     run.set_defaults(func=_cmd_pipeline_run)
+    serve = pipeline_sub.add_parser("serve", help="deploy rl_pipeline (cron + data-event trigger) on PREFECT_API_URL and serve it")
+    common(serve)
+    serve.add_argument("--cron", default="0 3 * * *", help="retraining schedule ('' for none)")
+    serve.add_argument("--watch", default=None, help="directory whose new data files trigger a run")
+    serve.add_argument("--watch-interval", type=float, default=5.0)
+    serve.add_argument("--limit", type=int, default=1, help="concurrent flow runs")
+    serve.set_defaults(func=_cmd_pipeline_serve)
+    emit = pipeline_sub.add_parser("emit", help="emit rlcore.data.arrived for a data file (triggers the served pipeline)")
+    emit.add_argument("path")
+    emit.set_defaults(func=_cmd_pipeline_emit)
     return parser
 
 

@@ -68,10 +68,28 @@ class ActorConfig(_Section):
     fused_kernels: bool = False
     max_consecutive_bad_steps: int = Field(3, ge=1, description="NaN/inf loss or grad steps in a row before the run stops")
     tis_cap: float | None = Field(None, gt=0, description="truncated importance sampling cap for rollout/actor mismatch")
+    world_size: int = Field(1, ge=1, description="data-parallel ranks of actor (and reference); FSDP2 when > 1 (Ray backend)")
+    weight_sync_bucket_mb: float = Field(64.0, gt=0, description="weights go to the rollout engine in buckets of this size")
+
+
+class VLLMEngineConfig(_Section):
+    """Engine settings of the `vllm` rollout backend; None picks vLLM's / the backend's default."""
+
+    max_model_len: int | None = Field(None, ge=1, description="default: the model's max_position_embeddings")
+    max_num_batched_tokens: int | None = Field(None, ge=1, description="tokens per engine step (prefill chunk size)")
+    max_num_seqs: int | None = Field(None, ge=1, description="sequences decoded at once")
+    enforce_eager: bool | None = Field(None, description="default: True on CPU, False (CUDA graphs) on GPU")
+    gpu_memory_utilization: float = Field(0.5, gt=0, le=1, description="GPU: fraction of the card for weights + KV cache")
+    kv_cache_gib: float | None = Field(None, gt=0, description="KV cache size; default 1 GiB on CPU, from gpu_memory_utilization on GPU")
+    enable_prefix_caching: bool = True
+    enable_sleep_mode: bool | None = Field(None, description="default: on for GPU (sleep/wake free memory), off on CPU (unsupported)")
+    weight_bucket_mb: float = Field(256.0, gt=0, description="max size of one reload_weights call during a weight sync")
+    extra: dict[str, Any] = Field(default_factory=dict, description="passed verbatim to vllm.LLM(...)")
 
 
 class RolloutConfig(_Section):
-    backend: Literal["hf"] = "hf"
+    backend: Literal["hf", "vllm"] = "hf"
+    world_size: int = Field(1, ge=1, description="rollout ranks (data parallel; Ray backend)")
     n: int = Field(8, ge=1)
     temperature: float = Field(1.0, gt=0)
     top_p: float = Field(1.0, gt=0, le=1)
@@ -80,6 +98,7 @@ class RolloutConfig(_Section):
     val_n: int = Field(1, ge=1, description="samples per validation prompt (pass@k when > 1)")
     val_temperature: float = Field(1.0, gt=0)
     val_greedy: bool = True
+    vllm: VLLMEngineConfig = VLLMEngineConfig()
 
 
 class CriticConfig(_Section):
@@ -88,6 +107,7 @@ class CriticConfig(_Section):
     ppo_epochs: int = Field(1, ge=1)
     cliprange_value: float = Field(0.5, gt=0)
     loss_agg_mode: Literal["token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm"] = "token-mean"
+    world_size: int = Field(1, ge=1, description="data-parallel ranks of the critic; FSDP2 when > 1 (Ray backend)")
 
 
 class RewardConfig(_Section):
@@ -105,7 +125,7 @@ class KLControlConfig(_Section):
 
 
 class AlgorithmConfig(_Section):
-    name: Literal["grpo", "ppo"] = "grpo"
+    name: Literal["grpo", "ppo", "dpo", "kto"] = "grpo"
     adv_estimator: str = "grpo"
     gamma: float = Field(1.0, ge=0, le=1)
     lam: float = Field(1.0, ge=0, le=1)
@@ -114,6 +134,22 @@ class AlgorithmConfig(_Section):
     kl_penalty: str = "k1"
     kl_ctrl: KLControlConfig = KLControlConfig()
     use_reference: bool | None = Field(None, description="default: on when any KL term is used")
+
+
+class PreferenceConfig(_Section):
+    """Offline preference optimisation (algorithm.name dpo or kto). data.train_files / val_files then
+    hold preference rows (rlcore.data.preference: pairwise for DPO, unpaired for KTO; validation
+    files may be pairwise for both, which gives held-out preference accuracy)."""
+
+    loss_type: Literal["sigmoid", "ipo", "robust"] = Field("sigmoid", description="DPO loss (sigmoid + label_smoothing = cDPO)")
+    beta: float = Field(0.1, gt=0)
+    label_smoothing: float = Field(0.0, ge=0, lt=0.5, description="DPO sigmoid/robust: assumed label-flip rate")
+    desirable_weight: float = Field(1.0, gt=0, description="KTO")
+    undesirable_weight: float = Field(1.0, gt=0, description="KTO")
+    max_response_length: int = Field(64, ge=1, description="completions longer than this (tokens, EOS included) are dropped")
+    ref_cache: bool = Field(True, description="reference log-probs computed once per dataset, cached by fingerprint")
+    ref_cache_dir: str | None = Field(None, description="default: <trainer.output_dir>/ref_cache")
+    task_val_files: list[str] = Field([], description="RL-schema prompts whose greedy accuracy (val/acc) is measured at validation")
 
 
 class TrainerConfig(_Section):
@@ -127,6 +163,85 @@ class TrainerConfig(_Section):
     resume: str = Field("auto", description="'auto' (newest complete checkpoint), 'disable', or a checkpoint path")
     loggers: list[Literal["console", "jsonl"]] = ["console", "jsonl"]
     device: Literal["auto", "cpu", "cuda"] = "auto"
+    backend: Literal["inprocess", "ray"] = Field("inprocess", description="where workers run: this process, or Ray actors")
+
+
+ROLES = ("actor", "ref", "critic", "rollout", "reward")
+
+
+class RayPoolConfig(_Section):
+    """A placement group: one bundle per rank of the largest group placed on it."""
+
+    cpus_per_bundle: float = Field(1.0, ge=0)
+    gpus_per_bundle: float = Field(0.0, ge=0)
+    strategy: Literal["PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD"] = "PACK"
+
+
+class RayConfig(_Section):
+    """Where the Ray backend runs workers (trainer.backend=ray)."""
+
+    address: str | None = Field(None, description="existing cluster ('auto', 'host:port'); none: start a local one")
+    num_cpus: float | None = Field(None, gt=0, description="local cluster only; default: what the pools reserve")
+    temp_dir: str | None = Field(None, description="local cluster's temp/session folder (keep it short: socket paths)")
+    pools: dict[str, RayPoolConfig] = {"default": RayPoolConfig()}
+    roles: dict[str, str] = Field({}, description="role -> pool name; roles not listed use the pool 'default'")
+    colocate: list[list[str]] = Field([], description="roles sharing one process per rank, e.g. [[actor, ref]]")
+    call_timeout_s: float | None = Field(3600.0, gt=0, description="longest a worker call may run before it is an error")
+    init_timeout_s: float = Field(600.0, gt=0, description="longest worker start-up (import, model load, rendezvous)")
+
+    @model_validator(mode="after")
+    def _check_names(self) -> "RayConfig":
+        for role, pool in self.roles.items():
+            if role not in ROLES:
+                raise ValueError(f"ray.roles: unknown role {role!r} (roles: {list(ROLES)})")
+            if pool not in self.pools:
+                raise ValueError(f"ray.roles.{role}: unknown pool {pool!r} (pools: {list(self.pools)})")
+        seen: set[str] = set()
+        for group in self.colocate:
+            for role in group:
+                if role not in ROLES:
+                    raise ValueError(f"ray.colocate: unknown role {role!r} (roles: {list(ROLES)})")
+                if role in seen:
+                    raise ValueError(f"ray.colocate: role {role!r} is in two colocated sets")
+                seen.add(role)
+            if len({self.pool_of(r) for r in group}) > 1:
+                raise ValueError(f"ray.colocate: {group} must map to one pool in ray.roles")
+        return self
+
+    def pool_of(self, role: str) -> str:
+        return self.roles.get(role, "default")
+
+
+class HealthConfig(_Section):
+    """Run-health limits checked after every training step (None switches a check off).
+
+    `max_kl` reads `actor/kl` (present only when a reference model is used), `min_entropy`
+    reads `actor/entropy`, `max_reward_jump` compares `reward/mean` of consecutive steps."""
+
+    enabled: bool = True
+    max_kl: float | None = Field(1.0, gt=0, description="KL to the reference above this stops the run")
+    min_entropy: float | None = Field(0.01, ge=0, description="policy entropy below this (collapse) stops the run")
+    max_reward_jump: float | None = Field(0.75, gt=0, description="|reward/mean change| between consecutive steps above this stops the run")
+
+
+class TrackingConfig(_Section):
+    """Where runs are recorded (MLflow)."""
+
+    mlflow_uri: str | None = Field(None, description="tracking URI; default: sqlite:///<working dir>/mlflow.db")
+    experiment: str = "rlcore"
+    log_model: bool = Field(True, description="log the final model folder as a run artifact")
+
+
+class RegistryConfig(_Section):
+    """The MLflow registered model and the promotion gate (see rlcore.lifecycle.gate)."""
+
+    model_name: str = "rlcore-tiny"
+    metric: Literal["accuracy", "mean_reward"] = "accuracy"
+    promotion_margin: float = Field(0.01, description="candidate must beat the champion by at least this (negative: may be slightly worse)")
+    max_kl: float = Field(0.5, gt=0, description="KL budget: mean per-token KL of the candidate to the reference model")
+    max_length_ratio: float = Field(1.5, gt=0, description="length budget: candidate mean response length / champion's")
+    warm_start: bool = Field(True, description="train from the current champion when there is one")
+    webhook_url: str | None = Field(None, description="POSTed a JSON summary on promotion, rejection and failure")
 
 
 class Config(_Section):
@@ -138,6 +253,19 @@ class Config(_Section):
     reward: RewardConfig = RewardConfig()
     algorithm: AlgorithmConfig = AlgorithmConfig()
     trainer: TrainerConfig = TrainerConfig()
+    health: HealthConfig = HealthConfig()
+    tracking: TrackingConfig = TrackingConfig()
+    registry: RegistryConfig = RegistryConfig()
+    ray: RayConfig = RayConfig()
+    preference: PreferenceConfig = PreferenceConfig()
+
+    @model_validator(mode="after")
+    def _check_preference(self) -> "Config":
+        if self.algorithm.name in ("dpo", "kto") and self.algorithm.use_reference is False:
+            raise ValueError(f"algorithm.use_reference=false: {self.algorithm.name} needs the reference model")
+        if self.preference.loss_type == "ipo" and self.preference.label_smoothing:
+            raise ValueError("preference.label_smoothing applies to loss_type sigmoid or robust, not ipo")
+        return self
 
     @model_validator(mode="after")
     def _check_consistency(self) -> "Config":
@@ -150,13 +278,21 @@ class Config(_Section):
             raise ValueError("algorithm.adv_estimator must be 'gae' when algorithm.name is 'ppo' (the critic needs it)")
         if self.algorithm.name == "grpo" and self.algorithm.adv_estimator == "gae":
             raise ValueError("algorithm.adv_estimator 'gae' needs a critic: use algorithm.name=ppo")
+        if self.trainer.backend == "inprocess":
+            for key, ws in (("actor", self.actor.world_size), ("critic", self.critic.world_size), ("rollout", self.rollout.world_size)):
+                if ws > 1:
+                    raise ValueError(f"{key}.world_size={ws} needs trainer.backend=ray (the in-process backend runs one rank)")
+        if self.trainer.backend == "ray" and "default" not in self.ray.pools:
+            unmapped = [r for r in ROLES if r not in self.ray.roles]
+            if unmapped:
+                raise ValueError(f"ray.pools: roles {unmapped} use pool 'default', which is not defined")
         return self
 
     @property
     def needs_reference(self) -> bool:
         if self.algorithm.use_reference is not None:
             return self.algorithm.use_reference
-        return self.actor.use_kl_loss or self.algorithm.use_kl_in_reward
+        return self.actor.use_kl_loss or self.algorithm.use_kl_in_reward or self.algorithm.name in ("dpo", "kto")
 
 
 def parse_override(text: str) -> tuple[list[str], Any]:

@@ -86,3 +86,44 @@ class Tracker:
     def close(self) -> None:
         for sink in self.sinks:
             sink.close()
+
+
+_MLFLOW_NAME_OK = set("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789_-. :/")
+
+
+def mlflow_key(name: str) -> str:
+    """A metric/param name MLflow accepts: letters, digits and `_-. :/` only; `@` (as in
+    `val/pass@8`) becomes `_at_`, anything else `_`."""
+    name = name.replace("@", "_at_")
+    return "".join(c if c in _MLFLOW_NAME_OK else "_" for c in name)
+
+
+class MlflowSink:
+    """Per-step metrics to an MLflow run, by run id (no reliance on a thread's active run, so it
+    works from Prefect task threads). Non-numeric and non-finite values are skipped."""
+
+    def __init__(self, run_id: str, tracking_uri: str | None = None, client: Any = None) -> None:
+        if client is None:
+            from mlflow.tracking import MlflowClient
+
+            client = MlflowClient(tracking_uri=tracking_uri)
+        self.client = client
+        self.run_id = run_id
+
+    def log(self, step: int, metrics: dict[str, Any]) -> None:
+        import time
+
+        from mlflow.entities import Metric
+
+        now = int(time.time() * 1000)
+        batch = []
+        for key, value in sorted(metrics.items()):
+            value = _plain(value)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+                continue
+            batch.append(Metric(key=mlflow_key(key), value=float(value), timestamp=now, step=int(step)))
+        for start in range(0, len(batch), 1000):  # MLflow's limit per log_batch call
+            self.client.log_batch(self.run_id, metrics=batch[start:start + 1000])
+
+    def close(self) -> None:
+        pass

@@ -1,0 +1,121 @@
+"""Held-out evaluation of a model folder: accuracy, mean reward, KL to a reference model and
+response length, computed the same way for a candidate and for the champion.
+
+Decoding is greedy (deterministic: two evaluations of one model agree exactly) through the same
+rollout engine, prompt rendering and reward functions as training, so an evaluation number means
+what the training curves mean. KL is exact per token: the full next-token distributions of the
+evaluated model and the reference, compared along the evaluated model's own responses, averaged
+over response tokens.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from rlcore.data import PromptLoader, RLDataset
+from rlcore.protocol import Batch
+from rlcore.rewards import RewardScorer, ScoreItem
+from rlcore.rollout import HFRolloutEngine, SamplingParams
+from rlcore.workers.tokenizer import load_tokenizer
+
+
+@dataclass
+class EvalResult:
+    model_dir: str
+    accuracy: float
+    mean_reward: float
+    kl_to_reference: float  # mean per-token KL(model || reference) on the model's responses
+    response_length: float  # mean response tokens (EOS included)
+    num_prompts: int
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    def metrics(self) -> dict[str, float]:
+        return {k: float(v) for k, v in asdict(self).items() if k != "model_dir"}
+
+
+def _load_lm(path: str | Path):
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(Path(path), dtype=torch.float32, local_files_only=True).eval()
+
+
+@torch.no_grad()
+def response_token_kl(model, reference, gen: Batch, chunk: int = 64) -> tuple[torch.Tensor, torch.Tensor]:
+    """Exact KL(model || reference) of the next-token distributions at each response position:
+    ([N, R] per-token KL, [N, R] mask). Rows are processed in chunks to bound the logits' memory."""
+    response_len = gen["responses"].shape[1]
+    mask = gen["response_mask"].float()
+    out = torch.zeros(mask.shape, dtype=torch.float32)
+    for start in range(0, len(gen), chunk):
+        sl = slice(start, start + chunk)
+        kwargs = dict(input_ids=gen["input_ids"][sl], attention_mask=gen["attention_mask"][sl],
+                      position_ids=gen["position_ids"][sl], use_cache=False)
+        lp = F.log_softmax(model(**kwargs).logits[:, -response_len - 1 : -1].float(), dim=-1)
+        lq = F.log_softmax(reference(**kwargs).logits[:, -response_len - 1 : -1].float(), dim=-1)
+        out[sl] = (lp.exp() * (lp - lq)).sum(-1).clamp(min=0.0)
+    return out * mask, mask
+
+
+@torch.no_grad()
+def evaluate_model(
+    model_dir: str | Path,
+    val_file: str | Path,
+    reference_dir: str | Path | None = None,
+    *,
+    max_prompt_length: int = 64,
+    max_new_tokens: int = 32,
+    batch_size: int = 256,
+    reward_function: str | None = None,
+    apply_chat_template: bool = True,
+    limit: int | None = None,
+) -> EvalResult:
+    """Greedy evaluation of `model_dir` on `val_file` (the first `limit` prompts, if given).
+
+    `reference_dir`: the model KL is measured against (None: KL is not measured, reported 0).
+    """
+    model_dir = str(Path(model_dir).resolve())
+    tokenizer = load_tokenizer(model_dir)
+    dataset = RLDataset([val_file], tokenizer, max_prompt_length=max_prompt_length,
+                        apply_chat_template=apply_chat_template, on_bad_row="skip")
+    if limit is not None:
+        dataset.items = dataset.items[:limit]
+    loader = PromptLoader(dataset, batch_size=min(batch_size, len(dataset)), seed=0, shuffle=False, drop_last=False)
+    eos = tokenizer.eos_token_id
+    engine = HFRolloutEngine.from_pretrained(model_dir, pad_token_id=tokenizer.pad_token_id if tokenizer.pad_token_id is not None else eos,
+                                             eos_token_ids=[eos])
+    reference = _load_lm(reference_dir) if reference_dir is not None else None
+    params = SamplingParams(n=1, do_sample=False, max_new_tokens=max_new_tokens, seed=0)
+    scores: list[float] = []
+    accs: list[float] = []
+    kl_sum = tokens = 0.0
+    with RewardScorer(reward_function, num_workers=0) as scorer:
+        for batch in loader.epoch_batches():
+            gen = engine.generate(batch, params)
+            lengths = gen["response_mask"].sum(-1).long().tolist()
+            texts = [tokenizer.decode(row[:n].tolist(), skip_special_tokens=True) for row, n in zip(gen["responses"], lengths)]
+            items = [ScoreItem(str(ds), text, str(gt), ei if isinstance(ei, dict) else None)
+                     for ds, text, gt, ei in zip(gen.meta["data_source"], texts, gen.meta["ground_truth"], gen.meta["extra_info"])]
+            result = scorer.score(items)
+            scores.extend(result.scores.tolist())
+            batch_acc = result.extra["acc"] if "acc" in result.extra else (result.scores >= 1.0)
+            accs.extend(float(a) for a in batch_acc)
+            tokens += float(sum(lengths))
+            if reference is not None:
+                kl, mask = response_token_kl(engine.model, reference, gen)
+                kl_sum += float(kl.sum())
+    n = len(scores)
+    return EvalResult(
+        model_dir=model_dir,
+        accuracy=sum(accs) / n,
+        mean_reward=sum(scores) / n,
+        kl_to_reference=kl_sum / tokens if tokens else 0.0,
+        response_length=tokens / n,
+        num_prompts=n,
+    )

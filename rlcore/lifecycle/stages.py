@@ -1,0 +1,349 @@
+"""The pipeline's stages as plain functions: data prep -> train -> evaluate -> promote.
+
+`flows/` wraps each in a Prefect task (retries, timeouts, caching) and composes them; here is
+everything they do, testable without Prefect. Stages exchange JSON-able dicts (Prefect persists
+task results) and record themselves as nested MLflow runs under the pipeline's run.
+
+Reference model: the model the first generation was trained from (`config.model.path` as given)
+is the fixed anchor that the KL budget is measured against, for candidate and champion alike,
+so drift accumulates across warm-started generations instead of resetting each time.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import secrets
+import time
+import traceback
+from pathlib import Path
+from typing import Any
+
+from rlcore.config import Config, config_from_dict, dump_config, load_config
+from rlcore.lifecycle.data_prep import PreparedData, prepare_dataset
+from rlcore.lifecycle.evaluation import evaluate_model
+from rlcore.lifecycle.fingerprint import files_fingerprint
+from rlcore.lifecycle.gate import GatePolicy, decide
+from rlcore.lifecycle.health import HealthBreach, HealthGuard
+from rlcore.lifecycle.lineage import build_lineage, lineage_tags
+from rlcore.lifecycle.mlflow_store import CHALLENGER, CHAMPION, MlflowStore, ModelRegistry, default_tracking_uri
+from rlcore.lifecycle.notify import notify
+
+log = logging.getLogger(__name__)
+
+PIPELINE_TAG = "rlcore.pipeline_run"
+
+
+def new_run_name() -> str:
+    return time.strftime("pipeline-%Y%m%d-%H%M%S-") + secrets.token_hex(2)
+
+
+def load_pipeline_config(config_path: str | None, overrides: list[str] = (), data_path: str | None = None) -> Config:
+    """The run's config; `data_path` (a newly arrived data file) replaces `data.train_files`."""
+    overrides = list(overrides)
+    if data_path:
+        overrides.append(f"data.train_files=[{data_path}]")
+    return load_config(config_path, overrides)
+
+
+def tracking_uri(config: Config) -> str:
+    """`tracking.mlflow_uri`, else $MLFLOW_TRACKING_URI, else a SQLite file in the working directory."""
+    return config.tracking.mlflow_uri or os.environ.get("MLFLOW_TRACKING_URI") or default_tracking_uri()
+
+
+def open_store(config: Config, workdir: str | Path) -> MlflowStore:
+    uri = tracking_uri(config)
+    return MlflowStore(uri, experiment=config.tracking.experiment)
+
+
+def _with(config: Config, **sections: dict[str, Any]) -> Config:
+    """A copy of `config` with some fields of some sections replaced (validated again)."""
+    tree = config.model_dump(mode="json")
+    for section, values in sections.items():
+        tree[section].update(values)
+    return config_from_dict(tree)
+
+
+# ---------------------------------------------------------------------- pipeline run
+def start_pipeline(config: Config, workdir: str | Path, run_name: str, trigger: dict[str, Any] | None = None) -> dict[str, Any]:
+    store = open_store(config, workdir)
+    run_id = store.start_run(run_name, tags={PIPELINE_TAG: run_name, "rlcore.stage": "pipeline",
+                                             **{f"trigger.{k}": str(v) for k, v in (trigger or {}).items()}})
+    from rlcore.lifecycle.mlflow_store import flatten
+
+    store.log_params(run_id, flatten(config.model_dump(mode="json")))
+    return {"run_id": run_id, "run_name": run_name, "tracking_uri": store.tracking_uri, "workdir": str(Path(workdir).resolve())}
+
+
+def finish_pipeline(config: Config, ctx: dict[str, Any], summary: dict[str, Any], status: str = "FINISHED") -> None:
+    store = open_store(config, ctx["workdir"])
+    metrics = {k: summary[k] for k in ("accuracy_before", "accuracy_after") if isinstance(summary.get(k), (int, float))}
+    store.log_metrics(ctx["run_id"], metrics)
+    store.set_tags(ctx["run_id"], {f"summary.{k}": v for k, v in summary.items() if not isinstance(v, (dict, list))})
+    store.log_json(ctx["run_id"], summary, "summary.json")
+    store.end_run(ctx["run_id"], status)
+
+
+def fail_pipeline(config: Config, ctx: dict[str, Any], error: BaseException) -> None:
+    """Record the failure on the run and notify; never raises (the original error matters)."""
+    text = "".join(traceback.format_exception_only(type(error), error)).strip()
+    try:
+        store = open_store(config, ctx["workdir"])
+        store.set_tags(ctx["run_id"], {"failure": text[:4000]})
+        store.end_run(ctx["run_id"], "FAILED")
+    except Exception as err:  # noqa: BLE001
+        log.warning("could not record the failure in MLflow: %s", err)
+    notify(config.registry.webhook_url, "failed", {"pipeline_run": ctx.get("run_name"), "error": text})
+
+
+# ---------------------------------------------------------------------- data prep
+def data_prep_key(config: Config, val_fraction: float = 0.1) -> str:
+    """Input fingerprint: the content of the input files and the prep settings."""
+    return files_fingerprint(list(config.data.train_files) + list(config.data.val_files), extra={
+        "n_train_files": len(config.data.train_files), "on_bad_row": config.data.on_bad_row,
+        "val_fraction": val_fraction if not config.data.val_files else None, "seed": config.trainer.seed})
+
+
+def prepare_data_stage(config: Config, workdir: str | Path, val_fraction: float = 0.1,
+                       ctx: dict[str, Any] | None = None) -> dict[str, Any]:
+    """Validate, dedupe, split, write parquet under `workdir/data/<input fingerprint>`."""
+    key = data_prep_key(config, val_fraction)
+    prepared = prepare_dataset(
+        config.data.train_files, Path(workdir) / "data" / key[:16], config.data.val_files,
+        on_bad_row=config.data.on_bad_row, val_fraction=val_fraction, seed=config.trainer.seed,
+    )
+    if ctx is not None:
+        store = open_store(config, workdir)
+        run_id = store.start_run("data_prep", ctx["run_id"], {PIPELINE_TAG: ctx["run_name"], "rlcore.stage": "data_prep"})
+        store.log_params(run_id, {"input_fingerprint": key, "dataset_fingerprint": prepared.fingerprint,
+                                  "train_file": prepared.train_file, "val_file": prepared.val_file})
+        store.log_metrics(run_id, {f"rows/{k}": v for k, v in prepared.counts.items()})
+        store.log_artifact(run_id, Path(prepared.train_file).parent / "prep_report.json")
+        store.end_run(run_id)
+        store.set_tags(ctx["run_id"], {"dataset_fingerprint": prepared.fingerprint})
+    return {**prepared.to_dict(), "input_fingerprint": key}
+
+
+# ---------------------------------------------------------------------- champion
+def champion_stage(config: Config, workdir: str | Path) -> dict[str, Any] | None:
+    """The registry's current champion, downloaded (once per version) to a local folder."""
+    store = open_store(config, workdir)
+    registry = ModelRegistry(store, config.registry.model_name)
+    found = registry.by_alias(CHAMPION)
+    if found is None:
+        return None
+    local = Path(workdir) / "registry" / config.registry.model_name / f"v{found.version}"
+    if not (local / "config.json").is_file():
+        tmp = local.with_name(local.name + f".tmp-{secrets.token_hex(3)}")
+        registry.download(found.version, tmp)
+        tmp.rename(local)
+    return {"version": found.version, "uri": registry.uri(CHAMPION), "path": str(local.resolve()), "tags": found.tags}
+
+
+# ---------------------------------------------------------------------- train
+def train_stage(config: Config, prepared: dict[str, Any], workdir: str | Path, ctx: dict[str, Any],
+                champion: dict[str, Any] | None = None) -> dict[str, Any]:
+    """Train from the config (warm-started from the champion when configured), under the health
+    guard; resumes from the newest complete checkpoint of this pipeline run when retried."""
+    from rlcore.checkpoint import CheckpointManager
+    from rlcore.trainer.base import TrainingStopped
+    from rlcore.trainer.run import run_training
+
+    reference_model = str(Path(config.model.path).resolve())
+    start_model, parent = reference_model, reference_model
+    if champion is not None and config.registry.warm_start:
+        start_model, parent = champion["path"], f"models:/{config.registry.model_name}/{champion['version']}"
+    output_dir = Path(ctx["workdir"]) / ctx["run_name"] / "train"
+    run_config = _with(
+        config,
+        model={"path": start_model},
+        data={"train_files": [prepared["train_file"]], "val_files": [prepared["val_file"]]},
+        trainer={"output_dir": str(output_dir)},
+    )
+    store = open_store(config, workdir)
+    run_id = store.start_run("train", ctx["run_id"], {PIPELINE_TAG: ctx["run_name"], "rlcore.stage": "train",
+                                                      "parent_model": parent, "dataset_fingerprint": prepared["fingerprint"]})
+    hooks = [HealthGuard.from_config(config.health)] if config.health.enabled else []
+    stopped: dict[str, Any] | None = None
+    try:
+        run_training(run_config, step_hooks=hooks)
+    except HealthBreach as breach:
+        stopped = breach.to_dict()
+    except TrainingStopped as err:
+        stopped = {"metric": None, "reason": str(err), "check": "trainer"}
+    except BaseException as err:
+        store.set_tags(run_id, {"failure": str(err)[:4000]})
+        store.log_training(run_id, output_dir, run_config.model_dump(mode="json"))
+        store.end_run(run_id, "FAILED")
+        raise
+    records = store.log_training(run_id, output_dir, run_config.model_dump(mode="json"))
+    checkpoint = CheckpointManager(output_dir / "checkpoints").latest()
+    candidate = checkpoint / "actor" if checkpoint is not None else None
+    if candidate is not None and config.tracking.log_model:
+        store.log_artifact(run_id, candidate, "model")
+    if stopped is not None:
+        store.set_tags(run_id, {"health.stopped": "true", "health.reason": stopped["reason"],
+                                "health.candidate": str(checkpoint) if checkpoint else "none"})
+        store.set_tags(ctx["run_id"], {"health.reason": stopped["reason"]})
+        notify(config.registry.webhook_url, "health_stop", {
+            "pipeline_run": ctx["run_name"], "reason": stopped["reason"], "health": stopped,
+            "candidate_checkpoint": str(checkpoint) if checkpoint else None})
+    store.end_run(run_id)
+    vals = [r for r in records if "val/acc" in r]
+    return {
+        "run_id": run_id,
+        "output_dir": str(output_dir),
+        "candidate_dir": str(candidate) if candidate is not None else None,
+        "checkpoint": str(checkpoint) if checkpoint is not None else None,
+        "model_logged": candidate is not None and config.tracking.log_model,
+        "stopped": stopped,
+        "start_model": start_model,
+        "parent_model": parent,
+        "reference_model": reference_model,
+        "steps": max((r["step"] for r in records), default=0),
+        "train_val_acc_first": vals[0]["val/acc"] if vals else None,
+        "train_val_acc_last": vals[-1]["val/acc"] if vals else None,
+        "config": run_config.model_dump(mode="json"),
+    }
+
+
+# ---------------------------------------------------------------------- evaluate
+def evaluate_stage(config: Config, candidate_dir: str, baseline_dir: str, baseline_name: str, reference_dir: str,
+                   val_file: str, workdir: str | Path, ctx: dict[str, Any] | None = None,
+                   limit: int | None = None) -> dict[str, Any]:
+    """Candidate and baseline (champion, or the base model when there is none) on the same data."""
+    kwargs = dict(reference_dir=reference_dir, max_prompt_length=config.data.max_prompt_length,
+                  max_new_tokens=config.rollout.max_new_tokens, batch_size=config.data.val_batch_size,
+                  reward_function=config.reward.function, apply_chat_template=config.data.apply_chat_template, limit=limit)
+    candidate = evaluate_model(candidate_dir, val_file, **kwargs)
+    baseline = evaluate_model(baseline_dir, val_file, **kwargs)
+    out = {"candidate": candidate.metrics(), "baseline": baseline.metrics(), "baseline_name": baseline_name,
+           "baseline_dir": baseline_dir, "candidate_dir": candidate_dir, "val_file": val_file}
+    if ctx is not None:
+        store = open_store(config, workdir)
+        run_id = store.start_run("evaluate", ctx["run_id"], {PIPELINE_TAG: ctx["run_name"], "rlcore.stage": "evaluate",
+                                                             "baseline": baseline_name})
+        store.log_metrics(run_id, {**{f"candidate/{k}": v for k, v in out["candidate"].items()},
+                                   **{f"{baseline_name}/{k}": v for k, v in out["baseline"].items()}})
+        store.log_json(run_id, out, "evaluation.json")
+        store.end_run(run_id)
+        out["run_id"] = run_id
+    return out
+
+
+# ---------------------------------------------------------------------- promote
+def _existing_version(registry: ModelRegistry, run_name: str) -> str | None:
+    """A version this pipeline run already registered (a retried promote must not register twice)."""
+    try:
+        versions = registry.client.search_model_versions(f"name='{registry.name}'")
+    except Exception:  # noqa: BLE001 - no registered model yet
+        return None
+    for mv in versions:
+        if (mv.tags or {}).get(PIPELINE_TAG) == run_name:
+            return str(mv.version)
+    return None
+
+
+def promote_stage(config: Config, train: dict[str, Any], evaluation: dict[str, Any], prepared: dict[str, Any],
+                  workdir: str | Path, ctx: dict[str, Any]) -> dict[str, Any]:
+    """Register the candidate as a new version; `champion` if it passes the gate, else `challenger`."""
+    policy = GatePolicy.from_config(config.registry)
+    decision = decide(evaluation["candidate"], evaluation["baseline"], policy, evaluation["baseline_name"])
+    if train.get("stopped"):
+        # A health-stopped run may still be promoted on its last healthy checkpoint, but say so.
+        decision_reason = f"{decision.reason} (training stopped early: {train['stopped']['reason']})"
+    else:
+        decision_reason = decision.reason
+    store = open_store(config, workdir)
+    registry = ModelRegistry(store, config.registry.model_name)
+    data_sources = _data_sources(prepared["train_file"])
+    lineage = build_lineage(config=train["config"], dataset_fingerprint=prepared["fingerprint"], data_sources=data_sources,
+                            parent_model=train["parent_model"], reward_function=config.reward.function,
+                            extra={"pipeline_run": ctx["run_name"], "reference_model": train["reference_model"],
+                                   "evaluation": {"candidate": evaluation["candidate"], "baseline": evaluation["baseline"],
+                                                  "baseline_name": evaluation["baseline_name"]}})
+    store.log_json(train["run_id"], lineage, "lineage.json")
+    run_id = store.start_run("promote", ctx["run_id"], {PIPELINE_TAG: ctx["run_name"], "rlcore.stage": "promote"})
+    store.log_json(run_id, lineage, "lineage.json")
+    version = _existing_version(registry, ctx["run_name"])
+    if version is None:
+        tags = {**lineage_tags(lineage), PIPELINE_TAG: ctx["run_name"]}
+        version = registry.register(train["run_id"], "model", tags=tags).version
+    alias = CHAMPION if decision.promote else CHALLENGER
+    registry.set_alias(alias, version)
+    registry.set_tags(version, {
+        "promotion.decision": "promoted" if decision.promote else "rejected",
+        "promotion.reason": decision_reason,
+        "promotion.check": decision.check,
+        **{f"eval.{k}": f"{v:.6g}" for k, v in evaluation["candidate"].items()},
+        **{f"eval.{evaluation['baseline_name']}.{k}": f"{v:.6g}" for k, v in evaluation["baseline"].items()},
+    })
+    store.set_tags(run_id, {"version": version, "alias": alias, "decision": decision.check, "reason": decision_reason})
+    store.end_run(run_id)
+    result = {"version": version, "alias": alias, "promoted": decision.promote, "reason": decision_reason,
+              "check": decision.check, "model": config.registry.model_name, "uri": registry.uri(alias)}
+    notify(config.registry.webhook_url, "promoted" if decision.promote else "rejected", {
+        "pipeline_run": ctx["run_name"], **result, "evaluation": {k: evaluation[k] for k in ("candidate", "baseline", "baseline_name")},
+        "dataset_fingerprint": prepared["fingerprint"]})
+    return result
+
+
+def _no_promotion_reason(train: dict[str, Any]) -> str:
+    if not train.get("candidate_dir"):
+        return "no candidate: " + (train["stopped"]["reason"] if train.get("stopped") else "no complete checkpoint")
+    return "not registered: the model was not logged (tracking.log_model=false)"
+
+
+def _prefect_home() -> str:
+    try:
+        from prefect.settings import get_current_settings
+
+        return str(get_current_settings().home)
+    except Exception:  # noqa: BLE001 - only a hint
+        return "$PREFECT_HOME (~/.prefect)"
+
+
+def _data_sources(train_file: str) -> list[str]:
+    from rlcore.data.io import read_rows
+
+    return sorted({str(r.get("data_source")) for r in read_rows(train_file)})
+
+
+def summarize(ctx: dict[str, Any], prepared: dict[str, Any], train: dict[str, Any], evaluation: dict[str, Any] | None,
+              promotion: dict[str, Any] | None, champion: dict[str, Any] | None, workdir: str | Path) -> dict[str, Any]:
+    """What a person wants to know after a run, and where to look for more."""
+    summary: dict[str, Any] = {
+        "pipeline_run": ctx["run_name"],
+        "dataset_fingerprint": prepared["fingerprint"],
+        "warm_start": train["parent_model"] if champion is not None and train["start_model"] != train["reference_model"] else None,
+        "steps": train["steps"],
+        "health_stop": train["stopped"]["reason"] if train.get("stopped") else None,
+        "baseline": evaluation["baseline_name"] if evaluation else None,
+        "accuracy_before": evaluation["baseline"]["accuracy"] if evaluation else None,
+        "accuracy_after": evaluation["candidate"]["accuracy"] if evaluation else None,
+        "kl_to_reference": evaluation["candidate"]["kl_to_reference"] if evaluation else None,
+        "version": promotion["version"] if promotion else None,
+        "champion": promotion["promoted"] if promotion else False,
+        "reason": promotion["reason"] if promotion else _no_promotion_reason(train),
+        "model_uri": promotion["uri"] if promotion else None,
+        "run_dir": train["output_dir"],
+        "mlflow_run_id": ctx["run_id"],
+        "mlflow_ui": f"mlflow ui --backend-store-uri {ctx['tracking_uri']}",
+        "prefect_ui": f"prefect server start  (UI at http://127.0.0.1:4200; flow runs are stored under {_prefect_home()})",
+    }
+    return summary
+
+
+__all__ = [
+    "PIPELINE_TAG", "champion_stage", "data_prep_key", "evaluate_stage", "fail_pipeline", "finish_pipeline",
+    "load_pipeline_config", "new_run_name", "open_store", "prepare_data_stage", "promote_stage", "start_pipeline",
+    "summarize", "train_stage",
+]
+
+
+def example_overrides(seed: int = 0) -> list[str]:
+    """Overrides that point a config at the built-in tiny example (built on first use)."""
+    from rlcore.example import build_tiny_example
+
+    ex = build_tiny_example(seed=seed)
+    return [f"model.path={ex.model_dir}", f"data.train_files=[{ex.train_file}]", f"data.val_files=[{ex.val_file}]"]

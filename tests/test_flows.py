@@ -1,0 +1,65 @@
+"""The flows load by entrypoint path exactly as prefect.yaml names them, and the served
+deployment carries the cron schedule and the data-event trigger."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import yaml
+
+ROOT = Path(__file__).resolve().parents[1]
+pytestmark = pytest.mark.slow  # importing Prefect, MLflow and torch takes a few seconds
+
+
+@pytest.fixture(autouse=True)
+def _isolated_prefect(tmp_path, monkeypatch):
+    monkeypatch.setenv("PREFECT_HOME", str(tmp_path / "prefect"))
+    monkeypatch.setenv("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
+    monkeypatch.delenv("PREFECT_API_URL", raising=False)
+
+
+def test_prefect_yaml_entrypoints_load_as_flows():
+    from prefect.flows import Flow, load_flow_from_entrypoint
+
+    spec = yaml.safe_load((ROOT / "prefect.yaml").read_text())
+    entrypoints = [d["entrypoint"] for d in spec["deployments"]]
+    assert "flows/rl_pipeline.py:rl_pipeline" in entrypoints
+    for ep in entrypoints:
+        path, name = ep.split(":")
+        flow = load_flow_from_entrypoint(f"{ROOT / path}:{name}", use_placeholder_flow=False)
+        assert isinstance(flow, Flow) and flow.name == name
+    main = next(d for d in spec["deployments"] if d["name"] == "rl-pipeline")
+    assert main["schedules"][0]["cron"] == "0 3 * * *"
+    trigger = main["triggers"][0]
+    assert trigger["expect"] == ["rlcore.data.arrived"] and trigger["parameters"]["data_path"] == "{{ event.payload.path }}"
+
+
+def test_rl_pipeline_parameters_and_task_policies():
+    from rlcore.cli import load_flow
+
+    flow = load_flow()
+    params = flow.parameters.properties
+    assert {"config_path", "overrides", "data_path", "example", "workdir"} <= set(params)
+    module = __import__("flows.train", fromlist=["train_task"])
+    assert module.train_task.retries >= 1 and module.train_task.timeout_seconds
+    prep = __import__("flows.data_prep", fromlist=["prepare_data_task"]).prepare_data_task
+    assert prep.cache_key_fn is not None
+
+
+def test_deployment_has_cron_and_data_trigger():
+    import importlib.util
+
+    from rlcore.cli import load_flow
+
+    spec = importlib.util.spec_from_file_location("serve_mod", ROOT / "flows" / "deployments" / "serve.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    dep = mod.build_deployment(load_flow(), {"example": True}, cron="*/30 * * * *")
+    assert dep.name == "rl-pipeline"
+    assert dep.entrypoint.endswith("flows/rl_pipeline.py:rl_pipeline")
+    assert [s.schedule.cron for s in dep.schedules] == ["*/30 * * * *"]
+    [trigger] = dep.triggers
+    assert trigger.expect == {"rlcore.data.arrived"}
+    assert trigger.parameters == {"data_path": "{{ event.payload.path }}"}
+    assert dep.parameters == {"example": True}

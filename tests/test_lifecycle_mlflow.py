@@ -1,0 +1,153 @@
+"""MLflow side of the lifecycle on a real SQLite store: the registry round trip (version from a
+run's artifact folder, aliases, `models:/name@champion` loaded by transformers), training records
+(params, per-step metrics, plots), and the train stage stopping on a health breach with the last
+healthy checkpoint as the candidate."""
+
+from __future__ import annotations
+
+import json
+import threading
+from http.server import BaseHTTPRequestHandler, HTTPServer
+from pathlib import Path
+
+import pytest
+import torch
+
+pytestmark = pytest.mark.slow
+
+QUICK = ["data.train_batch_size=8", "actor.ppo_mini_batch_size=4", "rollout.n=4", "data.val_batch_size=64",
+         "trainer.val_before_train=false"]
+
+
+@pytest.fixture(scope="module")
+def store(tmp_path_factory):
+    from rlcore.lifecycle.mlflow_store import MlflowStore
+
+    root = tmp_path_factory.mktemp("mlflow")
+    return MlflowStore(f"sqlite:///{root / 'mlflow.db'}", experiment="test", artifact_root=root / "artifacts")
+
+
+def test_registry_round_trip_loads_with_transformers(store, tiny_example, tmp_path):
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM
+
+    from rlcore.lifecycle.mlflow_store import ModelRegistry
+
+    run = store.start_run("train")
+    store.log_artifact(run, tiny_example.model_dir, "model")
+    registry = ModelRegistry(store, "tiny-test")
+    assert registry.by_alias("champion") is None
+    v1 = registry.register(run, "model", tags={"lineage.dataset_fingerprint": "abc"})
+    v2 = registry.register(run, "model")
+    assert (v1.version, v2.version) == ("1", "2")
+    assert v1.source.endswith("/model") and v1.run_id == run
+    registry.set_alias("champion", v1.version)
+    registry.set_alias("challenger", v2.version)
+    registry.set_alias("champion", v2.version)  # an alias moves; it is never on two versions
+    assert registry.by_alias("champion").version == "2"
+    assert registry.by_alias("challenger").version == "2"
+    assert registry.get("1").aliases == [] and registry.get("1").tags["lineage.dataset_fingerprint"] == "abc"
+
+    local = registry.download("champion", tmp_path / "dl")
+    assert (local / "model.safetensors").is_file() and (local / "tokenizer.json").is_file()
+    model = AutoModelForCausalLM.from_pretrained(local)
+    original = load_file(str(Path(tiny_example.model_dir) / "model.safetensors"))
+    state = model.state_dict()
+    for name, tensor in original.items():
+        torch.testing.assert_close(state[name], tensor, rtol=0, atol=0)
+
+
+def test_log_training_records_params_steps_and_plots(store, tmp_path):
+    from mlflow.artifacts import download_artifacts
+
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    records = [{"step": 0, "val/acc": 0.3, "val/pass@4": 0.5},
+               {"step": 1, "reward/mean": 0.4, "acc/mean": 0.4, "actor/kl": 0.01},
+               {"step": 2, "reward/mean": 0.5, "acc/mean": 0.5, "actor/kl": 0.02, "val/acc": 0.35}]
+    (run_dir / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    (run_dir / "config.yaml").write_text("a: 1\n")
+    run = store.start_run("train")
+    store.log_training(run, run_dir, {"actor": {"optim": {"lr": 2e-5}}, "rollout": {"n": 4}})
+    data = store.client.get_run(run).data
+    assert data.params["actor.optim.lr"] == "2e-05" and data.params["rollout.n"] == "4"
+    history = store.client.get_metric_history(run, "reward/mean")
+    assert sorted((m.step, m.value) for m in history) == [(1, 0.4), (2, 0.5)]
+    assert [m.value for m in store.client.get_metric_history(run, "val/pass_at_4")] == [0.5]
+    names = {f.path for f in store.client.list_artifacts(run)} | {f.path for f in store.client.list_artifacts(run, "plots")}
+    assert {"config.yaml", "metrics.jsonl", "plots/reward.png", "plots/accuracy.png", "plots/kl.png"} <= names
+    png = Path(download_artifacts(run_id=run, artifact_path="plots/kl.png", dst_path=str(tmp_path / "p"),
+                                  tracking_uri=store.tracking_uri))
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+class _Hook(BaseHTTPRequestHandler):
+    received: list = []
+
+    def do_POST(self):  # noqa: N802
+        _Hook.received.append(json.loads(self.rfile.read(int(self.headers["Content-Length"]))))
+        self.send_response(200)
+        self.end_headers()
+
+    def log_message(self, *args):
+        pass
+
+
+def test_health_stop_keeps_last_healthy_checkpoint(store, tiny_example, tmp_path):
+    from rlcore.cli import CONFIG_DIR
+    from rlcore.lifecycle import stages
+
+    _Hook.received = []
+    server = HTTPServer(("127.0.0.1", 0), _Hook)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        base = stages.example_overrides() + QUICK + [
+            f"tracking.mlflow_uri={store.tracking_uri}", "tracking.experiment=test", "trainer.save_every=1",
+            f"registry.webhook_url=http://127.0.0.1:{server.server_port}/h"]
+        healthy = stages.load_pipeline_config(str(CONFIG_DIR / "tiny_grpo.yaml"), base + ["trainer.total_steps=1"])
+        ctx = stages.start_pipeline(healthy, tmp_path, "health-test")
+        prepared = stages.prepare_data_stage(healthy, tmp_path)
+        first = stages.train_stage(healthy, prepared, tmp_path, ctx)
+        assert first["stopped"] is None and first["checkpoint"].endswith("step_00000001")
+
+        # Same pipeline run (as a retry would be): resumes at step 1; the entropy floor trips at step 2.
+        sick = stages.load_pipeline_config(str(CONFIG_DIR / "tiny_grpo.yaml"),
+                                           base + ["trainer.total_steps=3", "health.min_entropy=1000"])
+        second = stages.train_stage(sick, prepared, tmp_path, ctx)
+    finally:
+        server.shutdown()
+        server.server_close()
+    stopped = second["stopped"]
+    assert stopped["metric"] == "actor/entropy" and stopped["step"] == 2 and stopped["limit"] == 1000
+    assert second["checkpoint"] == first["checkpoint"]  # step 2 was never saved
+    assert second["candidate_dir"].endswith("step_00000001/actor")
+    run = store.client.get_run(second["run_id"])
+    assert "entropy collapse at step 2" in run.data.tags["health.reason"]
+    assert "model" in {f.path for f in store.client.list_artifacts(second["run_id"])}
+    [event] = _Hook.received
+    assert event["event"] == "health_stop" and event["health"]["step"] == 2
+    assert event["candidate_checkpoint"] == first["checkpoint"]
+
+
+def test_failure_is_recorded_and_notified(store, tmp_path):
+    from rlcore.config import load_config
+    from rlcore.lifecycle import stages
+
+    server = HTTPServer(("127.0.0.1", 0), _Hook)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    _Hook.received = []
+    try:
+        config = load_config(None, ["model.path=/m", "data.train_files=[/t.parquet]", "tracking.experiment=test",
+                                    f"tracking.mlflow_uri={store.tracking_uri}",
+                                    f"registry.webhook_url=http://127.0.0.1:{server.server_port}/h"])
+        ctx = stages.start_pipeline(config, tmp_path, "failing-run")
+        stages.fail_pipeline(config, ctx, FileNotFoundError("dataset file not found: /t.parquet"))
+    finally:
+        server.shutdown()
+        server.server_close()
+    run = store.client.get_run(ctx["run_id"])
+    assert run.info.status == "FAILED"
+    assert run.data.tags["failure"] == "FileNotFoundError: dataset file not found: /t.parquet"
+    assert run.data.params["data.train_files"] == '["/t.parquet"]'
+    [event] = _Hook.received
+    assert event["event"] == "failed" and event["pipeline_run"] == "failing-run" and "/t.parquet" in event["error"]

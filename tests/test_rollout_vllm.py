@@ -1,0 +1,229 @@
+"""vLLM rollout backend (real in-process engine, CPU here): log-probs against an HF forward pass,
+the output contract (n samples, EOS, shapes), seeds, and live weight updates that must equal a
+fresh engine started on the new weights. Skipped where vLLM is not installed."""
+
+from __future__ import annotations
+
+import importlib.util
+import logging
+
+import pytest
+
+if importlib.util.find_spec("vllm") is None:
+    pytest.skip("vllm is not installed", allow_module_level=True)
+
+import numpy as np  # noqa: E402
+import torch  # noqa: E402
+from transformers import LlamaConfig, LlamaForCausalLM  # noqa: E402
+
+from rlcore.protocol import Batch  # noqa: E402
+from rlcore.rollout import RolloutEngine, SamplingParams, make_rollout_engine, register_backend  # noqa: E402
+from rlcore.rollout.vllm import VLLMRolloutEngine  # noqa: E402
+
+pytestmark = pytest.mark.slow
+
+PAD, BOS, EOS = 0, 1, 2
+VOCAB = 128
+# Keep several engines alive in one process small: KV cache in GiB, few sequences.
+ENGINE_KW = dict(kv_cache_gib=0.125, max_model_len=128, max_num_seqs=64, seed=0)
+
+
+def tiny_model(seed: int) -> LlamaForCausalLM:
+    torch.manual_seed(seed)
+    cfg = LlamaConfig(
+        vocab_size=VOCAB, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
+        tie_word_embeddings=True, pad_token_id=PAD, bos_token_id=BOS, eos_token_id=EOS,
+        initializer_range=0.4,  # varied continuations with clear-cut argmaxes
+    )
+    return LlamaForCausalLM(cfg).eval()
+
+
+def prompt_batch(lengths: list[int], seed: int = 1) -> Batch:
+    """Left-padded prompts of the given lengths, ids in [3, VOCAB)."""
+    g = torch.Generator().manual_seed(seed)
+    width = max(lengths)
+    ids = torch.full((len(lengths), width), PAD, dtype=torch.long)
+    mask = torch.zeros(len(lengths), width, dtype=torch.long)
+    for i, n in enumerate(lengths):
+        ids[i, width - n:] = torch.randint(3, VOCAB, (n,), generator=g)
+        mask[i, width - n:] = 1
+    uids = np.array([f"p{i}" for i in range(len(lengths))], dtype=object)
+    return Batch(tensors={"input_ids": ids, "attention_mask": mask}, meta={"uid": uids}, info={"step": 7})
+
+
+def reference_log_probs(model, out: Batch, temperature: float) -> torch.Tensor:
+    """log_softmax(logits / T) of a full HF forward pass at the response tokens."""
+    with torch.no_grad():
+        logits = model(input_ids=out["input_ids"], attention_mask=out["attention_mask"],
+                       position_ids=out["position_ids"]).logits.float()
+    p, r = out["prompts"].shape[1], out["responses"].shape[1]
+    resp_logits = logits[:, p - 1: p + r - 1] / temperature
+    return resp_logits.log_softmax(-1).gather(-1, out["responses"].unsqueeze(-1)).squeeze(-1)
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory):
+    """Two different tiny models saved as HF checkpoints: (model_a, dir_a, model_b, dir_b)."""
+    root = tmp_path_factory.mktemp("vllm_models")
+    a, b = tiny_model(0), tiny_model(1)
+    a.save_pretrained(root / "a")
+    b.save_pretrained(root / "b")
+    return a, root / "a", b, root / "b"
+
+
+@pytest.fixture(scope="class")
+def engine_a(models):
+    """One engine shared by a test class. vLLM keeps process-global state: only one engine may
+    be alive at a time, and it must be closed before the next one starts."""
+    register_backend("vllm", "rlcore.rollout.vllm:VLLMRolloutEngine")
+    engine = make_rollout_engine("vllm", path=str(models[1]), dtype="float32", device="cpu",
+                                 eos_token_ids=[], **ENGINE_KW)
+    yield engine
+    engine.close()
+
+
+class TestSharedEngine:
+    """Tests on one engine started on model A."""
+
+    def test_factory_builds_protocol_engine(self, engine_a):
+        assert isinstance(engine_a, VLLMRolloutEngine)
+        assert isinstance(engine_a, RolloutEngine)
+        assert engine_a.pad_token_id == PAD  # read from the checkpoint's config
+
+    @pytest.mark.parametrize("temperature", [1.0, 0.7])
+    def test_log_probs_match_hf_forward(self, models, engine_a, temperature):
+        model_a = models[0]
+        batch = prompt_batch([5, 9, 2, 7])
+        out = engine_a.generate(batch, SamplingParams(n=3, temperature=temperature, max_new_tokens=10))
+        assert out["responses"].shape == (12, 10) and out["response_mask"].all()  # no EOS configured
+        ref = reference_log_probs(model_a, out, temperature)
+        torch.testing.assert_close(out["rollout_log_probs"], ref, atol=1e-4, rtol=0)
+        assert out["rollout_log_probs"].dtype == torch.float32
+        assert out.info["temperature"] == temperature and out.info["step"] == 7
+
+    def test_greedy_matches_hf_and_reports_temperature_one(self, models, engine_a):
+        model_a = models[0]
+        batch = prompt_batch([4, 6, 3])
+        out = engine_a.generate(batch, SamplingParams(n=1, do_sample=False, temperature=0.3, max_new_tokens=8))
+        # HF greedy continuation, one prompt at a time (no padding involved).
+        for i in range(3):
+            prompt = batch["input_ids"][i][batch["attention_mask"][i].bool()].unsqueeze(0)
+            with torch.no_grad():
+                ref = model_a.generate(prompt, max_new_tokens=8, do_sample=False, eos_token_id=None,
+                                       pad_token_id=PAD)[0, prompt.shape[1]:]
+            assert out["responses"][i].tolist() == ref.tolist()
+        torch.testing.assert_close(out["rollout_log_probs"], reference_log_probs(model_a, out, 1.0), atol=1e-4, rtol=0)
+        assert out.info["temperature"] == 1.0
+
+    def test_output_layout_n_samples_and_meta(self, engine_a):
+        batch = prompt_batch([3, 6])
+        out = engine_a.generate(batch, SamplingParams(n=4, max_new_tokens=5))
+        p = batch["input_ids"].shape[1]
+        assert out["input_ids"].shape == (8, p + 5)
+        torch.testing.assert_close(out["prompts"], batch["input_ids"].repeat_interleave(4, dim=0))
+        torch.testing.assert_close(out["input_ids"][:, p:], out["responses"])
+        assert out["position_ids"][0].tolist() == [0, 0, 0, 0, 1, 2, 3, 4, 5, 6, 7]
+        assert out["attention_mask"][0].tolist() == [0, 0, 0] + [1] * 8
+        assert out.meta["uid"].tolist() == ["p0"] * 4 + ["p1"] * 4
+        # n samples of one prompt are not all the same sequence
+        assert len({tuple(r) for r in out["responses"][:4].tolist()}) > 1
+
+    def test_seed_reproduces_sampling_without_touching_caller_rng(self, engine_a):
+        batch = prompt_batch([5, 3, 8])
+        params = SamplingParams(n=2, max_new_tokens=8, seed=123)
+        torch.manual_seed(0)
+        before = torch.rand(3)
+        torch.manual_seed(0)
+        first = engine_a.generate(batch, params)
+        after = torch.rand(3)
+        second = engine_a.generate(batch, params)
+        other = engine_a.generate(batch, SamplingParams(n=2, max_new_tokens=8, seed=124))
+        assert first["responses"].tolist() == second["responses"].tolist()
+        assert first["responses"].tolist() != other["responses"].tolist()
+        torch.testing.assert_close(before, after)  # the caller's RNG stream is unchanged
+
+    def test_update_weights_holds_incomplete_groups_and_rejects_unknown(self, engine_a, models):
+        model_a = models[0]
+        sd = dict(model_a.named_parameters())
+        engine_a.update_weights([("model.layers.0.self_attn.q_proj.weight", sd["model.layers.0.self_attn.q_proj.weight"])])
+        assert engine_a.pending_weights == ["model.layers.0.self_attn.q_proj.weight"]
+        engine_a.update_weights((n, t) for n, t in sd.items() if n.startswith("model.layers.0.self_attn."))
+        assert engine_a.pending_weights == []
+        with pytest.raises(ValueError, match="model.layers.9.mlp.up_proj.weight"):
+            engine_a.update_weights([("model.layers.9.mlp.up_proj.weight", torch.zeros(1))])
+
+    def test_sleep_and_wake_are_noops_on_cpu(self, engine_a, caplog):
+        with caplog.at_level(logging.WARNING, logger="rlcore.rollout.vllm"):
+            engine_a.sleep()
+            engine_a.wake()
+            engine_a.sleep()
+        assert sum("GPU-only" in r.message for r in caplog.records) == 1
+        out = engine_a.generate(prompt_batch([3]), SamplingParams(n=1, max_new_tokens=2))
+        assert out["responses"].shape == (1, 2)
+
+    def test_right_padded_prompts_are_rejected(self, engine_a):
+        batch = prompt_batch([3, 5])
+        batch.tensors["attention_mask"] = batch["attention_mask"].flip(1)
+        with pytest.raises(ValueError, match="LEFT-padded"):
+            engine_a.generate(batch, SamplingParams(n=1, max_new_tokens=2))
+
+
+
+def test_eos_stops_rows_and_is_kept(models):
+    """With common tokens as EOS, rows stop at different steps; EOS is the last real token."""
+    eos = list(range(3, 40))
+    engine = VLLMRolloutEngine.from_pretrained(str(models[1]), eos_token_ids=eos, pad_token_id=PAD, **ENGINE_KW)
+    try:
+        out = engine.generate(prompt_batch([5, 9, 2, 7, 4, 6]), SamplingParams(n=2, max_new_tokens=12, seed=3))
+    finally:
+        engine.close()
+    mask = out["response_mask"]
+    lengths = mask.sum(1).long()
+    assert lengths.min() < lengths.max()
+    ended = lengths < 12
+    assert ended.any()
+    last = out["responses"].gather(1, (lengths - 1).unsqueeze(1)).squeeze(1)
+    assert torch.isin(last[ended], torch.tensor(eos)).all()
+    # nothing but EOS-free tokens before the end, pad after it, zero log-prob on padding
+    for r in range(len(out)):
+        real = out["responses"][r, : lengths[r] - 1]
+        assert not torch.isin(real, torch.tensor(eos)).any()
+    assert (out["responses"][mask == 0] == PAD).all()
+    assert (out["rollout_log_probs"][mask == 0] == 0).all()
+    ref = reference_log_probs(models[0], out, 1.0)
+    torch.testing.assert_close(out["rollout_log_probs"] * mask, ref * mask, atol=1e-4, rtol=0)
+
+
+def test_update_weights_equals_fresh_engine(models):
+    """Live update (actor-style buckets that split layers, embedding name only) == fresh engine."""
+    _, dir_a, model_b, dir_b = models
+    batch = prompt_batch([5, 9, 2, 7])
+    greedy = SamplingParams(n=1, do_sample=False, max_new_tokens=10)
+    sampled = SamplingParams(n=2, max_new_tokens=10, seed=5)
+
+    live = VLLMRolloutEngine.from_pretrained(str(dir_a), eos_token_ids=[], **ENGINE_KW)
+    try:
+        before = live.generate(batch, greedy)  # fills the prefix cache with model A's KV blocks
+        # named_parameters() lists the tied embedding once, without lm_head.weight; send it in
+        # small buckets that cut through attention and MLP groups.
+        params = list(model_b.named_parameters())
+        assert "lm_head.weight" not in dict(params)
+        for i in range(0, len(params), 3):
+            live.update_weights(params[i: i + 3])
+        assert live.pending_weights == []
+        after_g, after_s = live.generate(batch, greedy), live.generate(batch, sampled)
+    finally:
+        live.close()
+
+    fresh = VLLMRolloutEngine.from_pretrained(str(dir_b), eos_token_ids=[], **ENGINE_KW)
+    try:
+        fresh_g, fresh_s = fresh.generate(batch, greedy), fresh.generate(batch, sampled)
+    finally:
+        fresh.close()
+    assert after_g["responses"].tolist() != before["responses"].tolist()  # the weights did change
+    assert after_g["responses"].tolist() == fresh_g["responses"].tolist()
+    torch.testing.assert_close(after_g["rollout_log_probs"], fresh_g["rollout_log_probs"], atol=1e-5, rtol=0)
+    assert after_s["responses"].tolist() == fresh_s["responses"].tolist()
+    torch.testing.assert_close(after_s["rollout_log_probs"], fresh_s["rollout_log_probs"], atol=1e-5, rtol=0)
+    torch.testing.assert_close(after_g["rollout_log_probs"], reference_log_probs(model_b, after_g, 1.0), atol=1e-4, rtol=0)

@@ -14,13 +14,13 @@ from __future__ import annotations
 from collections.abc import Iterable
 from typing import Any
 
-import numpy as np
 import torch
 from transformers import AutoModelForCausalLM, PreTrainedModel
 
 from rlcore.protocol import Batch
 from rlcore.rollout.base import SamplingParams
 from rlcore.rollout.kv_cache import make_decode_cache
+from rlcore.rollout.output import check_left_padded, rollout_output
 from rlcore.rollout.sampling import choose_tokens
 
 # Drop finished rows from the KV cache once they are at least this fraction of the rows still
@@ -28,7 +28,6 @@ from rlcore.rollout.sampling import choose_tokens
 # it saves on small batches.
 _COMPACT_FRACTION = 0.25
 
-_PROMPT_KEYS = ("input_ids", "attention_mask", "position_ids")
 
 
 class HFRolloutEngine:
@@ -95,34 +94,12 @@ class HFRolloutEngine:
             raise RuntimeError("HFRolloutEngine.generate called while asleep; call wake() first")
         prompt_ids = batch.tensors["input_ids"]
         prompt_mask = batch.tensors["attention_mask"]
-        _check_left_padded(prompt_mask)
-        out_device = prompt_ids.device
-        n = params.n
+        check_left_padded(prompt_mask)
 
         responses, response_mask, log_probs = self._decode(
             prompt_ids.to(self.device), prompt_mask.to(self.device), params
         )
-        responses = responses.to(out_device)
-        response_mask = response_mask.to(out_device)
-        log_probs = log_probs.to(out_device)
-
-        tensors = {k: v.repeat_interleave(n, dim=0) for k, v in batch.tensors.items() if k not in _PROMPT_KEYS}
-        prompts = prompt_ids.repeat_interleave(n, dim=0)
-        attention_mask = torch.cat(
-            [prompt_mask.repeat_interleave(n, dim=0), response_mask.to(prompt_mask.dtype)], dim=1
-        )
-        tensors.update(
-            prompts=prompts,
-            responses=responses,
-            response_mask=response_mask,
-            input_ids=torch.cat([prompts, responses], dim=1),
-            attention_mask=attention_mask,
-            position_ids=(attention_mask.long().cumsum(dim=1) - 1).clamp(min=0),
-            rollout_log_probs=log_probs,
-        )
-        meta = {k: np.repeat(v, n, axis=0) for k, v in batch.meta.items()}
-        info = {**batch.info, "temperature": params.logprob_temperature}
-        return Batch(tensors=tensors, meta=meta, info=info)
+        return rollout_output(batch, responses, response_mask, log_probs, params)
 
     def _decode(
         self, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, params: SamplingParams
@@ -248,13 +225,3 @@ class HFRolloutEngine:
         self._asleep = False
 
 
-def _check_left_padded(mask: torch.Tensor) -> None:
-    """Reject right-padded prompts: decoding appends after the last column, so it must be real."""
-    if mask.ndim != 2:
-        raise ValueError(f"attention_mask must be [batch, prompt_len], got shape {tuple(mask.shape)}")
-    bad = (mask[:, -1] == 0).nonzero().flatten()
-    if bad.numel():
-        raise ValueError(
-            f"input_ids must be LEFT-padded (last column real for every row); rows {bad[:8].tolist()} "
-            "end in padding (or are empty)"
-        )

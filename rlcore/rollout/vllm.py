@@ -41,18 +41,16 @@ os.environ.setdefault("DO_NOT_TRACK", "1")
 # The CPU KV cache is sized per engine with `kv_cache_gib` (vLLM's `kv_cache_memory_bytes`);
 # vLLM lets a set VLLM_CPU_KVCACHE_SPACE (GiB) override that, so it is not set here.
 
-import numpy as np  # noqa: E402
 import torch  # noqa: E402
 import vllm  # noqa: E402
 from vllm.inputs import TokensPrompt  # noqa: E402
 
 from rlcore.protocol import Batch  # noqa: E402
 from rlcore.rollout.base import SamplingParams  # noqa: E402
-from rlcore.rollout.hf import _check_left_padded  # noqa: E402
+from rlcore.rollout.output import check_left_padded, rollout_output  # noqa: E402
 
 logger = logging.getLogger(__name__)
 
-_PROMPT_KEYS = ("input_ids", "attention_mask", "position_ids")
 _TIED_NAMES = ("model.embed_tokens.weight", "lm_head.weight")
 
 
@@ -211,7 +209,7 @@ class VLLMRolloutEngine:
             raise RuntimeError("VLLMRolloutEngine.generate called after close()")
         prompt_ids = batch.tensors["input_ids"]
         prompt_mask = batch.tensors["attention_mask"]
-        _check_left_padded(prompt_mask)
+        check_left_padded(prompt_mask)
         n = params.n
         prompts = [
             TokensPrompt(prompt_token_ids=row[m.bool()].tolist())
@@ -240,25 +238,7 @@ class VLLMRolloutEngine:
                 log_probs[r, : len(ids)] = torch.tensor(lp, dtype=torch.float32)
         response_mask = (torch.arange(resp_len) < lengths.unsqueeze(-1)).float()
 
-        out_device = prompt_ids.device
-        responses, response_mask, log_probs = (t.to(out_device) for t in (responses, response_mask, log_probs))
-        tensors = {k: v.repeat_interleave(n, dim=0) for k, v in batch.tensors.items() if k not in _PROMPT_KEYS}
-        rep_prompts = prompt_ids.repeat_interleave(n, dim=0)
-        attention_mask = torch.cat(
-            [prompt_mask.repeat_interleave(n, dim=0), response_mask.to(prompt_mask.dtype)], dim=1
-        )
-        tensors.update(
-            prompts=rep_prompts,
-            responses=responses,
-            response_mask=response_mask,
-            input_ids=torch.cat([rep_prompts, responses], dim=1),
-            attention_mask=attention_mask,
-            position_ids=(attention_mask.long().cumsum(dim=1) - 1).clamp(min=0),
-            rollout_log_probs=log_probs,
-        )
-        meta = {k: np.repeat(v, n, axis=0) for k, v in batch.meta.items()}
-        info = {**batch.info, "temperature": params.logprob_temperature}
-        return Batch(tensors=tensors, meta=meta, info=info)
+        return rollout_output(batch, responses, response_mask, log_probs, params)
 
     def _run(self, prompts: list[TokensPrompt], params: SamplingParams) -> list[Any]:
         """One `LLM.generate` call with vLLM sampling params built from ours.

@@ -71,3 +71,16 @@ __all__ = [
     "register_policy_loss",
     "vanilla_policy_loss",
 ]
+
+# Offline preference optimisation (DPO family, KTO).
+from rlcore.algos.preference import (  # noqa: E402
+    DPO_LOSS_TYPES,
+    PreferenceLossOutput,
+    dpo_loss,
+    kto_loss,
+    kto_reference_point,
+    kto_reference_point_from_sums,
+)
+
+__all__ += ["DPO_LOSS_TYPES", "PreferenceLossOutput", "dpo_loss", "kto_loss", "kto_reference_point",
+            "kto_reference_point_from_sums"]

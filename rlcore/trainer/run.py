@@ -13,6 +13,14 @@ def make_trainer(config: Config, **kwargs: Any):
         from rlcore.trainer.ppo import PPOTrainer
 
         return PPOTrainer(config, **kwargs)
+    if config.algorithm.name == "dpo":
+        from rlcore.trainer.dpo import DPOTrainer
+
+        return DPOTrainer(config, **kwargs)
+    if config.algorithm.name == "kto":
+        from rlcore.trainer.kto import KTOTrainer
+
+        return KTOTrainer(config, **kwargs)
     from rlcore.trainer.grpo import GRPOTrainer
 
     return GRPOTrainer(config, **kwargs)

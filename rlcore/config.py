@@ -70,6 +70,10 @@ class ActorConfig(_Section):
     tis_cap: float | None = Field(None, gt=0, description="truncated importance sampling cap for rollout/actor mismatch")
     world_size: int = Field(1, ge=1, description="data-parallel ranks of actor (and reference); FSDP2 when > 1 (Ray backend)")
     weight_sync_bucket_mb: float = Field(64.0, gt=0, description="weights go to the rollout engine in buckets of this size")
+    mixed_precision: Literal["none", "bf16"] = Field(
+        "none", description="FSDP2 mixed precision: bf16 parameters and compute, fp32 gradient reduction; "
+        "master weights and optimizer state stay in model.dtype (use float32)")
+    cpu_offload: bool = Field(False, description="FSDP2: parameters, gradients and optimizer state on host memory (CUDA)")
 
 
 class VLLMEngineConfig(_Section):
@@ -99,6 +103,9 @@ class RolloutConfig(_Section):
     val_temperature: float = Field(1.0, gt=0)
     val_greedy: bool = True
     vllm: VLLMEngineConfig = VLLMEngineConfig()
+    free_memory_when_idle: bool | None = Field(
+        None, description="sleep the engine from after generation until the weight sync; "
+        "default: on when actor and rollout share a GPU (in-process on CUDA, or one GPU pool on Ray)")
 
 
 class CriticConfig(_Section):
@@ -283,7 +290,8 @@ class Config(_Section):
                 if ws > 1:
                     raise ValueError(f"{key}.world_size={ws} needs trainer.backend=ray (the in-process backend runs one rank)")
         if self.trainer.backend == "ray" and "default" not in self.ray.pools:
-            unmapped = [r for r in ROLES if r not in self.ray.roles]
+            present = ["actor", "rollout", "reward"] + ["ref"] * self.needs_reference + ["critic"] * (self.algorithm.name == "ppo")
+            unmapped = [r for r in present if r not in self.ray.roles]
             if unmapped:
                 raise ValueError(f"ray.pools: roles {unmapped} use pool 'default', which is not defined")
         return self

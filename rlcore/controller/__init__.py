@@ -9,6 +9,7 @@ from rlcore.controller.dispatch import Dispatch, MethodSpec, balanced_partitions
 from rlcore.controller.errors import WorkerError
 from rlcore.controller.group import GroupFuture, RoleView, WorkerGroup
 from rlcore.controller.inprocess import InProcessWorkerGroup
+from rlcore.controller.ray_backend import RayWorkerGroup, ResourcePool, WorkerDiedError, WorkerTimeoutError
 from rlcore.controller.worker import ColocatedWorker, Worker
 
 __all__ = [
@@ -17,9 +18,13 @@ __all__ = [
     "GroupFuture",
     "InProcessWorkerGroup",
     "MethodSpec",
+    "RayWorkerGroup",
+    "ResourcePool",
     "RoleView",
     "Worker",
+    "WorkerDiedError",
     "WorkerError",
+    "WorkerTimeoutError",
     "WorkerGroup",
     "balanced_partitions",
     "register",

@@ -36,6 +36,7 @@ class Dispatch(str, enum.Enum):
     RANK_ZERO = "rank_zero"      # rank 0 only -> its result
     DP_COMPUTE = "dp_compute"    # Batch args split in contiguous equal parts -> concat in order
     DP_BALANCED = "dp_balanced"  # like DP_COMPUTE, parts balanced by token count, order restored
+    COLLECTIVE = "collective"    # same args to every rank (they run a collective) -> rank 0's result
 
 
 @dataclass(frozen=True)
@@ -90,6 +91,8 @@ def plan_dispatch(mode: Dispatch, world_size: int, args: tuple, kwargs: dict,
         return Plan([(r, args, kwargs) for r in range(world_size)], list)
     if mode is Dispatch.RANK_ZERO:
         return Plan([(0, args, kwargs)], lambda results: results[0])
+    if mode is Dispatch.COLLECTIVE:
+        return Plan([(r, args, kwargs) for r in range(world_size)], lambda results: results[0])
     return _plan_dp(world_size, args, kwargs, method, balanced=mode is Dispatch.DP_BALANCED)
 
 

@@ -11,7 +11,7 @@ import abc
 import functools
 from typing import Any, Callable
 
-from rlcore.controller.dispatch import MethodSpec, plan_dispatch
+from rlcore.controller.dispatch import Dispatch, MethodSpec, plan_dispatch
 
 __all__ = ["GroupFuture", "RoleView", "WorkerGroup"]
 
@@ -88,9 +88,20 @@ class WorkerGroup(abc.ABC):
     def call_async(self, method: str, *args: Any, **kwargs: Any) -> GroupFuture:
         """Dispatch per the method's registration; returns a future."""
         spec = self._spec(method)
+        args, kwargs = self._prepare_args(spec.dispatch, args, kwargs)
         plan = plan_dispatch(spec.dispatch, self._world_size, args, kwargs, method=method)
         wait = self._launch(method, plan.calls)
-        return GroupFuture(lambda: plan.collect(wait()))
+        return self._make_future(spec.dispatch, lambda: plan.collect(wait()))
+
+    def _prepare_args(self, dispatch: Dispatch, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+        """Futures passed as arguments are waited for here (a backend may pass them on instead)."""
+        def resolve(v: Any) -> Any:
+            return v.result() if isinstance(v, GroupFuture) else v
+
+        return tuple(resolve(a) for a in args), {k: resolve(v) for k, v in kwargs.items()}
+
+    def _make_future(self, dispatch: Dispatch, wait: Callable[[], Any]) -> GroupFuture:
+        return GroupFuture(wait)
 
     def call(self, method: str, *args: Any, **kwargs: Any) -> Any:
         """Dispatch per the method's registration; the result, or a future if non-blocking."""
@@ -109,6 +120,8 @@ class WorkerGroup(abc.ABC):
             raise AttributeError(name)
         if name in self.methods:
             return functools.partial(self.call, name)
+        if name.endswith("_async") and name[: -len("_async")] in self.methods:  # wg.generate_async(b)
+            return functools.partial(self.call_async, name[: -len("_async")])
         raise AttributeError(
             f"worker group {self._role!r} has no registered method {name!r}; "
             f"registered: {sorted(self.methods)}"
@@ -138,6 +151,11 @@ class RoleView:
 
     def __init__(self, group: WorkerGroup, role: str):
         self._group, self._role = group, role
+
+    @property
+    def group(self) -> WorkerGroup:
+        """The colocated group this view belongs to."""
+        return self._group
 
     def call(self, method: str, *args: Any, **kwargs: Any) -> Any:
         return self._group.call(f"{self._role}.{method}", *args, **kwargs)

@@ -1,12 +1,15 @@
-"""Which worker groups a run has, and how they are built (in-process backend for now)."""
+"""Which worker groups a run has, and how they are built: in this process, or as Ray actors
+placed on resource pools (`trainer.backend`). The control flow sees the same `WorkerGroups`."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any, Callable
 
 from rlcore.config import Config
-from rlcore.controller import InProcessWorkerGroup, WorkerGroup
+from rlcore.controller import ColocatedWorker, InProcessWorkerGroup, RoleView, Worker, WorkerGroup
 from rlcore.workers.actor import ActorWorker, ReferenceWorker
 from rlcore.workers.critic import CriticWorker
 from rlcore.workers.reward import RewardWorker
@@ -15,11 +18,12 @@ from rlcore.workers.rollout import RolloutWorker
 
 @dataclass
 class WorkerGroups:
-    actor: WorkerGroup
-    rollout: WorkerGroup
-    reward: WorkerGroup
-    ref: WorkerGroup | None = None
-    critic: WorkerGroup | None = None
+    actor: WorkerGroup | RoleView
+    rollout: WorkerGroup | RoleView
+    reward: WorkerGroup | RoleView
+    ref: WorkerGroup | RoleView | None = None
+    critic: WorkerGroup | RoleView | None = None
+    on_close: list[Callable[[], None]] = field(default_factory=list)  # pools, a Ray we started
 
     def save_checkpoint(self, folder: str, tokenizer_dir: str | None = None) -> None:
         self.actor.save_checkpoint(folder, tokenizer_dir=tokenizer_dir)
@@ -33,21 +37,136 @@ class WorkerGroups:
             self.critic.load_checkpoint(folder)
         self.rollout.load_model(str(Path(folder) / "actor"))
 
+    def sync_weights(self) -> None:
+        """Actor -> rollout, one bucket at a time (`actor.weight_sync_bucket_mb`): on Ray each bucket
+        goes worker to worker through the object store, never through the controller."""
+        for names in self.actor.weight_bucket_plan():
+            self.rollout.update_weights(self.actor.call_async("gather_weight_bucket", names))
+
     def close(self) -> None:
-        for group in (self.actor, self.rollout, self.reward, self.ref, self.critic):
-            if group is not None:
-                group.shutdown()
+        seen: set[int] = set()
+        try:
+            for group in (self.actor, self.rollout, self.reward, self.ref, self.critic):
+                group = group.group if isinstance(group, RoleView) else group
+                if group is not None and id(group) not in seen:
+                    seen.add(id(group))
+                    group.shutdown()
+        finally:
+            for fn in reversed(self.on_close):
+                fn()
+            self.on_close.clear()
 
 
-def _group(factory, role: str) -> WorkerGroup:
-    return InProcessWorkerGroup(factory, world_size=1, role=role)
+def _factories(config: Config) -> dict[str, tuple[Callable[[int, int], Worker], int]]:
+    """role -> (worker factory, world size) for the roles this run has."""
+    out: dict[str, tuple[Callable[[int, int], Worker], int]] = {
+        "actor": (lambda rank, ws: ActorWorker(config, rank, ws), config.actor.world_size),
+        "rollout": (lambda rank, ws: RolloutWorker(config, rank, ws), config.rollout.world_size),
+        "reward": (lambda rank, ws: RewardWorker(config, rank, ws), 1),
+    }
+    if config.needs_reference:
+        out["ref"] = (lambda rank, ws: ReferenceWorker(config, rank, ws), config.actor.world_size)
+    if config.algorithm.name == "ppo":
+        out["critic"] = (lambda rank, ws: CriticWorker(config, rank, ws), config.critic.world_size)
+    return out
 
 
 def build_worker_groups(config: Config) -> WorkerGroups:
-    return WorkerGroups(
-        actor=_group(lambda rank, ws: ActorWorker(config, rank, ws), "actor"),
-        rollout=_group(lambda rank, ws: RolloutWorker(config, rank, ws), "rollout"),
-        reward=_group(lambda rank, ws: RewardWorker(config, rank, ws), "reward"),
-        ref=_group(lambda rank, ws: ReferenceWorker(config, rank, ws), "ref") if config.needs_reference else None,
-        critic=_group(lambda rank, ws: CriticWorker(config, rank, ws), "critic") if config.algorithm.name == "ppo" else None,
-    )
+    if config.trainer.backend == "ray":
+        return build_ray_worker_groups(config)
+    groups = {role: InProcessWorkerGroup(factory, world_size=1, role=role)
+              for role, (factory, _) in _factories(config).items()}
+    return WorkerGroups(**groups)
+
+
+# ----- Ray --------------------------------------------------------------------------------------
+
+DISTRIBUTED_ROLES = {"actor", "ref", "critic"}  # roles that shard their model over ranks (FSDP2)
+
+
+def _units(config: Config, roles: dict[str, tuple[Callable, int]]) -> list[list[str]]:
+    """Process groups to start: each colocated set (roles present in this run) and each other role."""
+    units, placed = [], set()
+    for group in config.ray.colocate:
+        present = [r for r in group if r in roles]
+        if present:
+            sizes = {roles[r][1] for r in present}
+            if len(sizes) > 1:
+                raise ValueError(f"ray.colocate: {present} have different world sizes "
+                                 f"{[roles[r][1] for r in present]}; colocated roles share ranks")
+            units.append(present)
+            placed.update(present)
+    units += [[r] for r in roles if r not in placed]
+    return units
+
+
+def build_ray_worker_groups(config: Config) -> WorkerGroups:
+    """Ray actors for every role, on placement-group pools mapped by `ray.roles`."""
+    from rlcore.controller.ray_backend import RayWorkerGroup, ResourcePool, ensure_ray
+
+    rc = config.ray
+    roles = _factories(config)
+    units = _units(config, roles)
+    pool_units: dict[str, list[list[str]]] = {}
+    for unit in units:
+        pool_units.setdefault(rc.pool_of(unit[0]), []).append(unit)
+    bundles = {name: max(roles[u[0]][1] for u in us) for name, us in pool_units.items()}
+    need = sum(bundles[n] * rc.pools[n].cpus_per_bundle for n in bundles)
+
+    on_close: list[Callable[[], None]] = []
+    if ensure_ray(rc.address, rc.num_cpus if rc.num_cpus is not None else max(1.0, need), rc.temp_dir):
+        import ray
+
+        on_close.append(ray.shutdown)
+    made: dict[str, Any] = {}
+    try:
+        pools = {}
+        for name, n in bundles.items():
+            p = rc.pools[name]
+            pools[name] = ResourcePool(name, n, p.cpus_per_bundle, p.gpus_per_bundle, p.strategy)
+            on_close.append(pools[name].remove)
+
+        def submit(unit: list[str]) -> RayWorkerGroup:
+            pool_name = rc.pool_of(unit[0])
+            ws = roles[unit[0]][1]
+            if len(unit) == 1:
+                factory = roles[unit[0]][0]
+            else:
+                parts = {r: roles[r][0] for r in unit}
+                factory = _colocated_factory(parts)
+            return RayWorkerGroup(
+                factory, ws, "+".join(unit), pool=pools[pool_name], share=1.0 / len(pool_units[pool_name]),
+                distributed=ws > 1 and bool(DISTRIBUTED_ROLES & set(unit)),
+                call_timeout_s=rc.call_timeout_s, init_timeout_s=rc.init_timeout_s, wait=False,
+            )
+
+        for unit in units:  # actors are created here; their start-ups (model loads) overlap
+            made[tuple(unit)] = submit(unit)
+        with ThreadPoolExecutor(max_workers=len(units)) as ex:
+            futures = [ex.submit(group.wait_started) for group in made.values()]
+            errors = []
+            for fut in futures:
+                try:
+                    fut.result()
+                except Exception as e:
+                    errors.append(e)
+            if errors:
+                raise errors[0]
+        views: dict[str, Any] = {}
+        for unit, group in made.items():
+            for role in unit:
+                views[role] = group if len(unit) == 1 else group.view(role)
+        return WorkerGroups(**views, on_close=on_close)
+    except BaseException:
+        for group in made.values():
+            group.shutdown()
+        for fn in reversed(on_close):
+            fn()
+        raise
+
+
+def _colocated_factory(parts: dict[str, Callable[[int, int], Worker]]) -> Callable[[int, int], Worker]:
+    def factory(rank: int, ws: int) -> Worker:
+        return ColocatedWorker({r: f(rank, ws) for r, f in parts.items()}, rank, ws)
+
+    return factory

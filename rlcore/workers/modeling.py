@@ -52,11 +52,16 @@ def _backbone(model: nn.Module) -> nn.Module:
 
 def response_hidden_states(model: nn.Module, batch: Batch) -> torch.Tensor:
     """Hidden states that predict each response token: positions P-1 .. P+R-2, shape [N, R, H]."""
-    response_len = batch["responses"].shape[1]
+    return _hidden_before_responses(
+        model, batch["input_ids"], batch["attention_mask"], batch["position_ids"], batch["responses"].shape[1]
+    )
+
+
+def _hidden_before_responses(model: nn.Module, input_ids, attention_mask, position_ids, response_len: int) -> torch.Tensor:
     out = _backbone(model)(
-        input_ids=batch["input_ids"],
-        attention_mask=batch["attention_mask"],
-        position_ids=batch["position_ids"],
+        input_ids=input_ids,
+        attention_mask=attention_mask,
+        position_ids=position_ids,
         use_cache=False,
     )
     hidden = out.last_hidden_state
@@ -72,14 +77,38 @@ def response_log_probs(
     compute_entropy: bool = False,
     backend: str = "auto",
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Per-token log-probs (and entropy) of `batch["responses"]` under `model`, both [N, R]."""
-    hidden = response_hidden_states(model, batch)
+    """Per-token log-probs (and entropy) of `batch["responses"]` under `model`, both [N, R].
+
+    An FSDP-sharded model carries this computation as a registered forward method (see
+    `rlcore.workers.fsdp.shard_model`) so its root parameters are gathered around it.
+    """
+    fn = getattr(model, "rlcore_response_log_probs", None)
+    args = (batch["input_ids"], batch["attention_mask"], batch["position_ids"], batch["responses"], float(temperature))
+    kwargs = dict(chunk_tokens=chunk_tokens, compute_entropy=compute_entropy, backend=backend)
+    if fn is not None:
+        return fn(*args, **kwargs)
+    return _response_log_probs_impl(model, *args, **kwargs)
+
+
+def _response_log_probs_impl(
+    model: nn.Module,
+    input_ids: torch.Tensor,
+    attention_mask: torch.Tensor,
+    position_ids: torch.Tensor,
+    responses: torch.Tensor,
+    temperature: float,
+    *,
+    chunk_tokens: int = 1024,
+    compute_entropy: bool = False,
+    backend: str = "auto",
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    hidden = _hidden_before_responses(model, input_ids, attention_mask, position_ids, responses.shape[1])
     n, r, h = hidden.shape
     weight = model.get_output_embeddings().weight
     out = fused_token_logprobs(
         hidden.reshape(n * r, h),
         weight,
-        batch["responses"].reshape(-1),
+        responses.reshape(-1),
         temperature=temperature,
         compute_entropy=compute_entropy,
         chunk_tokens=chunk_tokens,

@@ -1,0 +1,428 @@
+"""`RayWorkerGroup`: the worker-group interface with each rank in its own Ray actor.
+
+Planning and collecting are shared with the in-process backend (`plan_dispatch`); this module
+only starts per-rank calls (`execute.remote`) and waits for them. What it adds:
+
+- placement: a `ResourcePool` is a placement group of `n` bundles; rank r of every group on the
+  pool runs on bundle r, taking `share` of that bundle (several groups, or one group of
+  colocated roles via `ColocatedWorker`, can live on one pool);
+- futures that travel: a rank-zero/collective result passed to another group's call goes over
+  as an ObjectRef, worker to worker, without being fetched into the controller;
+- failures: a worker that raises becomes `WorkerError` (role, rank, method, remote traceback);
+  a worker process that dies becomes `WorkerDiedError` as soon as Ray notices, and a call that
+  runs past `call_timeout_s` becomes `WorkerTimeoutError`: never an unbounded wait;
+- torch.distributed: with `distributed=True` the ranks rendezvous (rank 0's node address and a
+  free port it picks) before `setup()`, gloo on CPU, nccl with GPUs.
+"""
+
+from __future__ import annotations
+
+import gc
+import logging
+import os
+import socket
+import time
+from datetime import timedelta
+from typing import Any, Callable
+
+from rlcore.controller.dispatch import Dispatch, MethodSpec
+from rlcore.controller.errors import WorkerError
+from rlcore.controller.group import GroupFuture, WorkerGroup
+from rlcore.controller.worker import Worker
+
+__all__ = [
+    "RayGroupFuture",
+    "RayWorkerGroup",
+    "ResourcePool",
+    "WorkerDiedError",
+    "WorkerTimeoutError",
+    "ensure_ray",
+]
+
+log = logging.getLogger(__name__)
+
+# One thread per worker: 2 shared cores and several processes; oversubscription costs 10-60x.
+WORKER_ENV = {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
+
+
+class WorkerDiedError(WorkerError):
+    """The worker process is gone (killed, out of memory, node lost)."""
+
+
+class WorkerTimeoutError(WorkerError):
+    """A call ran past the group's time limit (a hung worker or a stuck collective)."""
+
+
+def ensure_ray(address: str | None = None, num_cpus: float | None = None, temp_dir: str | None = None) -> bool:
+    """Connect to `address`, or start a local cluster. Returns True when this call started Ray
+    (the caller then owns `ray.shutdown()`); an already initialised Ray is reused as it is."""
+    import ray
+
+    if ray.is_initialized():
+        return False
+    # Object and actor ids repeat across sessions of one process (same job id): a stale ObjectRef
+    # from an earlier session, freed later by the cycle collector, would drop the count of a new
+    # object or actor with the same id and kill it. Free such garbage before starting.
+    gc.collect()
+    os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+    if address:
+        ray.init(address=address, log_to_driver=True)
+        return True
+    kwargs: dict[str, Any] = dict(include_dashboard=False, log_to_driver=True)
+    if num_cpus is not None:
+        kwargs["num_cpus"] = int(-(-num_cpus // 1))
+    if temp_dir:
+        os.makedirs(temp_dir, exist_ok=True)
+        kwargs["_temp_dir"] = os.path.abspath(temp_dir)
+    ray.init(**kwargs)
+    return True
+
+
+class ResourcePool:
+    """A placement group of `bundles` equal bundles; rank r of each group on it uses bundle r."""
+
+    def __init__(self, name: str, bundles: int, cpus_per_bundle: float = 1.0, gpus_per_bundle: float = 0.0,
+                 strategy: str = "PACK", timeout_s: float = 120.0):
+        import ray
+        from ray.util.placement_group import placement_group
+
+        if bundles < 1:
+            raise ValueError(f"resource pool {name!r}: bundles must be >= 1, got {bundles}")
+        self.name, self.bundles = name, bundles
+        self.cpus_per_bundle, self.gpus_per_bundle = float(cpus_per_bundle), float(gpus_per_bundle)
+        bundle = {"CPU": self.cpus_per_bundle}
+        if self.gpus_per_bundle:
+            bundle["GPU"] = self.gpus_per_bundle
+        self.pg = placement_group([dict(bundle) for _ in range(bundles)], strategy=strategy)
+        try:
+            ray.get(self.pg.ready(), timeout=timeout_s)
+        except ray.exceptions.GetTimeoutError:
+            self.remove()
+            raise RuntimeError(
+                f"resource pool {name!r}: could not reserve {bundles} x {bundle} ({strategy}) within "
+                f"{timeout_s:.0f}s; the cluster has {ray.available_resources()} available"
+            ) from None
+
+    def remove(self) -> None:
+        from ray.util.placement_group import remove_placement_group
+
+        try:
+            remove_placement_group(self.pg)
+        except Exception:  # already gone with the cluster
+            pass
+
+    def __repr__(self) -> str:
+        return f"ResourcePool({self.name!r}, bundles={self.bundles}, cpu={self.cpus_per_bundle}, gpu={self.gpus_per_bundle})"
+
+
+class _WorkerHost:
+    """The Ray actor around one rank's Worker. Every worker call goes through `execute`."""
+
+    def __init__(self, role: str, rank: int, world_size: int, env: dict[str, str]):
+        os.environ.update(env)
+        import torch
+
+        torch.set_num_threads(int(env.get("OMP_NUM_THREADS", "1")))
+        self.role, self.rank, self.world_size = role, rank, world_size
+        self.worker: Worker | None = None
+
+    def build(self, factory: Callable[[int, int], Worker]) -> dict[str, MethodSpec]:
+        try:
+            w = factory(self.rank, self.world_size)
+            if not isinstance(w, Worker):
+                raise TypeError(f"worker_factory returned {type(w).__name__}, not a Worker")
+            if (w.rank, w.world_size) != (self.rank, self.world_size):
+                raise ValueError(f"worker_factory built rank {w.rank}/{w.world_size} "
+                                 f"when asked for rank {self.rank}/{self.world_size}")
+        except Exception as e:
+            raise WorkerError.from_exception(self.role, self.rank, "__init__", e) from None
+        w.role = w.role or self.role
+        self.worker = w
+        return w.registered_methods()
+
+    def rendezvous_address(self) -> tuple[str, int]:
+        """This node's address and a port free right now (rank 0 hosts the TCP store)."""
+        import ray
+
+        with socket.socket() as s:
+            s.bind(("", 0))
+            port = s.getsockname()[1]
+        return ray.util.get_node_ip_address(), port
+
+    def init_distributed(self, addr: str, port: int, backend: str, timeout_s: float) -> None:
+        import torch.distributed as dist
+
+        os.environ.update(MASTER_ADDR=addr, MASTER_PORT=str(port), RANK=str(self.rank),
+                          WORLD_SIZE=str(self.world_size), LOCAL_RANK="0")
+        try:
+            if backend == "nccl":
+                import torch
+
+                torch.cuda.set_device(0)  # Ray exposes this rank's GPU as device 0
+            dist.init_process_group(backend, rank=self.rank, world_size=self.world_size,
+                                    timeout=timedelta(seconds=timeout_s))
+        except Exception as e:
+            raise WorkerError.from_exception(self.role, self.rank, "init_distributed", e) from None
+
+    def execute(self, method: str, *args: Any, **kwargs: Any) -> Any:
+        try:
+            return self.worker.execute(method, *args, **kwargs)
+        except Exception as e:
+            raise WorkerError.from_exception(self.role, self.rank, method, e) from None
+
+    def pid(self) -> int:
+        return os.getpid()
+
+
+class RayGroupFuture(GroupFuture):
+    """A `GroupFuture` that also knows the ObjectRef of a single-rank result, so it can be handed
+    to another group's call without passing through the controller."""
+
+    def __init__(self, wait: Callable[[], Any], ref: Any | None):
+        super().__init__(wait)
+        self.ref = ref
+
+
+class RayWorkerGroup(WorkerGroup):
+    """`world_size` Ray actors, one per rank, each running `worker_factory(rank, world_size)`.
+
+    `pool`: where rank r goes (bundle r); None means no placement group (Ray places the actors).
+    `share`: fraction of a bundle's CPUs/GPUs each rank takes (groups sharing a pool split it).
+    `distributed`: create a torch.distributed process group across the ranks before `setup()`
+    (default: when world_size > 1). After a failure in a distributed group, further calls raise
+    at once: the other ranks may be stuck in a collective, so the group must be rebuilt (resume).
+    """
+
+    def __init__(self, worker_factory: Callable[[int, int], Worker], world_size: int = 1,
+                 role: str = "worker", *, pool: ResourcePool | None = None, share: float = 1.0,
+                 distributed: bool | None = None, dist_backend: str | None = None,
+                 env_vars: dict[str, str] | None = None, call_timeout_s: float | None = 3600.0,
+                 init_timeout_s: float = 600.0, wait: bool = True):
+        super().__init__(role, world_size)
+        import ray
+
+        if pool is not None and pool.bundles < world_size:
+            raise ValueError(f"{role}: world_size {world_size} does not fit pool {pool.name!r} "
+                             f"of {pool.bundles} bundles")
+        self.call_timeout_s = call_timeout_s
+        self.init_timeout_s = init_timeout_s
+        self._pool = pool
+        self._failed: WorkerError | None = None
+        self._distributed = False
+        self._actors: list[Any] = []
+        env = {**WORKER_ENV, **(env_vars or {})}
+        gpus = pool.gpus_per_bundle * share if pool is not None else 0.0
+        cpus = _floor4(pool.cpus_per_bundle * share) if pool is not None else 1.0
+        host_cls = ray.remote(_WorkerHost)
+        try:
+            for rank in range(world_size):
+                options: dict[str, Any] = dict(num_cpus=cpus, num_gpus=_floor4(gpus), max_restarts=0,
+                                               runtime_env={"env_vars": env})
+                if pool is not None:
+                    from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+                    options["scheduling_strategy"] = PlacementGroupSchedulingStrategy(
+                        placement_group=pool.pg, placement_group_bundle_index=rank)
+                self._actors.append(host_cls.options(**options).remote(role, rank, world_size, env))
+            self._build_refs = [(r, a.build.remote(worker_factory)) for r, a in enumerate(self._actors)]
+        except BaseException:
+            self._kill_actors()
+            raise
+        self._want_distributed = distributed if distributed is not None else world_size > 1
+        self._dist_backend = dist_backend or ("nccl" if gpus > 0 else "gloo")
+        self._started = False
+        if wait:
+            self.wait_started()
+
+    def wait_started(self) -> RayWorkerGroup:
+        """Wait for the workers to be built, rendezvous and `setup()`. With `wait=False` the
+        constructor only submits the actors (from the calling thread: Ray actor handles are best
+        created there), so several groups can start at once and be waited for from threads."""
+        if self._started:
+            return self
+        try:
+            specs = self._wait_all("__init__", self._build_refs, self.init_timeout_s)
+            self._methods: dict[str, MethodSpec] = specs[0]
+            self._distributed = self._want_distributed
+            if self._distributed:
+                addr, port = self._wait_all("init_distributed", [(0, self._actors[0].rendezvous_address.remote())],
+                                            self.init_timeout_s)[0]
+                timeout = self.call_timeout_s or 1800.0
+                self._wait_all("init_distributed", [
+                    (r, a.init_distributed.remote(addr, port, self._dist_backend, timeout))
+                    for r, a in enumerate(self._actors)
+                ], self.init_timeout_s)
+            self._wait_all("setup", [(r, a.execute.remote("setup")) for r, a in enumerate(self._actors)],
+                           self.init_timeout_s)
+        except BaseException:
+            self._kill_actors()
+            raise
+        self._started = True
+        self._build_refs = []
+        return self
+
+    # ----- the WorkerGroup interface ------------------------------------------------------------
+
+    @property
+    def methods(self) -> dict[str, MethodSpec]:
+        if not self._started:
+            raise RuntimeError(f"worker group {self.role!r}: call wait_started() first")
+        return self._methods
+
+    def pids(self) -> list[int]:
+        """Process id of each rank (for tests and debugging)."""
+        return self._wait_all("pid", [(r, a.pid.remote()) for r, a in enumerate(self._actors)], 60.0)
+
+    def call_async(self, method: str, *args: Any, **kwargs: Any) -> RayGroupFuture:
+        if self._failed is not None:
+            raise RuntimeError(
+                f"worker group {self.role!r} is unusable after rank {self._failed.rank} failed in "
+                f"{self._failed.method!r} (its ranks may be stuck in a collective); rebuild the "
+                f"groups (resume from the last checkpoint). First failure: {self._failed.error}"
+            )
+        return super().call_async(method, *args, **kwargs)  # the future comes from _make_future
+
+    def _prepare_args(self, dispatch: Dispatch, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+        """Futures as arguments: a single-rank result goes on as its ObjectRef (Ray resolves it in
+        the receiving worker); anything that must be split here is fetched first."""
+        passthrough = dispatch in (Dispatch.ONE_TO_ALL, Dispatch.RANK_ZERO, Dispatch.COLLECTIVE)
+
+        def resolve(v: Any) -> Any:
+            if isinstance(v, RayGroupFuture) and v.ref is not None and passthrough:
+                return v.ref
+            return v.result() if isinstance(v, GroupFuture) else v
+
+        return tuple(resolve(a) for a in args), {k: resolve(v) for k, v in kwargs.items()}
+
+    def _launch(self, method: str, calls: list[tuple[int, tuple, dict]]) -> Callable[[], list[Any]]:
+        import ray
+
+        shared: dict[int, Any] = {}  # an argument sent to several ranks goes to the object store once
+        if len(calls) > 1:
+            seen: dict[int, int] = {}
+            for _, args, kwargs in calls:
+                for v in (*args, *kwargs.values()):
+                    seen[id(v)] = seen.get(id(v), 0) + 1
+            for _, args, kwargs in calls:
+                for v in (*args, *kwargs.values()):
+                    if seen[id(v)] > 1 and id(v) not in shared and _worth_putting(v):
+                        shared[id(v)] = ray.put(v)
+
+        def put(v: Any) -> Any:
+            return shared.get(id(v), v)
+
+        refs = [(rank, self._actors[rank].execute.remote(method, *map(put, args),
+                                                         **{k: put(v) for k, v in kwargs.items()}))
+                for rank, args, kwargs in calls]
+        self._last_refs = refs
+        return lambda: self._wait_all(method, refs, self.call_timeout_s)
+
+    def _make_future(self, dispatch: Dispatch, wait: Callable[[], Any]) -> RayGroupFuture:
+        single = dispatch in (Dispatch.RANK_ZERO, Dispatch.COLLECTIVE)
+        return RayGroupFuture(wait, self._last_refs[0][1] if single else None)
+
+    def _shutdown_workers(self) -> None:
+        if self._failed is None and self._actors and self._started:
+            try:
+                self._wait_all("shutdown", [(r, a.execute.remote("shutdown")) for r, a in enumerate(self._actors)],
+                               min(60.0, self.call_timeout_s or 60.0))
+            except (WorkerError, RuntimeError) as e:
+                log.warning("%s: shutdown failed: %s", self.role, e)
+        self._kill_actors()
+
+    def _kill_actors(self) -> None:
+        import ray
+
+        for a in self._actors:
+            try:
+                ray.kill(a, no_restart=True)
+            except Exception:  # already dead
+                pass
+        self._actors = []
+        self._build_refs, self._last_refs = [], []
+
+    # ----- waiting, with failures mapped to WorkerError ------------------------------------------
+
+    def _wait_all(self, method: str, refs: list[tuple[int, Any]], timeout_s: float | None) -> list[Any]:
+        """Results in `refs` order. The first failing rank raises at once, without waiting for
+        the others (they may be blocked in a collective with the dead one)."""
+        import ray
+
+        index = {ref: i for i, (_, ref) in enumerate(refs)}
+        rank_of = {ref: rank for rank, ref in refs}
+        results: list[Any] = [None] * len(refs)
+        pending = [ref for _, ref in refs]
+        deadline = None if timeout_s is None else time.monotonic() + timeout_s
+        while pending:
+            wait_s = 5.0 if deadline is None else max(0.0, min(5.0, deadline - time.monotonic()))
+            ready, pending = ray.wait(pending, num_returns=1, timeout=wait_s)
+            for ref in ready:
+                try:
+                    results[index[ref]] = self._get(ref, rank_of[ref], method)
+                except WorkerError as err:
+                    raise self._root_cause(err, pending, rank_of, method) from None
+            if not ready and deadline is not None and time.monotonic() >= deadline:
+                ranks = sorted(rank_of[r] for r in pending)
+                err = WorkerTimeoutError(self.role, ranks[0], method,
+                                         f"no result from ranks {ranks} after {timeout_s:.0f}s", "(still running)")
+                self._fail(err)
+                raise err
+        return results
+
+    def _root_cause(self, err: WorkerError, pending: list[Any], rank_of: dict, method: str) -> WorkerError:
+        """When one rank of a distributed group fails, its peers' collectives fail too: a rank
+        whose collective broke because another rank died must not hide that death. Give the
+        other ranks a few seconds and report a death among them first."""
+        import ray
+
+        if not self._distributed or not pending or isinstance(err, WorkerDiedError):
+            return err
+        ready, _ = ray.wait(pending, num_returns=len(pending), timeout=5.0)
+        for ref in ready:
+            try:
+                self._get(ref, rank_of[ref], method)
+            except WorkerDiedError as died:
+                self._failed = died
+                return died
+            except WorkerError:
+                pass
+        return err
+
+    def _get(self, ref: Any, rank: int, method: str) -> Any:
+        import ray
+
+        try:
+            return ray.get(ref, timeout=60.0)  # ready already: only the transfer remains
+        except ray.exceptions.RayTaskError as e:
+            cause = getattr(e, "cause", None)
+            if isinstance(cause, WorkerError):
+                err = type(cause)(cause.role, cause.rank, cause.method, cause.error, cause.remote_traceback)
+            else:
+                err = WorkerError(self.role, rank, method, f"{type(cause).__name__}: {cause}", str(e))
+        except (ray.exceptions.RayActorError, ray.exceptions.WorkerCrashedError,
+                ray.exceptions.OutOfMemoryError, ray.exceptions.NodeDiedError,
+                ray.exceptions.ObjectLostError, ray.exceptions.OwnerDiedError) as e:
+            err = WorkerDiedError(self.role, rank, method,
+                                  f"the worker process died ({type(e).__name__})", str(e))
+        except ray.exceptions.GetTimeoutError as e:
+            err = WorkerTimeoutError(self.role, rank, method, "fetching the result timed out", str(e))
+        self._fail(err)
+        raise err
+
+    def _fail(self, err: WorkerError) -> None:
+        if self._distributed or isinstance(err, (WorkerDiedError, WorkerTimeoutError)):
+            self._failed = self._failed or err
+
+
+def _floor4(x: float) -> float:
+    """Ray resolves resources to 1e-4; round down so shares of a bundle never exceed it."""
+    return int(x * 10_000) / 10_000
+
+
+def _worth_putting(v: Any) -> bool:
+    """Objects worth one shared copy in the object store (not refs, not small scalars)."""
+    import ray
+
+    if isinstance(v, ray.ObjectRef):
+        return False
+    return not isinstance(v, (int, float, str, bool, bytes, type(None))) or (isinstance(v, bytes) and len(v) > 4096)

@@ -1,0 +1,212 @@
+"""RayWorkerGroup on a local Ray cluster: dispatch, futures passed between groups, colocation,
+remote exceptions with their traceback, a killed worker, and FSDP2 (2 ranks on gloo) giving the
+same update as one process. One cluster for the module."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import tempfile
+
+import numpy as np
+import pytest
+import torch
+
+from rlcore.controller import ColocatedWorker, Dispatch, Worker, WorkerError, register
+from rlcore.controller.group import _UNSET
+from rlcore.controller.ray_backend import RayWorkerGroup, ResourcePool, WorkerDiedError
+from rlcore.protocol import Batch
+
+ray = pytest.importorskip("ray")
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    import sys
+
+    ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])  # workers cannot import tests/
+    temp = tempfile.mkdtemp(prefix="rlray", dir="/tmp")
+    ray.init(num_cpus=4, include_dashboard=False, _temp_dir=temp, log_to_driver=False)
+    yield
+    import gc
+
+    gc.collect()  # stale refs of this session must not outlive it (ids repeat in the next one)
+    ray.shutdown()
+    shutil.rmtree(temp, ignore_errors=True)
+
+
+def _explode(rank: int) -> None:
+    raise ValueError(f"bad row on rank {rank}")
+
+
+class Toy(Worker):
+    def __init__(self, rank: int = 0, world_size: int = 1, tag: str = "toy"):
+        super().__init__(rank, world_size)
+        self.tag = tag
+
+    @register(dispatch=Dispatch.DP_COMPUTE)
+    def mark(self, batch: Batch) -> Batch:
+        if "fail" in batch.info and self.rank == 1:
+            _explode(self.rank)
+        return Batch(tensors={"x2": batch["x"] * 2, "rank": torch.full((len(batch),), self.rank)})
+
+    @register(dispatch=Dispatch.RANK_ZERO)
+    def make(self, n: int) -> np.ndarray:
+        return np.arange(n, dtype=np.float32)
+
+    @register(dispatch=Dispatch.ONE_TO_ALL)
+    def total(self, arr: np.ndarray) -> float:
+        return float(arr.sum()) + 1000 * self.rank
+
+    @register(dispatch=Dispatch.ONE_TO_ALL)
+    def pid(self) -> tuple[str, int]:
+        return self.tag, os.getpid()
+
+    @register(dispatch=Dispatch.ONE_TO_ALL)
+    def sleep(self, s: float) -> None:
+        import time
+
+        time.sleep(s)
+
+
+def test_dp_split_pads_and_futures_pass_between_groups(cluster):
+    pool = ResourcePool("p", 2, cpus_per_bundle=1.0)
+    a = RayWorkerGroup(lambda r, ws: Toy(r, ws), 2, "a", pool=pool, share=0.5, distributed=False)
+    b = RayWorkerGroup(lambda r, ws: Toy(r, ws), 2, "b", pool=pool, share=0.5, distributed=False)
+    try:
+        out = a.mark(Batch(tensors={"x": torch.arange(5.0)}))  # 5 rows over 2 ranks: one pad row
+        assert out["x2"].tolist() == [0.0, 2.0, 4.0, 6.0, 8.0]
+        assert out["rank"].tolist() == [0, 0, 0, 1, 1]
+        # a rank-zero future goes to the other group's workers as an ObjectRef: the controller
+        # never fetches it
+        fut = a.make_async(1000)
+        assert b.total(fut) == [499500.0, 500500.0]
+        assert fut._value is _UNSET
+    finally:
+        a.shutdown(), b.shutdown(), pool.remove()
+
+
+def test_remote_exception_names_role_rank_method_with_traceback(cluster):
+    g = RayWorkerGroup(lambda r, ws: Toy(r, ws), 2, "toy", distributed=False)
+    try:
+        batch = Batch(tensors={"x": torch.arange(4.0)}, info={"fail": True})
+        with pytest.raises(WorkerError) as info:
+            g.mark(batch)
+        err = info.value
+        assert (err.role, err.rank, err.method) == ("toy", 1, "mark")
+        assert err.error == "ValueError: bad row on rank 1"
+        assert "_explode" in err.remote_traceback and "test_ray_controller.py" in err.remote_traceback
+        assert "role='toy' rank=1 method='mark'" in str(err)
+        assert g.mark(Batch(tensors={"x": torch.arange(2.0)}))["x2"].tolist() == [0.0, 2.0]  # still usable
+    finally:
+        g.shutdown()
+
+
+def test_killed_worker_is_a_clear_error_not_a_hang(cluster):
+    g = RayWorkerGroup(lambda r, ws: Toy(r, ws), 2, "toy", distributed=False, call_timeout_s=90)
+    try:
+        pids = g.pids()
+        fut = g.call_async("sleep", 60.0)
+        os.kill(pids[1], signal.SIGKILL)
+        with pytest.raises(WorkerDiedError) as info:  # a timeout would be WorkerTimeoutError
+            fut.result()
+        assert (info.value.role, info.value.rank, info.value.method) == ("toy", 1, "sleep")
+        with pytest.raises(RuntimeError, match="unusable after rank 1 failed in 'sleep'"):
+            g.pid()
+    finally:
+        g.shutdown()
+
+
+def test_colocated_roles_share_one_process_per_rank(cluster):
+    factory = lambda r, ws: ColocatedWorker({"x": Toy(r, ws, "x"), "y": Toy(r, ws, "y")}, r, ws)  # noqa: E731
+    g = RayWorkerGroup(factory, 2, "x+y", distributed=False)
+    try:
+        xs, ys = g.view("x").pid(), g.view("y").pid()
+        assert [t for t, _ in xs] == ["x", "x"] and [t for t, _ in ys] == ["y", "y"]
+        assert [p for _, p in xs] == [p for _, p in ys] == g.pids()
+        assert len(set(g.pids())) == 2
+    finally:
+        g.shutdown()
+
+
+# ----- FSDP2 on gloo: 2 ranks update like 1 -----------------------------------------------------
+
+
+def _update_batch(tokenizer_vocab: int, n: int = 8, p: int = 6, r: int = 5) -> Batch:
+    g = torch.Generator().manual_seed(0)
+    prompt_len = torch.tensor([6, 2, 5, 3, 6, 1, 4, 6])[:n]
+    resp_len = torch.tensor([5, 5, 1, 2, 4, 5, 3, 1])[:n]
+    prompts = torch.randint(3, tokenizer_vocab, (n, p), generator=g)
+    responses = torch.randint(3, tokenizer_vocab, (n, r), generator=g)
+    pmask = (torch.arange(p)[None, :] >= (p - prompt_len)[:, None]).long()  # left-padded
+    rmask = (torch.arange(r)[None, :] < resp_len[:, None]).long()
+    attn = torch.cat([pmask, rmask], 1)
+    return Batch(
+        tensors={
+            "prompts": prompts, "responses": responses, "input_ids": torch.cat([prompts, responses], 1),
+            "attention_mask": attn, "position_ids": (attn.cumsum(-1) - 1).clamp(min=0),
+            "response_mask": rmask.float(), "advantages": torch.randn(n, 1, generator=g).expand(n, r).contiguous(),
+        },
+        info={"n": 2, "temperature": 1.0},
+    )
+
+
+def _grad_actor():
+    from rlcore.workers.actor import ActorWorker
+    from rlcore.workers.fsdp import to_full
+
+    class GradActor(ActorWorker):
+        """The actor plus a way to read the (full) gradients of the last update."""
+
+        @register(dispatch=Dispatch.COLLECTIVE)
+        def full_grads(self) -> dict[str, torch.Tensor]:
+            return {n: to_full(p.grad).clone() for n, p in self.model.named_parameters()}
+
+    return GradActor
+
+
+def test_fsdp2_two_ranks_update_equals_one_process(cluster, tiny_example, tmp_path):
+    from rlcore.cli import CONFIG_DIR, tiny_example_overrides
+    from rlcore.config import load_config
+    from rlcore.controller import InProcessWorkerGroup
+    ActorWorker = _grad_actor()
+    base = tiny_example_overrides(tiny_example, str(tmp_path)) + [
+        "data.train_batch_size=4", "actor.ppo_mini_batch_size=4", "rollout.n=2", "trainer.device=cpu",
+        "actor.optim.lr=1e-3", "actor.optim.warmup_steps=0", "actor.max_tokens_per_micro_batch=24",
+    ]
+    one_cfg = load_config(CONFIG_DIR / "tiny_grpo.yaml", base)
+    two_cfg = load_config(CONFIG_DIR / "tiny_grpo.yaml", base + ["trainer.backend=ray", "actor.world_size=2"])
+    one = InProcessWorkerGroup(lambda r, ws: ActorWorker(one_cfg, r, ws), 1, "actor")
+    two = RayWorkerGroup(lambda r, ws: ActorWorker(two_cfg, r, ws), 2, "actor", call_timeout_s=120)
+    try:
+        start = {k: v.clone() for k, v in one.weights_for_rollout().result()}  # views otherwise
+        vocab = start["lm_head.weight"].shape[0]
+        batch = _update_batch(vocab)
+        lp1, lp2 = one.compute_log_prob(batch), two.compute_log_prob(batch)
+        torch.testing.assert_close(lp2["old_log_probs"], lp1["old_log_probs"], atol=1e-5, rtol=1e-5)
+        batch = batch.union(lp1.select("old_log_probs"))
+        m1, m2 = one.update_actor(batch), two.update_actor(batch)
+        assert m2[0]["actor/grad_norm"] == pytest.approx(m1[0]["actor/grad_norm"], rel=1e-4)
+        w1 = dict(one.weights_for_rollout().result())
+        w2 = dict(two.weights_for_rollout().result())
+        assert set(w1) == set(w2)
+        moved = max(float((w1[k] - start[k]).abs().max()) for k in w1)
+        assert moved > 1e-4  # the update did something the comparison can see
+        g1, g2 = one.full_grads(), two.full_grads()
+        for k in g1:  # gradients (after the global-norm clip) agree to float precision
+            torch.testing.assert_close(g2[k], g1[k], atol=1e-7, rtol=1e-4, msg=k)
+        # Adam's first step is lr * g / (|g| + eps): sign-like, so gradients of ~eps size and
+        # float noise may move an element by a few % of lr; everything else moves identically.
+        # Compare the updates where the gradient is well above eps (and its float noise).
+        for k in g1:  # parameters (tied lm_head is embed_tokens)
+            clear = g1[k].abs() > 1e-6
+            assert clear.float().mean() > 0.5, k
+            torch.testing.assert_close(w2[k][clear], w1[k][clear], atol=1e-6, rtol=0, msg=k)
+        # the bucketed path gathers the same tensors
+        plan = two.weight_bucket_plan()
+        streamed = dict(item for names in plan for item in two.gather_weight_bucket(names))
+        assert all(torch.equal(streamed[k], w2[k]) for k in w2)
+    finally:
+        one.shutdown(), two.shutdown()

@@ -40,14 +40,44 @@ class TrainingStopped(RuntimeError):
 
 
 class Timer:
-    def __init__(self) -> None:
+    """Seconds per phase and, where this process drives a GPU, its peak allocated memory.
+
+    Peak memory (`torch.cuda.max_memory_allocated`, reset at each phase start) is measured only
+    when CUDA is already initialised here: the in-process backend on a GPU. A Ray controller
+    never touches CUDA, so it neither measures nor creates a context by asking.
+    """
+
+    def __init__(self, device_memory: bool | None = None) -> None:
         self.seconds: dict[str, float] = {}
+        self.peak_gib: dict[str, float] = {}
+        if device_memory is None:
+            device_memory = torch.cuda.is_available() and torch.cuda.is_initialized()
+        self.device_memory = device_memory
 
     @contextmanager
     def phase(self, name: str) -> Iterator[None]:
+        if self.device_memory:
+            torch.cuda.synchronize()
+            torch.cuda.reset_peak_memory_stats()
         start = time.perf_counter()
         yield
+        if self.device_memory:
+            torch.cuda.synchronize()
+            peak = torch.cuda.max_memory_allocated() / 2**30
+            self.peak_gib[name] = max(self.peak_gib.get(name, 0.0), peak)
         self.seconds[name] = self.seconds.get(name, 0.0) + time.perf_counter() - start
+
+
+def rollout_shares_gpu(config: Config) -> bool:
+    """Whether the rollout engine should sleep while the actor trains: `rollout.free_memory_when_idle`,
+    or by default when actor and rollout share GPUs (in-process on CUDA; on Ray, placed on one
+    GPU pool, which includes colocating them in one process)."""
+    if config.rollout.free_memory_when_idle is not None:
+        return config.rollout.free_memory_when_idle
+    if config.trainer.backend == "inprocess":
+        return config.trainer.device == "cuda" or (config.trainer.device == "auto" and torch.cuda.is_available())
+    pool = config.ray.pool_of("actor")
+    return pool == config.ray.pool_of("rollout") and config.ray.pools[pool].gpus_per_bundle > 0
 
 
 def sampling_seed(seed: int, step: int) -> int:
@@ -95,6 +125,10 @@ class RLTrainer:
         self.bad_steps_in_a_row = 0
         self.bad_steps_total = 0
         self.history: list[dict[str, Any]] = []
+        # Colocated hybrid mode: the engine sleeps (weights and KV cache off the GPU) from after
+        # generation until the weight sync, so the actor's update has the memory.
+        self.rollout_sleeps = rollout_shares_gpu(config)
+        self._rollout_asleep = False
 
     # ------------------------------------------------------------------ setup
     def _make_loader(self, files: list[str], batch_size: int, shuffle: bool, drop_last: bool) -> PromptLoader:
@@ -235,6 +269,10 @@ class RLTrainer:
         batch.info["sampling"] = self.sampling(validation=validation)
         with timer.phase("generate"):
             gen = self.groups.rollout.generate_sequences(batch)
+        if self.rollout_sleeps and not validation:  # validation runs right after a sync: stay awake
+            with timer.phase("rollout_sleep"):
+                self.groups.rollout.sleep()
+            self._rollout_asleep = True
         with timer.phase("reward"):
             scored = self.groups.reward.compute_reward(gen)
         metrics = dict(scored.info.pop("reward_metrics", {}))
@@ -265,6 +303,10 @@ class RLTrainer:
         return scores - beta * kl, {"critic/kl_in_reward": current_kl, "critic/kl_coef": beta}
 
     def sync_weights(self, timer: Timer) -> None:
+        if self._rollout_asleep:
+            with timer.phase("rollout_wake"):
+                self.groups.rollout.wake()
+            self._rollout_asleep = False
         with timer.phase("weight_sync"):
             self.groups.rollout.update_weights(self.groups.actor.weights_for_rollout())
 
@@ -296,6 +338,8 @@ class RLTrainer:
         n_tokens = float(mask.sum())
         for name, secs in timer.seconds.items():
             m[f"time/{name}_s"] = secs
+        for name, peak in timer.peak_gib.items():
+            m[f"memory/{name}_peak_gib"] = peak
         if timer.seconds.get("generate"):
             m["throughput/generate_tok_s"] = n_tokens / timer.seconds["generate"]
         if timer.seconds.get("update_actor"):
@@ -324,4 +368,4 @@ class RLTrainer:
         return out
 
 
-__all__ = ["RLTrainer", "Timer", "TrainingStopped", "sampling_seed"]
+__all__ = ["RLTrainer", "Timer", "TrainingStopped", "rollout_shares_gpu", "sampling_seed"]

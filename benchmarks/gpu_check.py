@@ -1,0 +1,663 @@
+"""One-shot GPU check: fused kernel, FSDP2 actor update, HF rollout, three GRPO steps; one JSON.
+
+    python benchmarks/gpu_check.py [--out result.json] [--phases kernel,actor,rollout,grpo]
+    python benchmarks/gpu_check.py --smoke      # tiny shapes on CPU: checks the script itself
+
+Why one script: the GPU machine is lent for minutes at a time and has only torch, triton and
+transformers (no ray, vllm, prefect, mlflow, pandas/pyarrow, no network), so everything is
+built here from nothing: a randomly initialised Qwen2-architecture model of the Qwen2.5-0.5B
+shape, a matching character-level tokenizer padded to the model's vocabulary, and a jsonl
+copy of the tiny arithmetic task. rlcore's imports on that path stay away from the missing
+packages (checked in tests/test_gpu_check_smoke.py); `rlcore._native` must travel with the
+tree (the abi3 build serves Python 3.11 and 3.12).
+
+Phases (each one's failure is recorded in the JSON and the rest still run):
+  kernel   Triton fused log-prob/entropy vs the naive fp32 log_softmax (and the chunked torch
+           path) at 16k tokens x 152k vocab, bf16: max errors, fwd+bwd time, peak memory.
+  actor    ActorWorker.update_actor under FSDP2 (1-rank process group, bf16 parameters, fp32
+           gradient reduction), with the fused Triton head and with the chunked torch head:
+           tokens/s and MFU = 6 * params * tokens / time / peak bf16 dense FLOP/s.
+  rollout  HFRolloutEngine, 64 prompts x 256 new tokens, bf16: generated tokens/s.
+  grpo     three GRPO steps with the in-process backend (actor, reference and rollout
+           colocated on the one GPU), reward by rlcore.rewards: step metrics and peak memory
+           per trainer phase.
+Peak memory is torch.cuda.max_memory_allocated, reset at the start of every measured phase.
+Logs go to stderr; stdout carries exactly one JSON line.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import platform
+import socket
+import sys
+import tempfile
+import time
+import traceback
+import types
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Any, Callable
+
+H200_BF16_DENSE_FLOPS = 989e12  # NVIDIA H200 SXM spec sheet, dense (no sparsity)
+PHASES = ("kernel", "actor", "rollout", "grpo")
+
+
+@dataclass(frozen=True)
+class Shapes:
+    # model (Qwen2.5-0.5B by default)
+    hidden: int = 896
+    layers: int = 24
+    heads: int = 14
+    kv_heads: int = 2
+    intermediate: int = 4864
+    vocab: int = 151936
+    max_positions: int = 32768
+    # kernel
+    kernel_tokens: int = 16384
+    kernel_repeats: int = 3
+    # actor update
+    actor_seqs: int = 32
+    actor_prompt_len: int = 256
+    actor_response_len: int = 768
+    actor_micro_tokens: int = 16384
+    actor_steps: int = 3
+    # rollout
+    rollout_prompts: int = 64
+    rollout_prompt_len: int = 64
+    rollout_new_tokens: int = 256
+    # grpo
+    grpo_prompts: int = 16
+    grpo_n: int = 4
+    grpo_new_tokens: int = 32
+    grpo_steps: int = 3
+
+
+FULL = Shapes()
+SMOKE = replace(
+    FULL, hidden=64, layers=2, heads=4, kv_heads=2, intermediate=128, vocab=512, max_positions=256,
+    kernel_tokens=64, kernel_repeats=1,
+    actor_seqs=4, actor_prompt_len=8, actor_response_len=8, actor_micro_tokens=32, actor_steps=1,
+    rollout_prompts=4, rollout_prompt_len=8, rollout_new_tokens=8,
+    grpo_prompts=4, grpo_n=2, grpo_new_tokens=8, grpo_steps=3,
+)
+
+
+def log(msg: str) -> None:
+    print(f"[gpu_check {time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
+
+
+# ----------------------------------------------------------------------------- memory and time
+
+class Meter:
+    """Wall time (synchronised) and peak allocated memory of one device, reset per phase."""
+
+    def __init__(self, device):
+        import torch
+
+        self.torch = torch
+        self.cuda = device.type == "cuda"
+        self._phase_max = 0.0
+
+    def sync(self) -> None:
+        if self.cuda:
+            self.torch.cuda.synchronize()
+
+    def reset(self) -> None:
+        """Start a new peak measurement; the enclosing phase's peak (`phase_peak_gib`) keeps it."""
+        self.sync()
+        if self.cuda:
+            self._phase_max = max(self._phase_max, self.torch.cuda.max_memory_allocated() / 2**30)
+            self.torch.cuda.empty_cache()
+            self.torch.cuda.reset_peak_memory_stats()
+
+    def start_phase(self) -> None:
+        self.reset()
+        self._phase_max = 0.0
+
+    def phase_peak_gib(self) -> float | None:
+        """Peak since `start_phase`, across the inner `reset`s."""
+        peak = self.peak_gib()
+        return None if peak is None else max(self._phase_max, peak)
+
+    def allocated_gib(self) -> float | None:
+        return self.torch.cuda.memory_allocated() / 2**30 if self.cuda else None
+
+    def peak_gib(self) -> float | None:
+        self.sync()
+        return self.torch.cuda.max_memory_allocated() / 2**30 if self.cuda else None
+
+    def timed(self, fn: Callable[[], Any]) -> tuple[Any, float]:
+        self.sync()
+        start = time.perf_counter()
+        out = fn()
+        self.sync()
+        return out, time.perf_counter() - start
+
+
+def _round(x: Any, digits: int = 4) -> Any:
+    if isinstance(x, float):
+        return float(f"{x:.{digits}g}")
+    if isinstance(x, dict):
+        return {k: _round(v, digits) for k, v in x.items()}
+    if isinstance(x, (list, tuple)):
+        return [_round(v, digits) for v in x]
+    return x
+
+
+# ----------------------------------------------------------------------------- model and data
+
+def qwen2_config(s: Shapes, tokenizer):
+    from transformers import Qwen2Config
+
+    return Qwen2Config(
+        vocab_size=s.vocab, hidden_size=s.hidden, intermediate_size=s.intermediate,
+        num_hidden_layers=s.layers, num_attention_heads=s.heads, num_key_value_heads=s.kv_heads,
+        max_position_embeddings=s.max_positions, rope_theta=1_000_000.0, rms_norm_eps=1e-6,
+        tie_word_embeddings=True, use_sliding_window=False, attention_dropout=0.0,
+        bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+    )
+
+
+def build_tokenizer(vocab_size: int):
+    """The tiny example's character tokenizer, its vocabulary padded with filler tokens to the
+    model's size, so every id a random model samples decodes (to a filler, never a digit)."""
+    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    from rlcore.example import tokenizer as ex
+
+    vocab = dict(ex._vocab())
+    if vocab_size < len(vocab):
+        raise ValueError(f"vocab {vocab_size} is smaller than the example tokenizer's {len(vocab)}")
+    for i in range(len(vocab), vocab_size):
+        vocab[f"<x{i}>"] = i
+    tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token=ex.UNK))
+    tok.pre_tokenizer = pre_tokenizers.Split(Regex(r"####|[\s\S]"), behavior="isolated")
+    tok.decoder = decoders.Fuse()
+    tok.add_special_tokens(ex.SPECIAL_TOKENS)
+    return PreTrainedTokenizerFast(
+        tokenizer_object=tok, bos_token=ex.BOS, eos_token=ex.EOS, pad_token=ex.PAD, unk_token=ex.UNK,
+        additional_special_tokens=[ex.USER, ex.ASSISTANT, ex.SYSTEM, ex.END], padding_side="left",
+        chat_template=ex.CHAT_TEMPLATE, clean_up_tokenization_spaces=False, model_max_length=4096,
+    )
+
+
+def build_model_dir(s: Shapes, root: Path, device) -> tuple[Path, int]:
+    """Random Qwen2 model (bf16 safetensors) + tokenizer in `root/model`; returns (dir, params)."""
+    import torch
+    from transformers import Qwen2ForCausalLM
+
+    tokenizer = build_tokenizer(s.vocab)
+    torch.manual_seed(0)
+    with torch.device(device):  # initialise on the GPU: seconds instead of a minute on CPU
+        model = Qwen2ForCausalLM(qwen2_config(s, tokenizer))
+    model.to(torch.bfloat16)
+    model.generation_config.eos_token_id = tokenizer.eos_token_id
+    model.generation_config.pad_token_id = tokenizer.pad_token_id
+    params = sum(p.numel() for p in model.parameters())  # tied head counted once
+    out = root / "model"
+    model.save_pretrained(out, safe_serialization=True)
+    tokenizer.save_pretrained(out)
+    del model
+    return out, params
+
+
+def write_task(root: Path, n_rows: int) -> Path:
+    """Prompts of the tiny arithmetic task (verl schema) as jsonl: no pyarrow needed."""
+    from rlcore.data.io import write_rows
+    from rlcore.example.task import rl_row, split_problems
+
+    train, _, _ = split_problems(seed=0, n_train=n_rows, n_val=0)
+    return write_rows([rl_row(p, "train", i) for i, p in enumerate(train)], root / "data" / "train.jsonl")
+
+
+def base_config(model_dir: Path, train_file: Path, out_dir: Path, s: Shapes, device: str, **extra):
+    from rlcore.config import config_from_dict
+
+    tree: dict[str, Any] = {
+        "model": {"path": str(model_dir), "dtype": "bfloat16"},
+        "data": {"train_files": [str(train_file)], "max_prompt_length": 64,
+                 "train_batch_size": s.grpo_prompts},
+        "actor": {"ppo_mini_batch_size": s.grpo_prompts, "fused_kernels": True,
+                  "optim": {"lr": 1e-6}},
+        "rollout": {"backend": "hf", "n": s.grpo_n, "max_new_tokens": s.grpo_new_tokens},
+        "reward": {"num_workers": 1},
+        "trainer": {"total_steps": s.grpo_steps, "output_dir": str(out_dir), "device": device,
+                    "save_every": 1000, "val_before_train": False, "loggers": ["jsonl"],
+                    "backend": "inprocess"},
+        "health": {"enabled": False},
+    }
+    for dotted, value in extra.items():
+        node = tree
+        *head, last = dotted.split("__")
+        for part in head:
+            node = node.setdefault(part, {})
+        node[last] = value
+    return config_from_dict(tree)
+
+
+# ----------------------------------------------------------------------------- (a) kernel
+
+def phase_kernel(s: Shapes, device, meter: Meter) -> dict[str, Any]:
+    import torch
+
+    from rlcore.triton_kernels import fused_token_logprobs, naive_token_logprobs
+
+    if device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
+        return {"skipped": "no CUDA and TRITON_INTERPRET is not 1"}
+    n, h, v = s.kernel_tokens, s.hidden, s.vocab
+    g = torch.Generator(device=device).manual_seed(0)
+    hidden0 = torch.randn(n, h, generator=g, device=device).to(torch.bfloat16)
+    # logits std ~2: a peaked distribution, harder on the online log-sum-exp than a flat one
+    weight0 = (torch.randn(v, h, generator=g, device=device) * (2.0 / h**0.5)).to(torch.bfloat16)
+    targets = torch.randint(0, v, (n,), generator=g, device=device)
+    g_lp = torch.randn(n, generator=g, device=device)
+    g_ent = torch.randn(n, generator=g, device=device)
+
+    variants = {
+        "triton": lambda hd, w: fused_token_logprobs(hd, w, targets, backend="triton"),
+        "torch_chunked": lambda hd, w: fused_token_logprobs(hd, w, targets, backend="torch", chunk_tokens=1024),
+        "naive": lambda hd, w: naive_token_logprobs(hd, w, targets),
+    }
+
+    def run(fn):
+        hd = hidden0.clone().requires_grad_(True)
+        w = weight0.clone().requires_grad_(True)
+        out = fn(hd, w)
+        loss = (out.logprobs * g_lp).sum() + (out.entropy * g_ent).sum()
+        gh, gw = torch.autograd.grad(loss, [hd, w])
+        return out.logprobs.detach(), out.entropy.detach(), gh, gw
+
+    results: dict[str, Any] = {"tokens": n, "vocab": v, "hidden": h, "dtype": "bfloat16"}
+    outputs = {}
+    for name, fn in variants.items():
+        run(fn)  # warm-up: Triton compiles, cuBLAS picks algorithms
+        meter.reset()
+        base = meter.allocated_gib()
+        times = []
+        for _ in range(s.kernel_repeats):
+            out, secs = meter.timed(lambda: run(fn))
+            times.append(secs)
+        peak = meter.peak_gib()
+        outputs[name] = out
+        results[name] = {
+            "fwd_bwd_s": min(times),
+            "peak_gib": peak,
+            "extra_gib": None if peak is None else peak - base,
+        }
+        del out
+    ref = outputs["naive"]
+    for name in ("triton", "torch_chunked"):
+        got = outputs[name]
+        errs = {}
+        for key, a, b in zip(("logprob", "entropy", "grad_hidden", "grad_weight"), got, ref):
+            diff = (a.float() - b.float()).abs().max().item()
+            errs[f"{key}_max_abs_err"] = diff
+            if key.startswith("grad"):
+                errs[f"{key}_max_rel_err"] = diff / max(b.float().abs().max().item(), 1e-30)
+        results[name].update(errs)
+    if results["triton"].get("extra_gib") and results["naive"].get("extra_gib"):
+        results["naive_over_triton_extra_memory"] = results["naive"]["extra_gib"] / results["triton"]["extra_gib"]
+    results["naive_over_triton_time"] = results["naive"]["fwd_bwd_s"] / results["triton"]["fwd_bwd_s"]
+    return results
+
+
+# ----------------------------------------------------------------------------- (b) actor update
+
+@contextlib.contextmanager
+def one_rank_process_group(device):
+    """A 1-rank process group in this process (nccl on CUDA, gloo on CPU), torn down after."""
+    import torch
+    import torch.distributed as dist
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    backend = "nccl" if device.type == "cuda" else "gloo"
+    kwargs = {"device_id": torch.device("cuda", torch.cuda.current_device())} if device.type == "cuda" else {}
+    dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1, **kwargs)
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
+
+
+def fsdp2_bf16(model, device):
+    """FSDP2 with bf16 parameters and fp32 gradient reduction, every decoder layer then the
+    root, as rlcore.workers.fsdp.shard_model does for world size > 1 (which at world size 1
+    leaves the model unsharded, and so without a mixed-precision policy)."""
+    import torch
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard, register_fsdp_forward_method
+
+    from rlcore.workers import fsdp as rl_fsdp
+
+    mesh = init_device_mesh(device.type, (1,))
+    mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    for layer in getattr(model, model.base_model_prefix).layers:
+        fully_shard(layer, mesh=mesh, mp_policy=mp)
+    fully_shard(model, mesh=mesh, mp_policy=mp)
+    impl = getattr(rl_fsdp, "_sharded_log_probs", None)
+    if impl is None:  # fall back to the plain computation, cloned like fsdp.py does
+        from rlcore.workers.modeling import _response_log_probs_impl
+
+        def impl(m, *args, **kwargs):
+            lp, ent = _response_log_probs_impl(m, *args, **kwargs)
+            return lp.clone(), ent.clone() if ent is not None else None
+    model.rlcore_response_log_probs = types.MethodType(impl, model)
+    register_fsdp_forward_method(model, "rlcore_response_log_probs")
+    return model
+
+
+def actor_batch(s: Shapes, vocab: int):
+    import numpy as np
+    import torch
+
+    from rlcore.protocol import Batch
+
+    g = torch.Generator().manual_seed(1)
+    b, p, r = s.actor_seqs, s.actor_prompt_len, s.actor_response_len
+    prompts = torch.randint(0, vocab, (b, p), generator=g)
+    responses = torch.randint(0, vocab, (b, r), generator=g)
+    attn = torch.ones(b, p + r, dtype=torch.long)
+    return Batch(
+        tensors={
+            "prompts": prompts, "responses": responses, "input_ids": torch.cat([prompts, responses], 1),
+            "attention_mask": attn, "position_ids": attn.cumsum(-1) - 1,
+            "response_mask": torch.ones(b, r),
+            # near the log-prob of a random token under a random model: ratios stay near 1
+            "old_log_probs": -float(np.log(vocab)) + 0.1 * torch.randn(b, r, generator=g),
+            "advantages": torch.randn(b, r, generator=g),
+        },
+        meta={"uid": np.array([str(i) for i in range(b)], dtype=object)},
+        info={"n": 1, "temperature": 1.0},
+    )
+
+
+def phase_actor(s: Shapes, device, meter: Meter, model_dir: Path, train_file: Path, root: Path, params: int) -> dict[str, Any]:
+    import torch
+
+    from rlcore.workers.actor import ActorWorker
+    from rlcore.workers.fsdp import is_sharded
+    from rlcore.workers.optim import build_optimizer, build_scheduler
+
+    cfg = base_config(
+        model_dir, train_file, root / "actor_run", s, device.type,
+        model__dtype="float32",  # fp32 master weights; FSDP2 computes in bf16
+        data__train_batch_size=s.actor_seqs,
+        actor__ppo_mini_batch_size=s.actor_seqs, actor__max_tokens_per_micro_batch=s.actor_micro_tokens,
+        rollout__n=1, actor__mixed_precision="bf16",
+    )
+    batch = actor_batch(s, s.vocab)
+    tokens = int(batch["attention_mask"].sum())
+    out: dict[str, Any] = {"seqs": s.actor_seqs, "tokens_per_update": tokens,
+                           "seq_len": s.actor_prompt_len + s.actor_response_len,
+                           "micro_batch_tokens": s.actor_micro_tokens, "params": params}
+    with one_rank_process_group(device):
+        worker = ActorWorker(cfg)
+        worker.setup()
+        if is_sharded(worker.model):
+            out["fsdp_wrapped_by"] = "rlcore"
+        else:
+            worker.model = fsdp2_bf16(worker.model, device)
+            worker.optimizer = build_optimizer(worker.model, cfg.actor.optim)
+            worker.scheduler = build_scheduler(worker.optimizer, cfg.actor.optim, cfg.trainer.total_steps)
+            out["fsdp_wrapped_by"] = "gpu_check"
+        for fused in (True, False):
+            name = "fused_triton" if fused else "torch_chunked"
+            worker.config.actor.fused_kernels = fused
+            worker.update_actor(batch)  # warm-up (kernel compilation, allocator)
+            meter.reset()
+            times, metrics = [], {}
+            for _ in range(s.actor_steps):
+                metrics, secs = meter.timed(lambda: worker.update_actor(batch))
+                times.append(secs)
+            secs = sum(times) / len(times)
+            tok_s = tokens / secs
+            out[name] = {
+                "backend": "triton" if fused and device.type == "cuda" else "torch",
+                "step_s": secs,
+                "tokens_per_s": tok_s,
+                "mfu": 6 * params * tok_s / H200_BF16_DENSE_FLOPS if device.type == "cuda" else None,
+                "peak_gib": meter.peak_gib(),
+                "grad_norm": metrics.get("actor/grad_norm"),
+                "bad_updates": metrics.get("actor/bad_updates"),
+            }
+        del worker
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+    out["fused_speedup"] = out["torch_chunked"]["step_s"] / out["fused_triton"]["step_s"]
+    return out
+
+
+# ----------------------------------------------------------------------------- (c) rollout
+
+def phase_rollout(s: Shapes, device, meter: Meter, model_dir: Path) -> dict[str, Any]:
+    import numpy as np
+    import torch
+
+    from rlcore.protocol import Batch
+    from rlcore.rollout import SamplingParams
+    from rlcore.rollout.hf import HFRolloutEngine
+    from rlcore.workers.tokenizer import load_tokenizer
+
+    tok = load_tokenizer(str(model_dir))
+    engine = HFRolloutEngine.from_pretrained(str(model_dir), dtype="bfloat16", device=str(device),
+                                             pad_token_id=tok.pad_token_id, eos_token_ids=[tok.eos_token_id])
+    g = torch.Generator().manual_seed(2)
+    b, p = s.rollout_prompts, s.rollout_prompt_len
+    ids = torch.randint(16, s.vocab, (b, p), generator=g)
+    attn = torch.ones(b, p, dtype=torch.long)
+    batch = Batch(tensors={"input_ids": ids, "attention_mask": attn, "position_ids": attn.cumsum(-1) - 1},
+                  meta={"uid": np.array([str(i) for i in range(b)], dtype=object)})
+    engine.generate(batch, SamplingParams(n=1, max_new_tokens=4, seed=0))  # warm-up
+    meter.reset()
+    params = SamplingParams(n=1, temperature=1.0, max_new_tokens=s.rollout_new_tokens, seed=0)
+    gen, secs = meter.timed(lambda: engine.generate(batch, params))
+    new_tokens = int(gen["response_mask"].sum())
+    out = {"prompts": b, "prompt_len": p, "max_new_tokens": s.rollout_new_tokens, "dtype": "bfloat16",
+           "new_tokens": new_tokens, "seconds": secs, "tokens_per_s": new_tokens / secs,
+           "peak_gib": meter.peak_gib()}
+    # sleep/wake: how much memory sleeping hands back (the colocated mode's premise)
+    before = meter.allocated_gib()
+    engine.sleep()
+    asleep = meter.allocated_gib()
+    engine.wake()
+    if before is not None:
+        out["sleep_frees_gib"] = before - asleep
+    del engine, gen
+    return out
+
+
+# ----------------------------------------------------------------------------- (d) grpo
+
+def _install_phase_memory(meter: Meter) -> bool:
+    """Per-phase peak memory in the GRPO step metrics, unless rlcore's Timer records it already
+    (the trainer change proposed with issue 7): wraps `Timer.phase` for this process only."""
+    from rlcore.trainer import base
+
+    if "peak_gib" in vars(base.Timer()):
+        return False
+    original = base.Timer.phase
+
+    @contextlib.contextmanager
+    def phase(self, name):
+        meter.reset()
+        with original(self, name):
+            yield
+        peak = meter.peak_gib()
+        if peak is not None:
+            store = self.__dict__.setdefault("peak_gib", {})
+            store[name] = max(store.get(name, 0.0), peak)
+
+    base.Timer.phase = phase
+    original_metrics = base.RLTrainer.batch_metrics
+
+    def batch_metrics(self, gen, timer):
+        m = original_metrics(self, gen, timer)
+        for name, peak in getattr(timer, "peak_gib", {}).items():
+            m.setdefault(f"memory/{name}_peak_gib", peak)
+        return m
+
+    base.RLTrainer.batch_metrics = batch_metrics
+    return True
+
+
+def phase_grpo(s: Shapes, device, meter: Meter, model_dir: Path, train_file: Path, root: Path) -> dict[str, Any]:
+    from rlcore.trainer.run import make_trainer
+
+    patched = _install_phase_memory(meter)
+    cfg = base_config(model_dir, train_file, root / "grpo_run", s, device.type,
+                      actor__use_kl_loss=True, actor__kl_loss_coef=0.001)
+    meter.reset()
+    start = time.perf_counter()
+    trainer = make_trainer(cfg)
+    setup_s = time.perf_counter() - start
+    history = trainer.fit()
+    keep = ("reward/mean", "acc/mean", "response_length/mean", "actor/pg_loss", "actor/kl_loss",
+            "actor/grad_norm", "actor/bad_updates", "actor/entropy", "rollout/logprob_diff_max",
+            "time/step_s", "throughput/generate_tok_s", "throughput/update_tok_s")
+    steps = []
+    for m in history:
+        row = {k: m[k] for k in keep if k in m}
+        row.update({k: v for k, v in m.items() if k.startswith(("memory/", "time/"))})
+        steps.append(row)
+    return {
+        "steps": len(history), "prompts_per_step": s.grpo_prompts, "n": s.grpo_n,
+        "max_new_tokens": s.grpo_new_tokens, "setup_s": setup_s,
+        "phase_memory_from": "gpu_check" if patched else "rlcore",
+        "overall_peak_gib": meter.phase_peak_gib(), "history": steps,
+    }
+
+
+# ----------------------------------------------------------------------------- main
+
+def environment(device) -> dict[str, Any]:
+    import torch
+    import transformers
+
+    env = {"python": platform.python_version(), "torch": torch.__version__,
+           "transformers": transformers.__version__, "device": str(device),
+           "peak_bf16_flops": H200_BF16_DENSE_FLOPS}
+    try:
+        import triton
+
+        env["triton"] = triton.__version__
+    except Exception as e:  # noqa: BLE001 - reported, not fatal
+        env["triton"] = f"unavailable: {e}"
+    if device.type == "cuda":
+        env["gpu"] = torch.cuda.get_device_name(device)
+        env["gpu_total_gib"] = torch.cuda.get_device_properties(device).total_memory / 2**30
+    try:
+        from rlcore import _native  # noqa: F401
+
+        env["rlcore_native"] = "ok"
+    except Exception as e:  # noqa: BLE001
+        env["rlcore_native"] = f"import failed: {e} (carry rlcore/_native.abi3.so)"
+    return env
+
+
+def headline(result: dict[str, Any]) -> dict[str, Any]:
+    """The few numbers to read first; missing where a phase failed or was skipped."""
+    def get(*path):
+        node = result
+        for key in path:
+            if not isinstance(node, dict) or key not in node:
+                return None
+            node = node[key]
+        return node
+
+    history = get("grpo", "history") or []
+    return {
+        "triton_logprob_max_abs_err": get("kernel", "triton", "logprob_max_abs_err"),
+        "triton_grad_weight_max_rel_err": get("kernel", "triton", "grad_weight_max_rel_err"),
+        "triton_vs_naive_time": get("kernel", "naive_over_triton_time"),
+        "triton_vs_naive_extra_memory": get("kernel", "naive_over_triton_extra_memory"),
+        "actor_tok_s_fused": get("actor", "fused_triton", "tokens_per_s"),
+        "actor_mfu_fused": get("actor", "fused_triton", "mfu"),
+        "actor_tok_s_torch": get("actor", "torch_chunked", "tokens_per_s"),
+        "actor_mfu_torch": get("actor", "torch_chunked", "mfu"),
+        "rollout_tok_s": get("rollout", "tokens_per_s"),
+        "grpo_steps_done": len(history),
+        "grpo_bad_updates": sum(h.get("actor/bad_updates", 0.0) for h in history),
+        "errors": sorted(result.get("errors", {})),
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--smoke", action="store_true", help="tiny model and shapes; runs on CPU")
+    ap.add_argument("--phases", default=",".join(PHASES), help=f"comma list of {PHASES}")
+    ap.add_argument("--out", type=Path, help="also write the JSON here")
+    ap.add_argument("--workdir", type=Path, help="where the model, data and runs go (default: a temp dir)")
+    args = ap.parse_args(argv)
+    phases = [p for p in args.phases.split(",") if p]
+    unknown = set(phases) - set(PHASES)
+    if unknown:
+        ap.error(f"unknown phases {sorted(unknown)}; known: {PHASES}")
+
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")  # local folders only; the GPU machine has no network
+    import torch
+
+    has_cuda = torch.cuda.is_available()
+    if not has_cuda and not args.smoke:
+        print("gpu_check: no CUDA device; use --smoke for the CPU check of the script", file=sys.stderr)
+        return 2
+    device = torch.device("cuda" if has_cuda else "cpu")
+    shapes = SMOKE if args.smoke else FULL
+    meter = Meter(device)
+    result: dict[str, Any] = {"smoke": args.smoke, "env": environment(device), "errors": {}}
+    wall = time.perf_counter()
+    tmp = contextlib.nullcontext(str(args.workdir)) if args.workdir else tempfile.TemporaryDirectory(prefix="gpu_check_")
+    with tmp as root_name, contextlib.redirect_stdout(sys.stderr):
+        root = Path(root_name)
+        root.mkdir(parents=True, exist_ok=True)
+        model_dir, params = build_model_dir(shapes, root, device)
+        train_file = write_task(root, max(64, 4 * shapes.grpo_prompts))
+        result["model"] = {"arch": "Qwen2ForCausalLM (random init)", "params": params, "hidden": shapes.hidden,
+                           "layers": shapes.layers, "vocab": shapes.vocab, "tied_embeddings": True}
+        memory: dict[str, Any] = {}
+        runners = {
+            "kernel": lambda: phase_kernel(shapes, device, meter),
+            "actor": lambda: phase_actor(shapes, device, meter, model_dir, train_file, root, params),
+            "rollout": lambda: phase_rollout(shapes, device, meter, model_dir),
+            "grpo": lambda: phase_grpo(shapes, device, meter, model_dir, train_file, root),
+        }
+        for name in phases:
+            log(f"phase {name} ...")
+            start = time.perf_counter()
+            meter.start_phase()
+            try:
+                result[name] = runners[name]()
+            except Exception as e:  # noqa: BLE001 - one failed phase must not lose the others
+                traceback.print_exc()
+                result["errors"][name] = f"{type(e).__name__}: {e}"
+            memory[f"{name}_peak_gib"] = meter.phase_peak_gib()
+            result.setdefault("seconds", {})[name] = time.perf_counter() - start
+            log(f"phase {name} done in {result['seconds'][name]:.1f}s")
+        result["memory"] = memory
+    result["seconds"]["total"] = time.perf_counter() - wall
+    result["headline"] = headline(result)
+    text = json.dumps(_round(result), sort_keys=False)
+    if args.out:
+        args.out.write_text(text + "\n")
+    print(text, flush=True)
+    return 1 if result["errors"] else 0
+
+
+if __name__ == "__main__":
+    if "--smoke" in sys.argv and os.environ.get("TRITON_INTERPRET") is None:
+        import importlib.util
+
+        if importlib.util.find_spec("torch") is not None:
+            import torch
+
+            if not torch.cuda.is_available():
+                # Triton kernels run under the interpreter on CPU; it must be set before they import.
+                os.environ["TRITON_INTERPRET"] = "1"
+    sys.exit(main())

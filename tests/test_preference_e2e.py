@@ -103,3 +103,37 @@ def test_preference_accuracy_rises_and_task_accuracy_does_not_fall(tiny_example,
     final = CheckpointManager(tmp_path / "run" / "checkpoints").latest() / "actor"
     after = evaluate_accuracy(str(final), str(final), tiny_example.val_file, greedy=True, max_new_tokens=10)
     assert after["accuracy"] >= tiny_example.sft_greedy_accuracy
+
+
+def test_dpo_on_ray_with_two_ranks_matches_one_process(tiny_example, pref_files, tmp_path):
+    """2 data-parallel FSDP2 ranks (gloo, Ray actors) give the loss of the single-process run."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    pytest.importorskip("ray")
+    steps = ["trainer.total_steps=2", "actor.ppo_mini_batch_size=16", "preference.ref_cache=false"]
+    inproc = make_trainer(_config(tiny_example, pref_files, "dpo", tmp_path / "one", QUICK + steps)).fit()
+
+    out = tmp_path / "two"
+    import tempfile
+
+    ray_tmp = tempfile.mkdtemp(prefix="rl-", dir="/tmp")  # short: Ray's socket paths must fit 107 bytes
+    args = [sys.executable, "-m", "rlcore.cli", "train", str(CONFIG_DIR / "tiny_dpo.yaml")]
+    args += train_overrides(tiny_example, pref_files, "dpo", str(out)) + QUICK + steps
+    args += ["trainer.backend=ray", "actor.world_size=2", "ray.num_cpus=4", f"ray.temp_dir={ray_tmp}",
+             "ray.call_timeout_s=300", "ray.init_timeout_s=300"]
+    env = dict(os.environ, PYTHONPATH=str(Path(__file__).resolve().parents[1]), RAY_AUTH_MODE="disabled")
+    try:
+        done = subprocess.run(args, env=env, capture_output=True, text=True, timeout=600)
+    finally:
+        import shutil
+
+        shutil.rmtree(ray_tmp, ignore_errors=True)
+    assert done.returncode == 0, done.stderr[-3000:]
+    on_ray = [r for r in read_jsonl(out / "metrics.jsonl") if r["step"] > 0]
+    assert len(on_ray) == 2
+    for one, two in zip(inproc, on_ray):
+        assert two["pref/loss"] == pytest.approx(one["pref/loss"], abs=1e-5)
+        assert two["actor/grad_norm"] == pytest.approx(one["actor/grad_norm"], rel=1e-4)

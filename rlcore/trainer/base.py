@@ -308,7 +308,7 @@ class RLTrainer:
                 self.groups.rollout.wake()
             self._rollout_asleep = False
         with timer.phase("weight_sync"):
-            self.groups.rollout.update_weights(self.groups.actor.weights_for_rollout())
+            self.groups.sync_weights()  # bucket by bucket, never a second full copy at once
 
     def batch_metrics(self, gen: Batch, timer: Timer) -> dict[str, float]:
         mask = gen["response_mask"].float()

@@ -19,7 +19,6 @@ import numpy as np
 import torch
 
 from rlcore.config import Config
-from rlcore.controller import InProcessWorkerGroup
 from rlcore.data import PromptLoader, RLDataset
 from rlcore.data.preference import (
     PreferenceDataset,
@@ -30,11 +29,8 @@ from rlcore.data.preference import (
 )
 from rlcore.protocol import Batch
 from rlcore.trainer.base import RLTrainer, Timer
-from rlcore.trainer.roles import WorkerGroups
-from rlcore.workers.actor import ReferenceWorker
+from rlcore.trainer.roles import WorkerGroups, build_worker_groups
 from rlcore.workers.preference import PreferenceActorWorker
-from rlcore.workers.reward import RewardWorker
-from rlcore.workers.rollout import RolloutWorker
 
 log = logging.getLogger(__name__)
 
@@ -48,27 +44,8 @@ def ref_key(prefix: str) -> str:
 
 
 def build_preference_worker_groups(config: Config) -> WorkerGroups:
-    """The RL worker groups with `PreferenceActorWorker` as the actor (in-process backend)."""
-    if config.trainer.backend != "inprocess":
-        raise NotImplementedError(
-            "trainer.backend=ray for dpo/kto needs roles.build_worker_groups to accept a worker class "
-            "for the actor role; use trainer.backend=inprocess"
-        )
-    factories: dict[str, Callable] = {
-        "actor": lambda rank, ws: PreferenceActorWorker(config, rank, ws),
-        "ref": lambda rank, ws: ReferenceWorker(config, rank, ws),
-        "rollout": lambda rank, ws: RolloutWorker(config, rank, ws),
-        "reward": lambda rank, ws: RewardWorker(config, rank, ws),
-    }
-    built: dict[str, InProcessWorkerGroup] = {}
-    try:
-        for role, factory in factories.items():
-            built[role] = InProcessWorkerGroup(factory, world_size=1, role=role)
-    except BaseException:
-        for group in built.values():
-            group.shutdown()
-        raise
-    return WorkerGroups(**built)
+    """The RL worker groups; the actor role is `PreferenceActorWorker` for dpo/kto (see roles.py)."""
+    return build_worker_groups(config)
 
 
 def model_digest(model_dir: str | Path) -> str:

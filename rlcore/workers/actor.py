@@ -98,7 +98,8 @@ class ActorWorker(_PolicyWorker):
     def setup(self, model_path: str | None = None) -> None:
         cfg = self.config
         self.model = load_causal_lm(model_path or cfg.model.path, cfg.model.dtype, self.device, cfg.model.gradient_checkpointing)
-        self.model = shard_model(self.model, self.device)  # FSDP2 when this group has a process group
+        # FSDP2 when this group has a process group (or, on one rank, when bf16/offload is asked for)
+        self.model = shard_model(self.model, self.device, cfg.actor.mixed_precision, cfg.actor.cpu_offload)
         self.optimizer = build_optimizer(self.model, cfg.actor.optim)
         self.scheduler = build_scheduler(self.optimizer, cfg.actor.optim, cfg.trainer.total_steps)
         self.policy_loss = get_policy_loss(cfg.actor.policy_loss)

@@ -26,22 +26,34 @@ def is_sharded(model: nn.Module) -> bool:
     return isinstance(model, FSDPModule)
 
 
-def shard_model(model: nn.Module, device: torch.device) -> nn.Module:
+def shard_model(
+    model: nn.Module,
+    device: torch.device,
+    mixed_precision: str = "none",
+    cpu_offload: bool = False,
+) -> nn.Module:
     """`fully_shard` every decoder layer, then the root (embeddings, final norm and head).
 
-    Tied embeddings stay one parameter in the root's group. Returns the model unchanged when
-    there is no process group of more than one rank.
+    Tied embeddings stay one parameter in the root's group. Without a process group the model
+    is returned unchanged; with one rank it is sharded only when bf16 mixed precision
+    (parameters bf16, gradient reduction fp32) or CPU offload is asked for.
     """
-    if distributed_world() <= 1:
+    wants_policy = mixed_precision != "none" or cpu_offload
+    has_group = dist.is_available() and dist.is_initialized()
+    if not has_group or (distributed_world() == 1 and not wants_policy):
         return model
     from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import fully_shard, register_fsdp_forward_method
+    from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard, register_fsdp_forward_method
 
-    mesh = init_device_mesh(device.type, (dist.get_world_size(),))
+    kwargs: dict = {"mesh": init_device_mesh(device.type, (dist.get_world_size(),))}
+    if mixed_precision == "bf16":
+        kwargs["mp_policy"] = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    if cpu_offload:
+        kwargs["offload_policy"] = CPUOffloadPolicy()
     backbone = getattr(model, model.base_model_prefix)
     for layer in backbone.layers:
-        fully_shard(layer, mesh=mesh)
-    fully_shard(model, mesh=mesh)
+        fully_shard(layer, **kwargs)
+    fully_shard(model, **kwargs)
     # response_log_probs runs the backbone and the head outside `model.forward`: register it as
     # a forward method so the root's parameters are gathered (and their gradients reduced).
     model.rlcore_response_log_probs = types.MethodType(_sharded_log_probs, model)

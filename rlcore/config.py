@@ -168,7 +168,9 @@ class TrainerConfig(_Section):
     val_every: int = Field(10, ge=1)
     val_before_train: bool = True
     resume: str = Field("auto", description="'auto' (newest complete checkpoint), 'disable', or a checkpoint path")
-    loggers: list[Literal["console", "jsonl"]] = ["console", "jsonl"]
+    loggers: list[Literal["console", "jsonl", "mlflow"]] = Field(
+        ["console", "jsonl"], description="mlflow: one MLflow run per training run (tracking.mlflow_uri), kept across resumes"
+    )
     device: Literal["auto", "cpu", "cuda"] = "auto"
     backend: Literal["inprocess", "ray"] = Field("inprocess", description="where workers run: this process, or Ray actors")
 

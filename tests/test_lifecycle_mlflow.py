@@ -151,3 +151,31 @@ def test_failure_is_recorded_and_notified(store, tmp_path):
     assert run.data.params["data.train_files"] == '["/t.parquet"]'
     [event] = _Hook.received
     assert event["event"] == "failed" and event["pipeline_run"] == "failing-run" and "/t.parquet" in event["error"]
+
+
+def test_champion_folder_is_served_by_vllm_as_is(store, tiny_example, tmp_path):
+    """The downloaded champion is a plain HF folder: vLLM starts on it and decodes like HF."""
+    pytest.importorskip("vllm")
+    from rlcore.data import PromptLoader, RLDataset
+    from rlcore.lifecycle.mlflow_store import ModelRegistry
+    from rlcore.rollout import SamplingParams, make_rollout_engine
+    from rlcore.workers.tokenizer import load_tokenizer
+
+    run = store.start_run("train")
+    store.log_artifact(run, tiny_example.model_dir, "model")
+    registry = ModelRegistry(store, "tiny-serve")
+    registry.set_alias("champion", registry.register(run, "model").version)
+    local = registry.download("champion", tmp_path / "dl")
+
+    tok = load_tokenizer(str(local))
+    prompts = next(iter(PromptLoader(RLDataset([tiny_example.val_file], tok, 32), batch_size=16, seed=0, shuffle=False)))
+    greedy = SamplingParams(n=1, do_sample=False, max_new_tokens=8)
+    ids = dict(pad_token_id=tok.pad_token_id, eos_token_ids=[tok.eos_token_id])
+    vllm_engine = make_rollout_engine("vllm", path=str(local), **ids)
+    try:
+        served = vllm_engine.generate(prompts, greedy)
+    finally:
+        vllm_engine.close()
+    reference = make_rollout_engine("hf", path=str(local), **ids).generate(prompts, greedy)
+    assert torch.equal(served["responses"], reference["responses"])
+    torch.testing.assert_close(served["rollout_log_probs"], reference["rollout_log_probs"], atol=1e-4, rtol=0)

@@ -137,3 +137,18 @@ def test_dpo_on_ray_with_two_ranks_matches_one_process(tiny_example, pref_files,
     for one, two in zip(inproc, on_ray):
         assert two["pref/loss"] == pytest.approx(one["pref/loss"], abs=1e-5)
         assert two["actor/grad_norm"] == pytest.approx(one["actor/grad_norm"], rel=1e-4)
+
+
+def test_kto_run_is_tracked_in_mlflow(tiny_example, pref_files, tmp_path):
+    from mlflow.tracking import MlflowClient
+
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    cfg = _config(tiny_example, pref_files, "kto", tmp_path / "run",
+                  QUICK + ["actor.ppo_mini_batch_size=16", "trainer.total_steps=2", "trainer.loggers=[jsonl,mlflow]", f"tracking.mlflow_uri={uri}"])
+    make_trainer(cfg).fit()
+    client = MlflowClient(tracking_uri=uri)
+    run = client.get_run((tmp_path / "run" / "mlflow_run_id").read_text().strip())
+    assert run.data.params["algorithm.name"] == "kto"
+    losses = client.get_metric_history(run.info.run_id, "pref/loss")
+    assert [m.step for m in losses] == [1, 2]
+    assert losses[0].value == pytest.approx(0.5, abs=1e-6)  # policy == reference at step 1

@@ -148,7 +148,26 @@ class RLTrainer:
             sinks.append(JsonlSink(self.metrics_path))
         if "console" in self.config.trainer.loggers:
             sinks.append(ConsoleSink(self.config.trainer.total_steps))
+        if "mlflow" in self.config.trainer.loggers:
+            sinks.append(self._mlflow_sink())
         return Tracker(sinks)
+
+    def _mlflow_sink(self):
+        """One MLflow run per run directory: a resumed run keeps logging into the same one."""
+        from rlcore.lifecycle.mlflow_store import MlflowStore, flatten
+        from rlcore.tracking import MlflowSink
+
+        store = MlflowStore(self.config.tracking.mlflow_uri, self.config.tracking.experiment)
+        id_file = self.run_dir / "mlflow_run_id"
+        if id_file.is_file():
+            run_id = id_file.read_text().strip()
+        else:
+            run_id = store.start_run(self.run_dir.name, tags={"rlcore.algorithm": self.algorithm})
+            store.log_params(run_id, flatten(self.config.model_dump(mode="json")))
+            id_file.write_text(run_id)
+        sink = MlflowSink(run_id, client=store.client)
+        sink.close = lambda: store.end_run(run_id)  # type: ignore[method-assign]
+        return sink
 
     # ------------------------------------------------------------------ resume / save
     def _resume_point(self) -> Path | None:

@@ -65,6 +65,20 @@ def time_engine(engine, batch, params, repeats: int) -> tuple[float, int]:
     return best, tokens
 
 
+@torch.inference_mode()
+def time_hf_generate(model, batch, params, repeats: int) -> tuple[float, int]:
+    ids = batch["input_ids"].repeat_interleave(params.n, dim=0)
+    mask = batch["attention_mask"].repeat_interleave(params.n, dim=0)
+    best = float("inf")
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        out = model.generate(input_ids=ids, attention_mask=mask, do_sample=True, temperature=params.temperature,
+                             top_k=0, max_new_tokens=params.max_new_tokens, min_new_tokens=params.max_new_tokens,
+                             pad_token_id=0)
+        best = min(best, time.perf_counter() - t0)
+    return best, int(ids.shape[0] * (out.shape[1] - ids.shape[1]))
+
+
 def time_update(engine, model) -> float:
     params = list(model.named_parameters())
     t0 = time.perf_counter()
@@ -95,6 +109,9 @@ def main() -> None:
         hf = HFRolloutEngine.from_pretrained(str(path), eos_token_ids=[], pad_token_id=0)
         secs, toks = time_engine(hf, batch, params, args.repeats)
         results["hf"] = (secs, toks, time_update(hf, model))
+        # transformers' own generate on the same rows: the baseline FIELD_NOTES compared vLLM with
+        secs, toks = time_hf_generate(hf.model, batch, params, args.repeats)
+        results["hf-generate"] = (secs, toks, float("nan"))
         del hf
 
         if importlib.util.find_spec("vllm") is None:
@@ -104,7 +121,8 @@ def main() -> None:
 
             t0 = time.perf_counter()
             engine = VLLMRolloutEngine.from_pretrained(str(path), eos_token_ids=[], pad_token_id=0,
-                                                       max_model_len=512, kv_cache_gib=1.0, seed=0)
+                                                       max_model_len=512, kv_cache_gib=1.0, seed=0,
+                                                       max_num_seqs=args.prompts * args.n, max_num_batched_tokens=8192)
             start = time.perf_counter() - t0
             try:
                 secs, toks = time_engine(engine, batch, params, args.repeats)
@@ -113,13 +131,15 @@ def main() -> None:
                 engine.close()
             print(f"vllm engine start: {start:.1f} s")
 
-    print(f"{'backend':<8}{'tokens':>8}{'seconds':>9}{'tokens/s':>10}{'weight update ms':>18}")
+    print(f"{'backend':<12}{'tokens':>8}{'seconds':>9}{'tokens/s':>10}{'weight update ms':>18}")
     for name, (secs, toks, upd) in results.items():
-        print(f"{name:<8}{toks:>8}{secs:>9.2f}{toks / secs:>10.0f}{upd * 1e3:>18.1f}")
+        print(f"{name:<12}{toks:>8}{secs:>9.2f}{toks / secs:>10.0f}{upd * 1e3:>18.1f}")
     if "vllm" in results:
         hf_tps = results["hf"][1] / results["hf"][0]
         vllm_tps = results["vllm"][1] / results["vllm"][0]
-        print(f"vllm / hf throughput: {vllm_tps / hf_tps:.2f}x")
+        gen_tps = results["hf-generate"][1] / results["hf-generate"][0]
+        print(f"vllm / hf throughput: {vllm_tps / hf_tps:.2f}x (rlcore's hf backend: own KV-cache decode loop)")
+        print(f"vllm / transformers generate: {vllm_tps / gen_tps:.2f}x")
 
 
 if __name__ == "__main__":

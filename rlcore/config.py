@@ -173,6 +173,12 @@ class TrainerConfig(_Section):
     )
     device: Literal["auto", "cpu", "cuda"] = "auto"
     backend: Literal["inprocess", "ray"] = Field("inprocess", description="where workers run: this process, or Ray actors")
+    off_policy: Literal["sync", "one_step"] = Field(
+        "sync",
+        description="one_step: generate step k+1's samples (with the weights before step k's update, staleness 1) "
+        "while step k's update runs; GRPO family only",
+    )
+    trace: bool = Field(True, description="write trace.jsonl in the run dir: per step, phase timings, workers, and every sample")
 
 
 ROLES = ("actor", "ref", "critic", "rollout", "reward")

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import os
+import socket
+
 import numpy as np
 import torch
 
@@ -52,5 +55,23 @@ def rollout_output(
         rollout_log_probs=log_probs,
     )
     meta = {k: np.repeat(v, n, axis=0) for k, v in batch.meta.items()}
+    meta.update(sample_trace_meta(batch, n))
     info = {**batch.info, "temperature": params.logprob_temperature}
     return Batch(tensors=tensors, meta=meta, info=info)
+
+
+_HOST = socket.gethostname()
+
+
+def sample_trace_meta(batch: Batch, n: int) -> dict[str, np.ndarray]:
+    """Per-sample tracing ids: `request_id` "<uid>/<i>" (the i-th sample of its prompt; the row
+    index stands in for a missing uid), and the host and pid of the process that generated it,
+    so a slow or failing sample can be followed from prompt to loss."""
+    b = len(batch)
+    uids = batch.meta["uid"] if "uid" in batch.meta else np.arange(b)
+    request_ids = np.array([f"{u}/{i}" for u in uids for i in range(n)], dtype=object)
+    return {
+        "request_id": request_ids,
+        "rollout_host": np.full(b * n, _HOST, dtype=object),
+        "rollout_pid": np.full(b * n, os.getpid(), dtype=np.int64),
+    }

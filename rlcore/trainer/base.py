@@ -6,10 +6,14 @@ of worker-group calls. This module only runs steps, validates, saves, resumes an
 
 from __future__ import annotations
 
+import json
 import logging
 import math
+import os
+import socket
 import time
 from contextlib import contextmanager
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Iterator, Sequence
 
@@ -26,6 +30,8 @@ from rlcore.checkpoint import (
     step_of,
 )
 from rlcore.config import Config, dump_config
+from rlcore.controller import Dispatch, GroupFuture, RoleView
+from rlcore.controller.dispatch import balanced_partitions
 from rlcore.data import PromptLoader, RLDataset
 from rlcore.protocol import Batch
 from rlcore.tracking import ConsoleSink, JsonlSink, Tracker, truncate_jsonl
@@ -85,10 +91,30 @@ def sampling_seed(seed: int, step: int) -> int:
     return (seed * 1_000_003 + step * 7919) % (2**31 - 1)
 
 
+@dataclass
+class PendingRollout:
+    """A generation launched for `step` (one-step off-policy: during the step before), on a
+    rollout engine holding the weights after `policy_version` actor updates."""
+
+    step: int
+    prompts: Batch
+    future: GroupFuture
+    policy_version: int
+
+
+# Which role does the work of each timed phase (trace.jsonl names the worker with its timing).
+PHASE_ROLES = {
+    "generate": "rollout", "rollout_sleep": "rollout", "rollout_wake": "rollout", "reward": "reward",
+    "old_log_prob": "actor", "ref_log_prob": "ref", "values": "critic", "advantage": "controller",
+    "update_critic": "critic", "update_actor": "actor", "weight_sync": "actor+rollout",
+}
+
+
 class RLTrainer:
     """Runs `train_step` for `trainer.total_steps` steps with validation, checkpoints and resume."""
 
     algorithm = "base"
+    supports_one_step = False  # control flows that implement trainer.off_policy=one_step
 
     def __init__(
         self,
@@ -99,6 +125,11 @@ class RLTrainer:
         """`step_hooks` see every step's metrics before they are logged and saved; a hook that
         raises `TrainingStopped` ends the run without checkpointing that step (health guards)."""
         self.config = config
+        if config.trainer.off_policy != "sync" and not self.supports_one_step:
+            raise ValueError(
+                f"trainer.off_policy={config.trainer.off_policy!r} is not supported by the {self.algorithm!r} "
+                "control flow (GRPO family only); use trainer.off_policy=sync"
+            )
         self.step_hooks = list(step_hooks)
         self.run_dir = Path(config.trainer.output_dir)
         self.run_dir.mkdir(parents=True, exist_ok=True)
@@ -121,6 +152,12 @@ class RLTrainer:
         )
         self.checkpoints = CheckpointManager(self.run_dir / "checkpoints", keep_last=config.trainer.keep_last)
         self.metrics_path = self.run_dir / "metrics.jsonl"
+        self.trace_path = self.run_dir / "trace.jsonl"
+        # Off-policy bookkeeping: the rollout engine holds the weights after this many actor
+        # updates; a one-step run keeps the next step's generation in flight here.
+        self.rollout_version = 0
+        self._prefetch: PendingRollout | None = None
+        self._step_trace: dict[str, Any] | None = None
         self.step = 0
         self.bad_steps_in_a_row = 0
         self.bad_steps_total = 0
@@ -184,6 +221,7 @@ class RLTrainer:
         path = self._resume_point()
         if path is None:
             truncate_jsonl(self.metrics_path, 0)
+            truncate_jsonl(self.trace_path, 0)
             return
         state = load_trainer_state(path)
         self.groups.load_checkpoint(str(path))
@@ -194,6 +232,8 @@ class RLTrainer:
         self.step = step_of(path)
         set_rng_state(state["rng"])
         truncate_jsonl(self.metrics_path, self.step)
+        truncate_jsonl(self.trace_path, self.step)
+        self.rollout_version = self.step  # the engine restarts on the checkpoint's actor
         log.info("resumed from %s (step %d)", path, self.step)
 
     def save_checkpoint(self) -> Path:
@@ -218,13 +258,16 @@ class RLTrainer:
         cfg = self.config.trainer
         self.resume()
         tracker = self._open_tracker()
+        workers = self.worker_identities() if cfg.trace else {}
         try:
             if self.step == 0 and cfg.val_before_train and self.val_loader is not None:
                 tracker.log(0, self.validate())
             while self.step < cfg.total_steps:
                 self.step += 1
                 start = time.perf_counter()
-                batch = self.train_loader.next_batch()
+                pending = self._prefetch
+                batch = pending.prompts if pending is not None and pending.step == self.step else self.train_loader.next_batch()
+                self._step_trace = None
                 metrics = self.train_step(batch)
                 metrics["time/step_s"] = time.perf_counter() - start
                 self._check_health(metrics)
@@ -236,6 +279,8 @@ class RLTrainer:
                         hook(self.step, metrics)
                 finally:
                     tracker.log(self.step, metrics)
+                    if cfg.trace:
+                        self.write_trace(metrics, workers)
                 self.history.append(metrics)
                 if self.step % cfg.save_every == 0 or last:
                     self.save_checkpoint()
@@ -263,8 +308,10 @@ class RLTrainer:
             )
 
     # ------------------------------------------------------------------ shared step pieces
-    def sampling(self, *, validation: bool = False) -> dict[str, Any]:
+    def sampling(self, *, validation: bool = False, step: int | None = None) -> dict[str, Any]:
+        """Sampling parameters for the generation of `step` (default: the current step)."""
         r = self.config.rollout
+        step = self.step if step is None else step
         if validation:
             return dict(
                 n=r.val_n,
@@ -273,7 +320,7 @@ class RLTrainer:
                 top_p=r.top_p,
                 top_k=r.top_k,
                 max_new_tokens=r.max_new_tokens,
-                seed=sampling_seed(self.config.trainer.seed + 1, self.step),
+                seed=sampling_seed(self.config.trainer.seed + 1, step),
             )
         return dict(
             n=r.n,
@@ -281,17 +328,22 @@ class RLTrainer:
             top_p=r.top_p,
             top_k=r.top_k,
             max_new_tokens=r.max_new_tokens,
-            seed=sampling_seed(self.config.trainer.seed, self.step),
+            seed=sampling_seed(self.config.trainer.seed, step),
         )
 
     def generate_and_score(self, batch: Batch, timer: Timer, *, validation: bool = False) -> tuple[Batch, dict[str, float]]:
         batch.info["sampling"] = self.sampling(validation=validation)
         with timer.phase("generate"):
             gen = self.groups.rollout.generate_sequences(batch)
+        self._stamp_version(gen, self.rollout_version)
         if self.rollout_sleeps and not validation:  # validation runs right after a sync: stay awake
             with timer.phase("rollout_sleep"):
                 self.groups.rollout.sleep()
             self._rollout_asleep = True
+        return self.score(gen, timer)
+
+    def score(self, gen: Batch, timer: Timer) -> tuple[Batch, dict[str, float]]:
+        """Rewards for generated samples, joined to them; reward metrics and the first error."""
         with timer.phase("reward"):
             scored = self.groups.reward.compute_reward(gen)
         metrics = dict(scored.info.pop("reward_metrics", {}))
@@ -328,8 +380,113 @@ class RLTrainer:
             self._rollout_asleep = False
         with timer.phase("weight_sync"):
             self.groups.sync_weights()  # bucket by bucket, never a second full copy at once
+        self.rollout_version = self.step
+
+    # ------------------------------------------------------------------ one-step off-policy
+    def launch_generation(self, batch: Batch, step: int) -> PendingRollout:
+        """Start generating `step`'s samples without waiting (in-process: done on return)."""
+        batch.info["sampling"] = self.sampling(step=step)
+        future = self.groups.rollout.call_async("generate_sequences", batch)
+        return PendingRollout(step, batch, future, self.rollout_version)
+
+    def collect_generation(self, batch: Batch, timer: Timer) -> Batch:
+        """This step's samples: the generation prefetched during the previous step, or one
+        launched now (step 1, and the step after a checkpoint: see `prefetch_next`)."""
+        pending = self._prefetch
+        self._prefetch = None
+        if pending is None or pending.step != self.step:
+            pending = self.launch_generation(batch, self.step)
+        with timer.phase("generate"):  # one-step mode: only the wait that the overlap did not hide
+            gen = pending.future.result()
+        self._stamp_version(gen, pending.policy_version)
+        return gen
+
+    def prefetch_next(self, timer: Timer) -> None:
+        """Launch step k+1's generation now, on the weights before step k's update (staleness 1).
+
+        Not at a checkpoint step nor the last: a checkpoint holds the data order up to step k
+        only, and a resumed run regenerates step k+1 on step k's weights. The uninterrupted run
+        does the same (step k+1 after a checkpoint is on-policy), so resume stays exact.
+        """
+        cfg = self.config.trainer
+        if self.step < cfg.total_steps and self.step % cfg.save_every != 0:
+            self._prefetch = self.launch_generation(self.train_loader.next_batch(), self.step + 1)
+        if self.rollout_sleeps:  # colocated: the update needs the memory, so no overlap here
+            with timer.phase("rollout_sleep"):
+                self.groups.rollout.sleep()  # runs after the generation it queues behind
+            self._rollout_asleep = True
+
+    @staticmethod
+    def _stamp_version(gen: Batch, version: int) -> None:
+        gen.meta["policy_version"] = np.full(len(gen), version, dtype=np.int64)
+
+    # ------------------------------------------------------------------ tracing
+    def worker_identities(self) -> dict[str, list[dict[str, Any]]]:
+        """role -> [{rank, pid, host}] of the processes doing each role's work. Ray workers give
+        their pids (their host is in each sample's `rollout_host` for the rollout)."""
+        out: dict[str, list[dict[str, Any]]] = {}
+        here = {"pid": os.getpid(), "host": socket.gethostname()}
+        for role in ("actor", "rollout", "reward", "ref", "critic"):
+            group = getattr(self.groups, role, None)
+            if group is None:
+                continue
+            group = group.group if isinstance(group, RoleView) else group
+            pids = getattr(group, "pids", None)
+            if callable(pids):
+                try:
+                    out[role] = [{"rank": r, "pid": p, "host": None} for r, p in enumerate(pids())]
+                    continue
+                except Exception as e:  # tracing must never stop a run
+                    log.warning("trace: no pids for %s: %s", role, e)
+            out[role] = [{"rank": r, **here} for r in range(group.world_size)]
+        return out
+
+    def _note_trace(self, gen: Batch, timer: Timer) -> None:
+        """Per-sample records of this step: ids from prompt to loss, reward, length, and which
+        rollout/actor rank handled the sample (the dispatch is a pure function of the batch)."""
+        if not self.config.trainer.trace:
+            return
+        n = int(gen.info.get("n", self.config.rollout.n))
+        rollout_rank = _dp_ranks(self.groups.rollout, "generate_sequences", len(gen) // max(n, 1), None)
+        actor_rank = _dp_ranks(self.groups.actor, "update_actor", len(gen), gen)
+        lengths = gen["response_mask"].sum(-1).long().tolist()
+        scores = gen["scores"].tolist() if "scores" in gen.tensors else [None] * len(gen)
+        meta = gen.meta
+        samples = []
+        for j in range(len(gen)):
+            rec: dict[str, Any] = {
+                "uid": _plain(meta["uid"][j]) if "uid" in meta else None,
+                "request_id": _plain(meta["request_id"][j]) if "request_id" in meta else None,
+                "reward": scores[j],
+                "response_length": lengths[j],
+            }
+            if rollout_rank is not None:
+                rec["rollout_rank"] = int(rollout_rank[j // n])
+            for key in ("rollout_pid", "rollout_host", "policy_version"):
+                if key in meta:
+                    rec[key] = _plain(meta[key][j])
+            if actor_rank is not None:
+                rec["actor_rank"] = int(actor_rank[j])
+            samples.append(rec)
+        self._step_trace = {"phases": dict(timer.seconds), "samples": samples}
+
+    def write_trace(self, metrics: dict[str, Any], workers: dict[str, Any]) -> None:
+        """One JSON line per step: phase timings with the role that did them, the workers, samples."""
+        step_trace = self._step_trace or {}
+        phases = step_trace.get("phases") or {k[5:-2]: v for k, v in metrics.items()
+                                              if k.startswith("time/") and k.endswith("_s")}
+        record = {
+            "step": self.step,
+            "off_policy": self.config.trainer.off_policy,
+            "phases": {name: {"s": secs, "role": PHASE_ROLES.get(name)} for name, secs in phases.items()},
+            "workers": workers,
+            "samples": step_trace.get("samples", []),
+        }
+        with open(self.trace_path, "a") as f:
+            f.write(json.dumps(record, default=str) + "\n")
 
     def batch_metrics(self, gen: Batch, timer: Timer) -> dict[str, float]:
+        self._note_trace(gen, timer)
         mask = gen["response_mask"].float()
         lengths = mask.sum(-1)
         scores = gen["scores"]
@@ -354,6 +511,10 @@ class RLTrainer:
             diff = (gen["rollout_log_probs"] - gen["old_log_probs"]).abs()[mask.bool()]
             m["rollout/logprob_diff_mean"] = float(diff.mean()) if diff.numel() else 0.0
             m["rollout/logprob_diff_max"] = float(diff.max()) if diff.numel() else 0.0
+        if "policy_version" in gen.meta:  # the actor trains on the weights after step-1 updates
+            staleness = (self.step - 1) - gen.meta["policy_version"].astype(np.int64)
+            m["rollout/staleness_max"] = float(staleness.max())
+            m["rollout/staleness_mean"] = float(staleness.mean())
         n_tokens = float(mask.sum())
         for name, secs in timer.seconds.items():
             m[f"time/{name}_s"] = secs
@@ -387,4 +548,30 @@ class RLTrainer:
         return out
 
 
-__all__ = ["RLTrainer", "Timer", "TrainingStopped", "rollout_shares_gpu", "sampling_seed"]
+def _plain(v: Any) -> Any:
+    """numpy scalars -> JSON-friendly Python values."""
+    return v.item() if isinstance(v, np.generic) else v
+
+
+def _dp_ranks(group: Any, method: str, rows: int, batch: Batch | None) -> np.ndarray | None:
+    """Which rank of `group` receives each of `rows` input rows for `method`, re-derived from its
+    dispatch (contiguous parts, or token-balanced parts of `batch`); None when not data-parallel."""
+    try:
+        spec = group.group.methods[f"{group._role}.{method}"] if isinstance(group, RoleView) else group.methods[method]
+        ws = group.group.world_size if isinstance(group, RoleView) else group.world_size
+    except (AttributeError, KeyError):
+        return None
+    padded = -(-rows // ws) * ws
+    if spec.dispatch is Dispatch.DP_COMPUTE or (spec.dispatch is Dispatch.DP_BALANCED and ws == 1):
+        return np.arange(padded)[:rows] // (padded // ws)
+    if spec.dispatch is Dispatch.DP_BALANCED and batch is not None and "attention_mask" in batch.tensors:
+        lengths = batch["attention_mask"].sum(-1).cpu().numpy().astype(np.int64)
+        lengths = np.concatenate([lengths, lengths[np.arange(padded - rows) % rows]])  # as pad_to_multiple
+        ranks = np.empty(padded, dtype=np.int64)
+        for r, part in enumerate(balanced_partitions(lengths, ws)):
+            ranks[part] = r
+        return ranks[:rows]
+    return None
+
+
+__all__ = ["PendingRollout", "RLTrainer", "Timer", "TrainingStopped", "rollout_shares_gpu", "sampling_seed"]

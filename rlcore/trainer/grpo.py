@@ -3,6 +3,12 @@
 One step, as data flows (DESIGN.md): generate n samples per prompt, score them, recompute
 old log-probs (and reference log-probs when KL is used), compute group-relative advantages,
 update the actor, push the new weights to the rollout engine.
+
+`trainer.off_policy=one_step`: step k+1's generation is launched as soon as step k's samples are
+in, so it runs (on Ray, in its own pool) while step k scores, recomputes log-probs and updates.
+Those samples come from the weights one update old (staleness 1, per sample in meta
+`policy_version`, `rollout/staleness_max`); the old log-probs are still the actor's own, so the
+clipped ratio corrects for it. The weight sync follows the update, before the next launch.
 """
 
 from __future__ import annotations
@@ -19,12 +25,20 @@ from rlcore.trainer.base import RLTrainer, Timer
 
 class GRPOTrainer(RLTrainer):
     algorithm = "grpo"
+    supports_one_step = True
 
     def train_step(self, batch: Batch) -> dict[str, Any]:
         algo = self.config.algorithm
         timer = Timer()
 
-        gen, reward_metrics = self.generate_and_score(batch, timer)
+        if self.config.trainer.off_policy == "one_step":
+            # this step's samples were generated during the previous step; the next step's start
+            # now, on the pre-update weights, and run while this step scores and updates
+            gen = self.collect_generation(batch, timer)
+            self.prefetch_next(timer)
+            gen, reward_metrics = self.score(gen, timer)
+        else:
+            gen, reward_metrics = self.generate_and_score(batch, timer)
         gen = self.old_and_ref_log_probs(gen, timer)
         token_rewards, kl_metrics = self.rewards_with_kl(gen)
 

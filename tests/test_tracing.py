@@ -15,7 +15,7 @@ from rlcore.controller.dispatch import plan_dispatch
 from rlcore.protocol import Batch
 from rlcore.rollout.base import SamplingParams
 from rlcore.rollout.output import rollout_output
-from rlcore.trainer.base import _dp_ranks
+from rlcore.trainer.tracing import dp_ranks as _dp_ranks
 
 
 def _prompts(uids) -> Batch:

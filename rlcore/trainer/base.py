@@ -9,8 +9,6 @@ from __future__ import annotations
 import json
 import logging
 import math
-import os
-import socket
 import time
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -30,12 +28,12 @@ from rlcore.checkpoint import (
     step_of,
 )
 from rlcore.config import Config, dump_config
-from rlcore.controller import Dispatch, GroupFuture, RoleView
-from rlcore.controller.dispatch import balanced_partitions
+from rlcore.controller import GroupFuture
 from rlcore.data import PromptLoader, RLDataset
 from rlcore.protocol import Batch
 from rlcore.tracking import ConsoleSink, JsonlSink, Tracker, truncate_jsonl
 from rlcore.trainer.roles import WorkerGroups, build_worker_groups
+from rlcore.trainer.tracing import sample_records, step_record, worker_identities
 from rlcore.workers.tokenizer import load_tokenizer
 
 log = logging.getLogger(__name__)
@@ -102,12 +100,6 @@ class PendingRollout:
     policy_version: int
 
 
-# Which role does the work of each timed phase (trace.jsonl names the worker with its timing).
-PHASE_ROLES = {
-    "generate": "rollout", "rollout_sleep": "rollout", "rollout_wake": "rollout", "reward": "reward",
-    "old_log_prob": "actor", "ref_log_prob": "ref", "values": "critic", "advantage": "controller",
-    "update_critic": "critic", "update_actor": "actor", "weight_sync": "actor+rollout",
-}
 
 
 class RLTrainer:
@@ -258,7 +250,7 @@ class RLTrainer:
         cfg = self.config.trainer
         self.resume()
         tracker = self._open_tracker()
-        workers = self.worker_identities() if cfg.trace else {}
+        workers = worker_identities(self.groups) if cfg.trace else {}
         try:
             if self.step == 0 and cfg.val_before_train and self.val_loader is not None:
                 tracker.log(0, self.validate())
@@ -421,67 +413,14 @@ class RLTrainer:
         gen.meta["policy_version"] = np.full(len(gen), version, dtype=np.int64)
 
     # ------------------------------------------------------------------ tracing
-    def worker_identities(self) -> dict[str, list[dict[str, Any]]]:
-        """role -> [{rank, pid, host}] of the processes doing each role's work. Ray workers give
-        their pids (their host is in each sample's `rollout_host` for the rollout)."""
-        out: dict[str, list[dict[str, Any]]] = {}
-        here = {"pid": os.getpid(), "host": socket.gethostname()}
-        for role in ("actor", "rollout", "reward", "ref", "critic"):
-            group = getattr(self.groups, role, None)
-            if group is None:
-                continue
-            group = group.group if isinstance(group, RoleView) else group
-            pids = getattr(group, "pids", None)
-            if callable(pids):
-                try:
-                    out[role] = [{"rank": r, "pid": p, "host": None} for r, p in enumerate(pids())]
-                    continue
-                except Exception as e:  # tracing must never stop a run
-                    log.warning("trace: no pids for %s: %s", role, e)
-            out[role] = [{"rank": r, **here} for r in range(group.world_size)]
-        return out
-
     def _note_trace(self, gen: Batch, timer: Timer) -> None:
-        """Per-sample records of this step: ids from prompt to loss, reward, length, and which
-        rollout/actor rank handled the sample (the dispatch is a pure function of the batch)."""
-        if not self.config.trainer.trace:
-            return
-        n = int(gen.info.get("n", self.config.rollout.n))
-        rollout_rank = _dp_ranks(self.groups.rollout, "generate_sequences", len(gen) // max(n, 1), None)
-        actor_rank = _dp_ranks(self.groups.actor, "update_actor", len(gen), gen)
-        lengths = gen["response_mask"].sum(-1).long().tolist()
-        scores = gen["scores"].tolist() if "scores" in gen.tensors else [None] * len(gen)
-        meta = gen.meta
-        samples = []
-        for j in range(len(gen)):
-            rec: dict[str, Any] = {
-                "uid": _plain(meta["uid"][j]) if "uid" in meta else None,
-                "request_id": _plain(meta["request_id"][j]) if "request_id" in meta else None,
-                "reward": scores[j],
-                "response_length": lengths[j],
-            }
-            if rollout_rank is not None:
-                rec["rollout_rank"] = int(rollout_rank[j // n])
-            for key in ("rollout_pid", "rollout_host", "policy_version"):
-                if key in meta:
-                    rec[key] = _plain(meta[key][j])
-            if actor_rank is not None:
-                rec["actor_rank"] = int(actor_rank[j])
-            samples.append(rec)
-        self._step_trace = {"phases": dict(timer.seconds), "samples": samples}
+        """Remember this step's per-sample records for trace.jsonl (see rlcore.trainer.tracing)."""
+        if self.config.trainer.trace:
+            n = int(gen.info.get("n", self.config.rollout.n))
+            self._step_trace = {"phases": dict(timer.seconds), "samples": sample_records(gen, self.groups, n)}
 
     def write_trace(self, metrics: dict[str, Any], workers: dict[str, Any]) -> None:
-        """One JSON line per step: phase timings with the role that did them, the workers, samples."""
-        step_trace = self._step_trace or {}
-        phases = step_trace.get("phases") or {k[5:-2]: v for k, v in metrics.items()
-                                              if k.startswith("time/") and k.endswith("_s")}
-        record = {
-            "step": self.step,
-            "off_policy": self.config.trainer.off_policy,
-            "phases": {name: {"s": secs, "role": PHASE_ROLES.get(name)} for name, secs in phases.items()},
-            "workers": workers,
-            "samples": step_trace.get("samples", []),
-        }
+        record = step_record(self.step, self.config.trainer.off_policy, self._step_trace, metrics, workers)
         with open(self.trace_path, "a") as f:
             f.write(json.dumps(record, default=str) + "\n")
 
@@ -546,32 +485,6 @@ class RLTrainer:
                 by_uid[uid] = max(by_uid.get(uid, 0.0), a)
             out[f"val/pass@{self.config.rollout.val_n}"] = sum(by_uid.values()) / len(by_uid)
         return out
-
-
-def _plain(v: Any) -> Any:
-    """numpy scalars -> JSON-friendly Python values."""
-    return v.item() if isinstance(v, np.generic) else v
-
-
-def _dp_ranks(group: Any, method: str, rows: int, batch: Batch | None) -> np.ndarray | None:
-    """Which rank of `group` receives each of `rows` input rows for `method`, re-derived from its
-    dispatch (contiguous parts, or token-balanced parts of `batch`); None when not data-parallel."""
-    try:
-        spec = group.group.methods[f"{group._role}.{method}"] if isinstance(group, RoleView) else group.methods[method]
-        ws = group.group.world_size if isinstance(group, RoleView) else group.world_size
-    except (AttributeError, KeyError):
-        return None
-    padded = -(-rows // ws) * ws
-    if spec.dispatch is Dispatch.DP_COMPUTE or (spec.dispatch is Dispatch.DP_BALANCED and ws == 1):
-        return np.arange(padded)[:rows] // (padded // ws)
-    if spec.dispatch is Dispatch.DP_BALANCED and batch is not None and "attention_mask" in batch.tensors:
-        lengths = batch["attention_mask"].sum(-1).cpu().numpy().astype(np.int64)
-        lengths = np.concatenate([lengths, lengths[np.arange(padded - rows) % rows]])  # as pad_to_multiple
-        ranks = np.empty(padded, dtype=np.int64)
-        for r, part in enumerate(balanced_partitions(lengths, ws)):
-            ranks[part] = r
-        return ranks[:rows]
-    return None
 
 
 __all__ = ["PendingRollout", "RLTrainer", "Timer", "TrainingStopped", "rollout_shares_gpu", "sampling_seed"]

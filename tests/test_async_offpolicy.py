@@ -101,3 +101,36 @@ def test_control_flows_without_one_step_refuse_it_naming_the_field(tiny_example,
 def test_config_rejects_an_unknown_mode(tiny_example, tmp_path):
     with pytest.raises(Exception, match="off_policy"):
         _config(tiny_example, tmp_path / "run", ("trainer.off_policy=two_step",))
+
+
+def test_one_step_on_ray_with_separate_rollout_pool(tiny_example, tmp_path):
+    """The real overlap path: rollout and reward in their own Ray pool, the next generation in
+    flight while the actor updates; staleness and the trace record which workers did it."""
+    import os
+    import shutil
+    import subprocess
+    import sys
+    import tempfile
+
+    pytest.importorskip("ray")
+    out = tmp_path / "run"
+    ray_tmp = tempfile.mkdtemp(prefix="rl-", dir="/tmp")  # Ray socket paths must fit 107 bytes
+    args = [sys.executable, "-m", "rlcore.cli", "train", str(CONFIG_DIR / "tiny_grpo.yaml")]
+    args += tiny_example_overrides(tiny_example, str(out)) + QUICK + [
+        "trainer.off_policy=one_step", "trainer.total_steps=3", "trainer.save_every=100",
+        "trainer.backend=ray", "rollout.backend=hf", f"ray.temp_dir={ray_tmp}", "ray.num_cpus=3",
+        "ray.pools={default: {cpus_per_bundle: 1}, gen: {cpus_per_bundle: 1}}", "ray.roles={rollout: gen, reward: gen}",
+        "ray.call_timeout_s=300", "ray.init_timeout_s=300",
+    ]
+    env = dict(os.environ, PYTHONPATH=str(Path(__file__).resolve().parents[1]), RAY_AUTH_MODE="disabled")
+    try:
+        done = subprocess.run(args, env=env, capture_output=True, text=True, timeout=600)
+    finally:
+        shutil.rmtree(ray_tmp, ignore_errors=True)
+    assert done.returncode == 0, done.stderr[-3000:]
+    metrics = [r for r in read_jsonl(out / "metrics.jsonl") if r["step"] > 0]
+    assert [m["rollout/staleness_max"] for m in metrics] == [0.0, 1.0, 1.0]  # step 1 on-policy, then one update old
+    trace = read_jsonl(out / "trace.jsonl")
+    rollout_pids = {s["rollout_pid"] for rec in trace for s in rec["samples"]}
+    assert rollout_pids and os.getpid() not in rollout_pids  # generated in a Ray worker, not here
+    assert {w["pid"] for w in trace[0]["workers"]["rollout"]} == rollout_pids

@@ -25,7 +25,7 @@ import torch
 from rlcore.data.chat import prompt_ids
 from rlcore.data.io import read_rows
 from rlcore.data.loader import PromptLoader
-from rlcore.data.schema import BadRowPolicy, DataError, DataValidationError, _type_name, _validate_prompt
+from rlcore.data.schema import BadRowPolicy, DataError, DataValidationError, _type_name, _validate_prompt, check_extra_info
 from rlcore.protocol import Batch
 
 log = logging.getLogger(__name__)
@@ -89,9 +89,7 @@ def validate_preference_row(row: Any, file: str, index: int, kind: PreferenceKin
     source = row.get("data_source")
     if source is not None and not isinstance(source, str):
         errors.append(DataError(file, index, "data_source", f"expected a string, got {_type_name(source)}"))
-    extra = row.get("extra_info")
-    if extra is not None and not isinstance(extra, dict):
-        errors.append(DataError(file, index, "extra_info", f"expected an object or null, got {_type_name(extra)}"))
+    errors.extend(check_extra_info(row, file, index))
     return errors
 
 

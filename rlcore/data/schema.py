@@ -73,6 +73,14 @@ def _validate_prompt(prompt: Any, file: str, row: int) -> list[DataError]:
     return errors
 
 
+def check_extra_info(row: dict, file: str, index: int) -> list[DataError]:
+    """`extra_info` is optional; when present it must be an object (RL and preference rows)."""
+    extra = row.get("extra_info")
+    if extra is not None and not isinstance(extra, dict):
+        return [DataError(file, index, "extra_info", f"expected an object or null, got {_type_name(extra)}")]
+    return []
+
+
 def validate_row(row: Any, file: str, index: int) -> list[DataError]:
     """Every problem found in one row (empty list: the row is good)."""
     if not isinstance(row, dict):
@@ -96,9 +104,7 @@ def validate_row(row: Any, file: str, index: int) -> list[DataError]:
         style = rm.get("style")
         if style is not None and not isinstance(style, str):
             errors.append(DataError(file, index, "reward_model.style", f"expected a string, got {_type_name(style)}"))
-    extra = row.get("extra_info")
-    if extra is not None and not isinstance(extra, dict):
-        errors.append(DataError(file, index, "extra_info", f"expected an object or null, got {_type_name(extra)}"))
+    errors.extend(check_extra_info(row, file, index))
     return errors
 
 

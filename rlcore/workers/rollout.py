@@ -56,9 +56,7 @@ class RolloutWorker(Worker):
     @register(dispatch=Dispatch.DP_COMPUTE)
     def generate_sequences(self, batch: Batch) -> Batch:
         params = SamplingParams(**batch.info["sampling"])
-        out = self.engine.generate(batch, params)
-        out.info.update(batch.info)
-        out.info.setdefault("temperature", params.temperature)
+        out = self.engine.generate(batch, params)  # info: the input's, plus the log-prob temperature
         out.info["n"] = params.n
         return out
 

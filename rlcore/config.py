@@ -87,6 +87,7 @@ class VLLMEngineConfig(_Section):
     kv_cache_gib: float | None = Field(None, gt=0, description="KV cache size; default 1 GiB on CPU, from gpu_memory_utilization on GPU")
     enable_prefix_caching: bool = True
     enable_sleep_mode: bool | None = Field(None, description="default: on for GPU (sleep/wake free memory), off on CPU (unsupported)")
+    block_size: int | None = Field(None, ge=1, description="KV cache block (tokens); default 32 on CPU (short RL contexts), vLLM's own on GPU")
     weight_bucket_mb: float = Field(256.0, gt=0, description="max size of one reload_weights call during a weight sync")
     extra: dict[str, Any] = Field(default_factory=dict, description="passed verbatim to vllm.LLM(...)")
 

@@ -102,6 +102,16 @@ class TestSharedEngine:
         assert out["rollout_log_probs"].dtype == torch.float32
         assert out.info["temperature"] == temperature and out.info["step"] == 7
 
+    def test_cpu_blocks_of_32_and_log_probs_across_blocks(self, models, engine_a):
+        """The CPU default KV block is 32 tokens; contexts spanning three blocks still give the
+        HF forward pass's log-probs (paged attention reads every block of a sequence)."""
+        assert engine_a.llm.llm_engine.vllm_config.cache_config.block_size == 32
+        batch = prompt_batch([45, 33, 31])
+        out = engine_a.generate(batch, SamplingParams(n=2, temperature=1.0, max_new_tokens=40))
+        assert out["responses"].shape == (6, 40)
+        torch.testing.assert_close(out["rollout_log_probs"], reference_log_probs(models[0], out, 1.0),
+                                   atol=1e-4, rtol=0)
+
     def test_greedy_matches_hf_and_reports_temperature_one(self, models, engine_a):
         model_a = models[0]
         batch = prompt_batch([4, 6, 3])
@@ -227,3 +237,18 @@ def test_update_weights_equals_fresh_engine(models):
     assert after_s["responses"].tolist() == fresh_s["responses"].tolist()
     torch.testing.assert_close(after_s["rollout_log_probs"], fresh_s["rollout_log_probs"], atol=1e-5, rtol=0)
     torch.testing.assert_close(after_g["rollout_log_probs"], reference_log_probs(model_b, after_g, 1.0), atol=1e-4, rtol=0)
+
+
+def test_sampled_logprobs_reads_flat_and_dict_formats():
+    """Both vLLM log-prob containers give the sampled tokens' log-probs, in order."""
+    from vllm.logprobs import FlatLogprobs, Logprob
+
+    from rlcore.rollout.vllm import _sampled_logprobs
+
+    ids = [7, 3, 9]
+    flat = FlatLogprobs()
+    for tok, lp in zip(ids, [-0.5, -1.25, -2.0]):
+        flat.append({tok: Logprob(logprob=lp, rank=1)})
+    assert _sampled_logprobs(flat, ids) == [-0.5, -1.25, -2.0]
+    dicts = [{7: Logprob(-0.5), 4: Logprob(-3.0)}, {3: Logprob(-1.25)}, {1: Logprob(-0.1), 9: Logprob(-2.0)}]
+    assert _sampled_logprobs(dicts, ids) == [-0.5, -1.25, -2.0]

@@ -44,6 +44,7 @@ os.environ.setdefault("DO_NOT_TRACK", "1")
 import torch  # noqa: E402
 import vllm  # noqa: E402
 from vllm.inputs import TokensPrompt  # noqa: E402
+from vllm.logprobs import FlatLogprobs  # noqa: E402
 
 from rlcore.protocol import Batch  # noqa: E402
 from rlcore.rollout.base import SamplingParams  # noqa: E402
@@ -52,6 +53,12 @@ from rlcore.rollout.output import check_left_padded, rollout_output  # noqa: E40
 logger = logging.getLogger(__name__)
 
 _TIED_NAMES = ("model.embed_tokens.weight", "lm_head.weight")
+
+# KV block size on CPU. vLLM's CPU default (128) suits long chat contexts; RL rollouts are short
+# (prompt + a few hundred tokens at most) and the CPU attention kernel works block by block, so
+# smaller blocks waste less: 32 (the smallest the CPU kernel takes) decoded the rollout benchmark
+# ~1.3x faster than 128 on this machine (benchmarks/bench_rollout.py, --block-size).
+CPU_BLOCK_SIZE = 32
 
 
 def _group_of(name: str) -> str:
@@ -75,6 +82,18 @@ def _checkpoint_names(path: Path) -> list[str]:
         with safe_open(str(f), framework="pt") as handle:
             names.extend(handle.keys())
     return names
+
+
+def _sampled_logprobs(logprobs: Any, token_ids: list[int]) -> list[float]:
+    """The sampled tokens' log-probs from one completion (requested with `logprobs=0`).
+
+    With `flat_logprobs` vLLM returns a `FlatLogprobs` whose `logprobs` list holds exactly one
+    entry per position (the sampled token's, as `logprobs=0` asks for nothing more); otherwise a
+    list of {token id: Logprob} dicts.
+    """
+    if isinstance(logprobs, FlatLogprobs) and len(logprobs.logprobs) == len(token_ids):
+        return list(logprobs.logprobs)
+    return [step[tok].logprob for step, tok in zip(logprobs, token_ids)]
 
 
 def _read_json(path: Path) -> dict[str, Any]:
@@ -130,6 +149,7 @@ class VLLMRolloutEngine:
         kv_cache_gib: float | None = None,
         enable_prefix_caching: bool = True,
         enable_sleep_mode: bool | None = None,
+        block_size: int | None = None,
         weight_bucket_mb: float = 256.0,
         extra: dict[str, Any] | None = None,
         **llm_kwargs: Any,
@@ -137,7 +157,7 @@ class VLLMRolloutEngine:
         """Start an engine on a local HF checkpoint (no tokenizer needed: prompts are token ids).
 
         Per-device defaults: CPU -> eager mode (no compile on a few shared cores), a 1 GiB KV cache
-        (`kv_cache_gib`), no sleep mode; GPU -> CUDA graphs, `gpu_memory_utilization` of the card,
+        (`kv_cache_gib`), KV blocks of `CPU_BLOCK_SIZE` tokens, no sleep mode; GPU -> CUDA graphs, `gpu_memory_utilization` of the card,
         sleep mode on. `seed` is the engine seed (use the run seed). EOS and pad ids come from the
         checkpoint's generation_config.json / config.json when not given. `extra` and further
         keywords go to `vllm.LLM` verbatim.
@@ -176,6 +196,8 @@ class VLLMRolloutEngine:
             kwargs["max_num_batched_tokens"] = max_num_batched_tokens
         if max_num_seqs is not None:
             kwargs["max_num_seqs"] = max_num_seqs
+        if block_size is not None or on_cpu:
+            kwargs["block_size"] = CPU_BLOCK_SIZE if block_size is None else block_size
         if on_cpu:
             kwargs["kv_cache_memory_bytes"] = int((1.0 if kv_cache_gib is None else kv_cache_gib) * 2**30)
         else:
@@ -227,7 +249,7 @@ class VLLMRolloutEngine:
             for c in completions:
                 ids = list(c.token_ids)
                 seqs.append(ids)
-                lps.append([step[tok].logprob for step, tok in zip(c.logprobs, ids)])
+                lps.append(_sampled_logprobs(c.logprobs, ids))
         resp_len = max(1, max(len(s) for s in seqs))
         responses = torch.full((num_rows, resp_len), self.pad_token_id, dtype=torch.long)
         log_probs = torch.zeros(num_rows, resp_len, dtype=torch.float32)
@@ -263,6 +285,8 @@ class VLLMRolloutEngine:
             ignore_eos=True,
             detokenize=False,
             skip_special_tokens=False,
+            # Log-probs as flat lists, not a dict of Logprob objects per token (less per-token Python).
+            flat_logprobs=True,
         )
         if params.do_sample:
             common.update(temperature=params.temperature, top_p=params.top_p, top_k=params.top_k)

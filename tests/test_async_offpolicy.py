@@ -108,6 +108,7 @@ def test_one_step_on_ray_with_separate_rollout_pool(tiny_example, tmp_path):
     flight while the actor updates; staleness and the trace record which workers did it."""
     import os
     import shutil
+    import socket
     import subprocess
     import sys
     import tempfile
@@ -134,3 +135,8 @@ def test_one_step_on_ray_with_separate_rollout_pool(tiny_example, tmp_path):
     rollout_pids = {s["rollout_pid"] for rec in trace for s in rec["samples"]}
     assert rollout_pids and os.getpid() not in rollout_pids  # generated in a Ray worker, not here
     assert {w["pid"] for w in trace[0]["workers"]["rollout"]} == rollout_pids
+    rollout_hosts = {s["rollout_host"] for rec in trace for s in rec["samples"]}
+    assert {w["host"] for w in trace[0]["workers"]["rollout"]} == rollout_hosts
+    for role in ("actor", "reward"):  # Ray workers in other processes name their host too
+        workers = trace[0]["workers"][role]
+        assert workers and all(w["host"] == socket.gethostname() and w["pid"] != os.getpid() for w in workers), workers

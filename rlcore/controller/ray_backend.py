@@ -173,6 +173,10 @@ class _WorkerHost:
     def pid(self) -> int:
         return os.getpid()
 
+    def identity(self) -> dict[str, Any]:
+        """Where this rank runs: process id and host name (for traces)."""
+        return {"pid": os.getpid(), "host": socket.gethostname()}
+
 
 class RayGroupFuture(GroupFuture):
     """A `GroupFuture` that also knows the ObjectRef of a single-rank result, so it can be handed
@@ -272,6 +276,10 @@ class RayWorkerGroup(WorkerGroup):
     def pids(self) -> list[int]:
         """Process id of each rank (for tests and debugging)."""
         return self._wait_all("pid", [(r, a.pid.remote()) for r, a in enumerate(self._actors)], 60.0)
+
+    def identities(self) -> list[dict[str, Any]]:
+        """{pid, host} of each rank, in rank order."""
+        return self._wait_all("identity", [(r, a.identity.remote()) for r, a in enumerate(self._actors)], 60.0)
 
     def call_async(self, method: str, *args: Any, **kwargs: Any) -> RayGroupFuture:
         if self._failed is not None:

@@ -28,8 +28,8 @@ PHASE_ROLES = {
 
 
 def worker_identities(groups: Any) -> dict[str, list[dict[str, Any]]]:
-    """role -> [{rank, pid, host}] of the processes doing each role's work. Ray workers give
-    their pids (their host is in each sample's `rollout_host` for the rollout)."""
+    """role -> [{rank, pid, host}] of the processes doing each role's work (Ray workers report
+    their own; in-process roles run here)."""
     out: dict[str, list[dict[str, Any]]] = {}
     here = {"pid": os.getpid(), "host": socket.gethostname()}
     for role in ("actor", "rollout", "reward", "ref", "critic"):
@@ -37,13 +37,13 @@ def worker_identities(groups: Any) -> dict[str, list[dict[str, Any]]]:
         if group is None:
             continue
         group = group.group if isinstance(group, RoleView) else group
-        pids = getattr(group, "pids", None)
-        if callable(pids):
+        identities = getattr(group, "identities", None)
+        if callable(identities):
             try:
-                out[role] = [{"rank": r, "pid": p, "host": None} for r, p in enumerate(pids())]
+                out[role] = [{"rank": r, **ident} for r, ident in enumerate(identities())]
                 continue
             except Exception as e:  # tracing must never stop a run
-                log.warning("trace: no pids for %s: %s", role, e)
+                log.warning("trace: no worker identities for %s: %s", role, e)
         out[role] = [{"rank": r, **here} for r in range(group.world_size)]
     return out
 

@@ -1,5 +1,5 @@
-"""One-step off-policy GRPO (`trainer.off_policy=one_step`) on the in-process backend: the
-staleness it records, that it still learns, that checkpoint/resume stays exact, and the
+"""One-step off-policy GRPO and PPO (`trainer.off_policy=one_step`) on the in-process backend:
+the staleness it records, that it still learns, that checkpoint/resume stays exact, and the
 control flows that refuse it."""
 
 from __future__ import annotations
@@ -29,8 +29,9 @@ def _config(example, out: Path, extra=(), algorithm: str = "grpo"):
     return load_config(CONFIG_DIR / f"tiny_{algorithm}.yaml", overrides)
 
 
-def test_staleness_is_zero_at_step_one_then_one_and_zero_after_a_checkpoint(tiny_example, tmp_path):
-    cfg = _config(tiny_example, tmp_path / "run", ("trainer.total_steps=5", "trainer.save_every=3"))
+@pytest.mark.parametrize("algorithm", ["grpo", "ppo"])
+def test_staleness_is_zero_at_step_one_then_one_and_zero_after_a_checkpoint(tiny_example, tmp_path, algorithm):
+    cfg = _config(tiny_example, tmp_path / "run", ("trainer.total_steps=5", "trainer.save_every=3"), algorithm)
     history = make_trainer(cfg).fit()
     # step 1 generates on-policy; steps 2, 3 were generated during steps 1, 2 on the weights before
     # that step's update; step 3 checkpoints, so step 4 is generated after it (on-policy) and step 5
@@ -76,25 +77,28 @@ def test_resume_from_a_checkpoint_matches_the_uninterrupted_run(tiny_example, tm
     assert [r["step"] for r in read_jsonl(tmp_path / "resumed" / "trace.jsonl")] == [1, 2, 3, 4]
 
 
-def test_one_step_learns_the_tiny_task(tiny_example, tmp_path):
+@pytest.mark.parametrize(("algorithm", "steps"), [("grpo", 30), ("ppo", 40)])
+def test_one_step_learns_the_tiny_task(tiny_example, tmp_path, algorithm, steps):
     cfg = load_config(
-        CONFIG_DIR / "tiny_grpo.yaml",
+        CONFIG_DIR / f"tiny_{algorithm}.yaml",
         tiny_example_overrides(tiny_example, str(tmp_path / "run")) + [
-            "trainer.off_policy=one_step", "trainer.total_steps=30", "trainer.save_every=100",
-            "trainer.val_every=30", "trainer.loggers=[jsonl]", "data.val_batch_size=256",
+            "trainer.off_policy=one_step", f"trainer.total_steps={steps}", "trainer.save_every=100",
+            f"trainer.val_every={steps}", "trainer.loggers=[jsonl]", "data.val_batch_size=256",
         ],
     )
     make_trainer(cfg).fit()
     records = read_jsonl(tmp_path / "run" / "metrics.jsonl")
     before, after = records[0]["val/acc"], records[-1]["val/acc"]
-    assert records[-1]["step"] == 30
+    assert records[-1]["step"] == steps
     assert after >= before + 0.15, (before, after)
     assert all(r["rollout/staleness_max"] == 1.0 for r in records[2:])
 
 
-def test_control_flows_without_one_step_refuse_it_naming_the_field(tiny_example, tmp_path):
-    cfg = _config(tiny_example, tmp_path / "run", ("trainer.total_steps=1",), algorithm="ppo")
-    with pytest.raises(ValueError, match=r"trainer\.off_policy='one_step' is not supported by the 'ppo'"):
+@pytest.mark.parametrize("algorithm", ["dpo", "kto"])
+def test_control_flows_without_one_step_refuse_it_naming_the_field(tiny_example, tmp_path, algorithm):
+    """Offline preference training has no generation to overlap."""
+    cfg = _config(tiny_example, tmp_path / "run", ("trainer.total_steps=1",), algorithm=algorithm)
+    with pytest.raises(ValueError, match=rf"trainer\.off_policy='one_step' is not supported by the '{algorithm}'"):
         make_trainer(cfg)
 
 

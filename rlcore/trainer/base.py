@@ -120,7 +120,7 @@ class RLTrainer:
         if config.trainer.off_policy != "sync" and not self.supports_one_step:
             raise ValueError(
                 f"trainer.off_policy={config.trainer.off_policy!r} is not supported by the {self.algorithm!r} "
-                "control flow (GRPO family only); use trainer.off_policy=sync"
+                "control flow; use trainer.off_policy=sync"
             )
         self.step_hooks = list(step_hooks)
         self.run_dir = Path(config.trainer.output_dir)
@@ -322,6 +322,16 @@ class RLTrainer:
             max_new_tokens=r.max_new_tokens,
             seed=sampling_seed(self.config.trainer.seed, step),
         )
+
+    def step_samples(self, batch: Batch, timer: Timer) -> tuple[Batch, dict[str, float]]:
+        """This step's scored samples. `trainer.off_policy=one_step`: the generation prefetched
+        during the previous step, with the next step's launched before scoring so that it runs
+        while this step scores and updates; `sync`: generated now."""
+        if self.config.trainer.off_policy == "one_step":
+            gen = self.collect_generation(batch, timer)
+            self.prefetch_next(timer)
+            return self.score(gen, timer)
+        return self.generate_and_score(batch, timer)
 
     def generate_and_score(self, batch: Batch, timer: Timer, *, validation: bool = False) -> tuple[Batch, dict[str, float]]:
         batch.info["sampling"] = self.sampling(validation=validation)

@@ -31,14 +31,7 @@ class GRPOTrainer(RLTrainer):
         algo = self.config.algorithm
         timer = Timer()
 
-        if self.config.trainer.off_policy == "one_step":
-            # this step's samples were generated during the previous step; the next step's start
-            # now, on the pre-update weights, and run while this step scores and updates
-            gen = self.collect_generation(batch, timer)
-            self.prefetch_next(timer)
-            gen, reward_metrics = self.score(gen, timer)
-        else:
-            gen, reward_metrics = self.generate_and_score(batch, timer)
+        gen, reward_metrics = self.step_samples(batch, timer)
         gen = self.old_and_ref_log_probs(gen, timer)
         token_rewards, kl_metrics = self.rewards_with_kl(gen)
 

@@ -1,7 +1,9 @@
 """PPO with a critic and GAE.
 
 Differs from GRPO in two places only: the critic supplies values before the advantage, and
-it is updated (on the GAE returns) before the actor.
+it is updated (on the GAE returns) before the actor. `trainer.off_policy=one_step` works as in
+GRPO (grpo.py): samples one update old; the old log-probs and the values are recomputed by the
+current actor and critic, so the clipped ratio and GAE see this step's models.
 """
 
 from __future__ import annotations
@@ -16,12 +18,13 @@ from rlcore.trainer.grpo import _mean_metrics
 
 class PPOTrainer(RLTrainer):
     algorithm = "ppo"
+    supports_one_step = True
 
     def train_step(self, batch: Batch) -> dict[str, Any]:
         algo = self.config.algorithm
         timer = Timer()
 
-        gen, reward_metrics = self.generate_and_score(batch, timer)
+        gen, reward_metrics = self.step_samples(batch, timer)
         gen = self.old_and_ref_log_probs(gen, timer)
         with timer.phase("values"):
             gen = gen.union(self.groups.critic.compute_values(gen))

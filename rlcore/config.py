@@ -177,7 +177,7 @@ class TrainerConfig(_Section):
     off_policy: Literal["sync", "one_step"] = Field(
         "sync",
         description="one_step: generate step k+1's samples (with the weights before step k's update, staleness 1) "
-        "while step k's update runs; GRPO family only",
+        "while step k's update runs; GRPO and PPO (not DPO/KTO: nothing to overlap)",
     )
     trace: bool = Field(True, description="write trace.jsonl in the run dir: per step, phase timings, workers, and every sample")
 

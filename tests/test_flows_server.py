@@ -139,3 +139,51 @@ def test_data_event_runs_pipeline_and_registers_version(prefect_server, tiny_exa
     prep = json.loads(report.read_text())
     assert prep["counts"]["train"] == 64  # trained on the arrived file, not the configured data
     assert champion.tags["lineage.dataset_fingerprint"] == prep["fingerprint"]
+
+
+def _prefect(args: list[str], env: dict[str, str], timeout: float = 180) -> subprocess.CompletedProcess:
+    done = subprocess.run([sys.executable, "-m", "prefect", *args], cwd=ROOT, env=env, capture_output=True,
+                          text=True, timeout=timeout)
+    assert done.returncode == 0, f"prefect {' '.join(args)}:\n{done.stdout[-2000:]}\n{done.stderr[-2000:]}"
+    return done
+
+
+def test_prefect_deploy_runs_a_flow_on_a_process_work_pool(prefect_server, tiny_example, tmp_path):
+    """prefect.yaml as a user deploys it: `prefect deploy --all` against the server creates every
+    deployment on the work pool (cron schedule and data trigger included), and a process worker
+    runs a flow run of one of them in the repository (the pull step's RLCORE_ROOT)."""
+    api, env = prefect_server
+    env = dict(env, PREFECT_API_URL=api, RLCORE_ROOT=str(ROOT), OMP_NUM_THREADS="1")
+    env.pop("MLFLOW_TRACKING_URI", None)
+    _prefect(["work-pool", "create", "rlcore-process", "--type", "process"], env)
+    _prefect(["--no-prompt", "deploy", "--all"], env)
+
+    deployments = {d["name"]: d for d in requests.post(f"{api}/deployments/filter", json={}, timeout=5).json()}
+    assert set(deployments) == {"rl-pipeline", "data-prep", "evaluate"}
+    assert {d["work_pool_name"] for d in deployments.values()} == {"rlcore-process"}
+    assert [s["schedule"]["cron"] for s in deployments["rl-pipeline"]["schedules"]] == ["0 3 * * *"]
+    automations = requests.post(f"{api}/automations/filter", json={}, timeout=5).json()
+    trigger = next(a["trigger"] for a in automations if a["name"] == "rlcore-data-arrived")
+    assert trigger["expect"] == ["rlcore.data.arrived"]
+
+    rows = read_rows(tiny_example.train_file)[:40]
+    data = tmp_path / "arrived.parquet"
+    write_rows(rows + rows[:1], data)  # one duplicate row, which data_prep must drop
+    work = tmp_path / "prep"
+    params = {
+        "config_path": "rlcore/configs/tiny_grpo.yaml", "data_path": str(data), "workdir": str(work),
+        "overrides": [f"model.path={tiny_example.model_dir}", f"data.val_files=[{tiny_example.val_file}]"],
+    }
+    created = requests.post(f"{api}/deployments/{deployments['data-prep']['id']}/create_flow_run",
+                            json={"parameters": params}, timeout=10)
+    assert created.ok, created.text
+    _prefect(["worker", "start", "--pool", "rlcore-process", "--run-once"], env, timeout=300)
+
+    run = requests.get(f"{api}/flow_runs/{created.json()['id']}", timeout=5).json()
+    assert run["state"]["type"] == "COMPLETED", run["state"]
+    [report] = list((work / "data").glob("*/prep_report.json"))
+    import json
+
+    counts = json.loads(report.read_text())["counts"]
+    assert counts["duplicates"] == 1 and counts["train"] == 40
+    assert len(read_rows(report.parent / "train.parquet")) == 40

@@ -57,7 +57,7 @@ _TIED_NAMES = ("model.embed_tokens.weight", "lm_head.weight")
 # KV block size on CPU. vLLM's CPU default (128) suits long chat contexts; RL rollouts are short
 # (prompt + a few hundred tokens at most) and the CPU attention kernel works block by block, so
 # smaller blocks waste less: 32 (the smallest the CPU kernel takes) decoded the rollout benchmark
-# ~1.3x faster than 128 on this machine (benchmarks/bench_rollout.py, --block-size).
+# 1.24-1.3x faster than 128 on this machine (benchmarks/bench_rollout.py, --block-size).
 CPU_BLOCK_SIZE = 32
 
 
@@ -157,8 +157,8 @@ class VLLMRolloutEngine:
         """Start an engine on a local HF checkpoint (no tokenizer needed: prompts are token ids).
 
         Per-device defaults: CPU -> eager mode (no compile on a few shared cores), a 1 GiB KV cache
-        (`kv_cache_gib`), KV blocks of `CPU_BLOCK_SIZE` tokens, no sleep mode; GPU -> CUDA graphs, `gpu_memory_utilization` of the card,
-        sleep mode on. `seed` is the engine seed (use the run seed). EOS and pad ids come from the
+        (`kv_cache_gib`), KV blocks of `CPU_BLOCK_SIZE` tokens, no sleep mode; GPU -> CUDA graphs,
+        `gpu_memory_utilization` of the card, vLLM's block size, sleep mode on. `seed` is the engine seed (use the run seed). EOS and pad ids come from the
         checkpoint's generation_config.json / config.json when not given. `extra` and further
         keywords go to `vllm.LLM` verbatim.
         """

@@ -1,0 +1,56 @@
+"""Data-parallel vLLM rollout on Ray: two rollout ranks, each a Ray actor holding its own
+in-process vLLM engine. Both generate a share of every step, and both receive the actor's
+weights after each update: from step 2 on, each engine's log-probs still equal the actor's."""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import pytest
+
+from rlcore.cli import CONFIG_DIR, tiny_example_overrides
+from rlcore.tracking import read_jsonl
+
+pytestmark = pytest.mark.slow
+pytest.importorskip("ray")
+if importlib.util.find_spec("vllm") is None:
+    pytest.skip("vllm is not installed", allow_module_level=True)
+
+
+def test_two_vllm_rollout_ranks_share_the_batch_and_both_get_the_weights(tiny_example, tmp_path):
+    out = tmp_path / "run"
+    ray_tmp = tempfile.mkdtemp(prefix="rl-", dir="/tmp")  # Ray socket paths must fit 107 bytes
+    args = [
+        sys.executable, "-m", "rlcore.cli", "train", str(CONFIG_DIR / "tiny_grpo.yaml"),
+        *tiny_example_overrides(tiny_example, str(out)),
+        "trainer.backend=ray", "rollout.backend=vllm", "rollout.world_size=2", "rollout.vllm.kv_cache_gib=0.25",
+        "trainer.total_steps=3", "trainer.save_every=100", "trainer.val_every=100", "trainer.val_before_train=false",
+        "trainer.loggers=[jsonl]", "data.train_batch_size=16", "actor.ppo_mini_batch_size=8",
+        f"ray.temp_dir={ray_tmp}", "ray.num_cpus=4", "ray.call_timeout_s=300", "ray.init_timeout_s=300",
+    ]
+    env = dict(os.environ, PYTHONPATH=str(Path(__file__).resolve().parents[1]), RAY_AUTH_MODE="disabled")
+    try:
+        done = subprocess.run(args, env=env, capture_output=True, text=True, timeout=600)
+    finally:
+        shutil.rmtree(ray_tmp, ignore_errors=True)
+    assert done.returncode == 0, done.stderr[-3000:]
+
+    trace = read_jsonl(out / "trace.jsonl")
+    workers = trace[0]["workers"]["rollout"]
+    assert [w["rank"] for w in workers] == [0, 1] and len({w["pid"] for w in workers}) == 2
+    assert os.getpid() not in {w["pid"] for w in workers}
+    for rec in trace:  # every step's prompts are split over both engines, each in its own process
+        by_rank = {s["rollout_rank"]: set() for s in rec["samples"]}
+        for s in rec["samples"]:
+            by_rank[s["rollout_rank"]].add(s["rollout_pid"])
+        assert by_rank == {0: {workers[0]["pid"]}, 1: {workers[1]["pid"]}}
+    metrics = [m for m in read_jsonl(out / "metrics.jsonl") if m["step"] > 0]
+    assert [m["step"] for m in metrics] == [1, 2, 3]
+    # log-probs of both engines match the updated actor: a rank left on old weights would not
+    assert all(m["rollout/logprob_diff_max"] < 1e-3 for m in metrics), [m["rollout/logprob_diff_max"] for m in metrics]

@@ -104,6 +104,9 @@ def _cmd_pipeline_run(args: argparse.Namespace) -> int:
     """The main job: the rl_pipeline flow (data_prep -> train -> evaluate -> promote) on the tiny
     example, with Prefect in ephemeral mode and MLflow in a SQLite file here."""
     _quiet_defaults()
+    from rlcore.lifecycle.prefect_db import use_own_database_if_foreign
+
+    use_own_database_if_foreign()
     flow = load_flow()
     summary = flow(**_pipeline_inputs(args), data_path=args.data)
     print(json.dumps(summary, indent=1, default=str) if args.json else format_summary(summary))

@@ -294,13 +294,18 @@ def _no_promotion_reason(train: dict[str, Any]) -> str:
     return "not registered: the model was not logged (tracking.log_model=false)"
 
 
-def _prefect_home() -> str:
+def _prefect_ui_hint() -> str:
+    """How to see this run's flow runs: a server on the database the ephemeral server used."""
+    db_url = os.environ.get("PREFECT_SERVER_DATABASE_CONNECTION_URL")
+    if db_url:
+        return f"PREFECT_SERVER_DATABASE_CONNECTION_URL={db_url} prefect server start  (UI at http://127.0.0.1:4200)"
     try:
         from prefect.settings import get_current_settings
 
-        return str(get_current_settings().home)
+        home = str(get_current_settings().home)
     except Exception:  # noqa: BLE001 - only a hint
-        return "$PREFECT_HOME (~/.prefect)"
+        home = "$PREFECT_HOME (~/.prefect)"
+    return f"prefect server start  (UI at http://127.0.0.1:4200; flow runs are stored under {home})"
 
 
 def _data_sources(train_file: str) -> list[str]:
@@ -329,7 +334,7 @@ def summarize(ctx: dict[str, Any], prepared: dict[str, Any], train: dict[str, An
         "run_dir": train["output_dir"],
         "mlflow_run_id": ctx["run_id"],
         "mlflow_ui": f"mlflow ui --backend-store-uri {ctx['tracking_uri']}",
-        "prefect_ui": f"prefect server start  (UI at http://127.0.0.1:4200; flow runs are stored under {_prefect_home()})",
+        "prefect_ui": _prefect_ui_hint(),
     }
     return summary
 

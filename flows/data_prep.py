@@ -3,6 +3,7 @@ fingerprint. Cached by input fingerprint: the same files and settings reuse the 
 
 from __future__ import annotations
 
+import hashlib
 import sys
 from pathlib import Path
 from typing import Any
@@ -19,7 +20,9 @@ from rlcore.lifecycle import stages
 def _cache_key(context: Any, parameters: dict[str, Any]) -> str:
     config = config_from_dict(parameters["config"])
     key = stages.data_prep_key(config, parameters.get("val_fraction", 0.1))
-    return f"rlcore-data-prep-{key}-{Path(parameters['workdir']).resolve()}"
+    # the workdir (a path) enters hashed: a storage key must not contain "/"
+    workdir = hashlib.sha256(str(Path(parameters["workdir"]).resolve()).encode()).hexdigest()[:16]
+    return f"rlcore-data-prep-{key}-{workdir}"
 
 
 @task(name="data_prep", cache_key_fn=_cache_key, persist_result=True, retries=1, retry_delay_seconds=2)

@@ -3,6 +3,8 @@ test session; tests that use it should be marked slow."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
 
@@ -12,3 +14,15 @@ def tiny_example():
     from rlcore.example import build_tiny_example
 
     return build_tiny_example(seed=0)
+
+
+def prefect_env(home: Path) -> dict[str, str]:
+    """Environment variables that keep a test's Prefect entirely under `home`. Prefect 3.7 derives
+    its result storage and memo-store paths from the default home, not from PREFECT_HOME, so
+    those are set too (otherwise tests write into ~/.prefect)."""
+    return {
+        "PREFECT_HOME": str(home),
+        "PREFECT_RESULTS_LOCAL_STORAGE_PATH": str(home / "storage"),
+        "PREFECT_SERVER_MEMO_STORE_PATH": str(home / "memo_store.toml"),
+        "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
+    }

@@ -7,6 +7,7 @@ from pathlib import Path
 
 import pytest
 import yaml
+from conftest import prefect_env  # tests/ is on sys.path (pytest rootdir conftest)
 
 ROOT = Path(__file__).resolve().parents[1]
 pytestmark = pytest.mark.slow  # importing Prefect, MLflow and torch takes a few seconds
@@ -14,8 +15,8 @@ pytestmark = pytest.mark.slow  # importing Prefect, MLflow and torch takes a few
 
 @pytest.fixture(autouse=True)
 def _isolated_prefect(tmp_path, monkeypatch):
-    monkeypatch.setenv("PREFECT_HOME", str(tmp_path / "prefect"))
-    monkeypatch.setenv("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
+    for key, value in prefect_env(tmp_path / "prefect").items():
+        monkeypatch.setenv(key, value)
     monkeypatch.delenv("PREFECT_API_URL", raising=False)
 
 

@@ -16,6 +16,7 @@ import pytest
 import requests
 
 from rlcore.data import read_rows, write_rows
+from conftest import prefect_env  # tests/ is on sys.path (pytest rootdir conftest)
 
 ROOT = Path(__file__).resolve().parents[1]
 QUICK = ["trainer.total_steps=2", "data.train_batch_size=8", "actor.ppo_mini_batch_size=4", "rollout.n=4",
@@ -64,8 +65,7 @@ def _wait(what: str, fn, timeout: float, interval: float = 1.0, procs=()):
 @pytest.fixture
 def prefect_server(tmp_path):
     port = _free_port()
-    env = dict(os.environ, PREFECT_HOME=str(tmp_path / "prefect"), PREFECT_SERVER_ANALYTICS_ENABLED="false",
-               PREFECT_UI_ENABLED="false")
+    env = dict(os.environ, **prefect_env(tmp_path / "prefect"), PREFECT_UI_ENABLED="false")
     env.pop("PREFECT_API_URL", None)
     log = open(tmp_path / "server.log", "w")
     proc = subprocess.Popen([sys.executable, "-m", "prefect", "server", "start", "--host", "127.0.0.1", "--port", str(port)],

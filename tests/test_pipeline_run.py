@@ -10,6 +10,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from conftest import prefect_env  # tests/ is on sys.path (pytest rootdir conftest)
 
 ROOT = Path(__file__).resolve().parents[1]
 QUICK = ["trainer.total_steps=2", "data.train_batch_size=8", "actor.ppo_mini_batch_size=4", "rollout.n=4",
@@ -18,8 +19,8 @@ QUICK = ["trainer.total_steps=2", "data.train_batch_size=8", "actor.ppo_mini_bat
 
 def pipeline_env(tmp_path: Path) -> dict[str, str]:
     env = dict(os.environ)
-    env.update(PREFECT_HOME=str(tmp_path / "prefect"), PREFECT_SERVER_ANALYTICS_ENABLED="false",
-               PYTHONPATH=str(ROOT) + os.pathsep + env.get("PYTHONPATH", ""), OMP_NUM_THREADS="1")
+    env.update(prefect_env(tmp_path / "prefect"), PYTHONPATH=str(ROOT) + os.pathsep + env.get("PYTHONPATH", ""),
+               OMP_NUM_THREADS="1")
     for key in ("PREFECT_API_URL", "MLFLOW_TRACKING_URI"):
         env.pop(key, None)
     return env

@@ -252,3 +252,20 @@ def test_sampled_logprobs_reads_flat_and_dict_formats():
     assert _sampled_logprobs(flat, ids) == [-0.5, -1.25, -2.0]
     dicts = [{7: Logprob(-0.5), 4: Logprob(-3.0)}, {3: Logprob(-1.25)}, {1: Logprob(-0.1), 9: Logprob(-2.0)}]
     assert _sampled_logprobs(dicts, ids) == [-0.5, -1.25, -2.0]
+
+
+def test_only_the_expected_chat_template_warmup_warning_is_dropped():
+    """Engines have no tokenizer by design; vLLM's warm-up failure about it is noise, other
+    warnings of that logger still pass."""
+    from rlcore.rollout.vllm import _quiet_chat_template_warmup
+
+    logger = logging.getLogger("vllm.renderers.base")
+
+    def passes(message: str) -> bool:
+        record = logger.makeRecord(logger.name, logging.WARNING, __file__, 1, message, (), None)
+        return logger.filter(record)
+
+    with _quiet_chat_template_warmup():
+        assert not passes("Chat template warmup failed")
+        assert passes("Something else went wrong")
+    assert passes("Chat template warmup failed")  # the filter is gone after the engine started

@@ -27,7 +27,7 @@ import contextlib
 import json
 import logging
 import os
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -94,6 +94,26 @@ def _sampled_logprobs(logprobs: Any, token_ids: list[int]) -> list[float]:
     if isinstance(logprobs, FlatLogprobs) and len(logprobs.logprobs) == len(token_ids):
         return list(logprobs.logprobs)
     return [step[tok].logprob for step, tok in zip(logprobs, token_ids)]
+
+
+class _NoTokenizerWarmupFilter(logging.Filter):
+    """Drops vLLM's "Chat template warmup failed" warning. `vllm.LLM` warms a chat template up
+    even with `skip_tokenizer_init=True` and logs the expected failure with a full traceback at
+    every engine start; this backend has no tokenizer by design (prompts are token ids)."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not record.getMessage().startswith("Chat template warmup failed")
+
+
+@contextlib.contextmanager
+def _quiet_chat_template_warmup() -> Iterator[None]:
+    target = logging.getLogger("vllm.renderers.base")
+    quiet = _NoTokenizerWarmupFilter()
+    target.addFilter(quiet)
+    try:
+        yield
+    finally:
+        target.removeFilter(quiet)
 
 
 def _read_json(path: Path) -> dict[str, Any]:
@@ -209,7 +229,8 @@ class VLLMRolloutEngine:
             logger.warning("vLLM sleep mode is GPU-only; ignoring enable_sleep_mode=True on CPU")
         kwargs.update(extra or {})
         kwargs.update(llm_kwargs)
-        llm = vllm.LLM(**kwargs)
+        with _quiet_chat_template_warmup():
+            llm = vllm.LLM(**kwargs)
         return cls(
             llm,
             pad_token_id=pad_token_id,

@@ -94,6 +94,10 @@ class VLLMEngineConfig(_Section):
 
 class RolloutConfig(_Section):
     backend: Literal["auto", "hf", "vllm"] = Field("auto", description="auto: vllm where installed, else hf")
+    dtype: Literal["float32", "bfloat16"] | None = Field(
+        None, description="rollout engine dtype; default model.dtype. bfloat16 is what GPU rollouts run (and is ~1.7x "
+        "faster on AMX CPUs); the actor still recomputes log-probs in model.dtype, rollout/logprob_diff_* shows the gap "
+        "and actor.tis_cap corrects for it")
     world_size: int = Field(1, ge=1, description="rollout ranks (data parallel; Ray backend)")
     n: int = Field(8, ge=1)
     temperature: float = Field(1.0, gt=0)

@@ -34,7 +34,7 @@ class RolloutWorker(Worker):
         self.engine = make_rollout_engine(
             backend,
             path=model_path or cfg.model.path,
-            dtype=cfg.model.dtype,
+            dtype=cfg.rollout.dtype or cfg.model.dtype,
             device=str(self.device),
             pad_token_id=tokenizer.pad_token_id if tokenizer.pad_token_id is not None else eos,
             eos_token_ids=[eos],

@@ -26,3 +26,23 @@ def prefect_env(home: Path) -> dict[str, str]:
         "PREFECT_SERVER_MEMO_STORE_PATH": str(home / "memo_store.toml"),
         "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
     }
+
+
+def train_on_ray(config: Path, overrides: list[str], timeout: float = 600) -> None:
+    """`rlcore train CONFIG OVERRIDES` in a subprocess on a fresh local Ray (its own short temp
+    dir: Ray's socket paths must fit 107 bytes; no token auth); fails the test with its stderr."""
+    import os
+    import shutil
+    import subprocess
+    import sys
+    import tempfile
+
+    ray_tmp = tempfile.mkdtemp(prefix="rl-", dir="/tmp")
+    args = [sys.executable, "-m", "rlcore.cli", "train", str(config), *overrides,
+            f"ray.temp_dir={ray_tmp}", "ray.call_timeout_s=300", "ray.init_timeout_s=300"]
+    env = dict(os.environ, PYTHONPATH=str(Path(__file__).resolve().parents[1]), RAY_AUTH_MODE="disabled")
+    try:
+        done = subprocess.run(args, env=env, capture_output=True, text=True, timeout=timeout)
+    finally:
+        shutil.rmtree(ray_tmp, ignore_errors=True)
+    assert done.returncode == 0, done.stderr[-3000:]

@@ -9,6 +9,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from conftest import train_on_ray  # tests/ is on sys.path (pytest rootdir conftest)
 from safetensors.torch import load_file
 
 from rlcore.cli import CONFIG_DIR, tiny_example_overrides
@@ -111,28 +112,15 @@ def test_one_step_on_ray_with_separate_rollout_pool(tiny_example, tmp_path):
     """The real overlap path: rollout and reward in their own Ray pool, the next generation in
     flight while the actor updates; staleness and the trace record which workers did it."""
     import os
-    import shutil
     import socket
-    import subprocess
-    import sys
-    import tempfile
 
     pytest.importorskip("ray")
     out = tmp_path / "run"
-    ray_tmp = tempfile.mkdtemp(prefix="rl-", dir="/tmp")  # Ray socket paths must fit 107 bytes
-    args = [sys.executable, "-m", "rlcore.cli", "train", str(CONFIG_DIR / "tiny_grpo.yaml")]
-    args += tiny_example_overrides(tiny_example, str(out)) + QUICK + [
+    train_on_ray(CONFIG_DIR / "tiny_grpo.yaml", tiny_example_overrides(tiny_example, str(out)) + QUICK + [
         "trainer.off_policy=one_step", "trainer.total_steps=3", "trainer.save_every=100",
-        "trainer.backend=ray", "rollout.backend=hf", f"ray.temp_dir={ray_tmp}", "ray.num_cpus=3",
+        "trainer.backend=ray", "rollout.backend=hf", "ray.num_cpus=3",
         "ray.pools={default: {cpus_per_bundle: 1}, gen: {cpus_per_bundle: 1}}", "ray.roles={rollout: gen, reward: gen}",
-        "ray.call_timeout_s=300", "ray.init_timeout_s=300",
-    ]
-    env = dict(os.environ, PYTHONPATH=str(Path(__file__).resolve().parents[1]), RAY_AUTH_MODE="disabled")
-    try:
-        done = subprocess.run(args, env=env, capture_output=True, text=True, timeout=600)
-    finally:
-        shutil.rmtree(ray_tmp, ignore_errors=True)
-    assert done.returncode == 0, done.stderr[-3000:]
+    ])
     metrics = [r for r in read_jsonl(out / "metrics.jsonl") if r["step"] > 0]
     assert [m["rollout/staleness_max"] for m in metrics] == [0.0, 1.0, 1.0]  # step 1 on-policy, then one update old
     trace = read_jsonl(out / "trace.jsonl")

@@ -8,6 +8,7 @@ import math
 
 import pytest
 import torch
+from conftest import train_on_ray  # tests/ is on sys.path (pytest rootdir conftest)
 
 from rlcore.cli import CONFIG_DIR
 from rlcore.config import load_config
@@ -107,31 +108,13 @@ def test_preference_accuracy_rises_and_task_accuracy_does_not_fall(tiny_example,
 
 def test_dpo_on_ray_with_two_ranks_matches_one_process(tiny_example, pref_files, tmp_path):
     """2 data-parallel FSDP2 ranks (gloo, Ray actors) give the loss of the single-process run."""
-    import os
-    import subprocess
-    import sys
-    from pathlib import Path
-
     pytest.importorskip("ray")
     steps = ["trainer.total_steps=2", "actor.ppo_mini_batch_size=16", "preference.ref_cache=false"]
     inproc = make_trainer(_config(tiny_example, pref_files, "dpo", tmp_path / "one", QUICK + steps)).fit()
 
     out = tmp_path / "two"
-    import tempfile
-
-    ray_tmp = tempfile.mkdtemp(prefix="rl-", dir="/tmp")  # short: Ray's socket paths must fit 107 bytes
-    args = [sys.executable, "-m", "rlcore.cli", "train", str(CONFIG_DIR / "tiny_dpo.yaml")]
-    args += train_overrides(tiny_example, pref_files, "dpo", str(out)) + QUICK + steps
-    args += ["trainer.backend=ray", "actor.world_size=2", "ray.num_cpus=4", f"ray.temp_dir={ray_tmp}",
-             "ray.call_timeout_s=300", "ray.init_timeout_s=300"]
-    env = dict(os.environ, PYTHONPATH=str(Path(__file__).resolve().parents[1]), RAY_AUTH_MODE="disabled")
-    try:
-        done = subprocess.run(args, env=env, capture_output=True, text=True, timeout=600)
-    finally:
-        import shutil
-
-        shutil.rmtree(ray_tmp, ignore_errors=True)
-    assert done.returncode == 0, done.stderr[-3000:]
+    train_on_ray(CONFIG_DIR / "tiny_dpo.yaml", train_overrides(tiny_example, pref_files, "dpo", str(out)) + QUICK + steps
+                 + ["trainer.backend=ray", "actor.world_size=2", "ray.num_cpus=4"])
     on_ray = [r for r in read_jsonl(out / "metrics.jsonl") if r["step"] > 0]
     assert len(on_ray) == 2
     for one, two in zip(inproc, on_ray):

@@ -6,13 +6,9 @@ from __future__ import annotations
 
 import importlib.util
 import os
-import shutil
-import subprocess
-import sys
-import tempfile
-from pathlib import Path
 
 import pytest
+from conftest import train_on_ray  # tests/ is on sys.path (pytest rootdir conftest)
 
 from rlcore.cli import CONFIG_DIR, tiny_example_overrides
 from rlcore.tracking import read_jsonl
@@ -25,21 +21,12 @@ if importlib.util.find_spec("vllm") is None:
 
 def test_two_vllm_rollout_ranks_share_the_batch_and_both_get_the_weights(tiny_example, tmp_path):
     out = tmp_path / "run"
-    ray_tmp = tempfile.mkdtemp(prefix="rl-", dir="/tmp")  # Ray socket paths must fit 107 bytes
-    args = [
-        sys.executable, "-m", "rlcore.cli", "train", str(CONFIG_DIR / "tiny_grpo.yaml"),
+    train_on_ray(CONFIG_DIR / "tiny_grpo.yaml", [
         *tiny_example_overrides(tiny_example, str(out)),
         "trainer.backend=ray", "rollout.backend=vllm", "rollout.world_size=2", "rollout.vllm.kv_cache_gib=0.25",
         "trainer.total_steps=3", "trainer.save_every=100", "trainer.val_every=100", "trainer.val_before_train=false",
-        "trainer.loggers=[jsonl]", "data.train_batch_size=16", "actor.ppo_mini_batch_size=8",
-        f"ray.temp_dir={ray_tmp}", "ray.num_cpus=4", "ray.call_timeout_s=300", "ray.init_timeout_s=300",
-    ]
-    env = dict(os.environ, PYTHONPATH=str(Path(__file__).resolve().parents[1]), RAY_AUTH_MODE="disabled")
-    try:
-        done = subprocess.run(args, env=env, capture_output=True, text=True, timeout=600)
-    finally:
-        shutil.rmtree(ray_tmp, ignore_errors=True)
-    assert done.returncode == 0, done.stderr[-3000:]
+        "trainer.loggers=[jsonl]", "data.train_batch_size=16", "actor.ppo_mini_batch_size=8", "ray.num_cpus=4",
+    ])
 
     trace = read_jsonl(out / "trace.jsonl")
     workers = trace[0]["workers"]["rollout"]

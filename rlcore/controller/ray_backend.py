@@ -170,9 +170,6 @@ class _WorkerHost:
         except Exception as e:
             raise WorkerError.from_exception(self.role, self.rank, method, e) from None
 
-    def pid(self) -> int:
-        return os.getpid()
-
     def identity(self) -> dict[str, Any]:
         """Where this rank runs: process id and host name (for traces)."""
         return {"pid": os.getpid(), "host": socket.gethostname()}
@@ -275,7 +272,7 @@ class RayWorkerGroup(WorkerGroup):
 
     def pids(self) -> list[int]:
         """Process id of each rank (for tests and debugging)."""
-        return self._wait_all("pid", [(r, a.pid.remote()) for r, a in enumerate(self._actors)], 60.0)
+        return [ident["pid"] for ident in self.identities()]
 
     def identities(self) -> list[dict[str, Any]]:
         """{pid, host} of each rank, in rank order."""

@@ -296,9 +296,11 @@ def _no_promotion_reason(train: dict[str, Any]) -> str:
 
 def _prefect_ui_hint() -> str:
     """How to see this run's flow runs: a server on the database the ephemeral server used."""
-    db_url = os.environ.get("PREFECT_SERVER_DATABASE_CONNECTION_URL")
+    from rlcore.lifecycle.prefect_db import DB_URL_VAR
+
+    db_url = os.environ.get(DB_URL_VAR)
     if db_url:
-        return f"PREFECT_SERVER_DATABASE_CONNECTION_URL={db_url} prefect server start  (UI at http://127.0.0.1:4200)"
+        return f"{DB_URL_VAR}={db_url} prefect server start  (UI at http://127.0.0.1:4200)"
     try:
         from prefect.settings import get_current_settings
 

@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 
 class ConfigError(ValueError):
@@ -19,6 +19,30 @@ class ConfigError(ValueError):
 
 class _Section(BaseModel):
     model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+
+def registered_names(kind: Literal["advantage estimator", "policy loss", "KL estimator"]) -> list[str]:
+    """The names rlcore.algos resolves for `kind` at run time ("advantage estimator", "policy loss",
+    "KL estimator"), read when a config is validated, so names registered before loading count.
+    Imported here rather than at module level: `import rlcore.config` stays free of torch."""
+    from rlcore import algos
+
+    if kind == "advantage estimator":
+        return algos.advantage_estimator_names()
+    if kind == "policy loss":
+        return algos.policy_loss_names()
+    if kind == "KL estimator":
+        return list(algos.KL_KINDS)
+    raise ValueError(f"no registry of {kind!r}")
+
+
+def check_registered(kind: Literal["advantage estimator", "policy loss", "KL estimator"], name: str) -> str:
+    """`name` if rlcore.algos knows it as a `kind`, else an error listing the names it knows (pydantic
+    prefixes the dotted key), so a typo fails at load, before any model is loaded."""
+    known = registered_names(kind)
+    if name not in known:
+        raise ValueError(f"unknown {kind} {name!r}; known: {', '.join(known)}")
+    return name
 
 
 class ModelConfig(_Section):
@@ -74,6 +98,16 @@ class ActorConfig(_Section):
         "none", description="FSDP2 mixed precision: bf16 parameters and compute, fp32 gradient reduction; "
         "master weights and optimizer state stay in model.dtype (use float32)")
     cpu_offload: bool = Field(False, description="FSDP2: parameters, gradients and optimizer state on host memory (CUDA)")
+
+    @field_validator("policy_loss")
+    @classmethod
+    def _known_policy_loss(cls, name: str) -> str:
+        return check_registered("policy loss", name)
+
+    @field_validator("kl_loss_type")
+    @classmethod
+    def _known_kl_loss_type(cls, name: str) -> str:
+        return check_registered("KL estimator", name)
 
 
 class VLLMEngineConfig(_Section):
@@ -146,6 +180,16 @@ class AlgorithmConfig(_Section):
     kl_penalty: str = "k1"
     kl_ctrl: KLControlConfig = KLControlConfig()
     use_reference: bool | None = Field(None, description="default: on when any KL term is used")
+
+    @field_validator("adv_estimator")
+    @classmethod
+    def _known_adv_estimator(cls, name: str) -> str:
+        return check_registered("advantage estimator", name)
+
+    @field_validator("kl_penalty")
+    @classmethod
+    def _known_kl_penalty(cls, name: str) -> str:
+        return check_registered("KL estimator", name)
 
 
 class PreferenceConfig(_Section):
@@ -344,6 +388,8 @@ def _format_validation_error(err: ValidationError) -> str:
         loc = ".".join(str(p) for p in e["loc"]) or "<root>"
         if e["type"] == "extra_forbidden":
             lines.append(f"{loc}: unknown key")
+        elif e["type"] == "value_error":  # our validators' own messages, without pydantic's "Value error, "
+            lines.append(f"{loc}: {e.get('ctx', {}).get('error', e['msg'])}")
         else:
             lines.append(f"{loc}: {e['msg']}")
     return "invalid config: " + "; ".join(lines)

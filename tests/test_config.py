@@ -56,3 +56,43 @@ def test_needs_reference_follows_kl_settings():
     assert not load_config(None, BASE).needs_reference
     assert load_config(None, BASE + ["actor.use_kl_loss=true"]).needs_reference
     assert load_config(None, BASE + ["algorithm.use_kl_in_reward=true"]).needs_reference
+
+
+@pytest.mark.parametrize(
+    "override, known",
+    [
+        ("algorithm.adv_estimator=grpoo", "grpo"),
+        ("actor.policy_loss=nope", "vanilla"),
+        ("actor.kl_loss_type=k4", "low_var_kl"),
+        ("algorithm.kl_penalty=kl_div", "k1"),
+    ],
+)
+def test_unknown_registered_name_is_refused_at_load_naming_key_and_choices(override, known):
+    key, bad = override.split("=")
+    with pytest.raises(ConfigError, match=rf"{key}: unknown .* '{bad}'; known: .*\b{known}\b"):
+        load_config(CONFIGS / "tiny_grpo.yaml", BASE + [override])
+
+
+def test_names_registered_before_load_are_accepted():
+    from rlcore.algos import register_advantage_estimator, register_policy_loss, vanilla_policy_loss
+
+    @register_advantage_estimator("test_config_zero", overwrite=True)
+    def zero(*, token_level_rewards, **_):
+        return token_level_rewards * 0, token_level_rewards * 0
+
+    register_policy_loss("test_config_vanilla", overwrite=True)(vanilla_policy_loss)
+    cfg = load_config(None, BASE + ["algorithm.adv_estimator=test_config_zero", "actor.policy_loss=test_config_vanilla"])
+    assert (cfg.algorithm.adv_estimator, cfg.actor.policy_loss) == ("test_config_zero", "test_config_vanilla")
+
+
+def test_every_shipped_name_loads():
+    from rlcore.algos import KL_KINDS, advantage_estimator_names, policy_loss_names
+
+    for name in advantage_estimator_names():
+        algorithm = "ppo" if name == "gae" else "grpo"
+        assert load_config(None, BASE + [f"algorithm.name={algorithm}", f"algorithm.adv_estimator={name}"])
+    for name in policy_loss_names():
+        assert load_config(None, BASE + [f"actor.policy_loss={name}"]).actor.policy_loss == name
+    for kind in KL_KINDS:
+        cfg = load_config(None, BASE + [f"actor.kl_loss_type={kind}", f"algorithm.kl_penalty={kind}"])
+        assert cfg.actor.kl_loss_type == cfg.algorithm.kl_penalty == kind

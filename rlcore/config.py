@@ -327,6 +327,10 @@ class Config(_Section):
     def _check_preference(self) -> "Config":
         if self.algorithm.name in ("dpo", "kto") and self.algorithm.use_reference is False:
             raise ValueError(f"algorithm.use_reference=false: {self.algorithm.name} needs the reference model")
+        kl_terms = [k for k, on in (("actor.use_kl_loss", self.actor.use_kl_loss),
+                                    ("algorithm.use_kl_in_reward", self.algorithm.use_kl_in_reward)) if on]
+        if self.algorithm.use_reference is False and kl_terms:
+            raise ValueError(f"algorithm.use_reference=false, but {' and '.join(kl_terms)} need the reference model")
         if self.preference.loss_type == "ipo" and self.preference.label_smoothing:
             raise ValueError("preference.label_smoothing applies to loss_type sigmoid or robust, not ipo")
         return self

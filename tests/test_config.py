@@ -96,3 +96,9 @@ def test_every_shipped_name_loads():
     for kind in KL_KINDS:
         cfg = load_config(None, BASE + [f"actor.kl_loss_type={kind}", f"algorithm.kl_penalty={kind}"])
         assert cfg.actor.kl_loss_type == cfg.algorithm.kl_penalty == kind
+
+
+@pytest.mark.parametrize("kl_term", ["actor.use_kl_loss", "algorithm.use_kl_in_reward"])
+def test_kl_term_without_reference_model_is_refused(kl_term):
+    with pytest.raises(ConfigError, match=rf"algorithm.use_reference=false, but {kl_term} need"):
+        load_config(None, BASE + ["algorithm.use_reference=false", f"{kl_term}=true"])

@@ -7,21 +7,52 @@ import json
 import logging
 import os
 import sys
+import traceback
 from pathlib import Path
 
-from rlcore.config import ConfigError, load_config
+from rlcore.config import Config, ConfigError, load_config
 
 CONFIG_DIR = Path(__file__).resolve().parent / "configs"
 
 
 def _cmd_train(args: argparse.Namespace) -> int:
+    """Train from a config; with `registry.webhook_url` set, POST the same notifications as the
+    pipeline: `finished` (or `health_stop` when the run stopped itself, `failed` on an error)."""
+    from rlcore.lifecycle.notify import notify
     from rlcore.trainer.run import run_training
+    from rlcore.trainer.run_state import TrainingStopped
 
     config = load_config(args.config, args.overrides)
-    history = run_training(config)
+    url = config.registry.webhook_url
+    about = {"command": "train", "config": str(Path(args.config).resolve()), "algorithm": config.algorithm.name,
+             "run_dir": str(Path(config.trainer.output_dir).resolve())}
+    try:
+        history = run_training(config)
+    except TrainingStopped as stop:
+        notify(url, "health_stop", {**about, "reason": str(stop), "checkpoint": _latest_checkpoint(config)})
+        raise
+    except BaseException as err:
+        error = "".join(traceback.format_exception_only(type(err), err)).strip()
+        notify(url, "failed", {**about, "error": error, "checkpoint": _latest_checkpoint(config)})
+        raise
     last = history[-1] if history else {}
-    print(json.dumps({k: v for k, v in last.items() if k.startswith(("val/", "acc/", "reward/"))}, indent=1))
+    shown = {k: v for k, v in last.items() if k.startswith(("val/", "acc/", "reward/"))}
+    notify(url, "finished", {**about, "steps_run": len(history), "total_steps": config.trainer.total_steps,
+                             "metrics": shown, "checkpoint": _latest_checkpoint(config)})
+    print(json.dumps(shown, indent=1))
     return 0
+
+
+def _latest_checkpoint(config: Config) -> str | None:
+    """The run's newest complete checkpoint (what a notified operator would pick up), if any; None
+    when it cannot be read (a notification must not hide the error it reports)."""
+    from rlcore.checkpoint import CheckpointManager
+
+    try:
+        latest = CheckpointManager(Path(config.trainer.output_dir) / "checkpoints").latest()
+    except Exception:  # noqa: BLE001
+        return None
+    return str(latest.resolve()) if latest is not None else None
 
 
 def _cmd_example_build(args: argparse.Namespace) -> int:

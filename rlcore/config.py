@@ -305,7 +305,8 @@ class RegistryConfig(_Section):
     max_kl: float = Field(0.5, gt=0, description="KL budget: mean per-token KL of the candidate to the reference model")
     max_length_ratio: float = Field(1.5, gt=0, description="length budget: candidate mean response length / champion's")
     warm_start: bool = Field(True, description="train from the current champion when there is one")
-    webhook_url: str | None = Field(None, description="POSTed a JSON summary on promotion, rejection and failure")
+    webhook_url: str | None = Field(None, description="POSTed a JSON summary on promotion, rejection, health stop and "
+                                    "failure (pipeline and `rlcore train`), and when `rlcore train` finishes")
 
 
 class Config(_Section):

@@ -1,4 +1,5 @@
-"""Webhook notifications: a JSON POST on promotion, rejection, health stop and failure.
+"""Webhook notifications: a JSON POST on promotion, rejection, health stop and failure (pipeline
+and `rlcore train`), and when `rlcore train` finishes.
 
 A notification must never fail the pipeline that sends it: errors are logged and reported as
 False. No URL configured means no notification (and no network access).
@@ -15,7 +16,7 @@ from typing import Any
 
 log = logging.getLogger(__name__)
 
-EVENTS = ("promoted", "rejected", "health_stop", "failed")
+EVENTS = ("promoted", "rejected", "health_stop", "failed", "finished")
 
 
 def build_payload(event: str, summary: dict[str, Any]) -> dict[str, Any]:

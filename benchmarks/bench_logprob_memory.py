@@ -6,8 +6,8 @@ How memory is measured (and why): torch's CPU allocations bypass tracemalloc, so
 runs in a fresh subprocess that (1) imports torch and does a tiny warm-up of the same variant
 so one-time allocations are already resident, (2) allocates the inputs, (3) resets the kernel's
 peak-RSS mark (write "5" to /proc/self/clear_refs; Linux >= 4.0) and records the current RSS,
-(4) runs forward + backward (grads w.r.t. hidden and weight of a loss using log-prob, entropy
-and KL), (5) reads the peak RSS (VmHWM). "extra MB" = peak - RSS before the step: memory the
+(4) runs forward + backward (grads w.r.t. hidden and weight of a loss using log-prob and
+entropy), (5) reads the peak RSS (VmHWM). "extra MB" = peak - RSS before the step: memory the
 step itself needed, including its outputs and the two gradient tensors. Where clear_refs is not
 writable it falls back to getrusage's ru_maxrss, which cannot be reset, so the numbers then
 only count memory above the earlier high-water mark (the output says which method ran).
@@ -57,11 +57,11 @@ def _step(torch, variant, hidden, weight, targets, ref, adv):
     from rlcore.triton_kernels import fused_token_logprobs, naive_token_logprobs
 
     if variant["kind"] == "naive":
-        out = naive_token_logprobs(hidden, weight, targets, ref_logprobs=ref)
+        out = naive_token_logprobs(hidden, weight, targets)
     else:
-        out = fused_token_logprobs(hidden, weight, targets, ref_logprobs=ref, backend="torch",
+        out = fused_token_logprobs(hidden, weight, targets, backend="torch",
                                    chunk_tokens=variant["chunk_tokens"], chunk_vocab=variant["chunk_vocab"])
-    loss = (out.logprobs * adv).sum() + 0.01 * out.entropy.sum() + 0.001 * out.kl.sum()
+    loss = (out.logprobs * adv).sum() + 0.01 * out.entropy.sum()
     return torch.autograd.grad(loss, [hidden, weight])
 
 

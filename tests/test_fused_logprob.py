@@ -1,23 +1,17 @@
-"""Chunked torch path of fused_token_logprobs against the naive full log-softmax.
+"""Chunked torch path of fused_token_logprobs against the naive full log-softmax, with the LM
+head's own semantics (bias, logit scale, final soft-cap).
 
-Tolerances: fp32 inputs 1e-5 (abs) on log-prob/entropy/KL and 1e-5 relative to the largest
+Tolerances: fp32 inputs 1e-5 (abs) on log-prob/entropy and 1e-5 relative to the largest
 gradient entry; bf16 inputs: values 1e-5 (both sides upcast the same bf16 numbers to fp32),
 gradients 1e-2 relative (they are returned in bf16, whose rounding step is 2^-8).
 """
 
 from __future__ import annotations
 
-import math
-
 import pytest
 import torch
 
-from rlcore.triton_kernels import (
-    fused_token_logprobs,
-    naive_token_logprobs,
-    resolve_backend,
-    token_kl,
-)
+from rlcore.triton_kernels import fused_token_logprobs, naive_token_logprobs, resolve_backend
 
 
 def _inputs(n=37, h=24, v=101, dtype=torch.float32, seed=0):
@@ -25,18 +19,28 @@ def _inputs(n=37, h=24, v=101, dtype=torch.float32, seed=0):
     hidden = torch.randn(n, h, generator=g).to(dtype)
     weight = (0.5 * torch.randn(v, h, generator=g)).to(dtype)
     targets = torch.randint(0, v, (n,), generator=g)
-    ref = -3.0 + torch.randn(n, generator=g)
-    return hidden, weight, targets, ref
+    bias = (2.0 * torch.randn(v, generator=g)).to(dtype)
+    return hidden, weight, targets, bias
 
 
-def _grads(out, hidden, weight, seed=1):
-    """d/d(hidden, weight) of a random linear combination of all three outputs."""
+def _grads(out, params, seed=1):
+    """d/d(params) of a random linear combination of both outputs."""
     g = torch.Generator().manual_seed(seed)
     n = out.logprobs.shape
     loss = (out.logprobs * torch.randn(n, generator=g)).sum()
     loss = loss + (out.entropy * torch.randn(n, generator=g)).sum()
-    loss = loss + (out.kl * torch.randn(n, generator=g)).sum()
-    return torch.autograd.grad(loss, [hidden, weight])
+    return torch.autograd.grad(loss, params)
+
+
+# (bias, logit_scale, softcap): a plain head; Phi/GPT-J (bias); Cohere (scale); Gemma 2 (soft-cap,
+# here tight enough that many logits saturate); and all three at once.
+HEADS = {
+    "plain": (False, 1.0, None),
+    "bias": (True, 1.0, None),
+    "scale": (False, 0.0625, None),
+    "softcap": (False, 1.0, 3.0),
+    "all": (True, 2.5, 4.0),
+}
 
 
 def _assert_rel(actual, expected, rtol):
@@ -51,53 +55,74 @@ def _assert_rel(actual, expected, rtol):
     ids=["one-chunk", "tokens-7", "tokens-8-vocab-17", "vocab-1", "exact"],
 )
 @pytest.mark.parametrize("temperature", [1.0, 0.7, 1.3])
-@pytest.mark.parametrize("kl_kind", ["k1", "k2", "k3"])
-def test_fp32_values_and_grads_match_naive(chunk_tokens, chunk_vocab, temperature, kl_kind):
-    hidden, weight, targets, ref = _inputs()
-    hidden.requires_grad_(True)
-    weight.requires_grad_(True)
-    kw = dict(temperature=temperature, ref_logprobs=ref, kl_kind=kl_kind)
+@pytest.mark.parametrize("head", list(HEADS))
+def test_fp32_values_and_grads_match_naive(chunk_tokens, chunk_vocab, temperature, head):
+    hidden, weight, targets, bias = _inputs()
+    with_bias, scale, cap = HEADS[head]
+    params = [hidden.requires_grad_(True), weight.requires_grad_(True)]
+    if with_bias:
+        params.append(bias.requires_grad_(True))
+    kw = dict(temperature=temperature, bias=bias if with_bias else None, logit_scale=scale, softcap=cap)
     got = fused_token_logprobs(
         hidden, weight, targets, chunk_tokens=chunk_tokens, chunk_vocab=chunk_vocab, backend="torch", **kw
     )
     want = naive_token_logprobs(hidden, weight, targets, **kw)
-    for name in ("logprobs", "entropy", "kl"):
+    for name in ("logprobs", "entropy"):
         a, b = getattr(got, name), getattr(want, name)
         assert a.dtype == torch.float32 and a.shape == (37,)
         torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5, msg=name)
-    for a, b in zip(_grads(got, hidden, weight), _grads(want, hidden, weight)):
+    for a, b in zip(_grads(got, params), _grads(want, params)):
         _assert_rel(a, b, 1e-5)
 
 
+@pytest.mark.parametrize("head", ["bias", "scale", "softcap"])
+def test_head_semantics_change_the_result(head):
+    """Each head feature matters on these inputs: dropping it (the old `hidden @ W.T`) would fail."""
+    hidden, weight, targets, bias = _inputs()
+    with_bias, scale, cap = HEADS[head]
+    full = naive_token_logprobs(hidden, weight, targets, bias=bias if with_bias else None, logit_scale=scale,
+                                softcap=cap).logprobs
+    plain = fused_token_logprobs(hidden, weight, targets, backend="torch").logprobs
+    assert (full - plain).abs().max().item() > 0.1
+
+
+def test_softcap_logits_equal_gemma2_formula():
+    """The naive reference itself: logits / cap, tanh, * cap (transformers' Gemma2ForCausalLM)."""
+    hidden, weight, targets, _ = _inputs(n=6)
+    logits = hidden @ weight.T
+    capped = torch.tanh(logits / 3.0) * 3.0
+    want = torch.log_softmax(capped / 0.8, -1).gather(-1, targets[:, None]).squeeze(-1)
+    got = naive_token_logprobs(hidden, weight, targets, softcap=3.0, temperature=0.8).logprobs
+    torch.testing.assert_close(got, want)
+
+
 def test_bf16_inputs_accumulate_in_fp32():
-    hidden, weight, targets, ref = _inputs(dtype=torch.bfloat16)
-    hidden.requires_grad_(True)
-    weight.requires_grad_(True)
-    got = fused_token_logprobs(hidden, weight, targets, ref_logprobs=ref, chunk_tokens=8, chunk_vocab=32,
-                               temperature=0.9, backend="torch")
-    want = naive_token_logprobs(hidden, weight, targets, ref_logprobs=ref, temperature=0.9)
+    hidden, weight, targets, bias = _inputs(dtype=torch.bfloat16)
+    params = [hidden.requires_grad_(True), weight.requires_grad_(True), bias.requires_grad_(True)]
+    kw = dict(bias=bias, softcap=5.0, temperature=0.9)
+    got = fused_token_logprobs(hidden, weight, targets, chunk_tokens=8, chunk_vocab=32, backend="torch", **kw)
+    want = naive_token_logprobs(hidden, weight, targets, **kw)
     assert got.logprobs.dtype == torch.float32
-    for name in ("logprobs", "entropy", "kl"):
+    for name in ("logprobs", "entropy"):
         torch.testing.assert_close(getattr(got, name), getattr(want, name), atol=1e-5, rtol=1e-5, msg=name)
-    grads = _grads(got, hidden, weight)
-    assert grads[0].dtype == torch.bfloat16 and grads[1].dtype == torch.bfloat16
-    for a, b in zip(grads, _grads(want, hidden, weight)):
+    grads = _grads(got, params)
+    assert all(g.dtype == torch.bfloat16 for g in grads)
+    for a, b in zip(grads, _grads(want, params)):
         _assert_rel(a, b, 1e-2)
 
 
 def test_single_token_and_leading_dims():
-    hidden, weight, targets, ref = _inputs(n=1)
-    got = fused_token_logprobs(hidden, weight, targets, ref_logprobs=ref, backend="torch")
-    want = naive_token_logprobs(hidden, weight, targets, ref_logprobs=ref)
+    hidden, weight, targets, _ = _inputs(n=1)
+    got = fused_token_logprobs(hidden, weight, targets, backend="torch")
+    want = naive_token_logprobs(hidden, weight, targets)
     torch.testing.assert_close(got.logprobs, want.logprobs, atol=1e-5, rtol=1e-5)
 
-    hidden, weight, targets, ref = _inputs(n=12)
-    got = fused_token_logprobs(hidden.view(3, 4, -1), weight, targets.view(3, 4), chunk_tokens=5,
-                               ref_logprobs=ref.view(3, 4), backend="torch")
-    assert got.logprobs.shape == (3, 4) and got.entropy.shape == (3, 4) and got.kl.shape == (3, 4)
-    want = naive_token_logprobs(hidden, weight, targets, ref_logprobs=ref)
+    hidden, weight, targets, _ = _inputs(n=12)
+    got = fused_token_logprobs(hidden.view(3, 4, -1), weight, targets.view(3, 4), chunk_tokens=5, backend="torch")
+    assert got.logprobs.shape == (3, 4) and got.entropy.shape == (3, 4)
+    want = naive_token_logprobs(hidden, weight, targets)
     torch.testing.assert_close(got.logprobs.reshape(-1), want.logprobs, atol=1e-5, rtol=1e-5)
-    torch.testing.assert_close(got.kl.reshape(-1), want.kl, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(got.entropy.reshape(-1), want.entropy, atol=1e-5, rtol=1e-5)
 
 
 def test_entropy_gradient_formula_against_autograd():
@@ -132,31 +157,18 @@ def test_frozen_head_and_no_grad():
     _assert_rel(gh, gh_ref, 1e-5)
     with torch.no_grad():
         out = fused_token_logprobs(hidden, weight, targets, compute_entropy=False, backend="torch")
-    assert out.entropy is None and out.kl is None and not out.logprobs.requires_grad
+    assert out.entropy is None and not out.logprobs.requires_grad
+    assert len(out) == 2  # (logprobs, entropy): no KL output (rlcore.algos.kl computes it from log-probs)
 
 
-def test_kl_definitions_by_hand():
-    logp = torch.tensor([-1.0, -1.0, -1.0, -30.0])
-    ref = torch.tensor([-2.0, -1.0, -0.5, -0.1])
-    torch.testing.assert_close(token_kl(logp, ref, "k1"), logp - ref)
-    torch.testing.assert_close(token_kl(logp, ref, "k2"), torch.tensor([0.5, 0.0, 0.125, 0.5 * 29.9**2]))
-    # k3: d = ref - logp; exp(d) - d - 1, with d clamped to 20 and the result to 10.
-    k3 = token_kl(logp, ref, "k3")
-    expected = torch.tensor([math.exp(-1) + 1 - 1, 0.0, math.exp(0.5) - 0.5 - 1, 10.0])
-    torch.testing.assert_close(k3, expected)
-    assert token_kl(logp, ref, "low_var_kl").equal(k3)
-
-
-def test_kl_gradient_is_zero_where_clamped():
-    hidden, weight, targets, _ = _inputs(n=4)
-    hidden.requires_grad_(True)
-    lp = naive_token_logprobs(hidden, weight, targets).logprobs.detach()
-    ref = lp.clone()
-    ref[0] = lp[0] + 25.0  # ref - logp = 25: clamped, so the KL is flat in logp
-    out = fused_token_logprobs(hidden, weight, targets, ref_logprobs=ref, backend="torch")
-    assert out.kl[0].item() == pytest.approx(10.0)
-    (gh,) = torch.autograd.grad(out.kl[0], [hidden])
-    assert gh.abs().max().item() == 0.0
+def test_frozen_head_weight_with_trainable_bias():
+    hidden, weight, targets, bias = _inputs()
+    bias.requires_grad_(True)
+    out = fused_token_logprobs(hidden, weight, targets, bias=bias, chunk_tokens=7, chunk_vocab=30, backend="torch")
+    (gb,) = torch.autograd.grad(out.logprobs.sum() + out.entropy.sum(), [bias])
+    want = naive_token_logprobs(hidden, weight, targets, bias=bias)
+    (gb_ref,) = torch.autograd.grad(want.logprobs.sum() + want.entropy.sum(), [bias])
+    _assert_rel(gb, gb_ref, 1e-5)
 
 
 def test_peak_temporary_is_one_chunk_not_full_logits():
@@ -183,12 +195,13 @@ def test_auto_backend_is_torch_on_cpu_and_triton_needs_cuda_or_interpreter(monke
 @pytest.mark.parametrize(
     "kwargs,match",
     [
-        (dict(kl_kind="k4"), "kl_kind='k4'"),
         (dict(backend="cuda"), "backend='cuda'"),
         (dict(temperature=0.0), "temperature"),
         (dict(chunk_tokens=0), "chunk_tokens"),
         (dict(chunk_vocab=0), "chunk_vocab"),
-        (dict(ref_logprobs=torch.zeros(3)), "ref_logprobs shape"),
+        (dict(bias=torch.zeros(3)), "bias must be"),
+        (dict(softcap=0.0), "softcap"),
+        (dict(logit_scale=float("inf")), "logit_scale"),
     ],
 )
 def test_bad_arguments_name_the_field(kwargs, match):

@@ -1,9 +1,8 @@
-"""Public entry point: fused per-token log-prob / entropy / KL with a custom autograd Function.
+"""Public entry point: fused per-token log-prob / entropy with a custom autograd Function.
 
 The Function returns (logprobs, entropy) and saves only the inputs plus two [N] float32
-vectors (lse, entropy); its backward recomputes logits tile by tile. The KL is computed
-outside the Function from the log-probs with ordinary torch ops, so autograd chains its
-gradient through the log-prob (it depends on nothing else).
+vectors (lse, entropy); its backward recomputes logits tile by tile. The LM head's own
+semantics (bias, logit scale, final soft-cap; see ``logit_map``) are applied inside each tile.
 """
 
 from __future__ import annotations
@@ -15,7 +14,7 @@ from dataclasses import dataclass
 import torch
 
 from rlcore.triton_kernels import torch_chunked
-from rlcore.triton_kernels.kl import canonical_kl_kind, token_kl
+from rlcore.triton_kernels.logit_map import LogitMap
 from rlcore.triton_kernels.output import FusedOutput
 
 BACKENDS = ("auto", "torch", "triton")
@@ -56,63 +55,59 @@ def resolve_backend(backend: str, device: torch.device) -> str:
 @dataclass(frozen=True)
 class _Plan:
     backend: str
-    inv_temperature: float
+    lmap: LogitMap
     compute_entropy: bool
     chunk_tokens: int
     chunk_vocab: int | None
 
 
-def _forward(plan: _Plan, hidden, weight, targets):
+def _forward(plan: _Plan, hidden, weight, bias, targets):
     if plan.backend == "triton":
         from rlcore.triton_kernels.triton_impl import triton_forward
 
-        return triton_forward(hidden, weight, targets, plan.inv_temperature)
-    return torch_chunked.chunked_forward(
-        hidden, weight, targets, plan.inv_temperature, plan.chunk_tokens, plan.chunk_vocab
-    )
+        return triton_forward(hidden, weight, bias, targets, plan.lmap)
+    return torch_chunked.chunked_forward(hidden, weight, bias, targets, plan.lmap, plan.chunk_tokens, plan.chunk_vocab)
 
 
-def _backward(plan: _Plan, hidden, weight, targets, lse, entropy, g_lp, g_ent, need_h, need_w):
+def _backward(plan: _Plan, hidden, weight, bias, targets, lse, entropy, g_lp, g_ent, need_h, need_w, need_b):
     if plan.backend == "triton":
         from rlcore.triton_kernels.triton_impl import triton_backward
 
-        return triton_backward(
-            hidden, weight, targets, lse, entropy, g_lp, g_ent, plan.inv_temperature, need_h, need_w
-        )
+        return triton_backward(hidden, weight, bias, targets, lse, entropy, g_lp, g_ent, plan.lmap, need_h, need_w, need_b)
     return torch_chunked.chunked_backward(
-        hidden, weight, targets, lse, entropy, g_lp, g_ent, plan.inv_temperature,
-        need_h, need_w, plan.chunk_tokens, plan.chunk_vocab,
+        hidden, weight, bias, targets, lse, entropy, g_lp, g_ent, plan.lmap,
+        need_h, need_w, need_b, plan.chunk_tokens, plan.chunk_vocab,
     )
 
 
 class _FusedLogprobFunction(torch.autograd.Function):
-    """(hidden [N,H], weight [V,H], targets [N]) -> (logprobs [N], entropy [N]), fp32."""
+    """(hidden [N,H], weight [V,H], bias [V] or None, targets [N]) -> (logprobs [N], entropy [N]), fp32."""
 
     @staticmethod
-    def forward(ctx, hidden, weight, targets, plan: _Plan):
-        logprobs, entropy, lse = _forward(plan, hidden, weight, targets)
-        ctx.save_for_backward(hidden, weight, targets, lse, entropy)
+    def forward(ctx, hidden, weight, bias, targets, plan: _Plan):
+        logprobs, entropy, lse = _forward(plan, hidden, weight, bias, targets)
+        ctx.save_for_backward(hidden, weight, bias, targets, lse, entropy)
         ctx.plan = plan
         return logprobs, entropy
 
     @staticmethod
     def backward(ctx, grad_logprobs, grad_entropy):
-        hidden, weight, targets, lse, entropy = ctx.saved_tensors
+        hidden, weight, bias, targets, lse, entropy = ctx.saved_tensors
         plan: _Plan = ctx.plan
-        need_h, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
-        if not (need_h or need_w):
-            return None, None, None, None
+        need_h, need_w, need_b = ctx.needs_input_grad[0], ctx.needs_input_grad[1], ctx.needs_input_grad[2]
+        if not (need_h or need_w or need_b):
+            return None, None, None, None, None
         if grad_logprobs is None:
             grad_logprobs = torch.zeros_like(lse)
         if not plan.compute_entropy:
             grad_entropy = None
-        grad_hidden, grad_weight = _backward(
-            plan, hidden, weight, targets, lse, entropy, grad_logprobs, grad_entropy, need_h, need_w
+        grad_hidden, grad_weight, grad_bias = _backward(
+            plan, hidden, weight, bias, targets, lse, entropy, grad_logprobs, grad_entropy, need_h, need_w, need_b
         )
-        return grad_hidden, grad_weight, None, None
+        return grad_hidden, grad_weight, grad_bias, None, None
 
 
-def _check_inputs(hidden, weight, targets, temperature, ref_logprobs, chunk_tokens, chunk_vocab):
+def _check_inputs(hidden, weight, bias, targets, chunk_tokens, chunk_vocab):
     if hidden.dim() < 2:
         raise ValueError(f"hidden must be [N, H] (or [..., H]), got shape {tuple(hidden.shape)}")
     if weight.dim() != 2:
@@ -121,6 +116,8 @@ def _check_inputs(hidden, weight, targets, temperature, ref_logprobs, chunk_toke
         raise ValueError(
             f"hidden size mismatch: hidden has H={hidden.shape[-1]}, weight [V, H] has H={weight.shape[1]}"
         )
+    if bias is not None and tuple(bias.shape) != (weight.shape[0],):
+        raise ValueError(f"bias must be [V] = [{weight.shape[0]}], got shape {tuple(bias.shape)}")
     if tuple(targets.shape) != tuple(hidden.shape[:-1]):
         raise ValueError(
             f"targets shape {tuple(targets.shape)} must equal hidden's leading shape {tuple(hidden.shape[:-1])}"
@@ -131,19 +128,14 @@ def _check_inputs(hidden, weight, targets, temperature, ref_logprobs, chunk_toke
         lo, hi = (int(x) for x in torch.aminmax(targets))  # one host sync; bad ids would be silent
         if lo < 0 or hi >= weight.shape[0]:
             raise ValueError(f"targets must lie in [0, {weight.shape[0]}) (vocab size), got range [{lo}, {hi}]")
-    if not temperature > 0:
-        raise ValueError(f"temperature must be > 0, got {temperature}")
-    if ref_logprobs is not None and tuple(ref_logprobs.shape) != tuple(targets.shape):
-        raise ValueError(
-            f"ref_logprobs shape {tuple(ref_logprobs.shape)} must equal targets shape {tuple(targets.shape)}"
-        )
     if chunk_tokens < 1:
         raise ValueError(f"chunk_tokens must be >= 1, got {chunk_tokens}")
     if chunk_vocab is not None and chunk_vocab < 1:
         raise ValueError(f"chunk_vocab must be >= 1 or None, got {chunk_vocab}")
-    if hidden.device != weight.device or hidden.device != targets.device:
+    devices = {hidden.device, weight.device, targets.device} | ({bias.device} if bias is not None else set())
+    if len(devices) > 1:
         raise ValueError(
-            f"hidden ({hidden.device}), weight ({weight.device}) and targets ({targets.device}) "
+            f"hidden ({hidden.device}), weight ({weight.device}), bias and targets ({targets.device}) "
             "must be on one device"
         )
 
@@ -153,27 +145,29 @@ def fused_token_logprobs(
     weight: torch.Tensor,
     targets: torch.Tensor,
     *,
+    bias: torch.Tensor | None = None,
+    logit_scale: float = 1.0,
+    softcap: float | None = None,
     temperature: float = 1.0,
-    ref_logprobs: torch.Tensor | None = None,
-    kl_kind: str = "k3",
     compute_entropy: bool = True,
     chunk_tokens: int = 1024,
     chunk_vocab: int | None = None,
     backend: str = "auto",
 ) -> FusedOutput:
-    """Per-token log p(target), softmax entropy and KL to a reference, from the last hidden state.
+    """Per-token log p(target) and softmax entropy from the last hidden state and the LM head.
 
-    logits = hidden @ weight.T / temperature (bias-free LM head), accumulated in fp32 for any
-    input dtype; the full [N, V] logits are never allocated. Gradients flow to ``hidden`` and
-    ``weight``; ``ref_logprobs`` is a constant.
+    logits = LM head(hidden) / temperature with the head's own semantics: ``raw = hidden @
+    weight.T + bias``, times ``logit_scale``, then ``softcap * tanh(. / softcap)`` when ``softcap``
+    is given (see ``logit_map``); accumulated in fp32 for any input dtype, and the full [N, V]
+    logits are never allocated. Gradients flow to ``hidden``, ``weight`` and ``bias``.
 
     ``chunk_tokens``/``chunk_vocab`` bound the torch path's temporaries to a float32
-    [chunk_tokens, chunk_vocab or V] tile (two in the backward). The triton backend tiles on
-    its own and ignores them. ``hidden`` may carry leading dims ([B, T, H] with targets [B, T]);
-    outputs take the shape of ``targets``.
+    [chunk_tokens, chunk_vocab or V] tile (two in the backward, three when soft-capped). The
+    triton backend tiles on its own and ignores them. ``hidden`` may carry leading dims
+    ([B, T, H] with targets [B, T]); outputs take the shape of ``targets``.
     """
-    _check_inputs(hidden, weight, targets, temperature, ref_logprobs, chunk_tokens, chunk_vocab)
-    kl_kind = canonical_kl_kind(kl_kind)
+    _check_inputs(hidden, weight, bias, targets, chunk_tokens, chunk_vocab)
+    lmap = LogitMap.of(float(temperature), float(logit_scale), None if softcap is None else float(softcap))
     chosen = resolve_backend(backend, hidden.device)
     out_shape = targets.shape
     hidden2d = hidden.reshape(-1, hidden.shape[-1])
@@ -185,10 +179,8 @@ def fused_token_logprobs(
         if hidden2d.dtype != weight.dtype:
             # tl.dot wants one dtype; cast the (usually smaller) activations, differentiably.
             hidden2d = hidden2d.to(weight.dtype)
-    plan = _Plan(chosen, 1.0 / float(temperature), compute_entropy, int(chunk_tokens),
-                 None if chunk_vocab is None else int(chunk_vocab))
-    logprobs, entropy = _FusedLogprobFunction.apply(hidden2d, weight, flat_targets, plan)
+    plan = _Plan(chosen, lmap, compute_entropy, int(chunk_tokens), None if chunk_vocab is None else int(chunk_vocab))
+    logprobs, entropy = _FusedLogprobFunction.apply(hidden2d, weight, bias, flat_targets, plan)
     logprobs = logprobs.reshape(out_shape)
     entropy = entropy.reshape(out_shape) if compute_entropy else None
-    kl = token_kl(logprobs, ref_logprobs, kl_kind) if ref_logprobs is not None else None
-    return FusedOutput(logprobs, entropy, kl)
+    return FusedOutput(logprobs, entropy)

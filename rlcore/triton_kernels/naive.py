@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import torch
 
-from rlcore.triton_kernels.kl import token_kl
 from rlcore.triton_kernels.output import FusedOutput
 
 
@@ -17,15 +16,21 @@ def naive_token_logprobs(
     weight: torch.Tensor,
     targets: torch.Tensor,
     *,
+    bias: torch.Tensor | None = None,
+    logit_scale: float = 1.0,
+    softcap: float | None = None,
     temperature: float = 1.0,
-    ref_logprobs: torch.Tensor | None = None,
-    kl_kind: str = "k3",
     compute_entropy: bool = True,
 ) -> FusedOutput:
-    """Log-prob of ``targets``, softmax entropy and KL via materialised fp32 logits."""
-    logits = hidden.float() @ weight.float().T / temperature
-    logp_all = torch.log_softmax(logits, dim=-1)
+    """Log-prob of ``targets`` and softmax entropy via materialised fp32 logits, with the head
+    semantics of ``fused_token_logprobs`` (bias, logit scale, soft-cap, then temperature)."""
+    logits = hidden.float() @ weight.float().T
+    if bias is not None:
+        logits = logits + bias.float()
+    logits = logits * logit_scale
+    if softcap is not None:
+        logits = softcap * torch.tanh(logits / softcap)
+    logp_all = torch.log_softmax(logits / temperature, dim=-1)
     logprobs = logp_all.gather(-1, targets.long().unsqueeze(-1)).squeeze(-1)
     entropy = -(logp_all.exp() * logp_all).sum(-1) if compute_entropy else None
-    kl = token_kl(logprobs, ref_logprobs, kl_kind) if ref_logprobs is not None else None
-    return FusedOutput(logprobs, entropy, kl)
+    return FusedOutput(logprobs, entropy)

@@ -2,8 +2,8 @@
 
 Tokens are processed ``chunk_tokens`` at a time and, optionally, the vocabulary
 ``chunk_vocab`` columns at a time with an online log-sum-exp, so the largest temporary is a
-float32 [chunk_tokens, chunk_vocab] tile (two of them at once in the backward). The backward
-recomputes each logits tile instead of keeping it.
+float32 [chunk_tokens, chunk_vocab] tile (two of them at once in the backward, three with a
+soft-capped head). The backward recomputes each logits tile instead of keeping it.
 
 Online accumulation per row over vocab tiles, with m the running max:
     s = sum exp(z - m),  t = sum exp(z - m) * (z - m)
@@ -13,12 +13,15 @@ Keeping t shifted by m avoids cancelling two large numbers in the entropy.
 Gradients w.r.t. the logits z of row i (p = softmax(z), H the entropy):
     d logp_y / dz = onehot(y) - p
     d H / dz      = -p * (log p + H)
-and logits = hidden @ weight.T / T, so both chain through a matmul with 1/T.
+and z = LogitMap(raw), raw = hidden @ weight.T + bias (see ``logit_map``), so both chain through
+dz/draw and then a matmul (hidden, weight) or a column sum (bias).
 """
 
 from __future__ import annotations
 
 import torch
+
+from rlcore.triton_kernels.logit_map import LogitMap
 
 
 def _vocab_tiles(vocab: int, chunk_vocab: int | None) -> list[tuple[int, int]]:
@@ -48,12 +51,27 @@ def _target_in_tile(targets: torch.Tensor, v0: int, v1: int) -> tuple[torch.Tens
     return in_tile, idx
 
 
+def _logits_tile(h: torch.Tensor, w_tile: torch.Tensor, b_tile: torch.Tensor | None, lmap: LogitMap,
+                 want_slope: bool) -> tuple[torch.Tensor, torch.Tensor | float | None]:
+    """(z, dz/draw) of one tile, z built in place in one fp32 buffer; the slope is a float for a
+    linear map, a tile for a soft-capped one, None unless asked for."""
+    z = h @ w_tile.T
+    if b_tile is not None:
+        z.add_(b_tile)
+    if not lmap.capped:
+        return z.mul_(lmap.pre), lmap.pre if want_slope else None
+    t = z.mul_(lmap.pre).tanh_()
+    slope = (1.0 - t * t).mul_(lmap.pre * lmap.post) if want_slope else None
+    return t.mul_(lmap.post), slope
+
+
 @torch.no_grad()
 def chunked_forward(
     hidden: torch.Tensor,
     weight: torch.Tensor,
+    bias: torch.Tensor | None,
     targets: torch.Tensor,
-    inv_temperature: float,
+    lmap: LogitMap,
     chunk_tokens: int = 1024,
     chunk_vocab: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -63,6 +81,7 @@ def chunked_forward(
     entropy = torch.empty_like(logprobs)
     lse = torch.empty_like(logprobs)
     w32 = _precast_weight(weight, chunk_vocab)
+    b32 = bias.float() if bias is not None else None
     tiles = _vocab_tiles(vocab, chunk_vocab)
     for r0 in range(0, n, chunk_tokens):
         r1 = min(r0 + chunk_tokens, n)
@@ -71,8 +90,7 @@ def chunked_forward(
         m = s = t = None
         z_target = torch.zeros(r1 - r0, dtype=torch.float32, device=hidden.device)
         for v0, v1 in tiles:
-            z = h @ _weight_tile(weight, w32, v0, v1).T
-            z.mul_(inv_temperature)
+            z, _ = _logits_tile(h, _weight_tile(weight, w32, v0, v1), None if b32 is None else b32[v0:v1], lmap, False)
             m_tile = z.amax(dim=1)
             m_new = m_tile if m is None else torch.maximum(m, m_tile)
             z.sub_(m_new[:, None])  # z - m_new, in place: one [c, v] buffer for z
@@ -101,26 +119,31 @@ def chunked_forward(
 def chunked_backward(
     hidden: torch.Tensor,
     weight: torch.Tensor,
+    bias: torch.Tensor | None,
     targets: torch.Tensor,
     lse: torch.Tensor,
     entropy: torch.Tensor,
     grad_logprobs: torch.Tensor,
     grad_entropy: torch.Tensor | None,
-    inv_temperature: float,
+    lmap: LogitMap,
     need_hidden: bool = True,
     need_weight: bool = True,
+    need_bias: bool = False,
     chunk_tokens: int = 1024,
     chunk_vocab: int | None = None,
-) -> tuple[torch.Tensor | None, torch.Tensor | None]:
-    """Gradients w.r.t. (hidden, weight) given upstream grads of logprobs and entropy.
+) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
+    """Gradients w.r.t. (hidden, weight, bias) given upstream grads of logprobs and entropy.
 
-    Accumulates in fp32 and returns tensors in the dtypes of ``hidden`` and ``weight``.
+    Accumulates in fp32 and returns tensors in the dtypes of ``hidden``, ``weight`` and ``bias``.
     """
     n, vocab = hidden.shape[0], weight.shape[0]
     w32 = _precast_weight(weight, chunk_vocab)
+    b32 = bias.float() if bias is not None else None
     tiles = _vocab_tiles(vocab, chunk_vocab)
     grad_hidden = torch.zeros(hidden.shape, dtype=torch.float32, device=hidden.device) if need_hidden else None
     grad_weight = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if need_weight else None
+    need_bias = need_bias and bias is not None
+    grad_bias = torch.zeros(bias.shape, dtype=torch.float32, device=bias.device) if need_bias else None
     g_lp_all = grad_logprobs.float()
     g_ent_all = grad_entropy.float() if grad_entropy is not None else None
     for r0 in range(0, n, chunk_tokens):
@@ -131,8 +154,8 @@ def chunked_backward(
         g_lp = g_lp_all[r0:r1, None]
         for v0, v1 in tiles:
             w_tile = _weight_tile(weight, w32, v0, v1)
-            z = h @ w_tile.T
-            z.mul_(inv_temperature).sub_(lse_c)  # log p
+            z, slope = _logits_tile(h, w_tile, None if b32 is None else b32[v0:v1], lmap, True)
+            z.sub_(lse_c)  # log p
             p = torch.exp(z)
             # grad_z = -p * (g_lp + g_ent * (log p + H)), built in place in z's buffer
             if g_ent_all is not None:
@@ -143,14 +166,19 @@ def chunked_backward(
             del p
             in_tile, idx = _target_in_tile(y, v0, v1)
             grad_z.scatter_add_(1, idx[:, None], (g_lp.squeeze(1) * in_tile)[:, None])
-            grad_z.mul_(inv_temperature)
+            grad_raw = grad_z.mul_(slope)  # chain through z = LogitMap(raw)
+            del slope
             if grad_hidden is not None:
-                grad_hidden[r0:r1].addmm_(grad_z, w_tile)
+                grad_hidden[r0:r1].addmm_(grad_raw, w_tile)
             if grad_weight is not None:
-                grad_weight[v0:v1].addmm_(grad_z.T, h)
-            del grad_z, z
+                grad_weight[v0:v1].addmm_(grad_raw.T, h)
+            if grad_bias is not None:
+                grad_bias[v0:v1] += grad_raw.sum(dim=0)
+            del grad_z, grad_raw, z
     if grad_hidden is not None:
         grad_hidden = grad_hidden.to(hidden.dtype)
     if grad_weight is not None:
         grad_weight = grad_weight.to(weight.dtype)
-    return grad_hidden, grad_weight
+    if grad_bias is not None:
+        grad_bias = grad_bias.to(bias.dtype)
+    return grad_hidden, grad_weight, grad_bias

@@ -14,7 +14,11 @@ program:
 * ``_bwd_hidden_kernel`` - grid over token blocks; recomputes each logits tile, turns it into
   grad_logits, and adds grad_logits @ W_tile into its own rows of an fp32 grad_hidden buffer.
 * ``_bwd_weight_kernel`` - grid over vocab blocks; the same recompute, adding
-  grad_logits^T @ h_tile into its own rows of an fp32 grad_weight buffer.
+  grad_logits^T @ h_tile into its own rows of an fp32 grad_weight buffer, and the column sums
+  of grad_logits into its own entries of grad_bias (a head with a bias).
+
+Every logits tile carries the head's own semantics (bias, logit scale, soft-cap: ``logit_map``),
+selected by constexpr flags, so a head without them compiles to the plain kernels.
 
 Each program owns the rows it writes, so there are no atomics: results are deterministic and
 the kernels run unchanged under the interpreter. The price is one extra logits recompute
@@ -29,6 +33,8 @@ import os
 import torch
 import triton
 import triton.language as tl
+
+from rlcore.triton_kernels.logit_map import LogitMap
 
 # Tile sizes for the GPU; the interpreter tests pass smaller ones. All >= 16 (tl.dot minimum).
 BLOCK_N = 64
@@ -52,11 +58,13 @@ def _dot(a, b, acc, UPCAST: tl.constexpr):
 
 @triton.jit
 def _logits_tile(
-    h_ptr, w_ptr, rows, cols, row_mask, col_mask, H,
-    stride_hn, stride_hh, stride_wv, stride_wh, inv_t,
+    h_ptr, w_ptr, b_ptr, rows, cols, row_mask, col_mask, H,
+    stride_hn, stride_hh, stride_wv, stride_wh, pre, post,
     BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_H: tl.constexpr, UPCAST: tl.constexpr,
+    HAS_BIAS: tl.constexpr, HAS_CAP: tl.constexpr,
 ):
-    """fp32 logits tile [BLOCK_N, BLOCK_V] = h[rows] @ w[cols].T * inv_t."""
+    """(z, dz/draw) for one [BLOCK_N, BLOCK_V] tile: raw = h[rows] @ w[cols].T (+ b[cols]),
+    z = raw * pre, or post * tanh(raw * pre) when soft-capped (see logit_map)."""
     acc = tl.zeros((BLOCK_N, BLOCK_V), dtype=tl.float32)
     for k0 in range(0, H, BLOCK_H):
         ks = k0 + tl.arange(0, BLOCK_H)
@@ -70,25 +78,37 @@ def _logits_tile(
             mask=col_mask[:, None] & k_mask[None, :], other=0.0,
         )
         acc = _dot(h, tl.trans(w), acc, UPCAST)
-    return acc * inv_t
+    if HAS_BIAS:
+        b = tl.load(b_ptr + cols, mask=col_mask, other=0.0).to(tl.float32)
+        acc = acc + b[None, :]
+    if HAS_CAP:
+        # tanh(x) = 2 sigmoid(2x) - 1: portable (CUDA and the interpreter), saturates cleanly
+        t = 2.0 * tl.sigmoid(2.0 * (acc * pre)) - 1.0
+        z = t * post
+        slope = (1.0 - t * t) * (pre * post)
+    else:
+        z = acc * pre
+        slope = pre
+    return z, slope
 
 
 @triton.jit
-def _grad_logits_tile(z, cols, row_mask, col_mask, y, lse, ent, g_lp, g_ent, inv_t):
-    """d loss / d (h @ w.T) for one tile: (g_lp*(onehot - p) - g_ent*p*(log p + H)) / T."""
+def _grad_logits_tile(z, slope, cols, row_mask, col_mask, y, lse, ent, g_lp, g_ent):
+    """d loss / d raw for one tile: (g_lp*(onehot - p) - g_ent*p*(log p + H)) * dz/draw."""
     logp = z - lse[:, None]
     p = tl.exp(logp)
     g = -p * (g_lp[:, None] + g_ent[:, None] * (logp + ent[:, None]))
     g += tl.where(cols[None, :] == y[:, None], g_lp[:, None], 0.0)
     g = tl.where(row_mask[:, None] & col_mask[None, :], g, 0.0)
-    return g * inv_t
+    return g * slope
 
 
 @triton.jit
 def _fwd_kernel(
-    h_ptr, w_ptr, y_ptr, logp_ptr, ent_ptr, lse_ptr,
-    N, V, H, stride_hn, stride_hh, stride_wv, stride_wh, inv_t,
+    h_ptr, w_ptr, b_ptr, y_ptr, logp_ptr, ent_ptr, lse_ptr,
+    N, V, H, stride_hn, stride_hh, stride_wv, stride_wh, pre, post,
     BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_H: tl.constexpr, UPCAST: tl.constexpr,
+    HAS_BIAS: tl.constexpr, HAS_CAP: tl.constexpr,
 ):
     rows = (tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)).to(tl.int64)
     row_mask = rows < N
@@ -100,9 +120,10 @@ def _fwd_kernel(
     for v0 in range(0, V, BLOCK_V):
         cols = (v0 + tl.arange(0, BLOCK_V)).to(tl.int64)
         col_mask = cols < V
-        z = _logits_tile(
-            h_ptr, w_ptr, rows, cols, row_mask, col_mask, H,
-            stride_hn, stride_hh, stride_wv, stride_wh, inv_t, BLOCK_N, BLOCK_V, BLOCK_H, UPCAST,
+        z, _slope = _logits_tile(
+            h_ptr, w_ptr, b_ptr, rows, cols, row_mask, col_mask, H,
+            stride_hn, stride_hh, stride_wv, stride_wh, pre, post, BLOCK_N, BLOCK_V, BLOCK_H, UPCAST,
+            HAS_BIAS, HAS_CAP,
         )
         z = tl.where(col_mask[None, :], z, float("-inf"))
         m_new = tl.maximum(m, tl.max(z, axis=1))
@@ -124,9 +145,10 @@ def _fwd_kernel(
 
 @triton.jit
 def _bwd_hidden_kernel(
-    h_ptr, w_ptr, y_ptr, lse_ptr, ent_ptr, glp_ptr, gent_ptr, gh_ptr,
-    N, V, H, stride_hn, stride_hh, stride_wv, stride_wh, inv_t,
+    h_ptr, w_ptr, b_ptr, y_ptr, lse_ptr, ent_ptr, glp_ptr, gent_ptr, gh_ptr,
+    N, V, H, stride_hn, stride_hh, stride_wv, stride_wh, pre, post,
     BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_H: tl.constexpr, UPCAST: tl.constexpr,
+    HAS_BIAS: tl.constexpr, HAS_CAP: tl.constexpr,
 ):
     rows = (tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)).to(tl.int64)
     row_mask = rows < N
@@ -138,11 +160,12 @@ def _bwd_hidden_kernel(
     for v0 in range(0, V, BLOCK_V):
         cols = (v0 + tl.arange(0, BLOCK_V)).to(tl.int64)
         col_mask = cols < V
-        z = _logits_tile(
-            h_ptr, w_ptr, rows, cols, row_mask, col_mask, H,
-            stride_hn, stride_hh, stride_wv, stride_wh, inv_t, BLOCK_N, BLOCK_V, BLOCK_H, UPCAST,
+        z, slope = _logits_tile(
+            h_ptr, w_ptr, b_ptr, rows, cols, row_mask, col_mask, H,
+            stride_hn, stride_hh, stride_wv, stride_wh, pre, post, BLOCK_N, BLOCK_V, BLOCK_H, UPCAST,
+            HAS_BIAS, HAS_CAP,
         )
-        g = _grad_logits_tile(z, cols, row_mask, col_mask, y, lse, ent, g_lp, g_ent, inv_t)
+        g = _grad_logits_tile(z, slope, cols, row_mask, col_mask, y, lse, ent, g_lp, g_ent)
         for k0 in range(0, H, BLOCK_H):
             ks = k0 + tl.arange(0, BLOCK_H)
             k_mask = ks < H
@@ -159,12 +182,14 @@ def _bwd_hidden_kernel(
 
 @triton.jit
 def _bwd_weight_kernel(
-    h_ptr, w_ptr, y_ptr, lse_ptr, ent_ptr, glp_ptr, gent_ptr, gw_ptr,
-    N, V, H, stride_hn, stride_hh, stride_wv, stride_wh, inv_t,
+    h_ptr, w_ptr, b_ptr, y_ptr, lse_ptr, ent_ptr, glp_ptr, gent_ptr, gw_ptr, gb_ptr,
+    N, V, H, stride_hn, stride_hh, stride_wv, stride_wh, pre, post,
     BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_H: tl.constexpr, UPCAST: tl.constexpr,
+    HAS_BIAS: tl.constexpr, HAS_CAP: tl.constexpr, NEED_W: tl.constexpr, NEED_B: tl.constexpr,
 ):
     cols = (tl.program_id(0) * BLOCK_V + tl.arange(0, BLOCK_V)).to(tl.int64)
     col_mask = cols < V
+    gb = tl.zeros((BLOCK_V,), dtype=tl.float32)
     for n0 in range(0, N, BLOCK_N):
         rows = (n0 + tl.arange(0, BLOCK_N)).to(tl.int64)
         row_mask = rows < N
@@ -173,23 +198,29 @@ def _bwd_weight_kernel(
         ent = tl.load(ent_ptr + rows, mask=row_mask, other=0.0)
         g_lp = tl.load(glp_ptr + rows, mask=row_mask, other=0.0)
         g_ent = tl.load(gent_ptr + rows, mask=row_mask, other=0.0)
-        z = _logits_tile(
-            h_ptr, w_ptr, rows, cols, row_mask, col_mask, H,
-            stride_hn, stride_hh, stride_wv, stride_wh, inv_t, BLOCK_N, BLOCK_V, BLOCK_H, UPCAST,
+        z, slope = _logits_tile(
+            h_ptr, w_ptr, b_ptr, rows, cols, row_mask, col_mask, H,
+            stride_hn, stride_hh, stride_wv, stride_wh, pre, post, BLOCK_N, BLOCK_V, BLOCK_H, UPCAST,
+            HAS_BIAS, HAS_CAP,
         )
-        g = _grad_logits_tile(z, cols, row_mask, col_mask, y, lse, ent, g_lp, g_ent, inv_t)
-        for k0 in range(0, H, BLOCK_H):
-            ks = k0 + tl.arange(0, BLOCK_H)
-            k_mask = ks < H
-            h = tl.load(
-                h_ptr + rows[:, None] * stride_hn + ks[None, :] * stride_hh,
-                mask=row_mask[:, None] & k_mask[None, :], other=0.0,
-            )
-            out = gw_ptr + cols[:, None] * H + ks[None, :]
-            out_mask = col_mask[:, None] & k_mask[None, :]
-            acc = tl.load(out, mask=out_mask, other=0.0)
-            acc = _dot(tl.trans(g.to(h.dtype)), h, acc, UPCAST)
-            tl.store(out, acc, mask=out_mask)
+        g = _grad_logits_tile(z, slope, cols, row_mask, col_mask, y, lse, ent, g_lp, g_ent)
+        if NEED_B:
+            gb += tl.sum(g, axis=0)
+        if NEED_W:
+            for k0 in range(0, H, BLOCK_H):
+                ks = k0 + tl.arange(0, BLOCK_H)
+                k_mask = ks < H
+                h = tl.load(
+                    h_ptr + rows[:, None] * stride_hn + ks[None, :] * stride_hh,
+                    mask=row_mask[:, None] & k_mask[None, :], other=0.0,
+                )
+                out = gw_ptr + cols[:, None] * H + ks[None, :]
+                out_mask = col_mask[:, None] & k_mask[None, :]
+                acc = tl.load(out, mask=out_mask, other=0.0)
+                acc = _dot(tl.trans(g.to(h.dtype)), h, acc, UPCAST)
+                tl.store(out, acc, mask=out_mask)
+    if NEED_B:
+        tl.store(gb_ptr + cols, gb, mask=col_mask)
 
 
 def _blocks(block_n: int | None, block_v: int | None, block_h: int | None) -> tuple[int, int, int]:
@@ -207,23 +238,30 @@ def _on_device(t: torch.Tensor):
     return torch.cuda.device(t.device) if t.is_cuda else contextlib.nullcontext()
 
 
-def _common_args(hidden: torch.Tensor, weight: torch.Tensor, inv_temperature: float) -> tuple:
+def _common_args(hidden: torch.Tensor, weight: torch.Tensor, lmap: LogitMap) -> tuple:
     n, h = hidden.shape
     return (n, weight.shape[0], h, hidden.stride(0), hidden.stride(1),
-            weight.stride(0), weight.stride(1), float(inv_temperature))
+            weight.stride(0), weight.stride(1), float(lmap.pre), float(lmap.post or 0.0))
+
+
+def _flags(hidden: torch.Tensor, bias: torch.Tensor | None, lmap: LogitMap, blocks: tuple[int, int, int]) -> dict:
+    block_n, block_v, block_h = blocks
+    return dict(BLOCK_N=block_n, BLOCK_V=block_v, BLOCK_H=block_h, UPCAST=_upcast(hidden),
+                HAS_BIAS=bias is not None, HAS_CAP=lmap.capped)
 
 
 def triton_forward(
     hidden: torch.Tensor,
     weight: torch.Tensor,
+    bias: torch.Tensor | None,
     targets: torch.Tensor,
-    inv_temperature: float,
+    lmap: LogitMap,
     block_n: int | None = None,
     block_v: int | None = None,
     block_h: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Return (logprobs, entropy, lse), each float32 [N]. Block sizes default to the module's."""
-    block_n, block_v, block_h = _blocks(block_n, block_v, block_h)
+    blocks = _blocks(block_n, block_v, block_h)
     if weight.dtype != hidden.dtype:
         raise TypeError(f"hidden ({hidden.dtype}) and weight ({weight.dtype}) must share a dtype for tl.dot")
     n = hidden.shape[0]
@@ -232,11 +270,11 @@ def triton_forward(
     lse = torch.empty_like(logprobs)
     if n == 0:
         return logprobs, entropy, lse
+    b = bias.contiguous() if bias is not None else logprobs  # any pointer when there is no bias
     with _on_device(hidden):
-        _fwd_kernel[(triton.cdiv(n, block_n),)](
-            hidden, weight, targets.contiguous(), logprobs, entropy, lse,
-            *_common_args(hidden, weight, inv_temperature),
-            BLOCK_N=block_n, BLOCK_V=block_v, BLOCK_H=block_h, UPCAST=_upcast(hidden),
+        _fwd_kernel[(triton.cdiv(n, blocks[0]),)](
+            hidden, weight, b, targets.contiguous(), logprobs, entropy, lse,
+            *_common_args(hidden, weight, lmap), **_flags(hidden, bias, lmap, blocks),
         )
     return logprobs, entropy, lse
 
@@ -244,40 +282,47 @@ def triton_forward(
 def triton_backward(
     hidden: torch.Tensor,
     weight: torch.Tensor,
+    bias: torch.Tensor | None,
     targets: torch.Tensor,
     lse: torch.Tensor,
     entropy: torch.Tensor,
     grad_logprobs: torch.Tensor,
     grad_entropy: torch.Tensor | None,
-    inv_temperature: float,
+    lmap: LogitMap,
     need_hidden: bool = True,
     need_weight: bool = True,
+    need_bias: bool = False,
     block_n: int | None = None,
     block_v: int | None = None,
     block_h: int | None = None,
-) -> tuple[torch.Tensor | None, torch.Tensor | None]:
-    """Gradients w.r.t. (hidden, weight), accumulated in fp32, returned in the input dtypes."""
-    block_n, block_v, block_h = _blocks(block_n, block_v, block_h)
+) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
+    """Gradients w.r.t. (hidden, weight, bias), accumulated in fp32, returned in the input dtypes."""
+    blocks = _blocks(block_n, block_v, block_h)
     targets = targets.contiguous()
     g_lp = grad_logprobs.float().contiguous()
     g_ent = grad_entropy.float().contiguous() if grad_entropy is not None else torch.zeros_like(g_lp)
-    args = _common_args(hidden, weight, inv_temperature)
-    blocks = dict(BLOCK_N=block_n, BLOCK_V=block_v, BLOCK_H=block_h, UPCAST=_upcast(hidden))
-    grad_hidden = grad_weight = None
+    args = _common_args(hidden, weight, lmap)
+    flags = _flags(hidden, bias, lmap, blocks)
+    need_bias = need_bias and bias is not None
+    b = bias.contiguous() if bias is not None else g_lp  # any pointer when there is no bias
+    grad_hidden = grad_weight = grad_bias = None
     empty = hidden.shape[0] == 0
     with _on_device(hidden):
         if need_hidden:
             buf = torch.zeros(hidden.shape, dtype=torch.float32, device=hidden.device)
             if not empty:
-                _bwd_hidden_kernel[(triton.cdiv(hidden.shape[0], block_n),)](
-                    hidden, weight, targets, lse, entropy, g_lp, g_ent, buf, *args, **blocks,
+                _bwd_hidden_kernel[(triton.cdiv(hidden.shape[0], blocks[0]),)](
+                    hidden, weight, b, targets, lse, entropy, g_lp, g_ent, buf, *args, **flags,
                 )
             grad_hidden = buf.to(hidden.dtype)
-        if need_weight:
-            buf = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device)
+        if need_weight or need_bias:
+            gw = torch.zeros(weight.shape if need_weight else (1,), dtype=torch.float32, device=weight.device)
+            gb = torch.zeros(weight.shape[0] if need_bias else 1, dtype=torch.float32, device=weight.device)
             if not empty:
-                _bwd_weight_kernel[(triton.cdiv(weight.shape[0], block_v),)](
-                    hidden, weight, targets, lse, entropy, g_lp, g_ent, buf, *args, **blocks,
+                _bwd_weight_kernel[(triton.cdiv(weight.shape[0], blocks[1]),)](
+                    hidden, weight, b, targets, lse, entropy, g_lp, g_ent, gw, gb, *args, **flags,
+                    NEED_W=need_weight, NEED_B=need_bias,
                 )
-            grad_weight = buf.to(weight.dtype)
-    return grad_hidden, grad_weight
+            grad_weight = gw.to(weight.dtype) if need_weight else None
+            grad_bias = gb.to(bias.dtype) if need_bias else None
+    return grad_hidden, grad_weight, grad_bias

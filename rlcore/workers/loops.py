@@ -1,0 +1,224 @@
+"""The two loops every trained role runs, written once: the update and the no-grad forward.
+
+A worker supplies only what is its own: the loss of one micro-batch (an `Objective`) or the
+forward of one micro-batch. What must be the same for every role lives here:
+
+- micro-batches by token budget (native packing) or fixed size, made equal in number on every
+  FSDP rank; a rank with fewer runs zero-weight passes on one real row, because FSDP gathers
+  parameters inside each forward and a missing forward would leave the other ranks waiting;
+- losses normalised by global (rank-summed) token and row counts and scaled by the number of
+  ranks, because FSDP averages gradients: two ranks take exactly the step one process would;
+- gradient clipping, and a step skipped (gradients dropped) when the loss or the gradient
+  norm is not finite;
+- the reported loss and statistics summed over ranks, so every rank reports the one-process value.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import defaultdict
+from dataclasses import dataclass, field
+from typing import Callable, Protocol
+
+import torch
+from torch import nn
+
+from rlcore.config import ActorConfig
+from rlcore.packing import pack_token_budget
+from rlcore.protocol import Batch
+from rlcore.workers.fsdp import distributed_world, equalize_micro_batches, to_full
+from rlcore.workers.ranks import RankSummedMeans, global_sums
+from rlcore.workers.trainable import Trainable
+
+
+def attention_lengths(batch: Batch) -> torch.Tensor:
+    """Tokens per row (prompt and response), what micro-batch packing budgets."""
+    return batch["attention_mask"].sum(-1)
+
+
+@dataclass(frozen=True)
+class MicroBatching:
+    """How a (mini-)batch is cut into micro-batches, one forward each."""
+
+    size: int        # rows per micro-batch when not dynamic
+    dynamic: bool    # pack rows into micro-batches of at most `max_tokens` tokens
+    max_tokens: int
+
+    @classmethod
+    def of(cls, section: ActorConfig) -> MicroBatching:
+        """From a config section with the actor's batch fields (`micro_batch_size`, ...)."""
+        return cls(section.micro_batch_size, section.dynamic_batch_size, section.max_tokens_per_micro_batch)
+
+    def split(self, lengths: torch.Tensor, model: nn.Module, device: torch.device) -> list[list[int]]:
+        """Row indices per micro-batch; on FSDP ranks as many on every rank (some maybe empty)."""
+        if self.dynamic:
+            groups = [list(idx) for idx in pack_token_budget(lengths.cpu().numpy(), self.max_tokens)]
+        else:
+            n = len(lengths)
+            groups = [list(range(i, min(n, i + self.size))) for i in range(0, n, self.size)]
+        return equalize_micro_batches(groups, model, device)
+
+
+@dataclass(frozen=True)
+class UpdateSettings:
+    """A role's update: passes over the batch, examples per optimizer step, micro-batching, clip."""
+
+    epochs: int
+    mini_batch_size: int  # examples per optimizer step, over all ranks
+    micro: MicroBatching
+    grad_clip: float
+
+    @classmethod
+    def of(cls, section: ActorConfig) -> UpdateSettings:
+        """From a config section with the actor's batch fields (`ppo_epochs`, `ppo_mini_batch_size`, ...)."""
+        return cls(section.ppo_epochs, section.ppo_mini_batch_size, MicroBatching.of(section), section.optim.grad_clip)
+
+    def mini_batch_rows(self, rows_per_example: int, world_size: int) -> int:
+        """Rows of one rank's mini-batch (an RL example is a prompt with `rollout.n` responses)."""
+        return max(1, self.mini_batch_size * rows_per_example // world_size)
+
+
+@dataclass(frozen=True)
+class GlobalCounts:
+    """Normalisers of one mini-batch, summed over ranks."""
+
+    tokens: float  # response tokens (`response_mask`); 0 for a batch without one
+    rows: float
+
+
+@dataclass
+class MicroLoss:
+    """What an objective returns for one micro-batch."""
+
+    loss: torch.Tensor  # this micro-batch's share: shares sum to the mini-batch loss over micro-batches and ranks
+    terms: dict[str, float] = field(default_factory=dict)  # further detached shares (a KL term), summed alike
+    stats: dict[str, tuple[float, float]] = field(default_factory=dict)  # name -> (sum, count), reported as means
+
+
+MicroLossFn = Callable[[Batch], MicroLoss]
+
+
+class Objective(Protocol):
+    """A role's loss: given one mini-batch and its global counts, the loss of each micro-batch."""
+
+    def __call__(self, mini: Batch, counts: GlobalCounts) -> MicroLossFn: ...
+
+
+def value_stats(values: dict[str, torch.Tensor]) -> dict[str, tuple[float, float]]:
+    """Per-element values (one per sequence, say) as (sum, count) statistics."""
+    return {k: (float(v.float().sum()), float(v.numel())) for k, v in values.items()}
+
+
+def mean_stats(means: dict[str, torch.Tensor], count: float) -> dict[str, tuple[float, float]]:
+    """Means over `count` elements (masked token means) as (sum, count): pooled by element, not by micro-batch."""
+    if not count:
+        return {}
+    return {k: (float(v) * count, count) for k, v in means.items()}
+
+
+@dataclass(frozen=True)
+class UpdateResult:
+    loss: float         # mean over the steps taken of the (rank-summed) mini-batch loss; nan if none was
+    grad_norm: float    # mean over the steps taken; nan if none was
+    skipped_steps: int  # steps dropped for a non-finite loss or gradient norm
+    metrics: dict[str, float]  # `terms` (mean over steps taken) and `stats` (pooled means)
+
+
+def run_update(
+    trained: Trainable,
+    batch: Batch,
+    objective: Objective,
+    settings: UpdateSettings,
+    *,
+    mini_batch_rows: int,
+    device: torch.device,
+    lengths: Callable[[Batch], torch.Tensor] = attention_lengths,
+) -> UpdateResult:
+    """`settings.epochs` passes over `batch` in mini-batches of `mini_batch_rows`, one optimizer
+    step each, then one scheduler step. `lengths` gives the tokens of each row for packing."""
+    trained.model.train()
+    batch = batch.to(device)
+    stats = RankSummedMeans()
+    taken: list[dict[str, float]] = []
+    skipped = 0
+    for _ in range(settings.epochs):
+        for mini in batch.split(mini_batch_rows):
+            step = _step_on(trained, mini, objective, settings, device, lengths, stats)
+            if step is None:
+                skipped += 1
+            else:
+                taken.append(step)
+    trained.scheduler.step()
+    means = {k: sum(s[k] for s in taken) / len(taken) for k in taken[0]} if taken else {}
+    return UpdateResult(
+        loss=means.pop("loss", math.nan),
+        grad_norm=means.pop("grad_norm", math.nan),
+        skipped_steps=skipped,
+        metrics={**means, **stats.means(device)},
+    )
+
+
+def _step_on(
+    trained: Trainable,
+    mini: Batch,
+    objective: Objective,
+    settings: UpdateSettings,
+    device: torch.device,
+    lengths: Callable[[Batch], torch.Tensor],
+    stats: RankSummedMeans,
+) -> dict[str, float] | None:
+    """Accumulate the gradient of one mini-batch, clip, step. Returns its rank-summed loss, terms
+    and gradient norm, or None when the step was skipped (every rank decides alike)."""
+    tokens = float(mini["response_mask"].float().sum()) if "response_mask" in mini else 0.0
+    counts = GlobalCounts(*global_sums([tokens, float(len(mini))], device))
+    micro_loss = objective(mini, counts)
+    scale = float(distributed_world())  # FSDP averages gradients over ranks; the shares sum to the loss
+    trained.optimizer.zero_grad(set_to_none=True)
+    totals: dict[str, float] = defaultdict(float)
+    for idx in settings.micro.split(lengths(mini), trained.model, device):
+        out = micro_loss(mini.take(idx or [0]))
+        (out.loss * (scale if idx else 0.0)).backward()  # empty share: zero-weight pass for FSDP
+        if not idx:
+            continue
+        totals["loss"] += float(out.loss.detach())
+        for name, value in out.terms.items():
+            totals[name] += value
+        for name, (total, count) in out.stats.items():
+            stats.add(name, total, count)
+    names = sorted(totals)
+    summed = dict(zip(names, global_sums([totals[n] for n in names], device)))
+    grad_norm = to_full(torch.nn.utils.clip_grad_norm_(trained.model.parameters(), settings.grad_clip))
+    if not (math.isfinite(summed["loss"]) and torch.isfinite(grad_norm)):
+        trained.optimizer.zero_grad(set_to_none=True)
+        return None
+    trained.optimizer.step()
+    return {**summed, "grad_norm": float(grad_norm)}
+
+
+@torch.no_grad()
+def forward_no_grad(
+    model: nn.Module,
+    batch: Batch,
+    forward: Callable[[Batch], dict[str, torch.Tensor]],
+    micro: MicroBatching,
+    device: torch.device,
+) -> dict[str, torch.Tensor]:
+    """`forward` over the micro-batches of `batch` in eval mode, each result (rows first) written
+    back to its rows: float32 CPU tensors of `len(batch)` rows. The model's mode is restored."""
+    was_training = model.training
+    model.eval()
+    batch = batch.to(device)
+    out: dict[str, torch.Tensor] = {}
+    try:
+        for idx in micro.split(attention_lengths(batch), model, device):
+            if not idx:  # keeps FSDP ranks in step; result unused
+                forward(batch.take([0]))
+                continue
+            for key, value in forward(batch.take(idx)).items():
+                if key not in out:
+                    out[key] = torch.zeros((len(batch), *value.shape[1:]), dtype=torch.float32)
+                out[key][idx] = value.float().cpu()
+    finally:
+        model.train(was_training)
+    return out
+

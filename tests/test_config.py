@@ -80,7 +80,10 @@ def test_names_registered_before_load_are_accepted():
     def zero(*, token_level_rewards, **_):
         return token_level_rewards * 0, token_level_rewards * 0
 
-    register_policy_loss("test_config_vanilla", overwrite=True)(vanilla_policy_loss)
+    @register_policy_loss("test_config_vanilla", overwrite=True)
+    def plain(*args, **kwargs):
+        return vanilla_policy_loss(*args, **kwargs)
+
     cfg = load_config(None, BASE + ["algorithm.adv_estimator=test_config_zero", "actor.policy_loss=test_config_vanilla"])
     assert (cfg.algorithm.adv_estimator, cfg.actor.policy_loss) == ("test_config_zero", "test_config_vanilla")
 

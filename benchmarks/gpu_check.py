@@ -476,42 +476,9 @@ def phase_rollout(s: Shapes, device, meter: Meter, model_dir: Path) -> dict[str,
 
 # ----------------------------------------------------------------------------- (d) grpo
 
-def _install_phase_memory(meter: Meter) -> bool:
-    """Per-phase peak memory in the GRPO step metrics, unless rlcore's Timer records it already
-    (the trainer change proposed with issue 7): wraps `Timer.phase` for this process only."""
-    from rlcore.trainer import base
-
-    if "peak_gib" in vars(base.Timer()):
-        return False
-    original = base.Timer.phase
-
-    @contextlib.contextmanager
-    def phase(self, name):
-        meter.reset()
-        with original(self, name):
-            yield
-        peak = meter.peak_gib()
-        if peak is not None:
-            store = self.__dict__.setdefault("peak_gib", {})
-            store[name] = max(store.get(name, 0.0), peak)
-
-    base.Timer.phase = phase
-    original_metrics = base.RLTrainer.batch_metrics
-
-    def batch_metrics(self, gen, timer):
-        m = original_metrics(self, gen, timer)
-        for name, peak in getattr(timer, "peak_gib", {}).items():
-            m.setdefault(f"memory/{name}_peak_gib", peak)
-        return m
-
-    base.RLTrainer.batch_metrics = batch_metrics
-    return True
-
-
 def phase_grpo(s: Shapes, device, meter: Meter, model_dir: Path, train_file: Path, root: Path) -> dict[str, Any]:
     from rlcore.trainer.run import make_trainer
 
-    patched = _install_phase_memory(meter)
     cfg = base_config(model_dir, train_file, root / "grpo_run", s, device.type,
                       actor__use_kl_loss=True, actor__kl_loss_coef=0.001)
     meter.reset()
@@ -530,7 +497,7 @@ def phase_grpo(s: Shapes, device, meter: Meter, model_dir: Path, train_file: Pat
     return {
         "steps": len(history), "prompts_per_step": s.grpo_prompts, "n": s.grpo_n,
         "max_new_tokens": s.grpo_new_tokens, "setup_s": setup_s,
-        "phase_memory_from": "gpu_check" if patched else "rlcore",
+        "phase_memory_from": "rlcore",  # the trainer's Timer records per-phase peak memory on CUDA
         "overall_peak_gib": meter.phase_peak_gib(), "history": steps,
     }
 

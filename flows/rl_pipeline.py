@@ -17,6 +17,7 @@ from flows.data_prep import prepare_data_task
 from flows.evaluate import evaluate_task
 from flows.promote import promote_task
 from flows.train import champion_task, train_task
+from rlcore.example.overrides import example_overrides
 from rlcore.lifecycle import stages
 
 
@@ -31,7 +32,7 @@ def rl_pipeline(
     run_name: str | None = None,
 ) -> dict[str, Any]:
     """`example=True` points the config at the built-in tiny example (before `overrides`)."""
-    base = stages.example_overrides() if example else []
+    base = example_overrides() if example else []
     config = stages.load_pipeline_config(config_path, base + list(overrides or []), data_path)
     tree = config.model_dump(mode="json")
     workdir = str(Path(workdir).resolve())

@@ -64,12 +64,10 @@ def _cmd_example_build(args: argparse.Namespace) -> int:
 
 
 def tiny_example_overrides(example, output_dir: str) -> list[str]:
-    return [
-        f"model.path={example.model_dir}",
-        f"data.train_files=[{example.train_file}]",
-        f"data.val_files=[{example.val_file}]",
-        f"trainer.output_dir={output_dir}",
-    ]
+    """Model, data and output paths of a built tiny example (see rlcore.example.overrides)."""
+    from rlcore.example.overrides import tiny_example_overrides as overrides
+
+    return overrides(example, output_dir)
 
 
 FLOWS_DIR = Path(__file__).resolve().parents[1] / "flows"

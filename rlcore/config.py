@@ -47,8 +47,21 @@ def check_registered(kind: Literal["advantage estimator", "policy loss", "KL est
 
 class ModelConfig(_Section):
     path: str = Field(description="local Hugging Face model directory (no hub access)")
-    dtype: Literal["float32", "bfloat16"] = "float32"
+    dtype: Literal["float32", "bfloat16"] = Field(
+        "float32", description="compute dtype of every model: actor, reference, critic and (by default) the rollout "
+        "engine. bfloat16: the trained roles (actor, critic) still keep float32 master weights, gradients and AdamW "
+        "state and compute in bf16 (FSDP2-style mixed precision), unless model.pure_bf16")
+    pure_bf16: bool = Field(
+        False, description="with dtype bfloat16: train the bf16 weights themselves (AdamW state in bf16, no float32 "
+        "master copy). Half the memory of the trained roles, but updates below bf16's resolution (~0.4% of a "
+        "weight) are rounded away")
     gradient_checkpointing: bool = False
+
+    @model_validator(mode="after")
+    def _check_pure_bf16(self) -> "ModelConfig":
+        if self.pure_bf16 and self.dtype != "bfloat16":
+            raise ValueError(f"model.pure_bf16=true needs model.dtype=bfloat16 (got {self.dtype})")
+        return self
 
 
 class DataConfig(_Section):
@@ -95,9 +108,14 @@ class ActorConfig(_Section):
     world_size: int = Field(1, ge=1, description="data-parallel ranks of actor (and reference); FSDP2 when > 1 (Ray backend)")
     weight_sync_bucket_mb: float = Field(64.0, gt=0, description="weights go to the rollout engine in buckets of this size")
     mixed_precision: Literal["none", "bf16"] = Field(
-        "none", description="FSDP2 mixed precision: bf16 parameters and compute, fp32 gradient reduction; "
-        "master weights and optimizer state stay in model.dtype (use float32)")
-    cpu_offload: bool = Field(False, description="FSDP2: parameters, gradients and optimizer state on host memory (CUDA)")
+        "none", description="bf16: the actor computes in bf16 (parameters cast per forward, fp32 gradient reduction) "
+        "over float32 master weights, gradients and AdamW state, at any world size (FSDP2's policy with a process "
+        "group, the same casts in one process without); reference and critic follow model.dtype. "
+        "model.dtype=bfloat16 implies it")
+    cpu_offload: bool = Field(
+        False, description="keep the actor's master weights, gradients and AdamW state in host memory and step "
+        "AdamW there; parameters are copied to the GPU for each forward (FSDP2's CPUOffloadPolicy, or the same "
+        "per-module copies in one process). Needs a CUDA device: refused with trainer.device=cpu")
 
     @field_validator("policy_loss")
     @classmethod
@@ -138,9 +156,9 @@ class RolloutConfig(_Section):
     top_p: float = Field(1.0, gt=0, le=1)
     top_k: int = -1
     max_new_tokens: int = Field(32, ge=1)
-    val_n: int = Field(1, ge=1, description="samples per validation prompt (pass@k when > 1)")
+    val_n: int = Field(1, ge=1, description="samples per validation prompt; > 1 reports mean@n, pass@n and maj@n per data_source")
     val_temperature: float = Field(1.0, gt=0)
-    val_greedy: bool = True
+    val_greedy: bool | None = Field(None, description="default: greedy when val_n is 1, sampled when val_n > 1")
     vllm: VLLMEngineConfig = VLLMEngineConfig()
     free_memory_when_idle: bool | None = Field(
         None, description="sleep the engine from after generation until the weight sync; "
@@ -151,6 +169,10 @@ class CriticConfig(_Section):
     model_path: str | None = Field(None, description="defaults to the actor model")
     optim: OptimConfig = OptimConfig(lr=1e-5)
     ppo_epochs: int = Field(1, ge=1)
+    ppo_mini_batch_size: int | None = Field(None, ge=1, description="prompts per critic optimizer step; default: actor's")
+    micro_batch_size: int | None = Field(None, ge=1, description="samples per forward without dynamic batching; default: actor's")
+    dynamic_batch_size: bool | None = Field(None, description="pack micro-batches by token budget; default: actor's")
+    max_tokens_per_micro_batch: int | None = Field(None, ge=1, description="default: actor's")
     cliprange_value: float = Field(0.5, gt=0)
     loss_agg_mode: Literal["token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm"] = "token-mean"
     world_size: int = Field(1, ge=1, description="data-parallel ranks of the critic; FSDP2 when > 1 (Ray backend)")
@@ -358,6 +380,27 @@ class Config(_Section):
                 raise ValueError(f"ray.pools: roles {unmapped} use pool 'default', which is not defined")
         return self
 
+    @model_validator(mode="after")
+    def _check_off_policy(self) -> "Config":
+        if self.trainer.off_policy != "sync" and self.algorithm.name not in ("grpo", "ppo"):
+            raise ValueError(f"trainer.off_policy={self.trainer.off_policy!r} is not supported by the "
+                             f"{self.algorithm.name!r} control flow (no generation to overlap); use trainer.off_policy=sync")
+        return self
+
+    @model_validator(mode="after")
+    def _check_validation_sampling(self) -> "Config":
+        if self.rollout.val_greedy and self.rollout.val_n > 1:
+            raise ValueError(f"rollout.val_greedy=true with rollout.val_n={self.rollout.val_n}: every sample would be the "
+                             "same greedy answer (pass@n = accuracy); set rollout.val_greedy=false or val_n=1")
+        return self
+
+    @model_validator(mode="after")
+    def _check_cpu_offload(self) -> "Config":
+        if self.actor.cpu_offload and self.trainer.device == "cpu":
+            raise ValueError("actor.cpu_offload=true needs a CUDA device: with trainer.device=cpu the weights, gradients "
+                             "and optimizer state already live in host memory, so there is nothing to offload")
+        return self
+
     @property
     def needs_reference(self) -> bool:
         if self.algorithm.use_reference is not None:
@@ -425,4 +468,5 @@ def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str
 
 
 def dump_config(config: Config) -> str:
-    return yaml.safe_dump(config.model_dump(mode="json"), sort_keys=False)
+    text: str = yaml.safe_dump(config.model_dump(mode="json"), sort_keys=False)
+    return text

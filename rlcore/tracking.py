@@ -1,4 +1,5 @@
-"""Metrics sinks: a JSONL file in the run directory and a console progress line.
+"""Metrics sinks (a JSONL file in the run directory, a console progress line, an MLflow run), the
+tracker a training run opens from its config, and MLflow run access by explicit client and run id.
 
 `Tracker.log(step, metrics)` fans out to every configured sink. The JSONL file is the record
 that resume relies on: lines past the checkpoint being resumed are dropped first, so the file
@@ -10,6 +11,7 @@ from __future__ import annotations
 import json
 import math
 import sys
+import tempfile
 from pathlib import Path
 from typing import Any, Iterable, Protocol
 
@@ -102,13 +104,14 @@ class MlflowSink:
     """Per-step metrics to an MLflow run, by run id (no reliance on a thread's active run, so it
     works from Prefect task threads). Non-numeric and non-finite values are skipped."""
 
-    def __init__(self, run_id: str, tracking_uri: str | None = None, client: Any = None) -> None:
+    def __init__(self, run_id: str, tracking_uri: str | None = None, client: Any = None, end_run_on_close: bool = False) -> None:
         if client is None:
             from mlflow.tracking import MlflowClient
 
             client = MlflowClient(tracking_uri=tracking_uri)
         self.client = client
         self.run_id = run_id
+        self.end_run_on_close = end_run_on_close
 
     def log(self, step: int, metrics: dict[str, Any]) -> None:
         import time
@@ -126,4 +129,111 @@ class MlflowSink:
             self.client.log_batch(self.run_id, metrics=batch[start:start + 1000])
 
     def close(self) -> None:
-        pass
+        if self.end_run_on_close:
+            self.client.set_terminated(self.run_id, status="FINISHED")
+
+
+def default_tracking_uri(workdir: str | Path | None = None) -> str:
+    return f"sqlite:///{(Path(workdir) if workdir else Path.cwd()).resolve() / 'mlflow.db'}"
+
+
+def flatten(tree: dict[str, Any], prefix: str = "") -> dict[str, str]:
+    """{"actor": {"optim": {"lr": 1e-6}}} -> {"actor.optim.lr": "1e-06"} (MLflow params)."""
+    out: dict[str, str] = {}
+    for key, value in tree.items():
+        name = f"{prefix}{key}"
+        if isinstance(value, dict) and value:
+            out.update(flatten(value, name + "."))
+        else:
+            out[name] = json.dumps(value) if isinstance(value, (list, tuple, dict)) else str(value)
+    return out
+
+
+class MlflowStore:
+    """Runs and artifacts in one experiment of one tracking store."""
+
+    def __init__(self, tracking_uri: str | None = None, experiment: str = "rlcore", artifact_root: str | Path | None = None) -> None:
+        import mlflow
+        from mlflow.tracking import MlflowClient
+
+        self.tracking_uri = tracking_uri or default_tracking_uri()
+        self.client = MlflowClient(tracking_uri=self.tracking_uri, registry_uri=self.tracking_uri)
+        self._mlflow = mlflow
+        found = self.client.get_experiment_by_name(experiment)
+        if found is not None:
+            self.experiment_id = found.experiment_id
+        else:
+            location = None
+            if artifact_root is not None:
+                location = Path(artifact_root).resolve().as_uri()
+            elif self.tracking_uri.startswith("sqlite:///"):
+                # Artifacts next to the database, not wherever the process happens to run.
+                location = (Path(self.tracking_uri[len("sqlite:///"):]).parent / "mlruns").resolve().as_uri()
+            self.experiment_id = self.client.create_experiment(experiment, artifact_location=location)
+
+    # ------------------------------------------------------------------ runs
+    def start_run(self, name: str, parent_run_id: str | None = None, tags: dict[str, str] | None = None) -> str:
+        all_tags = dict(tags or {})
+        if parent_run_id:
+            all_tags["mlflow.parentRunId"] = parent_run_id
+        run = self.client.create_run(self.experiment_id, run_name=name, tags=all_tags)
+        return run.info.run_id
+
+    def end_run(self, run_id: str, status: str = "FINISHED") -> None:
+        self.client.set_terminated(run_id, status=status)
+
+    def log_params(self, run_id: str, params: dict[str, Any]) -> None:
+        from mlflow.entities import Param
+
+        items = [Param(mlflow_key(k), str(v)[:6000]) for k, v in params.items()]
+        for start in range(0, len(items), 100):  # MLflow's limit of params per batch
+            self.client.log_batch(run_id, params=items[start:start + 100])
+
+    def log_metrics(self, run_id: str, metrics: dict[str, Any], step: int = 0) -> None:
+        MlflowSink(run_id, client=self.client).log(step, metrics)
+
+    def set_tags(self, run_id: str, tags: dict[str, Any]) -> None:
+        for k, v in tags.items():
+            self.client.set_tag(run_id, k, str(v))
+
+    def log_artifact(self, run_id: str, path: str | Path, artifact_path: str | None = None) -> None:
+        path = Path(path)
+        if path.is_dir():
+            self.client.log_artifacts(run_id, str(path), artifact_path)
+        else:
+            self.client.log_artifact(run_id, str(path), artifact_path)
+
+    def log_json(self, run_id: str, obj: Any, name: str) -> None:
+        with tempfile.TemporaryDirectory() as tmp:
+            p = Path(tmp) / name
+            p.write_text(json.dumps(obj, indent=1, default=str))
+            self.client.log_artifact(run_id, str(p))
+
+    def artifact_uri(self, run_id: str, path: str = "") -> str:
+        base = self.client.get_run(run_id).info.artifact_uri
+        return f"{base}/{path}" if path else base
+
+    def run_url_hint(self) -> str:
+        return f"mlflow ui --backend-store-uri {self.tracking_uri}"
+
+
+def open_tracker(loggers: Iterable[str], run_dir: Path, total_steps: int, *, mlflow_uri: str | None = None,
+                 experiment: str = "rlcore", config_tree: dict[str, Any] | None = None, tags: dict[str, str] | None = None) -> Tracker:
+    """The sinks a training run's `trainer.loggers` name. `mlflow`: one MLflow run per run
+    directory (its id kept in `mlflow_run_id`), so a resumed run keeps logging into the same run."""
+    sinks: list[Sink] = []
+    if "jsonl" in loggers:
+        sinks.append(JsonlSink(run_dir / "metrics.jsonl"))
+    if "console" in loggers:
+        sinks.append(ConsoleSink(total_steps))
+    if "mlflow" in loggers:
+        store = MlflowStore(mlflow_uri, experiment)
+        id_file = run_dir / "mlflow_run_id"
+        if id_file.is_file():
+            run_id = id_file.read_text().strip()
+        else:
+            run_id = store.start_run(run_dir.name, tags=tags)
+            store.log_params(run_id, flatten(config_tree or {}))
+            id_file.write_text(run_id)
+        sinks.append(MlflowSink(run_id, client=store.client, end_run_on_close=True))
+    return Tracker(sinks)

@@ -97,10 +97,9 @@ def test_one_step_learns_the_tiny_task(tiny_example, tmp_path, algorithm, steps)
 
 @pytest.mark.parametrize("algorithm", ["dpo", "kto"])
 def test_control_flows_without_one_step_refuse_it_naming_the_field(tiny_example, tmp_path, algorithm):
-    """Offline preference training has no generation to overlap."""
-    cfg = _config(tiny_example, tmp_path / "run", ("trainer.total_steps=1",), algorithm=algorithm)
+    """Offline preference training has no generation to overlap: refused at config load."""
     with pytest.raises(ValueError, match=rf"trainer\.off_policy='one_step' is not supported by the '{algorithm}'"):
-        make_trainer(cfg)
+        _config(tiny_example, tmp_path / "run", ("trainer.total_steps=1",), algorithm=algorithm)
 
 
 def test_config_rejects_an_unknown_mode(tiny_example, tmp_path):

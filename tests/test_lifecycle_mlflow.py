@@ -60,6 +60,8 @@ def test_registry_round_trip_loads_with_transformers(store, tiny_example, tmp_pa
 def test_log_training_records_params_steps_and_plots(store, tmp_path):
     from mlflow.artifacts import download_artifacts
 
+    from rlcore.lifecycle.mlflow_store import log_training
+
     run_dir = tmp_path / "run"
     run_dir.mkdir()
     records = [{"step": 0, "val/acc": 0.3, "val/pass@4": 0.5},
@@ -68,7 +70,7 @@ def test_log_training_records_params_steps_and_plots(store, tmp_path):
     (run_dir / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
     (run_dir / "config.yaml").write_text("a: 1\n")
     run = store.start_run("train")
-    store.log_training(run, run_dir, {"actor": {"optim": {"lr": 2e-5}}, "rollout": {"n": 4}})
+    log_training(store, run, run_dir, {"actor": {"optim": {"lr": 2e-5}}, "rollout": {"n": 4}})
     data = store.client.get_run(run).data
     assert data.params["actor.optim.lr"] == "2e-05" and data.params["rollout.n"] == "4"
     history = store.client.get_metric_history(run, "reward/mean")
@@ -95,13 +97,14 @@ class _Hook(BaseHTTPRequestHandler):
 
 def test_health_stop_keeps_last_healthy_checkpoint(store, tiny_example, tmp_path):
     from rlcore.cli import CONFIG_DIR
+    from rlcore.example.overrides import example_overrides
     from rlcore.lifecycle import stages
 
     _Hook.received = []
     server = HTTPServer(("127.0.0.1", 0), _Hook)
     threading.Thread(target=server.serve_forever, daemon=True).start()
     try:
-        base = stages.example_overrides() + QUICK + [
+        base = example_overrides() + QUICK + [
             f"tracking.mlflow_uri={store.tracking_uri}", "tracking.experiment=test", "trainer.save_every=1",
             f"registry.webhook_url=http://127.0.0.1:{server.server_port}/h"]
         healthy = stages.load_pipeline_config(str(CONFIG_DIR / "tiny_grpo.yaml"), base + ["trainer.total_steps=1"])

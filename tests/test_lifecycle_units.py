@@ -16,10 +16,10 @@ from rlcore.data import DataValidationError, read_rows, write_rows
 from rlcore.lifecycle import GatePolicy, HealthBreach, HealthGuard, decide, files_fingerprint, prepare_dataset, rows_fingerprint
 from rlcore.lifecycle.events import DirectoryWatcher, data_resource, new_files
 from rlcore.lifecycle.lineage import build_lineage, lineage_tags
-from rlcore.lifecycle.mlflow_store import flatten
+from rlcore.tracking import flatten
 from rlcore.lifecycle.notify import notify
 from rlcore.tracking import MlflowSink, mlflow_key
-from rlcore.trainer.base import TrainingStopped
+from rlcore.trainer.run_state import TrainingStopped
 
 
 def row(a: int, b: int, source: str = "tiny_arith") -> dict:

@@ -77,7 +77,7 @@ def test_non_finite_loss_skips_the_step(tiny_example, pref_files, tmp_path):
     try:
         worker = trainer.groups.actor.workers[0]
         before = {k: v.clone() for k, v in worker.model.state_dict().items()}
-        batch = trainer.with_reference(trainer.train_loader.next_batch(), trainer.train_loader)
+        batch = trainer.reference.attach(trainer.train_loader.next_batch(), trainer.train_loader)
         batch["ref_chosen_logps"] = torch.full_like(batch["ref_chosen_logps"], float("nan"))
         batch.info.update(algorithm="dpo", temperature=1.0)
         metrics = trainer.groups.actor.update_preference(batch)

@@ -10,7 +10,8 @@ import pytest
 
 from rlcore.cli import CONFIG_DIR, tiny_example_overrides
 from rlcore.config import load_config
-from rlcore.trainer.base import Timer, rollout_shares_gpu
+from rlcore.trainer.metrics import Timer
+from rlcore.trainer.rollout_parts import rollout_shares_gpu
 from rlcore.trainer.run import make_trainer
 
 

@@ -21,7 +21,7 @@ from rlcore.checkpoint import CheckpointManager, step_of
 from rlcore.cli import CONFIG_DIR, tiny_example_overrides
 from rlcore.config import load_config
 from rlcore.tracking import read_jsonl
-from rlcore.trainer.base import TrainingStopped
+from rlcore.trainer.run_state import TrainingStopped
 from rlcore.trainer.run import make_trainer
 
 pytestmark = pytest.mark.slow
@@ -87,8 +87,8 @@ def test_ppo_two_steps_trains_critic_with_kl_in_reward(tiny_example, tmp_path):
     history = make_trainer(cfg).fit()
     assert all(math.isfinite(m["critic/vf_loss"]) for m in history)
     # step 1: policy == reference, so the KL penalty is exactly zero; step 2 has moved
-    assert history[0]["critic/kl_in_reward"] == pytest.approx(0.0, abs=1e-6)
-    assert history[1]["critic/kl_in_reward"] != 0  # k1 is a signed estimate
+    assert history[0]["actor/reward_kl_penalty"] == pytest.approx(0.0, abs=1e-6)
+    assert history[1]["actor/reward_kl_penalty"] != 0  # k1 is a signed estimate
     ckpt = CheckpointManager(tmp_path / "run" / "checkpoints").latest()
     assert (ckpt / "critic" / "config.json").is_file() and (ckpt / "critic_optim.pt").is_file()
 

@@ -14,7 +14,7 @@ import logging
 import math
 from typing import Any
 
-from rlcore.trainer.base import TrainingStopped
+from rlcore.trainer.run_state import TrainingStopped
 
 log = logging.getLogger(__name__)
 

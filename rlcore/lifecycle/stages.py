@@ -26,7 +26,7 @@ from rlcore.lifecycle.fingerprint import files_fingerprint
 from rlcore.lifecycle.gate import GatePolicy, decide
 from rlcore.lifecycle.health import HealthBreach, HealthGuard
 from rlcore.lifecycle.lineage import build_lineage, lineage_tags
-from rlcore.lifecycle.mlflow_store import CHALLENGER, CHAMPION, MlflowStore, ModelRegistry, default_tracking_uri
+from rlcore.lifecycle.mlflow_store import CHALLENGER, CHAMPION, MlflowStore, ModelRegistry, default_tracking_uri, log_training
 from rlcore.lifecycle.notify import notify
 
 log = logging.getLogger(__name__)
@@ -146,7 +146,7 @@ def train_stage(config: Config, prepared: dict[str, Any], workdir: str | Path, c
     """Train from the config (warm-started from the champion when configured), under the health
     guard; resumes from the newest complete checkpoint of this pipeline run when retried."""
     from rlcore.checkpoint import CheckpointManager
-    from rlcore.trainer.base import TrainingStopped
+    from rlcore.trainer.run_state import TrainingStopped
     from rlcore.trainer.run import run_training
 
     reference_model = str(Path(config.model.path).resolve())
@@ -173,10 +173,10 @@ def train_stage(config: Config, prepared: dict[str, Any], workdir: str | Path, c
         stopped = {"metric": None, "reason": str(err), "check": "trainer"}
     except BaseException as err:
         store.set_tags(run_id, {"failure": str(err)[:4000]})
-        store.log_training(run_id, output_dir, run_config.model_dump(mode="json"))
+        log_training(store, run_id, output_dir, run_config.model_dump(mode="json"))
         store.end_run(run_id, "FAILED")
         raise
-    records = store.log_training(run_id, output_dir, run_config.model_dump(mode="json"))
+    records = log_training(store, run_id, output_dir, run_config.model_dump(mode="json"))
     checkpoint = CheckpointManager(output_dir / "checkpoints").latest()
     candidate = checkpoint / "actor" if checkpoint is not None else None
     if candidate is not None and config.tracking.log_model:
@@ -346,11 +346,3 @@ __all__ = [
     "load_pipeline_config", "new_run_name", "open_store", "prepare_data_stage", "promote_stage", "start_pipeline",
     "summarize", "train_stage",
 ]
-
-
-def example_overrides(seed: int = 0) -> list[str]:
-    """Overrides that point a config at the built-in tiny example (built on first use)."""
-    from rlcore.example import build_tiny_example
-
-    ex = build_tiny_example(seed=seed)
-    return [f"model.path={ex.model_dir}", f"data.train_files=[{ex.train_file}]", f"data.val_files=[{ex.val_file}]"]

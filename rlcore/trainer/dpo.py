@@ -1,29 +1,95 @@
-"""DPO and its variants (IPO, robust/cDPO via `preference.loss_type` and `label_smoothing`).
+"""DPO and its variants (IPO, robust/cDPO via `preference.loss_type` and `label_smoothing`): the whole loop.
 
 One step, as data flows: take a batch of (prompt, chosen, rejected) pairs, attach the reference
 model's sequence log-probs (cached per dataset, or computed now by the reference group), and let
-the actor take its update on the DPO loss. No rollout: the data is offline.
+the actor take its update on the DPO loss. No rollout: the data is offline. The rollout and
+reward groups serve validation only: greedy task accuracy on `preference.task_val_files`,
+exactly as an RL run measures `val/acc`.
 """
 
 from __future__ import annotations
 
-from typing import Any
+import time
+from typing import Any, Sequence
 
+from rlcore.config import Config
 from rlcore.protocol import Batch
-from rlcore.trainer.base import Timer
-from rlcore.trainer.grpo import _mean_metrics
-from rlcore.trainer.preference import PreferenceTrainer
+from rlcore.trainer.loaders import preference_loader, prompt_loader
+from rlcore.trainer.metrics import Timer, mean_over_ranks
+from rlcore.trainer.preference_parts import (
+    ReferenceLogProbs, SequenceLogProbs, preference_step_metrics, preference_validation,
+)
+from rlcore.trainer.roles import WorkerGroups, build_worker_groups
+from rlcore.trainer.rollout_parts import RolloutSleep, sync_weights
+from rlcore.trainer.run_state import BadStepGuard, RunCheckpoints, prepare_run_dir
+from rlcore.trainer.step_log import StepHook, StepLog
+from rlcore.trainer.validation import RLValidator
+from rlcore.workers.tokenizer import load_tokenizer
 
 
-class DPOTrainer(PreferenceTrainer):
+class DPOTrainer:
     algorithm = "dpo"
-    kind = "pairwise"
+
+    def __init__(self, config: Config, groups: WorkerGroups | None = None, step_hooks: Sequence[StepHook] = ()) -> None:
+        self.config = config
+        self.run_dir = prepare_run_dir(config)
+        self.tokenizer = load_tokenizer(config.model.path)
+        data = config.data
+        self.train_loader = preference_loader(config, self.tokenizer, data.train_files, "pairwise", train=True)
+        self.val_loader = preference_loader(config, self.tokenizer, data.val_files, None, train=False) if data.val_files else None
+        task_files = config.preference.task_val_files
+        self.task_validator = RLValidator(config, prompt_loader(config, self.tokenizer, task_files, train=False)) if task_files else None
+        self.groups = groups or build_worker_groups(config)
+        self.logps = SequenceLogProbs(config, self.groups, self.algorithm)
+        self.reference = ReferenceLogProbs(config, self.run_dir, self.logps)
+        self.guard = BadStepGuard(config.actor.max_consecutive_bad_steps, self.run_dir / "checkpoints")
+        self.checkpoints = RunCheckpoints(config, self.run_dir, self.groups, self.algorithm,
+                                          {"train_loader": self.train_loader, "guard": self.guard})
+        self.log = StepLog(config, self.run_dir, self.algorithm, self.groups, step_hooks)
+        self.step = 0
+
+    def fit(self) -> list[dict[str, Any]]:
+        cfg = self.config.trainer
+        try:
+            self.step = self.checkpoints.resume()
+            with self.log:
+                if self.step == 0 and cfg.val_before_train and self.val_loader is not None:
+                    self.log.validation(0, self.validate())
+                while self.step < cfg.total_steps:
+                    self.step += 1
+                    last = self.step == cfg.total_steps
+                    start = time.perf_counter()
+                    metrics = self.train_step(self.train_loader.next_batch())
+                    metrics["time/step_s"] = time.perf_counter() - start
+                    self.guard.check(metrics)
+                    if self.val_loader is not None and (self.step % cfg.val_every == 0 or last):
+                        metrics.update(self.validate())
+                    self.log.step(self.step, metrics)
+                    if self.step % cfg.save_every == 0 or last:
+                        self.checkpoints.save(self.step)
+        finally:
+            self.groups.close()
+        return self.log.history
 
     def train_step(self, batch: Batch) -> dict[str, Any]:
         timer = Timer()
         with timer.phase("ref_log_prob"):
-            batch = self.with_reference(batch, self.train_loader)  # ref_chosen_logps, ref_rejected_logps
+            batch = self.reference.attach(batch, self.train_loader)  # ref_chosen_logps, ref_rejected_logps
         batch.info.update(algorithm="dpo", temperature=1.0)
         with timer.phase("update_actor"):
-            actor_metrics = _mean_metrics(self.groups.actor.update_preference(batch))
-        return {**actor_metrics, **self.step_metrics(batch, timer)}
+            actor_metrics = mean_over_ranks(self.groups.actor.update_preference(batch))
+        return {**actor_metrics, **preference_step_metrics(batch, timer, self.config.actor.ppo_epochs)}
+
+    def validate(self) -> dict[str, float]:
+        """Held-out preference metrics and, with `preference.task_val_files`, greedy task accuracy."""
+        assert self.val_loader is not None
+        timer = Timer()
+        out = preference_validation(self.val_loader, self.reference, self.logps, self.config.preference.beta, timer)
+        if self.task_validator is not None:
+            sync_weights(self.groups, RolloutSleep(self.groups, enabled=False), timer)
+            out.update(self.task_validator.run(self.groups, self.step, self.step))
+        out["time/validate_s"] = sum(timer.seconds.values()) + out.get("time/validate_s", 0.0)
+        return out
+
+
+__all__ = ["DPOTrainer"]

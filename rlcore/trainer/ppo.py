@@ -1,34 +1,96 @@
-"""PPO with a critic and GAE.
+"""PPO with a critic and GAE: the whole loop.
 
-Differs from GRPO in two places only: the critic supplies values before the advantage, and
-it is updated (on the GAE returns) before the actor. `trainer.off_policy=one_step` works as in
-GRPO (grpo.py): samples one update old; the old log-probs and the values are recomputed by the
-current actor and critic, so the clipped ratio and GAE see this step's models.
+One step, as data flows: generate n samples per prompt, score them, recompute old log-probs (and
+reference log-probs when KL is used), let the critic value the states, compute GAE advantages
+and returns, update the critic, then the actor, and push the new weights to the rollout engine.
+Validation and checkpoints happen between steps. `trainer.off_policy=one_step` works as in GRPO
+(grpo.py): samples one update old; old log-probs and values are recomputed by the current actor
+and critic, so the clipped ratio and GAE see this step's models.
 """
 
 from __future__ import annotations
 
-from typing import Any
+import time
+from typing import Any, Sequence
 
-from rlcore.algos import compute_advantage
+from rlcore.algos import compute_advantage, make_kl_controller
+from rlcore.config import Config
 from rlcore.protocol import Batch
-from rlcore.trainer.base import RLTrainer, Timer
-from rlcore.trainer.grpo import _mean_metrics
+from rlcore.trainer.loaders import prompt_loader
+from rlcore.trainer.metrics import Timer, mean_over_ranks, rl_batch_metrics
+from rlcore.trainer.rl_steps import old_and_ref_log_probs, rewards_with_kl, score
+from rlcore.trainer.roles import WorkerGroups, build_worker_groups
+from rlcore.trainer.rollout_parts import (
+    Prefetcher, RolloutSleep, generate, rollout_shares_gpu, sync_weights, train_sampling,
+)
+from rlcore.trainer.run_state import BadStepGuard, RunCheckpoints, prepare_run_dir
+from rlcore.trainer.step_log import StepHook, StepLog
+from rlcore.trainer.tracing import sample_records
+from rlcore.trainer.validation import RLValidator
+from rlcore.workers.tokenizer import load_tokenizer
 
 
-class PPOTrainer(RLTrainer):
+class PPOTrainer:
     algorithm = "ppo"
-    supports_one_step = True
 
-    def train_step(self, batch: Batch) -> dict[str, Any]:
+    def __init__(self, config: Config, groups: WorkerGroups | None = None, step_hooks: Sequence[StepHook] = ()) -> None:
+        self.config = config
+        self.run_dir = prepare_run_dir(config)
+        self.tokenizer = load_tokenizer(config.model.path)
+        self.train_loader = prompt_loader(config, self.tokenizer, config.data.train_files, train=True)
+        val_loader = prompt_loader(config, self.tokenizer, config.data.val_files, train=False) if config.data.val_files else None
+        self.validator = RLValidator(config, val_loader) if val_loader is not None else None
+        self.groups = groups or build_worker_groups(config)
+        kl = config.algorithm.kl_ctrl
+        self.kl_ctrl = make_kl_controller(kl.type, kl_coef=kl.kl_coef, target_kl=kl.target_kl, horizon=kl.horizon)
+        self.guard = BadStepGuard(config.actor.max_consecutive_bad_steps, self.run_dir / "checkpoints")
+        self.checkpoints = RunCheckpoints(config, self.run_dir, self.groups, self.algorithm,
+                                          {"train_loader": self.train_loader, "kl_ctrl": self.kl_ctrl, "guard": self.guard})
+        self.rollout_sleep = RolloutSleep(self.groups, rollout_shares_gpu(config))
+        self.prefetcher = Prefetcher(config, self.groups, self.train_loader) if config.trainer.off_policy == "one_step" else None
+        self.log = StepLog(config, self.run_dir, self.algorithm, self.groups, step_hooks)
+        self.step = 0
+        self.rollout_version = 0  # the rollout engine holds the weights after this many actor updates
+
+    def fit(self) -> list[dict[str, Any]]:
+        cfg = self.config.trainer
+        try:
+            self.step = self.rollout_version = self.checkpoints.resume()
+            with self.log:
+                if self.step == 0 and cfg.val_before_train and self.validator is not None:
+                    self.log.validation(0, self.validator.run(self.groups, 0, self.rollout_version))
+                while self.step < cfg.total_steps:
+                    self.step += 1
+                    last = self.step == cfg.total_steps
+                    start = time.perf_counter()
+                    metrics, trace = self.train_step(self.next_prompts())
+                    metrics["time/step_s"] = time.perf_counter() - start
+                    self.guard.check(metrics)
+                    if self.validator is not None and (self.step % cfg.val_every == 0 or last):
+                        metrics.update(self.validator.run(self.groups, self.step, self.rollout_version))
+                    self.log.step(self.step, metrics, trace)
+                    if self.step % cfg.save_every == 0 or last:
+                        self.checkpoints.save(self.step)
+        finally:
+            self.groups.close()
+        return self.log.history
+
+    def train_step(self, prompts: Batch) -> tuple[dict[str, Any], dict[str, Any]]:
+        """One PPO step; returns its metrics and its trace (phase times, per-sample records)."""
         algo = self.config.algorithm
         timer = Timer()
 
-        gen, reward_metrics = self.step_samples(batch, timer)
-        gen = self.old_and_ref_log_probs(gen, timer)
+        if self.prefetcher is not None:
+            gen = self.prefetcher.collect(prompts, self.step, self.rollout_version, timer)
+            self.prefetcher.launch_next(self.step, self.rollout_version)
+        else:
+            gen = generate(self.groups, prompts, train_sampling(self.config, self.step), self.rollout_version, timer)
+        self.rollout_sleep.after_generation(timer)
+        gen, reward_metrics = score(self.groups, gen, timer, self.config.reward.error_score)
+        gen = old_and_ref_log_probs(self.groups, gen, timer)
         with timer.phase("values"):
             gen = gen.union(self.groups.critic.compute_values(gen))
-        token_rewards, kl_metrics = self.rewards_with_kl(gen)
+        token_rewards, kl_metrics = rewards_with_kl(self.config, gen, self.kl_ctrl)
 
         with timer.phase("advantage"):
             advantages, returns = compute_advantage(
@@ -42,15 +104,28 @@ class PPOTrainer(RLTrainer):
         gen = gen.union(Batch(tensors={"token_level_rewards": token_rewards, "advantages": advantages, "returns": returns}))
 
         with timer.phase("update_critic"):
-            critic_metrics = self.groups.critic.update_critic(gen)
+            critic_metrics = mean_over_ranks(self.groups.critic.update_critic(gen))
         with timer.phase("update_actor"):
-            actor_metrics = self.groups.actor.update_actor(gen)
-        self.sync_weights(timer)
+            actor_metrics = mean_over_ranks(self.groups.actor.update_actor(gen))
+        sync_weights(self.groups, self.rollout_sleep, timer)
+        self.rollout_version = self.step
 
-        return {
-            **self.batch_metrics(gen, timer),
-            **reward_metrics,
-            **kl_metrics,
-            **_mean_metrics(critic_metrics),
-            **_mean_metrics(actor_metrics),
-        }
+        metrics = {**rl_batch_metrics(gen, timer, step=self.step, max_new_tokens=self.config.rollout.max_new_tokens,
+                                      ppo_epochs=self.config.actor.ppo_epochs),
+                   **reward_metrics, **kl_metrics, **critic_metrics, **actor_metrics}
+        return metrics, self.trace(gen, timer)
+
+    def next_prompts(self) -> Batch:
+        """This step's prompts: those a one-step prefetch already launched, else the loader's next batch."""
+        prefetched = self.prefetcher.prompts_for(self.step) if self.prefetcher is not None else None
+        return prefetched if prefetched is not None else self.train_loader.next_batch()
+
+    def trace(self, gen: Batch, timer: Timer) -> dict[str, Any]:
+        """This step's phases and per-sample records for trace.jsonl (see rlcore.trainer.tracing)."""
+        if not self.config.trainer.trace:
+            return {}
+        n = int(gen.info.get("n", self.config.rollout.n))
+        return {"phases": dict(timer.seconds), "samples": sample_records(gen, self.groups, n)}
+
+
+__all__ = ["PPOTrainer"]

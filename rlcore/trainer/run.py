@@ -1,4 +1,4 @@
-"""Pick the control flow for a config and run it."""
+"""Pick the control flow (recipe) for a config and run it."""
 
 from __future__ import annotations
 
@@ -7,17 +7,18 @@ from typing import Any
 from rlcore.config import Config
 
 
-def make_trainer(config: Config, **kwargs: Any):
-    """kwargs go to the trainer (e.g. `step_hooks`)."""
-    if config.algorithm.name == "ppo":
+def make_trainer(config: Config, **kwargs: Any) -> Any:
+    """The recipe of `algorithm.name`; kwargs go to it (`groups`, `step_hooks`)."""
+    name = config.algorithm.name
+    if name == "ppo":
         from rlcore.trainer.ppo import PPOTrainer
 
         return PPOTrainer(config, **kwargs)
-    if config.algorithm.name == "dpo":
+    if name == "dpo":
         from rlcore.trainer.dpo import DPOTrainer
 
         return DPOTrainer(config, **kwargs)
-    if config.algorithm.name == "kto":
+    if name == "kto":
         from rlcore.trainer.kto import KTOTrainer
 
         return KTOTrainer(config, **kwargs)
@@ -27,4 +28,5 @@ def make_trainer(config: Config, **kwargs: Any):
 
 
 def run_training(config: Config, **kwargs: Any) -> list[dict[str, Any]]:
+    """Train to `trainer.total_steps` (resuming per `trainer.resume`); returns each step's metrics."""
     return make_trainer(config, **kwargs).fit()

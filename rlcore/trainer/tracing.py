@@ -24,6 +24,7 @@ PHASE_ROLES = {
     "generate": "rollout", "rollout_sleep": "rollout", "rollout_wake": "rollout", "reward": "reward",
     "old_log_prob": "actor", "ref_log_prob": "ref", "values": "critic", "advantage": "controller",
     "update_critic": "critic", "update_actor": "actor", "weight_sync": "actor+rollout",
+    "baseline_generate": "rollout", "baseline_reward": "reward",
 }
 
 

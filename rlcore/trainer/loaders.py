@@ -1,0 +1,34 @@
+"""Data loaders of a run, built from its config: prompts for RL and validation, preference rows
+for DPO/KTO. Shuffled training loaders keep their position in checkpoints (exact resume)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from rlcore.config import Config
+from rlcore.data import PromptLoader, RLDataset
+from rlcore.data.preference import PreferenceDataset, PreferenceKind, PreferenceLoader
+
+
+def prompt_loader(config: Config, tokenizer: Any, files: list[str], *, train: bool) -> PromptLoader:
+    """RL prompts: training batches of `data.train_batch_size` (shuffled, full batches only), or
+    validation batches of `data.val_batch_size` in file order."""
+    cfg = config.data
+    dataset = RLDataset(files, tokenizer, max_prompt_length=cfg.max_prompt_length,
+                        apply_chat_template=cfg.apply_chat_template, on_bad_row=cfg.on_bad_row)
+    return PromptLoader(dataset, batch_size=cfg.train_batch_size if train else cfg.val_batch_size,
+                        seed=config.trainer.seed, shuffle=cfg.shuffle and train, drop_last=train)
+
+
+def preference_loader(config: Config, tokenizer: Any, files: list[str], kind: PreferenceKind | None, *,
+                      train: bool) -> PreferenceLoader:
+    """Preference rows of `kind` (None: detected from the files, as validation files may be either)."""
+    cfg = config.data
+    dataset = PreferenceDataset(files, tokenizer, kind=kind, max_prompt_length=cfg.max_prompt_length,
+                                max_response_length=config.preference.max_response_length,
+                                apply_chat_template=cfg.apply_chat_template, on_bad_row=cfg.on_bad_row)
+    return PreferenceLoader(dataset, batch_size=cfg.train_batch_size if train else cfg.val_batch_size,
+                            seed=config.trainer.seed, shuffle=cfg.shuffle and train, drop_last=train)
+
+
+__all__ = ["preference_loader", "prompt_loader"]

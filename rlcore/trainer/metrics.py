@@ -1,0 +1,101 @@
+"""What a step reports: phase timings (and peak device memory), per-rank worker metrics averaged,
+and the numbers an operator watches on an RL batch (reward, lengths, advantages, KL, staleness)."""
+
+from __future__ import annotations
+
+import time
+from contextlib import contextmanager
+from typing import Any, Iterator
+
+import numpy as np
+import torch
+
+from rlcore.algos import kl_penalty, masked_mean
+from rlcore.protocol import Batch
+
+
+class Timer:
+    """Seconds per phase and, where this process drives a GPU, its peak allocated memory.
+
+    Peak memory (`torch.cuda.max_memory_allocated`, reset at each phase start) is measured only
+    when CUDA is already initialised here: the in-process backend on a GPU. A Ray controller
+    never touches CUDA, so it neither measures nor creates a context by asking.
+    """
+
+    def __init__(self, device_memory: bool | None = None) -> None:
+        self.seconds: dict[str, float] = {}
+        self.peak_gib: dict[str, float] = {}
+        if device_memory is None:
+            device_memory = torch.cuda.is_available() and torch.cuda.is_initialized()
+        self.device_memory = device_memory
+
+    @contextmanager
+    def phase(self, name: str) -> Iterator[None]:
+        if self.device_memory:
+            torch.cuda.synchronize()
+            torch.cuda.reset_peak_memory_stats()
+        start = time.perf_counter()
+        yield
+        if self.device_memory:
+            torch.cuda.synchronize()
+            peak = torch.cuda.max_memory_allocated() / 2**30
+            self.peak_gib[name] = max(self.peak_gib.get(name, 0.0), peak)
+        self.seconds[name] = self.seconds.get(name, 0.0) + time.perf_counter() - start
+
+    def metrics(self) -> dict[str, float]:
+        """`time/<phase>_s` and `memory/<phase>_peak_gib`."""
+        out = {f"time/{name}_s": secs for name, secs in self.seconds.items()}
+        out.update({f"memory/{name}_peak_gib": peak for name, peak in self.peak_gib.items()})
+        return out
+
+
+def mean_over_ranks(per_rank: dict[str, float] | list[dict[str, float]]) -> dict[str, float]:
+    """Worker groups may return one metrics dict per rank: average them."""
+    if isinstance(per_rank, dict):
+        return per_rank
+    keys = per_rank[0].keys()
+    return {k: float(np.mean([m[k] for m in per_rank])) for k in keys}
+
+
+def rl_batch_metrics(gen: Batch, timer: Timer, *, step: int, max_new_tokens: int, ppo_epochs: int) -> dict[str, float]:
+    """Reward, accuracy, lengths, advantages, entropy, KL to the reference, rollout/actor log-prob
+    gap, staleness, phase times and throughput of one RL step's scored samples."""
+    mask = gen["response_mask"].float()
+    valid = mask.bool()
+    lengths = mask.sum(-1)
+    scores = gen["scores"]
+    m: dict[str, float] = {
+        "reward/mean": float(scores.mean()),
+        "reward/std": float(scores.std()) if len(scores) > 1 else 0.0,
+        "acc/mean": float(gen["acc"].mean()),
+        "response_length/mean": float(lengths.mean()),
+        "response_length/max": float(lengths.max()),
+        "response_length/clip_frac": float((lengths >= max_new_tokens).float().mean()),
+    }
+    if "advantages" in gen:
+        adv = gen["advantages"]
+        m["advantages/mean"] = float(masked_mean(adv, mask))
+        m["advantages/max"] = float(adv[valid].max()) if valid.any() else 0.0
+        m["advantages/min"] = float(adv[valid].min()) if valid.any() else 0.0
+    if "entropy" in gen:
+        m["actor/entropy"] = float(masked_mean(gen["entropy"], mask))
+    if "ref_log_probs" in gen:
+        m["actor/kl"] = float(masked_mean(kl_penalty(gen["old_log_probs"], gen["ref_log_probs"], "k3"), mask))
+    if "rollout_log_probs" in gen and "old_log_probs" in gen:
+        diff = (gen["rollout_log_probs"] - gen["old_log_probs"]).abs()[valid]
+        m["rollout/logprob_diff_mean"] = float(diff.mean()) if diff.numel() else 0.0
+        m["rollout/logprob_diff_max"] = float(diff.max()) if diff.numel() else 0.0
+    if "policy_version" in gen.meta:  # the actor trains on the weights after step-1 updates
+        staleness = (step - 1) - gen.meta["policy_version"].astype(np.int64)
+        m["rollout/staleness_max"] = float(staleness.max())
+        m["rollout/staleness_mean"] = float(staleness.mean())
+    m.update(timer.metrics())
+    if timer.seconds.get("generate"):
+        m["throughput/generate_tok_s"] = float(mask.sum()) / timer.seconds["generate"]
+    if timer.seconds.get("update_actor"):
+        total_tokens = float(gen["attention_mask"].sum())
+        m["throughput/update_tok_s"] = total_tokens * ppo_epochs / timer.seconds["update_actor"]
+    return m
+
+
+__all__ = ["Timer", "mean_over_ranks", "rl_batch_metrics"]

@@ -1,0 +1,55 @@
+"""Step pieces that RL recipes share between generation and the update: scoring, the no-grad
+log-prob passes of actor and reference, and the KL penalty in the reward."""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from rlcore.algos import apply_kl_penalty
+from rlcore.algos.kl import AdaptiveKLController, FixedKLController
+from rlcore.config import Config
+from rlcore.protocol import Batch
+from rlcore.trainer.metrics import Timer
+from rlcore.trainer.roles import WorkerGroups
+
+log = logging.getLogger(__name__)
+
+
+def score(groups: WorkerGroups, gen: Batch, timer: Timer, error_score: float) -> tuple[Batch, dict[str, float | str]]:
+    """Rewards for generated samples, joined to them; reward metrics and the first error (logged)."""
+    with timer.phase("reward"):
+        scored = groups.reward.compute_reward(gen)
+    metrics: dict[str, float | str] = dict(scored.info.pop("reward_metrics", {}))
+    first_error = scored.info.pop("reward_first_error", None)
+    if first_error:
+        metrics["reward/first_error"] = first_error
+        log.warning("reward function error (counted, score=%s): %s", error_score, first_error)
+    return gen.union(scored), metrics
+
+
+def old_and_ref_log_probs(groups: WorkerGroups, gen: Batch, timer: Timer) -> Batch:
+    """The actor's log-probs of the samples before the update (and its entropy), and the
+    reference model's when the run has one."""
+    with timer.phase("old_log_prob"):
+        gen = gen.union(groups.actor.compute_log_prob(gen))
+    if groups.ref is not None:
+        with timer.phase("ref_log_prob"):
+            gen = gen.union(groups.ref.compute_ref_log_prob(gen))
+    return gen
+
+
+def rewards_with_kl(config: Config, gen: Batch, kl_ctrl: FixedKLController | AdaptiveKLController) -> tuple[torch.Tensor, dict[str, float]]:
+    """Token-level rewards: the scores, minus `kl_ctrl.value` x the KL to the reference when
+    `algorithm.use_kl_in_reward` (rlcore.algos.apply_kl_penalty); the controller then sees this
+    batch's KL (adaptive: the coefficient moves toward `kl_ctrl.target_kl`)."""
+    if not config.algorithm.use_kl_in_reward:
+        return gen["token_level_scores"], {}
+    rewards, metrics = apply_kl_penalty(gen["token_level_scores"], gen["old_log_probs"], gen["ref_log_probs"],
+                                        gen["response_mask"], kl_coef=kl_ctrl.value, kind=config.algorithm.kl_penalty)
+    kl_ctrl.update(metrics["actor/reward_kl_penalty"], n_steps=len(gen))
+    return rewards, metrics
+
+
+__all__ = ["old_and_ref_log_probs", "rewards_with_kl", "score"]

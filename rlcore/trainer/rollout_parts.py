@@ -1,0 +1,154 @@
+"""The parts of a step that drive the rollout engine: sampling parameters, generation, sleep/wake
+around the update (colocated), one-step prefetch, and the weight sync.
+
+Each is a small object or function with one job; a recipe composes the ones it needs.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+
+from rlcore.config import Config
+from rlcore.controller import GroupFuture
+from rlcore.data import PromptLoader
+from rlcore.protocol import Batch
+from rlcore.trainer.metrics import Timer
+from rlcore.trainer.roles import WorkerGroups
+
+
+def sampling_seed(seed: int, step: int) -> int:
+    """A per-step seed that a resumed run reproduces without saving generator state."""
+    return (seed * 1_000_003 + step * 7919) % (2**31 - 1)
+
+
+def train_sampling(config: Config, step: int) -> dict[str, Any]:
+    """Sampling parameters of step `step`'s training generation."""
+    r = config.rollout
+    return dict(n=r.n, temperature=r.temperature, top_p=r.top_p, top_k=r.top_k, max_new_tokens=r.max_new_tokens,
+                seed=sampling_seed(config.trainer.seed, step))
+
+
+def val_sampling(config: Config, step: int) -> dict[str, Any]:
+    """Validation: `rollout.val_n` samples per prompt, greedy when `val_n` is 1 (`rollout.val_greedy`)."""
+    r = config.rollout
+    greedy = r.val_greedy if r.val_greedy is not None else r.val_n == 1
+    return dict(n=r.val_n, temperature=r.val_temperature, do_sample=not greedy, top_p=r.top_p, top_k=r.top_k,
+                max_new_tokens=r.max_new_tokens, seed=sampling_seed(config.trainer.seed + 1, step))
+
+
+def stamp_policy_version(gen: Batch, version: int) -> Batch:
+    """Record, per sample, after how many actor updates the generating weights were taken."""
+    gen.meta["policy_version"] = np.full(len(gen), version, dtype=np.int64)
+    return gen
+
+
+def generate(groups: WorkerGroups, prompts: Batch, sampling: dict[str, Any], policy_version: int, timer: Timer) -> Batch:
+    """Generate now (waiting for the result) with the given sampling parameters."""
+    prompts.info["sampling"] = sampling
+    with timer.phase("generate"):
+        gen = groups.rollout.generate_sequences(prompts)
+    return stamp_policy_version(gen, policy_version)
+
+
+def rollout_shares_gpu(config: Config) -> bool:
+    """Whether the rollout engine should sleep while the actor trains: `rollout.free_memory_when_idle`,
+    or by default when actor and rollout share GPUs (in-process on CUDA; on Ray, placed on one
+    GPU pool, which includes colocating them in one process)."""
+    if config.rollout.free_memory_when_idle is not None:
+        return config.rollout.free_memory_when_idle
+    if config.trainer.backend == "inprocess":
+        return config.trainer.device == "cuda" or (config.trainer.device == "auto" and torch.cuda.is_available())
+    pool = config.ray.pool_of("actor")
+    return pool == config.ray.pool_of("rollout") and config.ray.pools[pool].gpus_per_bundle > 0
+
+
+class RolloutSleep:
+    """Colocated hybrid mode: the engine sleeps (weights and KV cache off the GPU) from after a
+    training generation until the weight sync, so the actor's update has the memory."""
+
+    def __init__(self, groups: WorkerGroups, enabled: bool) -> None:
+        self.groups = groups
+        self.enabled = enabled
+        self.asleep = False
+
+    def after_generation(self, timer: Timer) -> None:
+        """Sleep (queued behind any generation still running on the engine)."""
+        if self.enabled:
+            with timer.phase("rollout_sleep"):
+                self.groups.rollout.sleep()
+            self.asleep = True
+
+    def wake(self, timer: Timer) -> None:
+        if self.asleep:
+            with timer.phase("rollout_wake"):
+                self.groups.rollout.wake()
+            self.asleep = False
+
+
+def sync_weights(groups: WorkerGroups, sleep: RolloutSleep, timer: Timer) -> None:
+    """Actor -> rollout engine (woken first), bucket by bucket: never a second full copy at once."""
+    sleep.wake(timer)
+    with timer.phase("weight_sync"):
+        groups.sync_weights()
+
+
+@dataclass
+class PendingRollout:
+    """A generation launched for `step` on an engine holding the weights after `policy_version` updates."""
+
+    step: int
+    prompts: Batch
+    future: GroupFuture
+    policy_version: int
+
+
+class Prefetcher:
+    """`trainer.off_policy=one_step`: step k+1's generation runs while step k scores and updates.
+
+    Those samples come from the weights one update old (staleness 1, recorded per sample); the
+    actor recomputes old log-probs, so the clipped ratio corrects for it. Nothing is prefetched
+    across a checkpoint step or past the last step: a checkpoint holds the data order up to step k
+    only, and a resumed run regenerates step k+1 on step k's weights. The uninterrupted run does the
+    same (step k+1 after a checkpoint is on-policy), so resume stays exact.
+    """
+
+    def __init__(self, config: Config, groups: WorkerGroups, loader: PromptLoader) -> None:
+        self.config = config
+        self.groups = groups
+        self.loader = loader
+        self.pending: PendingRollout | None = None
+
+    def prompts_for(self, step: int) -> Batch | None:
+        """The prompts already launched for `step`, if any (the loader has moved past them)."""
+        return self.pending.prompts if self.pending is not None and self.pending.step == step else None
+
+    def collect(self, prompts: Batch, step: int, policy_version: int, timer: Timer) -> Batch:
+        """This step's samples: the prefetched generation, or one launched now (step 1 and the step
+        after a checkpoint). The `generate` phase is only the wait the overlap did not hide."""
+        pending, self.pending = self.pending, None
+        if pending is None or pending.step != step:
+            pending = self._launch(prompts, step, policy_version)
+        with timer.phase("generate"):
+            gen = pending.future.result()
+        return stamp_policy_version(gen, pending.policy_version)
+
+    def launch_next(self, step: int, policy_version: int) -> None:
+        """Launch step+1's generation now, on the weights before step's update."""
+        cfg = self.config.trainer
+        if step < cfg.total_steps and step % cfg.save_every != 0:
+            self.pending = self._launch(self.loader.next_batch(), step + 1, policy_version)
+
+    def _launch(self, prompts: Batch, step: int, policy_version: int) -> PendingRollout:
+        prompts.info["sampling"] = train_sampling(self.config, step)
+        future = self.groups.rollout.call_async("generate_sequences", prompts)
+        return PendingRollout(step, prompts, future, policy_version)
+
+
+__all__ = [
+    "PendingRollout", "Prefetcher", "RolloutSleep", "generate", "rollout_shares_gpu", "sampling_seed",
+    "stamp_policy_version", "sync_weights", "train_sampling", "val_sampling",
+]

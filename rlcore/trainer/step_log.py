@@ -1,0 +1,67 @@
+"""Where a step's metrics go once the step is done: the run-health hooks, the tracker
+(console, metrics.jsonl, MLflow) and trace.jsonl, and the history `fit()` returns."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any, Callable, Sequence
+
+from rlcore.config import Config
+from rlcore.tracking import Tracker, open_tracker
+from rlcore.trainer.roles import WorkerGroups
+from rlcore.trainer.tracing import step_record, worker_identities
+
+StepHook = Callable[[int, dict[str, Any]], None]
+
+
+class StepLog:
+    """Use as a context manager around the step loop (opens and closes the tracker).
+
+    `step_hooks` see every step's metrics before they are logged; a hook that raises (a health
+    guard's `TrainingStopped`) ends the run, and the step is still logged and traced."""
+
+    def __init__(self, config: Config, run_dir: Path, algorithm: str, groups: WorkerGroups,
+                 step_hooks: Sequence[StepHook] = ()) -> None:
+        self.config = config
+        self.run_dir = run_dir
+        self.algorithm = algorithm
+        self.groups = groups
+        self.step_hooks = list(step_hooks)
+        self.history: list[dict[str, Any]] = []
+        self.tracker: Tracker | None = None
+        self.workers: dict[str, Any] = {}
+
+    def __enter__(self) -> "StepLog":
+        cfg = self.config
+        self.tracker = open_tracker(cfg.trainer.loggers, self.run_dir, cfg.trainer.total_steps,
+                                    mlflow_uri=cfg.tracking.mlflow_uri, experiment=cfg.tracking.experiment,
+                                    config_tree=cfg.model_dump(mode="json"), tags={"rlcore.algorithm": self.algorithm})
+        self.workers = worker_identities(self.groups) if cfg.trainer.trace else {}
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if self.tracker is not None:
+            self.tracker.close()
+
+    def validation(self, step: int, metrics: dict[str, Any]) -> None:
+        """Validation before training (step 0): logged, no hooks, no trace."""
+        assert self.tracker is not None
+        self.tracker.log(step, metrics)
+
+    def step(self, step: int, metrics: dict[str, Any], trace: dict[str, Any] | None = None) -> None:
+        """Hooks, then the tracker and trace.jsonl (`trace`: phases and per-sample records)."""
+        assert self.tracker is not None
+        try:
+            for hook in self.step_hooks:
+                hook(step, metrics)
+        finally:
+            self.tracker.log(step, metrics)
+            if self.config.trainer.trace:
+                record = step_record(step, self.config.trainer.off_policy, trace, metrics, self.workers)
+                with open(self.run_dir / "trace.jsonl", "a") as f:
+                    f.write(json.dumps(record, default=str) + "\n")
+        self.history.append(metrics)
+
+
+__all__ = ["StepHook", "StepLog"]

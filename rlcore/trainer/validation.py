@@ -1,0 +1,85 @@
+"""Validation of an RL policy on held-out prompts: accuracy and reward, and with `rollout.val_n`
+> 1 the sampled-validation numbers verl reports, overall and per `data_source`:
+
+- mean@n: the mean accuracy over the n samples of a prompt (then over prompts),
+- pass@n: whether any of the n samples is right,
+- maj@n: whether the most frequent answer among the n samples is right (answers compared as
+  their stripped response text; ties go to the answer seen first).
+"""
+
+from __future__ import annotations
+
+from collections import Counter, defaultdict
+from typing import Any
+
+import torch
+
+from rlcore.config import Config
+from rlcore.data import PromptLoader
+from rlcore.trainer.metrics import Timer
+from rlcore.trainer.rl_steps import score
+from rlcore.trainer.rollout_parts import generate, val_sampling
+from rlcore.trainer.roles import WorkerGroups
+
+
+def sampled_validation_metrics(uids: list[str], sources: list[str], answers: list[str], acc: list[float],
+                               n: int) -> dict[str, float]:
+    """mean@n, pass@n and maj@n over prompts (samples of a prompt share its uid), overall and per
+    data source (`val/<source>/...`)."""
+    by_prompt: dict[str, list[tuple[str, float]]] = defaultdict(list)
+    source_of: dict[str, str] = {}
+    for uid, source, answer, a in zip(uids, sources, answers, acc):
+        by_prompt[uid].append((answer.strip(), a))
+        source_of[uid] = source
+    per_prompt: dict[str, dict[str, float]] = {}
+    for uid, samples in by_prompt.items():
+        votes = Counter(answer for answer, _ in samples)
+        top = max(votes.values())
+        majority = next(answer for answer, _ in samples if votes[answer] == top)  # first of the most voted
+        per_prompt[uid] = {
+            f"mean@{n}": sum(a for _, a in samples) / len(samples),
+            f"pass@{n}": float(any(a > 0.5 for _, a in samples)),
+            f"maj@{n}": next(a for answer, a in samples if answer == majority),
+        }
+    out: dict[str, float] = {}
+    groups: dict[str, list[str]] = {"": list(per_prompt)}
+    for uid in per_prompt:
+        groups.setdefault(f"{source_of[uid]}/", []).append(uid)
+    for prefix, members in groups.items():
+        for key in (f"mean@{n}", f"pass@{n}", f"maj@{n}"):
+            out[f"val/{prefix}{key}"] = sum(per_prompt[u][key] for u in members) / len(members)
+    return out
+
+
+class RLValidator:
+    """Generates on the validation prompts with the validation sampling settings and scores them;
+    the engine is not put to sleep (validation runs right after a weight sync)."""
+
+    def __init__(self, config: Config, loader: PromptLoader) -> None:
+        self.config = config
+        self.loader = loader
+
+    def run(self, groups: WorkerGroups, step: int, policy_version: int) -> dict[str, float]:
+        timer = Timer()
+        scores, accs, uids, sources, answers = [], [], [], [], []
+        for prompts in self.loader.epoch_batches():
+            gen = generate(groups, prompts, val_sampling(self.config, step), policy_version, timer)
+            gen, _ = score(groups, gen, timer, self.config.reward.error_score)
+            scores.append(gen["scores"])
+            accs.append(gen["acc"])
+            uids.extend(str(u) for u in gen.meta["uid"])
+            sources.extend(str(s) for s in gen.meta["data_source"])
+            answers.extend(str(t) for t in gen.meta["response_text"])
+        acc = torch.cat(accs)
+        out: dict[str, Any] = {"val/reward": float(torch.cat(scores).mean()), "val/acc": float(acc.mean()),
+                               "time/validate_s": sum(timer.seconds.values())}
+        for source in sorted(set(sources)):
+            picked = torch.tensor([s == source for s in sources])
+            out[f"val/{source}/acc"] = float(acc[picked].mean())
+        n = self.config.rollout.val_n
+        if n > 1:
+            out.update(sampled_validation_metrics(uids, sources, answers, acc.tolist(), n))
+        return out
+
+
+__all__ = ["RLValidator", "sampled_validation_metrics"]

@@ -25,7 +25,7 @@ import torch
 from rlcore.data.chat import prompt_ids
 from rlcore.data.io import read_rows
 from rlcore.data.loader import PromptLoader
-from rlcore.data.schema import BadRowPolicy, DataError, DataValidationError, _type_name, _validate_prompt, check_extra_info
+from rlcore.data.schema import BadRowPolicy, DataError, DataValidationError, type_name, validate_prompt, check_extra_info
 from rlcore.protocol import Batch
 
 log = logging.getLogger(__name__)
@@ -50,19 +50,19 @@ def _validate_completion(value: Any, file: str, row: int, name: str) -> list[Dat
     if hasattr(value, "tolist") and not isinstance(value, dict):
         value = value.tolist()
     if not isinstance(value, (list, tuple)):
-        return [DataError(file, row, name, f"expected a string or a list of assistant messages, got {_type_name(value)}")]
+        return [DataError(file, row, name, f"expected a string or a list of assistant messages, got {type_name(value)}")]
     if not value:
         return [DataError(file, row, name, "empty completion (no messages)")]
     errors = []
     for i, msg in enumerate(value):
         where = f"{name}[{i}]"
         if not isinstance(msg, dict):
-            errors.append(DataError(file, row, where, f"expected a message {{'role', 'content'}}, got {_type_name(msg)}"))
+            errors.append(DataError(file, row, where, f"expected a message {{'role', 'content'}}, got {type_name(msg)}"))
             continue
         if msg.get("role") != "assistant":
             errors.append(DataError(file, row, f"{where}.role", f"completion messages must have role 'assistant', got {msg.get('role')!r}"))
         if not isinstance(msg.get("content"), str):
-            errors.append(DataError(file, row, f"{where}.content", f"expected a string, got {_type_name(msg.get('content'))}"))
+            errors.append(DataError(file, row, f"{where}.content", f"expected a string, got {type_name(msg.get('content'))}"))
     if not errors and not _completion_text(value).strip():
         errors.append(DataError(file, row, name, "empty completion (every message's content is empty)"))
     return errors
@@ -73,8 +73,8 @@ def validate_preference_row(row: Any, file: str, index: int, kind: PreferenceKin
     if kind not in KINDS:
         raise ValueError(f"kind must be one of {KINDS}, got {kind!r}")
     if not isinstance(row, dict):
-        return [DataError(file, index, "<row>", f"expected an object, got {_type_name(row)}")]
-    errors = _validate_prompt(row.get("prompt"), file, index)
+        return [DataError(file, index, "<row>", f"expected an object, got {type_name(row)}")]
+    errors = validate_prompt(row.get("prompt"), file, index)
     if kind == "pairwise":
         errors += _validate_completion(row.get("chosen"), file, index, "chosen")
         errors += _validate_completion(row.get("rejected"), file, index, "rejected")
@@ -84,11 +84,11 @@ def validate_preference_row(row: Any, file: str, index: int, kind: PreferenceKin
         errors += _validate_completion(row.get("completion"), file, index, "completion")
         label = row.get("label")
         if not isinstance(label, (bool, np.bool_)):
-            msg = "missing" if label is None else f"expected true (desirable) or false (undesirable), got {_type_name(label)} {label!r}"
+            msg = "missing" if label is None else f"expected true (desirable) or false (undesirable), got {type_name(label)} {label!r}"
             errors.append(DataError(file, index, "label", msg))
     source = row.get("data_source")
     if source is not None and not isinstance(source, str):
-        errors.append(DataError(file, index, "data_source", f"expected a string, got {_type_name(source)}"))
+        errors.append(DataError(file, index, "data_source", f"expected a string, got {type_name(source)}"))
     errors.extend(check_extra_info(row, file, index))
     return errors
 

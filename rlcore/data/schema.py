@@ -42,11 +42,11 @@ class DataValidationError(ValueError):
         return (DataValidationError, (self.errors,))
 
 
-def _type_name(v: Any) -> str:
+def type_name(v: Any) -> str:
     return "null" if v is None else type(v).__name__
 
 
-def _validate_prompt(prompt: Any, file: str, row: int) -> list[DataError]:
+def validate_prompt(prompt: Any, file: str, row: int) -> list[DataError]:
     if prompt is None:
         return [DataError(file, row, "prompt", "missing (required: a string or a list of chat messages)")]
     if isinstance(prompt, str):
@@ -54,20 +54,20 @@ def _validate_prompt(prompt: Any, file: str, row: int) -> list[DataError]:
     if hasattr(prompt, "tolist") and not isinstance(prompt, dict):  # numpy arrays from pandas
         prompt = prompt.tolist()
     if not isinstance(prompt, (list, tuple)):
-        return [DataError(file, row, "prompt", f"expected a string or a list of messages, got {_type_name(prompt)}")]
+        return [DataError(file, row, "prompt", f"expected a string or a list of messages, got {type_name(prompt)}")]
     if not prompt:
         return [DataError(file, row, "prompt", "empty prompt (no messages)")]
     errors = []
     for i, msg in enumerate(prompt):
         where = f"prompt[{i}]"
         if not isinstance(msg, dict):
-            errors.append(DataError(file, row, where, f"expected a message {{'role', 'content'}}, got {_type_name(msg)}"))
+            errors.append(DataError(file, row, where, f"expected a message {{'role', 'content'}}, got {type_name(msg)}"))
             continue
         role, content = msg.get("role"), msg.get("content")
         if role not in ROLES:
             errors.append(DataError(file, row, f"{where}.role", f"bad role {role!r} (expected one of {', '.join(ROLES)})"))
         if not isinstance(content, str):
-            errors.append(DataError(file, row, f"{where}.content", f"expected a string, got {_type_name(content)}"))
+            errors.append(DataError(file, row, f"{where}.content", f"expected a string, got {type_name(content)}"))
     if not errors and not any(m["content"].strip() for m in prompt):
         errors.append(DataError(file, row, "prompt", "empty prompt (every message's content is empty)"))
     return errors
@@ -77,22 +77,22 @@ def check_extra_info(row: dict, file: str, index: int) -> list[DataError]:
     """`extra_info` is optional; when present it must be an object (RL and preference rows)."""
     extra = row.get("extra_info")
     if extra is not None and not isinstance(extra, dict):
-        return [DataError(file, index, "extra_info", f"expected an object or null, got {_type_name(extra)}")]
+        return [DataError(file, index, "extra_info", f"expected an object or null, got {type_name(extra)}")]
     return []
 
 
 def validate_row(row: Any, file: str, index: int) -> list[DataError]:
     """Every problem found in one row (empty list: the row is good)."""
     if not isinstance(row, dict):
-        return [DataError(file, index, "<row>", f"expected an object, got {_type_name(row)}")]
-    errors = _validate_prompt(row.get("prompt"), file, index)
+        return [DataError(file, index, "<row>", f"expected an object, got {type_name(row)}")]
+    errors = validate_prompt(row.get("prompt"), file, index)
     source = row.get("data_source")
     if not isinstance(source, str) or not source:
-        msg = "missing" if source is None else f"expected a non-empty string, got {_type_name(source)} {source!r}"
+        msg = "missing" if source is None else f"expected a non-empty string, got {type_name(source)} {source!r}"
         errors.append(DataError(file, index, "data_source", msg))
     rm = row.get("reward_model")
     if not isinstance(rm, dict):
-        msg = "missing" if rm is None else f"expected an object with 'ground_truth', got {_type_name(rm)}"
+        msg = "missing" if rm is None else f"expected an object with 'ground_truth', got {type_name(rm)}"
         errors.append(DataError(file, index, "reward_model", msg))
     else:
         gt = rm.get("ground_truth")
@@ -100,10 +100,10 @@ def validate_row(row: Any, file: str, index: int) -> list[DataError]:
             errors.append(DataError(file, index, "reward_model.ground_truth", "missing"))
         elif not isinstance(gt, str):
             errors.append(DataError(file, index, "reward_model.ground_truth",
-                                    f"expected a string, got {_type_name(gt)} {gt!r} (write it as \"{gt}\")"))
+                                    f"expected a string, got {type_name(gt)} {gt!r} (write it as \"{gt}\")"))
         style = rm.get("style")
         if style is not None and not isinstance(style, str):
-            errors.append(DataError(file, index, "reward_model.style", f"expected a string, got {_type_name(style)}"))
+            errors.append(DataError(file, index, "reward_model.style", f"expected a string, got {type_name(style)}"))
     errors.extend(check_extra_info(row, file, index))
     return errors
 

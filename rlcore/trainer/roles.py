@@ -57,19 +57,10 @@ class WorkerGroups:
             self.on_close.clear()
 
 
-def _actor_class(config: Config) -> type[ActorWorker]:
-    """Preference methods (DPO, KTO) need one more update method on the same actor."""
-    if config.algorithm.name in ("dpo", "kto"):
-        from rlcore.workers.preference import PreferenceActorWorker
-
-        return PreferenceActorWorker
-    return ActorWorker
-
-
 def _factories(config: Config) -> dict[str, tuple[Callable[[int, int], Worker], int]]:
     """role -> (worker factory, world size) for the roles this run has."""
     out: dict[str, tuple[Callable[[int, int], Worker], int]] = {
-        "actor": (lambda rank, ws: _actor_class(config)(config, rank, ws), config.actor.world_size),
+        "actor": (lambda rank, ws: ActorWorker(config, rank, ws), config.actor.world_size),
         "rollout": (lambda rank, ws: RolloutWorker(config, rank, ws), config.rollout.world_size),
         "reward": (lambda rank, ws: RewardWorker(config, rank, ws), 1),
     }

@@ -1,185 +1,134 @@
-"""Actor and reference workers: log-probs of responses, and the PPO-style policy update.
+"""Actor and reference workers: log-probs of responses, the PPO-style policy update, the
+preference (DPO / KTO) update.
 
 A worker method does one thing to the batch it is given and returns a batch (or metrics);
-what happens next is the trainer's decision.
+what happens next is the trainer's decision. The loops themselves are `rlcore.workers.loops`;
+the actor supplies the loss of one micro-batch (`PolicyObjective`, or a preference objective).
 """
 
 from __future__ import annotations
 
-import math
-from collections import defaultdict
+from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
-from typing import Any
 
 import torch
-import torch.distributed as dist
+from torch import nn
 
 from rlcore.algos import agg_loss, get_policy_loss, kl_loss
-from rlcore.config import Config
+from rlcore.algos.policy_loss import PolicyLoss
+from rlcore.config import ActorConfig, Config
 from rlcore.controller import Dispatch, Worker, register
-from rlcore.packing import pack_token_budget
 from rlcore.protocol import Batch
-from rlcore.workers.fsdp import to_full, equalize_micro_batches, gather_bucket, is_sharded, iter_full_state, plan_buckets, shard_model
-from rlcore.workers.modeling import load_causal_lm, resolve_device, response_log_probs
+from rlcore.workers.checkpointing import load_training_state, save_trained
+from rlcore.workers.fsdp import gather_bucket, iter_full_state, plan_buckets, shard_model
+from rlcore.workers.loops import GlobalCounts, MicroBatching, MicroLoss, MicroLossFn, UpdateResult, UpdateSettings, mean_stats, run_update
+from rlcore.workers.modeling import compute_precision, load_causal_lm, resolve_device, trained_dtype
 from rlcore.workers.optim import build_optimizer, build_scheduler
+from rlcore.workers.policy import PolicyLogProbs
+from rlcore.workers.preference import preference_objective
+from rlcore.workers.trainable import Trainable
 
 
-def _global_sum(value: float, device: torch.device) -> float:
-    """Sum over data-parallel ranks (a no-op in one process)."""
-    if dist.is_available() and dist.is_initialized():
-        t = torch.tensor([value], dtype=torch.float64, device=device)
-        dist.all_reduce(t)
-        return float(t.item())
-    return float(value)
+@dataclass(frozen=True)
+class PolicyObjective:
+    """The actor's loss on one micro-batch: the policy loss (clipped surrogate, optionally with
+    truncated importance weights against the rollout engine), minus the entropy bonus, plus the
+    KL loss to the reference."""
 
+    config: ActorConfig
+    policy_loss: PolicyLoss
+    log_probs: PolicyLogProbs
+    model: nn.Module
 
-def micro_batch_indices(batch: Batch, dynamic: bool, max_tokens: int, micro_batch_size: int) -> list[list[int]]:
-    """Sample indices per micro-batch: token-budget packing (native) when dynamic, else fixed slices."""
-    n = len(batch)
-    if not dynamic:
-        return [list(range(i, min(n, i + micro_batch_size))) for i in range(0, n, micro_batch_size)]
-    lengths = batch["attention_mask"].sum(-1).cpu().numpy()
-    return [list(idx) for idx in pack_token_budget(lengths, max_tokens)]
+    def __call__(self, mini: Batch, counts: GlobalCounts) -> MicroLossFn:
+        return partial(self.micro_loss, norm=dict(global_token_count=counts.tokens, global_seq_count=counts.rows))
 
-
-class _PolicyWorker(Worker):
-    """Shared by actor and reference: one causal LM and its log-prob forward."""
-
-    def __init__(self, config: Config, rank: int = 0, world_size: int = 1, role: str = "actor") -> None:
-        super().__init__(rank=rank, world_size=world_size, role=role)
-        self.config = config
-        self.device = resolve_device(config.trainer.device)
-        self.model: torch.nn.Module | None = None
-
-    def _forward_log_probs(self, batch: Batch, compute_entropy: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
-        temperature = float(batch.info.get("temperature", self.config.rollout.temperature))
-        return response_log_probs(
-            self.model,
-            batch,
-            temperature,
-            chunk_tokens=self.config.actor.logprob_chunk_tokens,
-            compute_entropy=compute_entropy,
-            backend="auto" if self.config.actor.fused_kernels else "torch",
+    def micro_loss(self, mb: Batch, norm: dict[str, float]) -> MicroLoss:
+        cfg = self.config
+        mask = mb["response_mask"].float()
+        logp, entropy = self.log_probs(self.model, mb, compute_entropy=cfg.entropy_coeff != 0)
+        is_weights = None
+        if cfg.tis_cap is not None and "rollout_log_probs" in mb:
+            is_weights = torch.exp(mb["old_log_probs"] - mb["rollout_log_probs"]).clamp(max=cfg.tis_cap).detach()
+        loss, pg_metrics = self.policy_loss(
+            mb["old_log_probs"],
+            logp,
+            mb["advantages"],
+            mask,
+            clip_ratio_low=cfg.clip_ratio_low,
+            clip_ratio_high=cfg.clip_ratio_high,
+            clip_ratio_c=cfg.clip_ratio_c,
+            loss_agg_mode=cfg.loss_agg_mode,
+            rollout_is_weights=is_weights,
+            **norm,
         )
-
-    def _micro_batch_indices(self, batch: Batch) -> list[list[int]]:
-        """Per-rank micro-batches; an empty one is a zero-weight pass that keeps FSDP ranks in step."""
-        cfg = self.config.actor
-        groups = micro_batch_indices(batch, cfg.dynamic_batch_size, cfg.max_tokens_per_micro_batch, cfg.micro_batch_size)
-        return equalize_micro_batches(groups, self.model, self.device)
-
-    @torch.no_grad()
-    def _log_probs_no_grad(self, batch: Batch, key: str, compute_entropy: bool) -> Batch:
-        self.model.eval()
-        batch = batch.to(self.device)
-        shape = batch["responses"].shape
-        logprobs = torch.zeros(shape, dtype=torch.float32)
-        entropy = torch.zeros(shape, dtype=torch.float32)
-        for idx in self._micro_batch_indices(batch):
-            if not idx:  # keeps FSDP ranks in step; result unused
-                self._forward_log_probs(batch.take([0]), compute_entropy)
-                continue
-            lp, ent = self._forward_log_probs(batch.take(idx), compute_entropy)
-            logprobs[idx] = lp.float().cpu()
-            if ent is not None:
-                entropy[idx] = ent.float().cpu()
-        tensors = {key: logprobs}
-        if compute_entropy:
-            tensors["entropy"] = entropy
-        return Batch(tensors=tensors)
+        terms = {}
+        if cfg.entropy_coeff != 0:
+            loss = loss - cfg.entropy_coeff * agg_loss(entropy, mask, cfg.loss_agg_mode, **norm)
+        if cfg.use_kl_loss:
+            kl = kl_loss(logp, mb["ref_log_probs"], mask, cfg.kl_loss_type, cfg.loss_agg_mode, **norm)
+            loss = loss + cfg.kl_loss_coef * kl
+            terms["kl_loss"] = float(kl.detach())
+        return MicroLoss(loss, terms, mean_stats(pg_metrics, float(mask.sum())))
 
 
-class ActorWorker(_PolicyWorker):
-    """The trained policy: log-probs under the current weights, the clipped policy update."""
+class ActorWorker(Worker):
+    """The trained policy: log-probs under the current weights, the policy and preference updates,
+    its weights for the rollout engine, checkpoints. FSDP2 when its group has a process group."""
 
     def __init__(self, config: Config, rank: int = 0, world_size: int = 1) -> None:
-        super().__init__(config, rank, world_size, role="actor")
+        super().__init__(rank=rank, world_size=world_size, role="actor")
+        self.config = config
+        self.device = resolve_device(config.trainer.device)
+        self.log_probs = PolicyLogProbs.of(config)
+        self.settings = UpdateSettings.of(config.actor)
+        self.model: nn.Module | None = None
+        self.optimizer: torch.optim.Optimizer | None = None
+        self.scheduler: torch.optim.lr_scheduler.LRScheduler | None = None
 
     def setup(self, model_path: str | None = None) -> None:
         cfg = self.config
-        self.model = load_causal_lm(model_path or cfg.model.path, cfg.model.dtype, self.device, cfg.model.gradient_checkpointing)
+        self.model = load_causal_lm(model_path or cfg.model.path, trained_dtype(cfg.model), self.device, cfg.model.gradient_checkpointing)
         # FSDP2 when this group has a process group (or, on one rank, when bf16/offload is asked for)
-        self.model = shard_model(self.model, self.device, cfg.actor.mixed_precision, cfg.actor.cpu_offload)
+        self.model = shard_model(self.model, self.device, compute_precision(cfg.model, cfg.actor.mixed_precision), cfg.actor.cpu_offload)
         self.optimizer = build_optimizer(self.model, cfg.actor.optim)
         self.scheduler = build_scheduler(self.optimizer, cfg.actor.optim, cfg.trainer.total_steps)
         self.policy_loss = get_policy_loss(cfg.actor.policy_loss)
 
+    @property
+    def trained(self) -> Trainable:
+        return Trainable(self.model, self.optimizer, self.scheduler)
+
     @register(dispatch=Dispatch.DP_BALANCED)
     def compute_log_prob(self, batch: Batch) -> Batch:
-        return self._log_probs_no_grad(batch, "old_log_probs", compute_entropy=True)
+        return self.log_probs.no_grad(self.model, batch, "old_log_probs", self.settings.micro, self.device, compute_entropy=True)
 
     @register(dispatch=Dispatch.DP_BALANCED)
     def update_actor(self, batch: Batch) -> dict[str, float]:
-        cfg = self.config.actor
-        self.model.train()
-        batch = batch.to(self.device)
-        n_per_prompt = int(batch.info.get("n", self.config.rollout.n))
-        mini_size = cfg.ppo_mini_batch_size * n_per_prompt // self.world_size
-        metrics: dict[str, list[float]] = defaultdict(list)
-        bad_updates = 0
-        for _ in range(cfg.ppo_epochs):
-            for mini in batch.split(max(1, mini_size)):
-                ok = self._update_mini_batch(mini, metrics)
-                bad_updates += 0 if ok else 1
-        self.scheduler.step()
-        out = {f"actor/{k}": sum(v) / len(v) for k, v in metrics.items() if v}
-        out["actor/lr"] = self.optimizer.param_groups[0]["lr"]
-        out["actor/bad_updates"] = float(bad_updates)
-        return out
+        """One training step: `actor.ppo_epochs` passes over mini-batches of `actor.ppo_mini_batch_size`
+        prompts (with their `rollout.n` responses each)."""
+        objective = PolicyObjective(self.config.actor, self.policy_loss, self.log_probs, self.model)
+        rows = self.settings.mini_batch_rows(int(batch.info.get("n", self.config.rollout.n)), self.world_size)
+        result = run_update(self.trained, batch, objective, self.settings, mini_batch_rows=rows, device=self.device)
+        return {**{f"actor/{k}": v for k, v in result.metrics.items()}, "actor/pg_loss": result.loss, **self._step_metrics(result)}
 
-    def _update_mini_batch(self, mini: Batch, metrics: dict[str, list[float]]) -> bool:
-        cfg = self.config.actor
-        mask = mini["response_mask"].float()
-        global_tokens = _global_sum(mask.sum().item(), self.device)
-        global_seqs = _global_sum(float(len(mini)), self.device)
-        # FSDP/DDP average gradients over ranks; the shares below sum to the global loss.
-        scale = float(self.world_size)
-        norm = dict(global_token_count=global_tokens, global_seq_count=global_seqs)
-        self.optimizer.zero_grad(set_to_none=True)
-        loss_total = 0.0
-        for idx in self._micro_batch_indices(mini):
-            weight = 1.0 if idx else 0.0  # an empty micro-batch: zero-weight pass for FSDP
-            mb = mini.take(idx or [0])
-            mb_mask = mb["response_mask"].float()
-            logp, entropy = self._forward_log_probs(mb, compute_entropy=cfg.entropy_coeff != 0)
-            is_weights = None
-            if cfg.tis_cap is not None and "rollout_log_probs" in mb:
-                is_weights = torch.exp(mb["old_log_probs"] - mb["rollout_log_probs"]).clamp(max=cfg.tis_cap).detach()
-            pg_loss, pg_metrics = self.policy_loss(
-                mb["old_log_probs"],
-                logp,
-                mb["advantages"],
-                mb_mask,
-                clip_ratio_low=cfg.clip_ratio_low,
-                clip_ratio_high=cfg.clip_ratio_high,
-                clip_ratio_c=cfg.clip_ratio_c,
-                loss_agg_mode=cfg.loss_agg_mode,
-                rollout_is_weights=is_weights,
-                **norm,
-            )
-            loss = pg_loss
-            if cfg.entropy_coeff != 0:
-                ent = agg_loss(entropy, mb_mask, cfg.loss_agg_mode, **norm)
-                loss = loss - cfg.entropy_coeff * ent
-            if cfg.use_kl_loss:
-                kl = kl_loss(logp, mb["ref_log_probs"], mb_mask, cfg.kl_loss_type, cfg.loss_agg_mode, **norm)
-                loss = loss + cfg.kl_loss_coef * kl
-                if weight:
-                    metrics["kl_loss"].append(float(kl.detach()) * global_tokens / max(1.0, mb_mask.sum().item()))
-            (loss * (scale * weight)).backward()
-            if not weight:
-                continue
-            loss_total += float(loss.detach())
-            for k, v in pg_metrics.items():
-                metrics[k].append(float(v))
-        grad_norm = to_full(torch.nn.utils.clip_grad_norm_(self.model.parameters(), cfg.optim.grad_clip))
-        if not (math.isfinite(loss_total) and torch.isfinite(grad_norm)):
-            self.optimizer.zero_grad(set_to_none=True)
-            return False
-        self.optimizer.step()
-        metrics["pg_loss"].append(loss_total)
-        metrics["grad_norm"].append(float(grad_norm))
-        return True
+    @register(dispatch=Dispatch.DP_COMPUTE)
+    def update_preference(self, batch: Batch) -> dict[str, float]:
+        """One training step on a preference batch (`batch.info["algorithm"]`: "dpo" or "kto"):
+        `actor.ppo_epochs` passes over mini-batches of `actor.ppo_mini_batch_size` examples."""
+        objective = preference_objective(
+            batch.info["algorithm"], self.config.preference, self.log_probs, self.model, self.settings.micro, self.device
+        )
+        rows = self.settings.mini_batch_rows(1, self.world_size)
+        result = run_update(
+            self.trained, batch, objective, self.settings, mini_batch_rows=rows, device=self.device, lengths=objective.lengths
+        )
+        return {**result.metrics, "pref/loss": result.loss, **self._step_metrics(result)}
+
+    def _step_metrics(self, result: UpdateResult) -> dict[str, float]:
+        return {"actor/grad_norm": result.grad_norm, "actor/lr": self.trained.lr, "actor/bad_updates": float(result.skipped_steps),
+                "actor/param_norm": result.param_norm, "actor/nonfinite_state": result.nonfinite_state}
 
     @register(dispatch=Dispatch.COLLECTIVE, blocking=False)
     def weights_for_rollout(self) -> list[tuple[str, torch.Tensor]]:
@@ -207,98 +156,24 @@ class ActorWorker(_PolicyWorker):
 
     @register(dispatch=Dispatch.ONE_TO_ALL)
     def save_checkpoint(self, folder: str, tokenizer_dir: str | None = None) -> None:
-        folder = Path(folder)
-        if is_sharded(self.model):
-            _save_sharded(self.model, self.optimizer, self.scheduler, folder, "actor", self.rank, tokenizer_dir)
-            return
-        if self.rank == 0:
-            self.model.save_pretrained(folder / "actor", safe_serialization=True)
-            if tokenizer_dir is not None:
-                _copy_tokenizer(Path(tokenizer_dir), folder / "actor")
-            torch.save(
-                {"optimizer": self.optimizer.state_dict(), "scheduler": self.scheduler.state_dict()},
-                folder / "actor_optim.pt",
-            )
+        save_trained(self.trained, Path(folder), "actor", self.rank, Path(tokenizer_dir) if tokenizer_dir else None)
 
     @register(dispatch=Dispatch.ONE_TO_ALL)
     def load_checkpoint(self, folder: str) -> None:
-        folder = Path(folder)
-        self.setup(model_path=str(folder / "actor"))
-        if (folder / "actor_dcp").is_dir():
-            _load_sharded(self.model, self.optimizer, self.scheduler, folder, "actor")
-            return
-        if is_sharded(self.model):  # a one-process checkpoint resumed on several ranks
-            _load_full_optim_into_sharded(self.model, self.optimizer, self.scheduler, folder / "actor_optim.pt")
-            return
-        state = torch.load(folder / "actor_optim.pt", map_location=self.device, weights_only=False)
-        self.optimizer.load_state_dict(state["optimizer"])
-        self.scheduler.load_state_dict(state["scheduler"])
+        self.setup(model_path=str(Path(folder) / "actor"))
+        load_training_state(self.trained, Path(folder), "actor", self.device)
 
 
-def _save_sharded(model, optimizer, scheduler, folder: Path, name: str, rank: int, tokenizer_dir: str | None) -> None:
-    """HF safetensors of the full model (rank 0) plus a torch distributed checkpoint of the
-    sharded model and optimizer, which a run with another number of ranks can load."""
-    import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, get_state_dict
-
-    full = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
-    for alias in _tied_aliases(model):  # as save_pretrained of an unsharded model writes it
-        full.pop(alias, None)
-    if rank == 0:
-        model.save_pretrained(folder / name, state_dict=full, safe_serialization=True)
-        if tokenizer_dir is not None:
-            _copy_tokenizer(Path(tokenizer_dir), folder / name)
-        torch.save({"scheduler": scheduler.state_dict()}, folder / f"{name}_scheduler.pt")
-    del full
-    model_sd, optim_sd = get_state_dict(model, optimizer)
-    dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=str(folder / f"{name}_dcp"))
-
-
-def _tied_aliases(model: torch.nn.Module) -> list[str]:
-    """Later names of parameters shared under several names (tied embeddings: lm_head.weight)."""
-    first: dict[int, str] = {}
-    aliases = []
-    for name, p in model.named_parameters(remove_duplicate=False):
-        if id(p) in first:
-            aliases.append(name)
-        else:
-            first[id(p)] = name
-    return aliases
-
-
-def _load_full_optim_into_sharded(model, optimizer, scheduler, path: Path) -> None:
-    """A plain optimizer state (keyed by parameter position) into a sharded optimizer: re-key it by
-    parameter name, the form `set_optimizer_state_dict` shards from."""
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
-
-    state = torch.load(path, map_location="cpu", weights_only=False)
-    osd = state["optimizer"]
-    names = [n for n, p in model.named_parameters() if p.requires_grad]
-    by_name = {
-        "state": {names[i]: v for i, v in osd["state"].items()},
-        "param_groups": [{**g, "params": [names[i] for i in g["params"]]} for g in osd["param_groups"]],
-    }
-    set_optimizer_state_dict(model, optimizer, by_name, options=StateDictOptions(full_state_dict=True))
-    scheduler.load_state_dict(state["scheduler"])
-
-
-def _load_sharded(model, optimizer, scheduler, folder: Path, name: str) -> None:
-    import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
-
-    model_sd, optim_sd = get_state_dict(model, optimizer)
-    state = {"model": model_sd, "optim": optim_sd}
-    dcp.load(state, checkpoint_id=str(folder / f"{name}_dcp"), no_dist=not dist.is_initialized())
-    set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
-    sched = torch.load(folder / f"{name}_scheduler.pt", weights_only=False)
-    scheduler.load_state_dict(sched["scheduler"])
-
-
-class ReferenceWorker(_PolicyWorker):
-    """A frozen copy of the starting policy, for KL."""
+class ReferenceWorker(Worker):
+    """A frozen copy of the starting policy, for KL and the preference losses."""
 
     def __init__(self, config: Config, rank: int = 0, world_size: int = 1) -> None:
-        super().__init__(config, rank, world_size, role="ref")
+        super().__init__(rank=rank, world_size=world_size, role="ref")
+        self.config = config
+        self.device = resolve_device(config.trainer.device)
+        self.log_probs = PolicyLogProbs.of(config)
+        self.micro = MicroBatching.of(config.actor)
+        self.model: nn.Module | None = None
 
     def setup(self, model_path: str | None = None) -> None:
         cfg = self.config
@@ -308,16 +183,4 @@ class ReferenceWorker(_PolicyWorker):
 
     @register(dispatch=Dispatch.DP_BALANCED)
     def compute_ref_log_prob(self, batch: Batch) -> Batch:
-        return self._log_probs_no_grad(batch, "ref_log_probs", compute_entropy=False)
-
-
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja", "generation_config.json")
-
-
-def _copy_tokenizer(src: Path, dst: Path) -> None:
-    import shutil
-
-    for name in TOKENIZER_FILES:
-        if (src / name).is_file() and not (dst / name).exists():
-            shutil.copy2(src / name, dst / name)
-
+        return self.log_probs.no_grad(self.model, batch, "ref_log_probs", self.micro, self.device)

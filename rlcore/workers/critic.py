@@ -1,21 +1,70 @@
-"""Critic worker (PPO): values of the states before each response token, and the value update."""
+"""Critic worker (PPO): values of the states before each response token, and the value update.
+
+The loops are `rlcore.workers.loops`; the critic supplies the value loss of one micro-batch
+(`ValueObjective`) and its own batch settings (`critic.*`, each defaulting to the actor's).
+"""
 
 from __future__ import annotations
 
-import math
-from collections import defaultdict
+from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
+from typing import TypeVar
 
 import torch
+from torch import nn
 
 from rlcore.algos import compute_value_loss
-from rlcore.config import Config
+from rlcore.config import Config, CriticConfig
 from rlcore.controller import Dispatch, Worker, register
 from rlcore.protocol import Batch
-from rlcore.workers.actor import _global_sum, _load_full_optim_into_sharded, _load_sharded, _save_sharded, micro_batch_indices
-from rlcore.workers.fsdp import to_full, equalize_micro_batches, is_sharded, shard_model
-from rlcore.workers.modeling import load_value_model, resolve_device, response_values
+from rlcore.workers.checkpointing import load_training_state, save_trained
+from rlcore.workers.fsdp import shard_model
+from rlcore.workers.loops import GlobalCounts, MicroBatching, MicroLoss, MicroLossFn, UpdateSettings, forward_no_grad, mean_stats, run_update
+from rlcore.workers.modeling import compute_precision, load_value_model, resolve_device, response_values, trained_dtype
 from rlcore.workers.optim import build_optimizer, build_scheduler
+from rlcore.workers.trainable import Trainable
+
+T = TypeVar("T")
+
+
+def _or(value: T | None, default: T) -> T:
+    return default if value is None else value
+
+
+def critic_settings(config: Config) -> UpdateSettings:
+    """The critic's update settings; a batch field left unset (None) is the actor's, as in verl."""
+    c, a = config.critic, config.actor
+    micro = MicroBatching(
+        _or(c.micro_batch_size, a.micro_batch_size),
+        _or(c.dynamic_batch_size, a.dynamic_batch_size),
+        _or(c.max_tokens_per_micro_batch, a.max_tokens_per_micro_batch),
+    )
+    return UpdateSettings(c.ppo_epochs, _or(c.ppo_mini_batch_size, a.ppo_mini_batch_size), micro, c.optim.grad_clip)
+
+
+@dataclass(frozen=True)
+class ValueObjective:
+    """The clipped value loss of one micro-batch (returns against the rollout-time values)."""
+
+    config: CriticConfig
+    model: nn.Module
+
+    def __call__(self, mini: Batch, counts: GlobalCounts) -> MicroLossFn:
+        return partial(self.micro_loss, norm=dict(global_token_count=counts.tokens, global_seq_count=counts.rows))
+
+    def micro_loss(self, mb: Batch, norm: dict[str, float]) -> MicroLoss:
+        mask = mb["response_mask"].float()
+        loss, clipfrac = compute_value_loss(
+            response_values(self.model, mb),
+            mb["returns"],
+            mb["values"],
+            mask,
+            cliprange_value=self.config.cliprange_value,
+            loss_agg_mode=self.config.loss_agg_mode,
+            **norm,
+        )
+        return MicroLoss(loss, stats=mean_stats({"vf_clipfrac": clipfrac}, float(mask.sum())))
 
 
 class CriticWorker(Worker):
@@ -23,105 +72,44 @@ class CriticWorker(Worker):
         super().__init__(rank=rank, world_size=world_size, role="critic")
         self.config = config
         self.device = resolve_device(config.trainer.device)
+        self.settings = critic_settings(config)
+        self.model: nn.Module | None = None
+        self.optimizer: torch.optim.Optimizer | None = None
+        self.scheduler: torch.optim.lr_scheduler.LRScheduler | None = None
 
     def setup(self, model_path: str | None = None) -> None:
         cfg = self.config
         path = model_path or cfg.critic.model_path or cfg.model.path
-        self.model = load_value_model(path, cfg.model.dtype, self.device, cfg.model.gradient_checkpointing)
-        self.model = shard_model(self.model, self.device)  # FSDP2 when this group has a process group
+        self.model = load_value_model(path, trained_dtype(cfg.model), self.device, cfg.model.gradient_checkpointing)
+        self.model = shard_model(self.model, self.device, compute_precision(cfg.model))  # FSDP2 when this group has a process group
         self.optimizer = build_optimizer(self.model, cfg.critic.optim)
         self.scheduler = build_scheduler(self.optimizer, cfg.critic.optim, cfg.trainer.total_steps)
 
-    def _micro_batch_indices(self, batch: Batch) -> list[list[int]]:
-        cfg = self.config.actor
-        groups = micro_batch_indices(batch, cfg.dynamic_batch_size, cfg.max_tokens_per_micro_batch, cfg.micro_batch_size)
-        return equalize_micro_batches(groups, self.model, self.device)
+    @property
+    def trained(self) -> Trainable:
+        return Trainable(self.model, self.optimizer, self.scheduler)
 
     @register(dispatch=Dispatch.DP_BALANCED)
-    @torch.no_grad()
     def compute_values(self, batch: Batch) -> Batch:
-        self.model.eval()
-        batch = batch.to(self.device)
-        values = torch.zeros(batch["responses"].shape, dtype=torch.float32)
-        for idx in self._micro_batch_indices(batch):
-            if not idx:  # keeps FSDP ranks in step; result unused
-                response_values(self.model, batch.take([0]))
-                continue
-            values[idx] = response_values(self.model, batch.take(idx)).cpu()
-        return Batch(tensors={"values": values * batch["response_mask"].float().cpu()})
+        out = forward_no_grad(self.model, batch, lambda mb: {"values": response_values(self.model, mb)}, self.settings.micro, self.device)
+        return Batch(tensors={"values": out["values"] * batch["response_mask"].float().cpu()})
 
     @register(dispatch=Dispatch.DP_BALANCED)
     def update_critic(self, batch: Batch) -> dict[str, float]:
-        cfg = self.config
-        self.model.train()
-        batch = batch.to(self.device)
-        n_per_prompt = int(batch.info.get("n", cfg.rollout.n))
-        mini_size = max(1, cfg.actor.ppo_mini_batch_size * n_per_prompt // self.world_size)
-        metrics: dict[str, list[float]] = defaultdict(list)
-        bad = 0
-        for _ in range(cfg.critic.ppo_epochs):
-            for mini in batch.split(mini_size):
-                mask = mini["response_mask"].float()
-                norm = dict(
-                    global_token_count=_global_sum(mask.sum().item(), self.device),
-                    global_seq_count=_global_sum(float(len(mini)), self.device),
-                )
-                self.optimizer.zero_grad(set_to_none=True)
-                total = 0.0
-                for idx in self._micro_batch_indices(mini):
-                    weight = 1.0 if idx else 0.0  # an empty micro-batch: zero-weight pass for FSDP
-                    mb = mini.take(idx or [0])
-                    vpreds = response_values(self.model, mb)
-                    loss, clipfrac = compute_value_loss(
-                        vpreds,
-                        mb["returns"],
-                        mb["values"],
-                        mb["response_mask"].float(),
-                        cliprange_value=cfg.critic.cliprange_value,
-                        loss_agg_mode=cfg.critic.loss_agg_mode,
-                        **norm,
-                    )
-                    (loss * (self.world_size * weight)).backward()
-                    if not weight:
-                        continue
-                    total += float(loss.detach())
-                    metrics["vf_clipfrac"].append(float(clipfrac))
-                grad_norm = to_full(torch.nn.utils.clip_grad_norm_(self.model.parameters(), cfg.critic.optim.grad_clip))
-                if not (math.isfinite(total) and torch.isfinite(grad_norm)):
-                    self.optimizer.zero_grad(set_to_none=True)
-                    bad += 1
-                    continue
-                self.optimizer.step()
-                metrics["vf_loss"].append(total)
-                metrics["grad_norm"].append(float(grad_norm))
-        self.scheduler.step()
-        out = {f"critic/{k}": sum(v) / len(v) for k, v in metrics.items() if v}
-        out["critic/bad_updates"] = float(bad)
+        """One training step: `critic.ppo_epochs` passes over mini-batches of `critic.ppo_mini_batch_size`
+        prompts (with their `rollout.n` responses each)."""
+        rows = self.settings.mini_batch_rows(int(batch.info.get("n", self.config.rollout.n)), self.world_size)
+        objective = ValueObjective(self.config.critic, self.model)
+        result = run_update(self.trained, batch, objective, self.settings, mini_batch_rows=rows, device=self.device)
+        out = {f"critic/{k}": v for k, v in result.metrics.items()}
+        out.update({"critic/vf_loss": result.loss, "critic/grad_norm": result.grad_norm, "critic/bad_updates": float(result.skipped_steps)})
         return out
 
     @register(dispatch=Dispatch.ONE_TO_ALL)
     def save_checkpoint(self, folder: str) -> None:
-        folder = Path(folder)
-        if is_sharded(self.model):
-            _save_sharded(self.model, self.optimizer, self.scheduler, folder, "critic", self.rank, None)
-            return
-        if self.rank == 0:
-            self.model.save_pretrained(folder / "critic", safe_serialization=True)
-            torch.save(
-                {"optimizer": self.optimizer.state_dict(), "scheduler": self.scheduler.state_dict()},
-                folder / "critic_optim.pt",
-            )
+        save_trained(self.trained, Path(folder), "critic", self.rank)
 
     @register(dispatch=Dispatch.ONE_TO_ALL)
     def load_checkpoint(self, folder: str) -> None:
-        folder = Path(folder)
-        self.setup(model_path=str(folder / "critic"))
-        if (folder / "critic_dcp").is_dir():
-            _load_sharded(self.model, self.optimizer, self.scheduler, folder, "critic")
-            return
-        if is_sharded(self.model):
-            _load_full_optim_into_sharded(self.model, self.optimizer, self.scheduler, folder / "critic_optim.pt")
-            return
-        state = torch.load(folder / "critic_optim.pt", map_location=self.device, weights_only=False)
-        self.optimizer.load_state_dict(state["optimizer"])
-        self.scheduler.load_state_dict(state["scheduler"])
+        self.setup(model_path=str(Path(folder) / "critic"))
+        load_training_state(self.trained, Path(folder), "critic", self.device)

@@ -135,7 +135,7 @@ mod sse {
         while end > 0 {
             let start = end.saturating_sub(W);
             let w = end - start;
-            // SAFETY (all unsafe calls below): every slice is LANES * t long (asserted above)
+            // SAFETY: for all unsafe calls below, every slice is LANES * t long (asserted above)
             // and start + w <= t, so each row range l * t + start .. l * t + start + w is in
             // bounds; SSE2 is part of the x86_64 baseline.
             unsafe {
@@ -501,6 +501,7 @@ mod tests {
                 assert_eq!((&a, &o), (&ea, &eo), "avx t={t}");
                 let mut bad = v.clone();
                 bad[3 * t + t / 2] = f32::INFINITY;
+                // SAFETY: AVX support checked above.
                 assert!(!unsafe { avx::block8(&r, &bad, &m, t, p, &mut a, &mut o) });
             }
         }

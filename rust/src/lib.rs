@@ -240,12 +240,45 @@ fn py_balanced_partitions(
     Ok(py.detach(|| partition::balanced_partitions(&lengths, k, equal_size)))
 }
 
+/// The crate's version, exported as `__version__`: `import rlcore` compares it with its own and
+/// refuses a stale build (an extension left over from another version of the sources).
+pub const VERSION: &str = env!("CARGO_PKG_VERSION");
+
 #[pymodule]
 fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
+    m.add("__version__", VERSION)?;
     m.add_function(wrap_pyfunction!(py_gae, m)?)?;
     m.add_function(wrap_pyfunction!(py_discounted_returns, m)?)?;
     m.add_function(wrap_pyfunction!(py_group_advantages, m)?)?;
     m.add_function(wrap_pyfunction!(py_pack_token_budget, m)?)?;
     m.add_function(wrap_pyfunction!(py_balanced_partitions, m)?)?;
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use pyo3::exceptions::PyValueError;
+
+    /// The module as Python sees it, in an embedded interpreter (this is why the
+    /// `extension-module` feature is off for `cargo test`: the test binary links libpython).
+    #[test]
+    fn module_exports_version_and_functions_that_validate_at_the_boundary() {
+        Python::initialize();
+        Python::attach(|py| {
+            let module = pyo3::wrap_pymodule!(_native)(py);
+            let m = module.bind(py);
+            let version: String = m.getattr("__version__").unwrap().extract().unwrap();
+            assert_eq!(version, VERSION);
+            for name in ["gae", "discounted_returns", "group_advantages", "pack_token_budget", "balanced_partitions"] {
+                assert!(m.hasattr(name).unwrap(), "{name} is not exported");
+            }
+            // Scalar arguments are checked before any array is read, so no numpy is needed here.
+            let err = m.getattr("pack_token_budget").unwrap().call1((vec![1_i64, 2], 0)).unwrap_err();
+            assert!(err.is_instance_of::<PyValueError>(py));
+            assert_eq!(err.value(py).to_string(), "max_tokens: must be >= 1, got 0");
+            let err = m.getattr("balanced_partitions").unwrap().call1((vec![1_i64, 2], 0)).unwrap_err();
+            assert_eq!(err.value(py).to_string(), "k: must be >= 1, got 0");
+        });
+    }
 }

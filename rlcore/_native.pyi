@@ -18,6 +18,10 @@ ArrayLike = Any  # numpy array, CPU torch tensor, or anything numpy.asarray acce
 
 GroupMode = Literal["grpo", "drgrpo", "rloo", "reinforce_plus_plus_baseline"]
 
+__version__: str
+"""The crate's version (rust/Cargo.toml); ``import rlcore`` refuses an extension whose version
+differs from ``rlcore.__version__`` (a stale build)."""
+
 def gae(
     rewards: ArrayLike,
     values: ArrayLike,

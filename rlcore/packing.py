@@ -1,6 +1,7 @@
 """Splitting a batch by sequence length: token-budget micro-batches and balanced rank shards.
 
-The trainer calls two functions, both backed by the Rust extension:
+The trainer calls two functions, both backed by the Rust extension (under ``RLCORE_NATIVE=off``,
+see :mod:`rlcore.native`, by the pure-Python versions below, which give the same results):
 
 - :func:`pack_token_budget`: micro-batches whose real token count stays within a budget, so
   every forward/backward pass does about the same work and padding-free (varlen) kernels never
@@ -8,8 +9,9 @@ The trainer calls two functions, both backed by the Rust extension:
 - :func:`balanced_partitions`: split a batch across k data-parallel ranks (or k micro-batches)
   so each gets about the same number of tokens; the slowest rank sets the step time.
 
-:func:`balanced_partitions_python` is the same algorithm in plain Python, with the same tie
-breaks, so it returns the same partitions; the benchmark and tests compare against it.
+:func:`pack_token_budget_python` and :func:`balanced_partitions_python` are the same algorithms
+in plain Python, with the same tie breaks, so they return the same results; the benchmark and
+tests compare against them.
 :func:`fixed_size_microbatches` is the naive split the packing replaces.
 """
 
@@ -21,34 +23,43 @@ from typing import Any
 
 import numpy as np
 
-from rlcore import _native
+from rlcore import native
 
 __all__ = [
     "pack_token_budget",
+    "pack_token_budget_python",
     "balanced_partitions",
     "balanced_partitions_python",
     "fixed_size_microbatches",
 ]
 
+Lengths = Sequence[int] | np.ndarray | Any
 
-def pack_token_budget(lengths: Sequence[int] | np.ndarray | Any, max_tokens: int) -> list[list[int]]:
+
+def pack_token_budget(lengths: Lengths, max_tokens: int) -> list[list[int]]:
     """Micro-batches of sample indices, each summing to at most ``max_tokens`` tokens.
 
     First-fit decreasing; a sample longer than the budget gets a micro-batch of its own.
     Indices ascend within a micro-batch; micro-batches are ordered by their first index.
     """
-    return _native.pack_token_budget(lengths, int(max_tokens))
+    fn = native.function("pack_token_budget")
+    if fn is None:
+        return pack_token_budget_python(lengths, max_tokens)
+    bins: list[list[int]] = fn(lengths, int(max_tokens))
+    return bins
 
 
-def balanced_partitions(
-    lengths: Sequence[int] | np.ndarray | Any, k: int, equal_size: bool = True
-) -> list[list[int]]:
+def balanced_partitions(lengths: Lengths, k: int, equal_size: bool = True) -> list[list[int]]:
     """``k`` groups of sample indices with near-equal token totals (Karmarkar-Karp).
 
     ``equal_size=True`` gives every group len/k samples (the batch must divide evenly), which
     data-parallel ranks need; ``False`` balances totals only (micro-batches).
     """
-    return _native.balanced_partitions(lengths, int(k), bool(equal_size))
+    fn = native.function("balanced_partitions")
+    if fn is None:
+        return balanced_partitions_python(lengths, int(k), bool(equal_size))
+    parts: list[list[int]] = fn(lengths, int(k), bool(equal_size))
+    return parts
 
 
 def fixed_size_microbatches(n: int, size: int) -> list[list[int]]:
@@ -60,10 +71,10 @@ def fixed_size_microbatches(n: int, size: int) -> list[list[int]]:
     return [list(range(start, min(start + size, n))) for start in range(0, n, size)]
 
 
-# ----------------------------------------------------------------------------- pure Python LDM
+# ----------------------------------------------------------------------------- pure Python
 
 
-def _checked_lengths(lengths: Sequence[int] | np.ndarray | Any) -> list[int]:
+def _checked_lengths(lengths: Lengths) -> list[int]:
     arr = np.asarray(lengths)
     if arr.ndim != 1:
         raise ValueError(f"lengths: expected a 1-D array [batch], got shape {arr.shape}")
@@ -76,9 +87,36 @@ def _checked_lengths(lengths: Sequence[int] | np.ndarray | Any) -> list[int]:
     return values
 
 
-def balanced_partitions_python(
-    lengths: Sequence[int] | np.ndarray | Any, k: int, equal_size: bool
-) -> list[list[int]]:
+def pack_token_budget_python(lengths: Lengths, max_tokens: int) -> list[list[int]]:
+    """First-fit decreasing in plain Python; same result as :func:`pack_token_budget`.
+
+    Longest first (ties: lower index first), each into the leftmost open bin with room; a
+    sample over the budget gets a bin that nothing else joins. O(n * bins): a reference, not
+    for large batches.
+    """
+    values = _checked_lengths(lengths)
+    if max_tokens < 1:
+        raise ValueError(f"max_tokens: must be >= 1, got {max_tokens}")
+    bins: list[list[int]] = []
+    free: list[int] = []  # -1 closes an oversize sample's bin, even to empty samples
+    for i in sorted(range(len(values)), key=lambda i: (-values[i], i)):
+        size = values[i]
+        if size > max_tokens:
+            bins.append([i])
+            free.append(-1)
+            continue
+        for b, room in enumerate(free):
+            if room >= size:
+                bins[b].append(i)
+                free[b] -= size
+                break
+        else:
+            bins.append([i])
+            free.append(max_tokens - size)
+    return sorted((sorted(b) for b in bins), key=lambda b: b[0])
+
+
+def balanced_partitions_python(lengths: Lengths, k: int, equal_size: bool) -> list[list[int]]:
     """Karmarkar-Karp largest differencing in plain Python; same result as :func:`balanced_partitions`.
 
     A state is k sets ``[total, count, smallest index, items]`` kept sorted by

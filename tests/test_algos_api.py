@@ -212,12 +212,14 @@ def test_auto_backend_matches_torch(native_name):
                                        rtol=1e-5, atol=1e-5)
 
 
-def test_native_backend_without_extension_function_raises():
-    if _native_fn("gae") is not None:
-        pytest.skip("rlcore._native.gae is built")
+def test_native_backend_with_the_extension_switched_off_raises(monkeypatch):
+    import rlcore.algos.advantages as adv_mod
+    monkeypatch.setattr(adv_mod, "_native_fn", lambda name: None)  # what RLCORE_NATIVE=off gives
     rewards, values, mask = _random_batch()
-    with pytest.raises(RuntimeError, match="no function 'gae'"):
+    with pytest.raises(RuntimeError, match=r"backend='native' but the extension is switched off \(RLCORE_NATIVE=off\)"):
         gae_raw(rewards, values, mask, 1.0, 1.0, backend="native")
+    adv, _ = gae_raw(rewards, values, mask, 1.0, 1.0)  # auto: the torch reference
+    torch.testing.assert_close(adv, gae_raw(rewards, values, mask, 1.0, 1.0, backend="torch")[0])
 
 
 def test_float64_and_grad_inputs_keep_dtype_and_take_torch_path():

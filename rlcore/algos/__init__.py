@@ -3,8 +3,8 @@
 Torch reference implementations with verl's ``core_algos`` semantics (deliberate differences
 are documented where they occur; the main one is :func:`agg_loss`, which returns a
 micro-batch's share of the mini-batch loss so gradients don't depend on the micro-batch split).
-Advantage building blocks dispatch to the Rust extension ``rlcore._native`` on CPU when it
-is built.
+Advantage building blocks dispatch to the Rust extension ``rlcore._native`` for float32 CPU
+inputs (see :mod:`rlcore.native`).
 """
 
 from rlcore.algos.advantages import (

@@ -6,9 +6,10 @@ with baseline, ReMax); deliberate differences are spelled out where they occur.
 The building blocks (``gae_raw``, ``group_outcome_advantage``, ``discounted_returns``) take
 ``backend``: ``"torch"`` is the reference implementation and always available; ``"native"``
 calls the Rust extension ``rlcore._native`` (parallel over rows, releases the GIL); ``"auto"``
-uses native when the extension has the function and the inputs are float32 CPU tensors that
-don't need grad, else torch. float64 inputs stay on torch under "auto" because the native
-kernels are float32. Results are always torch tensors on the input's device and dtype.
+uses native when the inputs are float32 CPU tensors that don't need grad, else torch; float64
+inputs stay on torch under "auto" because the native kernels are float32. Under
+``RLCORE_NATIVE=off`` (see :mod:`rlcore.native`) "auto" is torch and "native" raises. Results are
+always torch tensors on the input's device and dtype.
 
 Everything here runs under ``torch.no_grad``: advantages are targets, never differentiated.
 """
@@ -21,6 +22,7 @@ from typing import Any, Literal
 import numpy as np
 import torch
 
+from rlcore import native
 from rlcore.algos.masked import masked_whiten
 
 __all__ = [
@@ -45,16 +47,18 @@ GROUP_MODES = ("grpo", "drgrpo", "rloo", "reinforce_plus_plus_baseline")
 
 
 def _native_fn(name: str) -> Callable[..., Any] | None:
-    """The function ``name`` of rlcore._native, or None when the extension or the function is missing."""
-    try:
-        from rlcore import _native  # type: ignore[attr-defined]
-    except ImportError:
-        return None
-    return getattr(_native, name, None)
+    """The extension's function ``name``; None only under ``RLCORE_NATIVE=off`` (a missing or
+    stale extension already failed ``import rlcore``). Tests replace this to fake the extension."""
+    return native.function(name)
 
 
 def _pick_native(backend: str, name: str, *tensors: torch.Tensor) -> Callable[..., Any] | None:
-    """Return the native function to use, or None for the torch path."""
+    """Return the native function to use, or None for the torch path.
+
+    The extension is always there (``import rlcore`` checked it) unless ``RLCORE_NATIVE=off``;
+    under "auto" torch is used then, or for inputs the kernels don't take (not float32, on a
+    GPU, or requiring grad).
+    """
     if backend not in _BACKENDS:
         raise ValueError(f"backend must be one of {list(_BACKENDS)}, got {backend!r}")
     if backend == "torch":
@@ -62,7 +66,7 @@ def _pick_native(backend: str, name: str, *tensors: torch.Tensor) -> Callable[..
     fn = _native_fn(name)
     if backend == "native":
         if fn is None:
-            raise RuntimeError(f"backend='native' but rlcore._native has no function {name!r} (not built?)")
+            raise RuntimeError(f"backend='native' but the extension is switched off ({native.ENV_VAR}=off)")
         return fn
     ok = all(t.device.type == "cpu" and not t.requires_grad for t in tensors)
     ok = ok and all(t.dtype == torch.float32 for t in tensors if t.is_floating_point())
@@ -310,14 +314,16 @@ def compute_advantage(
 def _group_ids(group_ids: Any, batch: int, name: str) -> torch.Tensor:
     if group_ids is None:
         raise ValueError(f"advantage estimator {name!r} needs group_ids (the prompt uid of each sample)")
-    if not torch.is_tensor(group_ids):
+    if torch.is_tensor(group_ids):
+        gid: torch.Tensor = group_ids
+    else:
         arr = np.asarray(group_ids)
         if arr.dtype.kind not in "iu":
             arr = group_ids_from_uids(arr)
-        group_ids = torch.from_numpy(arr.astype(np.int64, copy=False))
-    if group_ids.shape != (batch,):
-        raise ValueError(f"group_ids must have shape ({batch},), got {tuple(group_ids.shape)}")
-    return group_ids
+        gid = torch.from_numpy(arr.astype(np.int64, copy=False))
+    if gid.shape != (batch,):
+        raise ValueError(f"group_ids must have shape ({batch},), got {tuple(gid.shape)}")
+    return gid
 
 
 def _outcome(scores_adv: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
@@ -327,8 +333,16 @@ def _outcome(scores_adv: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
 @register_advantage_estimator("gae")
 @torch.no_grad()
 def _gae(
-    *, token_level_rewards, response_mask, values, gamma, lam, backend="auto", name="gae", **_
-):
+    *,
+    token_level_rewards: torch.Tensor,
+    response_mask: torch.Tensor,
+    values: torch.Tensor | None,
+    gamma: float,
+    lam: float,
+    backend: Backend = "auto",
+    name: str = "gae",
+    **_: Any,
+) -> tuple[torch.Tensor, torch.Tensor]:
     """PPO's GAE. Advantages whitened over all valid tokens of the batch; returns raw (adv + V).
 
     Differs from verl only at padding: we zero the whitened advantages outside the mask
@@ -342,7 +356,15 @@ def _gae(
     return masked_whiten(adv, m) * m, returns
 
 
-def _group_estimator(token_level_rewards, response_mask, group_ids, mode, epsilon, backend, name):
+def _group_estimator(
+    token_level_rewards: torch.Tensor,
+    response_mask: torch.Tensor,
+    group_ids: Any,
+    mode: str,
+    epsilon: float,
+    backend: Backend,
+    name: str,
+) -> tuple[torch.Tensor, torch.Tensor]:
     gid = _group_ids(group_ids, token_level_rewards.shape[0], name)
     scores = token_level_rewards.sum(dim=-1)
     adv = _outcome(group_outcome_advantage(scores, gid, mode, epsilon, backend=backend), response_mask)
@@ -351,8 +373,9 @@ def _group_estimator(token_level_rewards, response_mask, group_ids, mode, epsilo
 
 @register_advantage_estimator("grpo")
 @torch.no_grad()
-def _grpo(*, token_level_rewards, response_mask, group_ids, norm_adv_by_std=True, epsilon=1e-6,
-          backend="auto", name="grpo", **_):
+def _grpo(*, token_level_rewards: torch.Tensor, response_mask: torch.Tensor, group_ids: Any,
+          norm_adv_by_std: bool = True, epsilon: float = 1e-6, backend: Backend = "auto", name: str = "grpo",
+          **_: Any) -> tuple[torch.Tensor, torch.Tensor]:
     """GRPO outcome advantage; ``norm_adv_by_std=False`` is Dr.GRPO. Returns == advantages."""
     mode = "grpo" if norm_adv_by_std else "drgrpo"
     return _group_estimator(token_level_rewards, response_mask, group_ids, mode, epsilon, backend, name)
@@ -360,23 +383,26 @@ def _grpo(*, token_level_rewards, response_mask, group_ids, norm_adv_by_std=True
 
 @register_advantage_estimator("drgrpo")
 @torch.no_grad()
-def _drgrpo(*, token_level_rewards, response_mask, group_ids, epsilon=1e-6, backend="auto",
-            name="drgrpo", **_):
+def _drgrpo(*, token_level_rewards: torch.Tensor, response_mask: torch.Tensor, group_ids: Any,
+            epsilon: float = 1e-6, backend: Backend = "auto", name: str = "drgrpo",
+            **_: Any) -> tuple[torch.Tensor, torch.Tensor]:
     """Dr.GRPO: group mean subtracted, no std normalisation (whatever ``norm_adv_by_std`` says)."""
     return _group_estimator(token_level_rewards, response_mask, group_ids, "drgrpo", epsilon, backend, name)
 
 
 @register_advantage_estimator("rloo")
 @torch.no_grad()
-def _rloo(*, token_level_rewards, response_mask, group_ids, epsilon=1e-6, backend="auto",
-          name="rloo", **_):
+def _rloo(*, token_level_rewards: torch.Tensor, response_mask: torch.Tensor, group_ids: Any,
+          epsilon: float = 1e-6, backend: Backend = "auto", name: str = "rloo",
+          **_: Any) -> tuple[torch.Tensor, torch.Tensor]:
     """RLOO: score minus the mean score of the other samples of the prompt."""
     return _group_estimator(token_level_rewards, response_mask, group_ids, "rloo", epsilon, backend, name)
 
 
 @register_advantage_estimator("reinforce_plus_plus")
 @torch.no_grad()
-def _reinforce_pp(*, token_level_rewards, response_mask, gamma=1.0, backend="auto", **_):
+def _reinforce_pp(*, token_level_rewards: torch.Tensor, response_mask: torch.Tensor, gamma: float = 1.0,
+                  backend: Backend = "auto", **_: Any) -> tuple[torch.Tensor, torch.Tensor]:
     """REINFORCE++: discounted returns, whitened over the batch's valid tokens (zero on padding)."""
     returns = discounted_returns(token_level_rewards, response_mask, gamma, backend=backend)
     m = response_mask.to(dtype=returns.dtype)
@@ -385,8 +411,10 @@ def _reinforce_pp(*, token_level_rewards, response_mask, gamma=1.0, backend="aut
 
 @register_advantage_estimator("reinforce_plus_plus_baseline")
 @torch.no_grad()
-def _reinforce_pp_baseline(*, token_level_rewards, response_mask, group_ids, epsilon=1e-6,
-                           backend="auto", name="reinforce_plus_plus_baseline", **_):
+def _reinforce_pp_baseline(*, token_level_rewards: torch.Tensor, response_mask: torch.Tensor, group_ids: Any,
+                           epsilon: float = 1e-6, backend: Backend = "auto",
+                           name: str = "reinforce_plus_plus_baseline",
+                           **_: Any) -> tuple[torch.Tensor, torch.Tensor]:
     """REINFORCE++ with baseline: group mean subtracted from the score, broadcast over the
     response, then whitened over all valid tokens of the batch (as verl). Returns == advantages."""
     gid = _group_ids(group_ids, token_level_rewards.shape[0], name)
@@ -399,7 +427,9 @@ def _reinforce_pp_baseline(*, token_level_rewards, response_mask, group_ids, eps
 
 @register_advantage_estimator("remax")
 @torch.no_grad()
-def _remax(*, token_level_rewards, response_mask, reward_baselines, name="remax", **_):
+def _remax(*, token_level_rewards: torch.Tensor, response_mask: torch.Tensor,
+           reward_baselines: torch.Tensor | None, name: str = "remax",
+           **_: Any) -> tuple[torch.Tensor, torch.Tensor]:
     """ReMax: return-to-go (undiscounted) minus the greedy rollout's reward, per token."""
     if reward_baselines is None:
         raise ValueError(f"advantage estimator {name!r} needs reward_baselines (the greedy sample's score, [B])")

@@ -9,8 +9,9 @@ views), the dicts never do. Pickling goes through numpy buffers because Ray move
 
 from __future__ import annotations
 
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Iterable, Sequence
+from typing import Any, NoReturn
 
 import numpy as np
 import torch
@@ -131,6 +132,7 @@ class Batch:
 
     def __setitem__(self, key: str, value: Any) -> None:
         """Add or replace one key (tensors go to `tensors`, anything else to `meta`)."""
+        new: torch.Tensor | np.ndarray
         if isinstance(value, torch.Tensor):
             if value.ndim == 0:
                 raise ValueError(f"Batch tensor {key!r} is 0-d: tensors are batch-first")
@@ -146,7 +148,10 @@ class Batch:
                 break
         self.tensors.pop(key, None)
         self.meta.pop(key, None)
-        (self.tensors if isinstance(new, torch.Tensor) else self.meta)[key] = new
+        if isinstance(new, torch.Tensor):
+            self.tensors[key] = new
+        else:
+            self.meta[key] = new
 
     def pop(self, key: str) -> torch.Tensor | np.ndarray:
         """Remove one key and return its value."""
@@ -159,7 +164,7 @@ class Batch:
     def __contains__(self, key: object) -> bool:
         return key in self.tensors or key in self.meta
 
-    def __iter__(self):
+    def __iter__(self) -> NoReturn:
         raise TypeError("Batch is not iterable: use keys(), split(size) or chunk(n)")
 
     def keys(self) -> list[str]:
@@ -283,14 +288,15 @@ class Batch:
         """Keys of both batches (same length). A key in both must hold equal values."""
         if self.keys() and other.keys() and len(self) != len(other):
             raise ValueError(f"Batch.union: lengths differ ({len(self)} vs {len(other)})")
-        merged = (dict(self.tensors), dict(self.meta), dict(self.info))
-        for kind, dst, src in zip(("tensor", "meta", "info"), merged,
-                                  (other.tensors, other.meta, other.info)):
+        tensors, meta, info = dict(self.tensors), dict(self.meta), dict(self.info)
+        merged: tuple[dict[str, Any], ...] = (tensors, meta, info)
+        sources: tuple[dict[str, Any], ...] = (other.tensors, other.meta, other.info)
+        for kind, dst, src in zip(("tensor", "meta", "info"), merged, sources):
             for k, v in src.items():
                 if k in dst and not _same(dst[k], v):
                     raise ValueError(f"Batch.union: {kind} {k!r} differs between the two batches")
                 dst[k] = v
-        return Batch(tensors=merged[0], meta=merged[1], info=merged[2])
+        return Batch(tensors=tensors, meta=meta, info=info)
 
     def repeat_interleave(self, n: int) -> Batch:
         """Each row repeated `n` times consecutively (GRPO: n samples per prompt), meta too."""

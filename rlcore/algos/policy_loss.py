@@ -20,7 +20,7 @@ from collections.abc import Callable
 
 import torch
 
-from rlcore.algos.aggregation import agg_loss
+from rlcore.algos.aggregation import Count, agg_loss
 from rlcore.algos.masked import masked_mean
 
 __all__ = [
@@ -59,7 +59,13 @@ def get_policy_loss(name: str) -> PolicyLoss:
         raise ValueError(f"unknown policy loss {name!r}; known: {policy_loss_names()}") from None
 
 
-def _finish(pg_losses, response_mask, rollout_is_weights, loss_agg_mode, norm):
+def _finish(
+    pg_losses: torch.Tensor,
+    response_mask: torch.Tensor,
+    rollout_is_weights: torch.Tensor | None,
+    loss_agg_mode: str,
+    norm: dict[str, Count | None],
+) -> torch.Tensor:
     if rollout_is_weights is not None:
         if rollout_is_weights.shape != pg_losses.shape:
             raise ValueError(
@@ -80,9 +86,9 @@ def vanilla_policy_loss(
     clip_ratio_high: float = 0.2,
     clip_ratio_c: float = 3.0,
     loss_agg_mode: str = "token-mean",
-    global_token_count=None,
-    global_seq_count=None,
-    norm_length=None,
+    global_token_count: Count | None = None,
+    global_seq_count: Count | None = None,
+    norm_length: Count | None = None,
     rollout_is_weights: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """PPO clipped surrogate with clip-higher and dual clip, per token::
@@ -107,7 +113,9 @@ def vanilla_policy_loss(
     negative = advantages < 0
     pg_losses = torch.where(negative, torch.minimum(loss_ppo, loss_dual_bound), loss_ppo)
 
-    norm = dict(global_token_count=global_token_count, global_seq_count=global_seq_count, norm_length=norm_length)
+    norm: dict[str, Count | None] = dict(
+        global_token_count=global_token_count, global_seq_count=global_seq_count, norm_length=norm_length
+    )
     loss = _finish(pg_losses, response_mask, rollout_is_weights, loss_agg_mode, norm)
     with torch.no_grad():
         metrics = {
@@ -129,9 +137,9 @@ def gspo_policy_loss(
     clip_ratio_high: float = 0.2,
     clip_ratio_c: float = 3.0,
     loss_agg_mode: str = "seq-mean-token-mean",
-    global_token_count=None,
-    global_seq_count=None,
-    norm_length=None,
+    global_token_count: Count | None = None,
+    global_seq_count: Count | None = None,
+    norm_length: Count | None = None,
     rollout_is_weights: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """GSPO (Zheng et al. 2025, arXiv:2507.18071), the token-level "GSPO-token" form verl uses.
@@ -153,7 +161,9 @@ def gspo_policy_loss(
     loss_clipped = -advantages * torch.clamp(ratio, 1 - clip_ratio_low, 1 + clip_ratio_high)
     pg_losses = torch.maximum(loss_unclipped, loss_clipped)
 
-    norm = dict(global_token_count=global_token_count, global_seq_count=global_seq_count, norm_length=norm_length)
+    norm: dict[str, Count | None] = dict(
+        global_token_count=global_token_count, global_seq_count=global_seq_count, norm_length=norm_length
+    )
     loss = _finish(pg_losses, response_mask, rollout_is_weights, loss_agg_mode, norm)
     with torch.no_grad():
         metrics = {

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from rlcore.algos.aggregation import agg_loss
+from rlcore.algos.aggregation import Count, agg_loss
 from rlcore.algos.masked import masked_mean
 
 __all__ = ["compute_value_loss"]
@@ -18,9 +18,9 @@ def compute_value_loss(
     cliprange_value: float | None,
     loss_agg_mode: str = "token-mean",
     *,
-    global_token_count=None,
-    global_seq_count=None,
-    norm_length=None,
+    global_token_count: Count | None = None,
+    global_seq_count: Count | None = None,
+    norm_length: Count | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``0.5 * agg(max((V - R)^2, (clip(V, V_old - c, V_old + c) - R)^2))``, as verl.
 

@@ -8,7 +8,8 @@ in the gen pool while step k's log-probs and update run in the default pool. Eac
 its own process (one Ray session per process) on the tiny example; steps/s is measured over the
 steps after the first (warm-up). Checkpoints are off during the run (a checkpoint step does not
 prefetch), validation too. Generation is made heavier than the tiny recipe's (temperature 8,
-48 new tokens: long responses) so that it is a real share of the step, as on real models. On a 2-core machine shared with others the ratio is noisy: run twice.
+48 new tokens: long responses) so that it is a real share of the step, as on real models. On a
+2-core machine shared with others the ratio is noisy: run twice.
 """
 
 from __future__ import annotations

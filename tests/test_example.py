@@ -2,9 +2,6 @@
 
 from __future__ import annotations
 
-import random
-from dataclasses import replace
-
 import pytest
 import torch
 from safetensors.torch import load_file

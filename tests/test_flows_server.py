@@ -14,9 +14,9 @@ from pathlib import Path
 
 import pytest
 import requests
+from conftest import prefect_env  # tests/ is on sys.path (pytest rootdir conftest)
 
 from rlcore.data import read_rows, write_rows
-from conftest import prefect_env  # tests/ is on sys.path (pytest rootdir conftest)
 
 ROOT = Path(__file__).resolve().parents[1]
 QUICK = ["trainer.total_steps=2", "data.train_batch_size=8", "actor.ppo_mini_batch_size=4", "rollout.n=4",

@@ -9,8 +9,9 @@ and only differs in how it runs the per-rank calls.
 from __future__ import annotations
 
 import enum
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any
 
 import numpy as np
 

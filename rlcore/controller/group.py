@@ -9,7 +9,8 @@ from __future__ import annotations
 
 import abc
 import functools
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 from rlcore.controller.dispatch import Dispatch, MethodSpec, plan_dispatch
 

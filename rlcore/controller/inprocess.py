@@ -9,7 +9,8 @@ A failure is raised as `WorkerError` with the original exception as `__cause__`
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 from rlcore.controller.dispatch import MethodSpec
 from rlcore.controller.errors import WorkerError

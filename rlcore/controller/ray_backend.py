@@ -22,8 +22,9 @@ import logging
 import os
 import socket
 import time
+from collections.abc import Callable
 from datetime import timedelta
-from typing import Any, Callable
+from typing import Any
 
 from rlcore.controller.dispatch import Dispatch, MethodSpec
 from rlcore.controller.errors import WorkerError

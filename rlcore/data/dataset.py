@@ -7,9 +7,10 @@ choice; bad rows raise with every problem listed, or are skipped and counted.
 from __future__ import annotations
 
 import logging
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal, Sequence
+from typing import Any, Literal
 
 from rlcore.data.chat import prompt_ids
 from rlcore.data.io import read_rows

@@ -6,7 +6,8 @@ The order of epoch e is a permutation drawn from (seed, e) alone, so the loader'
 
 from __future__ import annotations
 
-from typing import Any, Iterator
+from collections.abc import Iterator
+from typing import Any
 
 import numpy as np
 import torch

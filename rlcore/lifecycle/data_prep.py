@@ -12,9 +12,10 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any, Literal, Sequence
+from typing import Any, Literal
 
 from rlcore.data.io import read_rows, write_rows
 from rlcore.data.schema import DataError, apply_policy

@@ -7,8 +7,8 @@ from __future__ import annotations
 import hashlib
 import logging
 import threading
+from collections.abc import Callable, Iterable
 from pathlib import Path
-from typing import Callable, Iterable
 
 log = logging.getLogger(__name__)
 
@@ -59,7 +59,7 @@ class DirectoryWatcher:
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="rlcore-data-watcher", daemon=True)
 
-    def start(self) -> "DirectoryWatcher":
+    def start(self) -> DirectoryWatcher:
         self._thread.start()
         return self
 

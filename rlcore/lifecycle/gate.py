@@ -22,7 +22,7 @@ class GatePolicy:
     max_length_ratio: float = 1.5
 
     @classmethod
-    def from_config(cls, registry: Any) -> "GatePolicy":
+    def from_config(cls, registry: Any) -> GatePolicy:
         """From a `RegistryConfig` section (rlcore.config)."""
         return cls(metric=registry.metric, margin=registry.promotion_margin, max_kl=registry.max_kl,
                    max_length_ratio=registry.max_length_ratio)

@@ -11,9 +11,10 @@ import hashlib
 import inspect
 import json
 import subprocess
+from collections.abc import Iterable
 from importlib import metadata
 from pathlib import Path
-from typing import Any, Iterable
+from typing import Any
 
 PACKAGES = ("rlcore", "torch", "transformers", "tokenizers", "safetensors", "numpy", "prefect", "mlflow", "vllm", "ray")
 REPO_ROOT = Path(__file__).resolve().parents[2]

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import functools
 import re
-from typing import Callable
+from collections.abc import Callable
 
 from .gsm8k import CLIP_CHARS, STRICT_RE
 from .math_boxed import extract_boxed_answer

@@ -87,7 +87,7 @@ def _fix_fracs(s: str) -> str:
                     break
                 args.append(rest[: close + 1])
                 rest = rest[close + 1:]
-            elif rest and not rest[0] in "\\}":
+            elif rest and rest[0] not in "\\}":
                 args.append("{" + rest[0] + "}")
                 rest = rest[1:]
             else:

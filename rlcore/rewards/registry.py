@@ -14,7 +14,8 @@ import math
 import numbers
 import os
 import sys
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 from . import gsm8k, math_boxed
 

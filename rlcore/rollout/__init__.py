@@ -4,7 +4,14 @@
 `RolloutEngine` protocol in `base.py`.
 """
 
-from rlcore.rollout.base import RolloutEngine, SamplingParams, make_rollout_engine, register_backend, resolve_backend, vllm_installed
+from rlcore.rollout.base import (
+    RolloutEngine,
+    SamplingParams,
+    make_rollout_engine,
+    register_backend,
+    resolve_backend,
+    vllm_installed,
+)
 from rlcore.rollout.hf import HFRolloutEngine
 
 __all__ = [

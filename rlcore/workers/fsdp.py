@@ -2,12 +2,18 @@
 
 A worker group with world_size > 1 on Ray has a torch.distributed process group in every rank
 (set up by the group before `setup()`); these helpers are what a worker does with it. Without a
-process group (one process, the in-process backend) every helper is a no-op or the plain path.
+process group (one process, the in-process backend) every helper is a no-op or the plain path,
+except the precision policy: bf16 mixed precision and CPU offload are applied by `LocalPolicy`,
+the same per-module casts and copies FSDP2 makes, so a setting means the same at every world size.
+(A one-rank process group is not an option here: an in-process vLLM engine adopts the default
+group and destroys it when it shuts down.)
 """
 
 from __future__ import annotations
 
 import types
+from collections import defaultdict
+from functools import partial
 from typing import Iterator
 
 import torch
@@ -26,6 +32,9 @@ def is_sharded(model: nn.Module) -> bool:
     return isinstance(model, FSDPModule)
 
 
+MIXED_PRECISION = ("none", "bf16")
+
+
 def shard_model(
     model: nn.Module,
     device: torch.device,
@@ -34,13 +43,25 @@ def shard_model(
 ) -> nn.Module:
     """`fully_shard` every decoder layer, then the root (embeddings, final norm and head).
 
-    Tied embeddings stay one parameter in the root's group. Without a process group the model
-    is returned unchanged; with one rank it is sharded only when bf16 mixed precision
-    (parameters bf16, gradient reduction fp32) or CPU offload is asked for.
+    Tied embeddings stay one parameter in the root's group. With one rank it is sharded only
+    when bf16 mixed precision (parameters cast to bf16 for compute, gradients reduced in fp32 into
+    the full-precision parameters) or CPU offload is asked for. Without a process group those two
+    are applied by `LocalPolicy` instead, else the model is returned unchanged. CPU offload on a
+    CPU device is refused (ValueError): there is no device memory to relieve.
     """
+    if mixed_precision not in MIXED_PRECISION:
+        raise ValueError(f"mixed_precision={mixed_precision!r} is not one of {MIXED_PRECISION}")
+    if cpu_offload and device.type != "cuda":
+        raise ValueError(f"actor.cpu_offload=true needs a CUDA device (the device is {device}): on the CPU the "
+                         "weights, gradients and optimizer state already live in host memory")
     wants_policy = mixed_precision != "none" or cpu_offload
     has_group = dist.is_available() and dist.is_initialized()
-    if not has_group or (distributed_world() == 1 and not wants_policy):
+    if not has_group:
+        if not wants_policy:
+            return model
+        param_dtype = torch.bfloat16 if mixed_precision == "bf16" else None
+        return LocalPolicy(device, param_dtype, offload=cpu_offload).apply(model)
+    if distributed_world() == 1 and not wants_policy:
         return model
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard, register_fsdp_forward_method
@@ -61,12 +82,90 @@ def shard_model(
     return model
 
 
+class LocalPolicy:
+    """FSDP2's MixedPrecisionPolicy(param_dtype, reduce_dtype=fp32) and CPUOffloadPolicy for a model
+    in one process without a process group.
+
+    The model's own parameters are the master copy (what the optimizer steps, checkpoints save and
+    the rollout receives): float32 for mixed precision, in host memory with offload. Before each
+    module's forward, its direct parameters are replaced by compute copies (`param_dtype`, on
+    `device`); after it, the masters are put back. A compute copy's gradient is added to its
+    master's `.grad` (in the master's dtype and device) as soon as autograd has accumulated it, so
+    micro-batches accumulate in float32, as FSDP2 reduces them. Buffers (RoPE's inv_freq) are never
+    cast. The hooks run again when gradient checkpointing recomputes a layer.
+
+    Differences from FSDP2: the compute copies of a forward stay alive until its backward (FSDP2
+    frees and re-gathers them); heads used outside a module's forward (`forward_response_log_probs`)
+    cast their weights themselves, to the hidden state's dtype and device.
+    """
+
+    def __init__(self, device: torch.device, param_dtype: torch.dtype | None, offload: bool = False) -> None:
+        self.device = device
+        self.param_dtype = param_dtype
+        self.offload = offload
+
+    def apply(self, model: nn.Module) -> nn.Module:
+        if self.offload:
+            _params_to_host(model)
+        owned: dict[nn.Module, list[tuple[str, nn.Parameter]]] = defaultdict(list)
+        for module in model.modules():
+            for name, param in module.named_parameters(recurse=False):
+                if self._compute_dtype(param) != param.dtype or param.device != self.device:
+                    owned[module].append((name, param))
+        for module, params in owned.items():
+            module.register_forward_pre_hook(partial(self._to_compute, params))
+            module.register_forward_hook(partial(self._to_master, params), always_call=True)
+        return model
+
+    def _compute_dtype(self, param: torch.Tensor) -> torch.dtype:
+        return self.param_dtype or param.dtype
+
+    def _to_compute(self, params: list[tuple[str, nn.Parameter]], module: nn.Module, args) -> None:
+        for name, master in params:
+            compute = nn.Parameter(
+                master.detach().to(device=self.device, dtype=self._compute_dtype(master)),
+                requires_grad=master.requires_grad,
+            )
+            if master.requires_grad:
+                compute.register_post_accumulate_grad_hook(partial(_grad_to_master, master))
+            setattr(module, name, compute)
+
+    @staticmethod
+    def _to_master(params: list[tuple[str, nn.Parameter]], module: nn.Module, args, output) -> None:
+        for name, master in params:
+            setattr(module, name, master)
+
+
+def _grad_to_master(master: nn.Parameter, compute: torch.Tensor) -> None:
+    grad = compute.grad.to(device=master.device, dtype=master.dtype)
+    if master.grad is None:
+        master.grad = grad
+    else:
+        master.grad.add_(grad)
+    compute.grad = None
+
+
+@torch.no_grad()
+def _params_to_host(model: nn.Module) -> None:
+    """Every parameter into host memory (pinned when a GPU is there, for faster copies), tied
+    parameters staying one; buffers stay where they are."""
+    moved: dict[int, nn.Parameter] = {}
+    for module in list(model.modules()):
+        for name, param in list(module.named_parameters(recurse=False)):
+            host = moved.get(id(param))
+            if host is None:
+                data = param.detach().to("cpu")
+                host = nn.Parameter(data.pin_memory() if torch.cuda.is_available() else data, requires_grad=param.requires_grad)
+                moved[id(param)] = host
+            setattr(module, name, host)
+
+
 def _sharded_log_probs(model: nn.Module, *args, **kwargs):
     """`response_log_probs` as an FSDP forward method; outputs are copies, not views (FSDP warns
     that an in-place op on a view would skip its backward hook)."""
-    from rlcore.workers.modeling import _response_log_probs_impl
+    from rlcore.workers.modeling import forward_response_log_probs
 
-    logprobs, entropy = _response_log_probs_impl(model, *args, **kwargs)
+    logprobs, entropy = forward_response_log_probs(model, *args, **kwargs)
     return logprobs.clone(), entropy.clone() if entropy is not None else None
 
 

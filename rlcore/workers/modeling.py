@@ -2,17 +2,21 @@
 
 Log-probs are computed from the last hidden state and the LM head through
 `rlcore.triton_kernels` in token chunks, so the `[tokens, vocab]` float32 logits of a whole
-batch never exist at once.
+batch never exist at once. The head is applied with the model's own semantics (bias, logit
+scale, final soft-cap; `lm_head_semantics`), and a model whose forward makes its logits some other
+way is refused when it is loaded (`check_lm_head`), so the log-probs are those the model defines.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 from torch import nn
 from transformers import AutoModelForCausalLM, AutoModelForTokenClassification
 
+from rlcore.config import ModelConfig
 from rlcore.protocol import Batch
 from rlcore.triton_kernels import fused_token_logprobs
 
@@ -25,15 +29,31 @@ def resolve_device(name: str) -> torch.device:
     return torch.device(name)
 
 
+def trained_dtype(model_cfg: ModelConfig) -> str:
+    """The dtype a trained role (actor, critic) holds its parameters, gradients and optimizer state
+    in: float32 master weights, whatever `model.dtype` computes in, unless `model.pure_bf16`."""
+    return "bfloat16" if model_cfg.pure_bf16 else "float32"
+
+
+def compute_precision(model_cfg: ModelConfig, mixed_precision: str = "none") -> str:
+    """`shard_model`'s mixed_precision for a trained role: "bf16" (forward and backward in bf16 over
+    the master weights) when `model.dtype` is bfloat16 or the role asks for bf16 mixed precision."""
+    return "bf16" if model_cfg.dtype == "bfloat16" or mixed_precision == "bf16" else "none"
+
+
 def load_causal_lm(path: str | Path, dtype: str, device: torch.device, gradient_checkpointing: bool = False) -> nn.Module:
+    """A causal LM in `dtype` on `device`; refused (ValueError) when its LM head is one the
+    log-prob path cannot reproduce (`check_lm_head`)."""
     path = Path(path)
     if not (path / "config.json").is_file():
         raise FileNotFoundError(f"model.path: {path} is not a Hugging Face model folder (no config.json)")
     model = AutoModelForCausalLM.from_pretrained(path, dtype=_DTYPES[dtype], local_files_only=True)
+    model = model.to(device)
+    check_lm_head(model)
     if gradient_checkpointing:
         model.gradient_checkpointing_enable()
         model.config.use_cache = False
-    return model.to(device)
+    return model
 
 
 def load_value_model(path: str | Path, dtype: str, device: torch.device, gradient_checkpointing: bool = False) -> nn.Module:
@@ -44,6 +64,92 @@ def load_value_model(path: str | Path, dtype: str, device: torch.device, gradien
     if gradient_checkpointing:
         model.gradient_checkpointing_enable()
     return model.to(device)
+
+
+@dataclass(frozen=True)
+class LMHead:
+    """How a causal LM turns its last hidden state h into logits: (h @ W.T + b) * logit_scale,
+    then softcap * tanh(. / softcap) when soft-capped."""
+
+    has_bias: bool
+    logit_scale: float = 1.0
+    softcap: float | None = None
+
+
+def _text_config(model: nn.Module):
+    config = model.config
+    return config.get_text_config() if hasattr(config, "get_text_config") else config
+
+
+def lm_head_semantics(model: nn.Module) -> LMHead:
+    """The head semantics of `model`, read from the attributes transformers' forwards use: the
+    output embedding's bias (Phi, GPT-J), `logit_scale` (Cohere), `config.logits_scaling`
+    (Granite: logits are divided by it) and `config.final_logit_softcapping` (Gemma 2/3).
+
+    Raises ValueError, naming the model class and attribute, for a head it cannot express."""
+    cls = type(model).__name__
+    head = model.get_output_embeddings()
+    weight = getattr(head, "weight", None)
+    if not isinstance(head, nn.Linear) or weight is None or weight.dim() != 2:
+        raise ValueError(f"{cls}: get_output_embeddings() is {type(head).__name__}, not an nn.Linear LM head; "
+                         "rlcore's log-prob path needs a [vocab, hidden] head weight")
+    scale = 1.0
+    logit_scale = getattr(model, "logit_scale", None)
+    if isinstance(logit_scale, torch.Tensor):
+        raise ValueError(f"{cls}.logit_scale is a tensor (a learned logit scale); rlcore's log-prob path "
+                         "supports a constant logit scale only")
+    if logit_scale is not None:
+        scale *= float(logit_scale)
+    config = _text_config(model)
+    logits_scaling = getattr(config, "logits_scaling", None)
+    if logits_scaling is not None:
+        scale /= float(logits_scaling)
+    softcap = getattr(config, "final_logit_softcapping", None)
+    return LMHead(has_bias=head.bias is not None, logit_scale=scale, softcap=None if softcap is None else float(softcap))
+
+
+def head_logits(model: nn.Module, hidden: torch.Tensor) -> torch.Tensor:
+    """Full float32 logits of `hidden` [..., H] under `lm_head_semantics` (for checks and tests;
+    the training path never materialises them)."""
+    spec = lm_head_semantics(model)
+    head = model.get_output_embeddings()
+    logits = hidden.float() @ head.weight.float().T
+    if spec.has_bias:
+        logits = logits + head.bias.float()
+    logits = logits * spec.logit_scale
+    if spec.softcap is not None:
+        logits = spec.softcap * torch.tanh(logits / spec.softcap)
+    return logits
+
+
+@torch.no_grad()
+def check_lm_head(model: nn.Module, probe_tokens: int = 8) -> LMHead:
+    """Refuse (ValueError naming the model class) a model whose own forward computes logits other
+    than `lm_head_semantics` says, checked on one short probe sequence: the log-probs rlcore trains
+    on would not be the model's. Tolerance: 1e-4 (float32) or 3e-2 (bf16) of the largest logit."""
+    spec = lm_head_semantics(model)
+    vocab = model.get_output_embeddings().weight.shape[0]
+    device = model.get_output_embeddings().weight.device
+    ids = (torch.arange(probe_tokens, device=device) * 7919 % vocab).unsqueeze(0)
+    was_training = model.training
+    model.eval()
+    try:
+        hidden = _backbone(model)(input_ids=ids, use_cache=False).last_hidden_state
+        own = model(input_ids=ids, use_cache=False).logits.float()
+    finally:
+        model.train(was_training)
+    ours = head_logits(model, hidden)
+    low_precision = model.get_output_embeddings().weight.dtype != torch.float32
+    tol = (3e-2 if low_precision else 1e-4) * max(1.0, own.abs().max().item())
+    diff = (own - ours).abs().max().item()
+    if not diff <= tol:
+        raise ValueError(
+            f"{type(model).__name__}: its forward computes logits differently from the LM head rlcore applies "
+            f"(lm_head weight{' + bias' if spec.has_bias else ''}, logit scale {spec.logit_scale:g}, soft-cap "
+            f"{spec.softcap}): max difference {diff:.3g} on a probe sequence. Its log-probs would be wrong; "
+            "this architecture is not supported by rlcore's log-prob path"
+        )
+    return spec
 
 
 def _backbone(model: nn.Module) -> nn.Module:
@@ -87,10 +193,10 @@ def response_log_probs(
     kwargs = dict(chunk_tokens=chunk_tokens, compute_entropy=compute_entropy, backend=backend)
     if fn is not None:
         return fn(*args, **kwargs)
-    return _response_log_probs_impl(model, *args, **kwargs)
+    return forward_response_log_probs(model, *args, **kwargs)
 
 
-def _response_log_probs_impl(
+def forward_response_log_probs(
     model: nn.Module,
     input_ids: torch.Tensor,
     attention_mask: torch.Tensor,
@@ -102,13 +208,24 @@ def _response_log_probs_impl(
     compute_entropy: bool = False,
     backend: str = "auto",
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The computation behind `response_log_probs` (what FSDP registers as a forward method).
+
+    The head's weight and bias are used in the hidden state's dtype and device: under mixed
+    precision the backbone computes in bf16 and so does the head (as FSDP2 casts it), and with CPU
+    offload the head's master copy lives on the host."""
     hidden = _hidden_before_responses(model, input_ids, attention_mask, position_ids, responses.shape[1])
     n, r, h = hidden.shape
-    weight = model.get_output_embeddings().weight
+    spec = lm_head_semantics(model)
+    head = model.get_output_embeddings()
+    weight = head.weight.to(device=hidden.device, dtype=hidden.dtype)
+    bias = head.bias.to(device=hidden.device, dtype=hidden.dtype) if spec.has_bias else None
     out = fused_token_logprobs(
         hidden.reshape(n * r, h),
         weight,
         responses.reshape(-1),
+        bias=bias,
+        logit_scale=spec.logit_scale,
+        softcap=spec.softcap,
         temperature=temperature,
         compute_entropy=compute_entropy,
         chunk_tokens=chunk_tokens,

@@ -12,8 +12,10 @@ from typing import Any, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
+from rlcore.errors import RLCoreError
 
-class ConfigError(ValueError):
+
+class ConfigError(RLCoreError, ValueError):
     """A configuration problem; the message names the dotted key."""
 
 

@@ -14,7 +14,7 @@ from typing import Any, Literal
 
 from rlcore.data.chat import prompt_ids
 from rlcore.data.io import read_rows
-from rlcore.data.schema import BadRowPolicy, DataError, DataValidationError, apply_policy
+from rlcore.data.schema import BadRowPolicy, DataError, DatasetError, DataValidationError, apply_policy
 
 log = logging.getLogger(__name__)
 
@@ -60,7 +60,7 @@ class RLDataset:
         self.stats = {"rows_read": 0, "bad_rows": 0, "too_long": 0, "kept": 0}
         too_long: list[DataError] = []
         for file in self.files:
-            rows = read_rows(file)
+            rows = read_rows(file, keep_unreadable=True)  # undecodable rows: reported or skipped below
             self.stats["rows_read"] += len(rows)
             good, errors = apply_policy(rows, file, on_bad_row)
             self.bad_rows.extend(errors)
@@ -90,7 +90,7 @@ class RLDataset:
         if too_long:
             log.warning("dropped %d prompt(s) longer than %d tokens; first: %s", len(too_long), max_prompt_length, too_long[0])
         if not self.items:
-            raise ValueError(f"no usable prompts in {self.files} (stats: {self.stats})")
+            raise DatasetError(f"no usable prompts in {self.files} (stats: {self.stats})")
 
     def __len__(self) -> int:
         return len(self.items)

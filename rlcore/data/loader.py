@@ -13,6 +13,7 @@ import numpy as np
 import torch
 
 from rlcore.data.dataset import PromptItem, RLDataset
+from rlcore.data.schema import DatasetError
 from rlcore.protocol import Batch
 
 
@@ -53,7 +54,8 @@ class PromptLoader:
         self.drop_last = drop_last
         self.pad_token_id = pad_token_id if pad_token_id is not None else getattr(dataset, "pad_token_id", 0)
         if len(self) == 0:
-            raise ValueError(f"dataset has {len(dataset)} prompts, fewer than one batch of {batch_size} (drop_last=True)")
+            raise DatasetError(f"dataset has {len(dataset)} rows, fewer than one batch of {batch_size} (drop_last=True): "
+                               "add rows or lower the batch size (data.train_batch_size)")
         self.epoch = 0
         self.position = 0  # batches already handed out in this epoch
 

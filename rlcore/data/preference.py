@@ -15,9 +15,10 @@ from __future__ import annotations
 
 import hashlib
 import logging
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal, Sequence
+from typing import Any, Literal
 
 import numpy as np
 import torch
@@ -25,13 +26,25 @@ import torch
 from rlcore.data.chat import prompt_ids
 from rlcore.data.io import read_rows
 from rlcore.data.loader import PromptLoader
-from rlcore.data.schema import BadRowPolicy, DataError, DataValidationError, type_name, validate_prompt, check_extra_info
+from rlcore.data.schema import (
+    BadRowPolicy,
+    DataError,
+    DatasetError,
+    DataValidationError,
+    UnreadableRow,
+    check_extra_info,
+    type_name,
+    validate_prompt,
+)
 from rlcore.protocol import Batch
 
 log = logging.getLogger(__name__)
 
 PreferenceKind = Literal["pairwise", "unpaired"]
 KINDS = ("pairwise", "unpaired")
+# The top-level fields each kind's rows must have (what a file's columns are checked against before loading).
+PREFERENCE_FIELDS: dict[PreferenceKind, tuple[str, ...]] = {
+    "pairwise": ("prompt", "chosen", "rejected"), "unpaired": ("prompt", "completion", "label")}
 SEQUENCE_KEYS = ("input_ids", "attention_mask", "position_ids", "responses", "response_mask")
 
 
@@ -72,6 +85,8 @@ def validate_preference_row(row: Any, file: str, index: int, kind: PreferenceKin
     """Every problem in one preference row (empty list: the row is good)."""
     if kind not in KINDS:
         raise ValueError(f"kind must be one of {KINDS}, got {kind!r}")
+    if isinstance(row, UnreadableRow):
+        return list(row.errors)
     if not isinstance(row, dict):
         return [DataError(file, index, "<row>", f"expected an object, got {type_name(row)}")]
     errors = validate_prompt(row.get("prompt"), file, index)
@@ -94,8 +109,8 @@ def validate_preference_row(row: Any, file: str, index: int, kind: PreferenceKin
 
 
 def detect_kind(rows: list[Any], file: str) -> PreferenceKind:
-    """"pairwise" when the first row has `chosen`, "unpaired" when it has `completion`."""
-    first = rows[0] if rows else None
+    """"pairwise" when the first readable row has `chosen`, "unpaired" when it has `completion`."""
+    first = next((row for row in rows if not isinstance(row, UnreadableRow)), None)
     if isinstance(first, dict) and "chosen" in first:
         return "pairwise"
     if isinstance(first, dict) and "completion" in first:
@@ -151,7 +166,7 @@ class PreferenceDataset:
         self.kind: PreferenceKind | None = kind
         errors: list[DataError] = []
         for file in self.files:
-            rows = read_rows(file)
+            rows = read_rows(file, keep_unreadable=True)  # undecodable rows: reported or skipped below
             self.stats["rows_read"] += len(rows)
             file_kind = kind or detect_kind(rows, file)
             if self.kind is not None and file_kind != self.kind:
@@ -190,7 +205,7 @@ class PreferenceDataset:
         if self.bad_rows:
             log.warning("preference data: dropped %d row(s) in %s; first: %s", len(self.bad_rows), self.files, self.bad_rows[0])
         if not self.items:
-            raise ValueError(f"no usable preference rows in {self.files} (stats: {self.stats})")
+            raise DatasetError(f"no usable preference rows in {self.files} (stats: {self.stats})")
 
     def __len__(self) -> int:
         return len(self.items)
@@ -304,7 +319,7 @@ class PreferenceLoader(PromptLoader):
 
 
 __all__ = [
-    "KINDS", "PreferenceDataset", "PreferenceItem", "PreferenceKind", "PreferenceLoader", "collate_pairs",
+    "KINDS", "PREFERENCE_FIELDS", "PreferenceDataset", "PreferenceItem", "PreferenceKind", "PreferenceLoader", "collate_pairs",
     "collate_unpaired", "detect_kind", "sequence_log_prob_sums", "sequence_tensors", "sequence_view",
     "validate_preference_row",
 ]

@@ -7,13 +7,24 @@ Validation reports every bad row, so a user fixes a file in one pass instead of 
 
 from __future__ import annotations
 
-from typing import Any, Iterable, Literal
+from collections.abc import Iterable
+from dataclasses import dataclass
+from typing import Any, Literal
+
+from rlcore.errors import RLCoreError
 
 ROLES = ("system", "user", "assistant", "tool")
 BadRowPolicy = Literal["error", "skip"]
+# The top-level fields every RL row must have (what a file's columns are checked against before loading).
+RL_FIELDS = ("prompt", "data_source", "reward_model")
 
 
-class DataError(ValueError):
+class DatasetError(RLCoreError, ValueError):
+    """A dataset file that cannot be used (missing, unreadable, no usable rows); the message names
+    the file. `DataError` (one row) and `DataValidationError` (many rows) are its kinds."""
+
+
+class DataError(DatasetError):
     """One problem in one row: `str()` names the file, the row index and the field."""
 
     def __init__(self, file: str, row: int, field: str, message: str) -> None:
@@ -24,7 +35,7 @@ class DataError(ValueError):
         return (DataError, (self.file, self.row, self.field, self.message))
 
 
-class DataValidationError(ValueError):
+class DataValidationError(DatasetError):
     """All the bad rows of a file (policy "error"); `.errors` holds each `DataError`."""
 
     MAX_LISTED = 20
@@ -40,6 +51,14 @@ class DataValidationError(ValueError):
 
     def __reduce__(self):
         return (DataValidationError, (self.errors,))
+
+
+@dataclass(frozen=True)
+class UnreadableRow:
+    """Stands in for a row whose bytes could not be decoded (not UTF-8, not JSON), at the row's own
+    index, so validation reports its errors beside the others and `on_bad_row` decides its fate."""
+
+    errors: tuple[DataError, ...]
 
 
 def type_name(v: Any) -> str:
@@ -83,6 +102,8 @@ def check_extra_info(row: dict, file: str, index: int) -> list[DataError]:
 
 def validate_row(row: Any, file: str, index: int) -> list[DataError]:
     """Every problem found in one row (empty list: the row is good)."""
+    if isinstance(row, UnreadableRow):
+        return list(row.errors)
     if not isinstance(row, dict):
         return [DataError(file, index, "<row>", f"expected an object, got {type_name(row)}")]
     errors = validate_prompt(row.get("prompt"), file, index)

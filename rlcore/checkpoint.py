@@ -1,15 +1,22 @@
-"""Atomic, verifiable checkpoints.
+"""Atomic checkpoints, verified before they are trusted.
 
 A checkpoint is a folder `step_00000042/` holding HF-format model folders (safetensors that
-`AutoModelForCausalLM.from_pretrained` loads as is) plus `trainer_state.pt` (optimizer,
-scheduler, KL controller, RNG states, data-loader position). It is written under a temporary
-name, closed with a `COMPLETE.json` manifest (every file with its size), and only then renamed,
-so a run killed mid-save never leaves a folder that `latest()` would pick up; a folder whose
-files no longer match the manifest (truncated, deleted) is skipped with a warning.
+`AutoModelForCausalLM.from_pretrained` loads as is), optimizer/scheduler state, and
+`trainer_state.json` (step, data-loader position, KL controller, RNG states: JSON, so loading a
+checkpoint never unpickles anything). It is written under a temporary name, closed with a
+`COMPLETE.json` manifest (every file with its size and SHA-256, written last, atomically), and only
+then renamed, so a run killed mid-save never leaves a folder that `latest()` would pick up.
+
+Before a resume, `verify` re-hashes every file and checks that every floating-point tensor in the
+safetensors files is finite; `latest()` falls back past a damaged checkpoint to the newest intact
+one, naming the bad file, and stops with every reason when none is intact. Pruning (`keep_last`)
+never removes the newest checkpoint marked healthy (saved after a step that passed the health
+checks).
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 import os
@@ -17,8 +24,9 @@ import random
 import re
 import shutil
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import numpy as np
 import torch
@@ -44,12 +52,36 @@ def _fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
-def _file_table(root: Path) -> dict[str, int]:
+def file_sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+def _file_table(root: Path) -> dict[str, dict[str, Any]]:
     return {
-        str(p.relative_to(root)): p.stat().st_size
+        str(p.relative_to(root)): {"size": p.stat().st_size, "sha256": file_sha256(p)}
         for p in sorted(root.rglob("*"))
         if p.is_file() and p.name != MANIFEST
     }
+
+
+def check_finite_weights(path: Path) -> None:
+    """Raise CheckpointError naming the first tensor of a safetensors file that is not finite."""
+    from safetensors import safe_open
+
+    try:
+        with safe_open(str(path), framework="pt") as f:
+            for name in f.keys():
+                t = f.get_tensor(name)
+                if t.is_floating_point() and not bool(torch.isfinite(t).all()):
+                    raise CheckpointError(f"{path}: tensor {name} has non-finite values")
+    except CheckpointError:
+        raise
+    except Exception as err:  # noqa: BLE001 - any read failure means the file is unusable
+        raise CheckpointError(f"{path}: unreadable safetensors file: {err}") from None
 
 
 class CheckpointManager:
@@ -62,23 +94,27 @@ class CheckpointManager:
     def path_for(self, step: int) -> Path:
         return self.root / f"step_{step:08d}"
 
-    def save(self, step: int, write: Callable[[Path], None], extra: dict[str, Any] | None = None) -> Path:
-        """`write(folder)` fills a fresh folder; it becomes visible only once complete."""
+    def save(self, step: int, write: Callable[[Path], None], extra: dict[str, Any] | None = None,
+             healthy: bool = True) -> Path:
+        """`write(folder)` fills a fresh folder; it becomes visible only once complete. `healthy`:
+        the step passed the run's health checks (pruning keeps the newest healthy checkpoint)."""
         self.root.mkdir(parents=True, exist_ok=True)
         tmp = self.root / f".tmp-step_{step:08d}-{os.getpid()}"
         if tmp.exists():
             shutil.rmtree(tmp)
         tmp.mkdir()
         write(tmp)
-        manifest = {"step": step, "created": time.time(), "files": _file_table(tmp), **(extra or {})}
-        with open(tmp / MANIFEST, "w") as f:
-            json.dump(manifest, f, indent=1)
-            f.flush()
-            os.fsync(f.fileno())
         for p in tmp.rglob("*"):
             if p.is_file():
                 with open(p, "rb") as f:
                     os.fsync(f.fileno())
+        manifest = {"step": step, "created": time.time(), "healthy": healthy, "files": _file_table(tmp), **(extra or {})}
+        part = tmp / f".{MANIFEST}.part"
+        with open(part, "w") as f:
+            json.dump(manifest, f, indent=1)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(part, tmp / MANIFEST)  # written last: the folder is whole
         final = self.path_for(step)
         if final.exists():  # the same step saved again after a resume
             shutil.rmtree(final)
@@ -94,34 +130,63 @@ class CheckpointManager:
         found = [p for p in self.root.iterdir() if p.is_dir() and _STEP_DIR.match(p.name) and (p / MANIFEST).is_file()]
         return sorted(found, key=lambda p: int(_STEP_DIR.match(p.name).group(1)))
 
-    def verify(self, path: Path) -> dict[str, Any]:
-        """Return the manifest, or raise CheckpointError naming the missing or damaged file."""
+    def verify(self, path: Path, weights: bool = True) -> dict[str, Any]:
+        """Return the manifest, or raise CheckpointError naming the checkpoint and the missing,
+        changed (size or SHA-256) or non-finite file. `weights`: also check that the safetensors
+        weights are finite."""
         try:
             manifest = json.loads((path / MANIFEST).read_text())
-        except (OSError, ValueError) as err:
+            files = manifest["files"]
+        except (OSError, ValueError, KeyError, TypeError) as err:
             raise CheckpointError(f"{path}: unreadable {MANIFEST}: {err}") from None
-        for rel, size in manifest.get("files", {}).items():
+        for rel, expected in files.items():
             f = path / rel
             if not f.is_file():
                 raise CheckpointError(f"{path}: missing file {rel}")
+            size = expected["size"] if isinstance(expected, dict) else expected  # older manifests: sizes only
             if f.stat().st_size != size:
                 raise CheckpointError(f"{path}: file {rel} has {f.stat().st_size} bytes, manifest says {size}")
+            if isinstance(expected, dict) and file_sha256(f) != expected["sha256"]:
+                raise CheckpointError(f"{path}: file {rel} does not match its SHA-256 in {MANIFEST} (changed or corrupted)")
+        if weights:
+            for rel in files:
+                if rel.endswith(".safetensors"):
+                    check_finite_weights(path / rel)
         return manifest
 
     def latest(self) -> Path | None:
-        """Newest checkpoint that verifies; damaged ones are skipped with a warning."""
+        """Newest checkpoint that verifies; damaged ones are skipped with a warning naming the bad
+        file. None when there is no checkpoint; CheckpointError when there are some but none is intact."""
+        problems = []
         for path in reversed(self.complete()):
             try:
                 self.verify(path)
+                if problems:
+                    log.warning("falling back to the intact checkpoint %s", path)
                 return path
             except CheckpointError as err:
                 log.warning("skipping damaged checkpoint: %s", err)
+                problems.append(str(err))
+        if problems:
+            raise CheckpointError(f"no intact checkpoint in {self.root}: " + "; ".join(problems))
+        return None
+
+    def newest_healthy(self) -> Path | None:
+        """The newest complete checkpoint marked healthy in its manifest."""
+        for path in reversed(self.complete()):
+            try:
+                if json.loads((path / MANIFEST).read_text()).get("healthy", True):
+                    return path
+            except (OSError, ValueError):
+                continue
         return None
 
     def _prune(self) -> None:
         done = self.complete()
+        keep = self.newest_healthy()
         for old in done[: max(0, len(done) - self.keep_last)]:
-            shutil.rmtree(old, ignore_errors=True)
+            if old != keep:
+                shutil.rmtree(old, ignore_errors=True)
         for stale in self.root.glob(".tmp-step_*"):
             if not stale.name.endswith(f"-{os.getpid()}"):
                 shutil.rmtree(stale, ignore_errors=True)
@@ -135,27 +200,44 @@ def step_of(path: Path) -> int:
 
 
 def rng_state() -> dict[str, Any]:
-    state = {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}
+    """Python, numpy and torch (and CUDA) generator states, as JSON-safe lists."""
+    version, internal, gauss = random.getstate()
+    kind, keys, pos, has_gauss, cached = np.random.get_state()
+    state: dict[str, Any] = {
+        "python": [version, list(internal), gauss],
+        "numpy": [kind, keys.tolist(), int(pos), int(has_gauss), float(cached)],
+        "torch": torch.get_rng_state().tolist(),
+    }
     if torch.cuda.is_available():
-        state["cuda"] = torch.cuda.get_rng_state_all()
+        state["cuda"] = [s.tolist() for s in torch.cuda.get_rng_state_all()]
     return state
 
 
 def set_rng_state(state: dict[str, Any]) -> None:
-    random.setstate(state["python"])
-    np.random.set_state(state["numpy"])
-    torch.set_rng_state(state["torch"])
+    version, internal, gauss = state["python"]
+    random.setstate((version, tuple(internal), gauss))
+    kind, keys, pos, has_gauss, cached = state["numpy"]
+    np.random.set_state((kind, np.asarray(keys, dtype=np.uint32), pos, has_gauss, cached))
+    torch.set_rng_state(torch.tensor(state["torch"], dtype=torch.uint8))
     if "cuda" in state and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(state["cuda"])
+        torch.cuda.set_rng_state_all([torch.tensor(s, dtype=torch.uint8) for s in state["cuda"]])
+
+
+TRAINER_STATE = "trainer_state.json"
 
 
 def save_trainer_state(folder: Path, state: dict[str, Any]) -> None:
-    torch.save(state, folder / "trainer_state.pt")
+    """The controller's state as JSON (no pickle: loading a checkpoint can never run code)."""
+    with open(folder / TRAINER_STATE, "w") as f:
+        json.dump(state, f, allow_nan=True)
 
 
 def load_trainer_state(folder: Path) -> dict[str, Any]:
-    path = folder / "trainer_state.pt"
+    path = folder / TRAINER_STATE
     try:
-        return torch.load(path, map_location="cpu", weights_only=False)
-    except Exception as err:  # noqa: BLE001 - any unpickling failure means the same thing here
+        state = json.loads(path.read_text())
+    except (OSError, ValueError) as err:
         raise CheckpointError(f"{path}: cannot load trainer state: {err}") from None
+    if not isinstance(state, dict):
+        raise CheckpointError(f"{path}: trainer state is not a JSON object")
+    return state

@@ -9,11 +9,17 @@ of a resumed run reads like that of an uninterrupted one.
 from __future__ import annotations
 
 import json
+import logging
 import math
+import os
 import sys
 import tempfile
 from pathlib import Path
 from typing import Any, Iterable, Protocol
+
+from rlcore.redact import redact_params
+
+log = logging.getLogger(__name__)
 
 
 def _plain(value: Any) -> Any:
@@ -44,17 +50,35 @@ class JsonlSink:
         self._file.close()
 
 
+def read_jsonl(path: str | Path) -> list[dict[str, Any]]:
+    """The records of a JSONL log. A torn last line (the process was killed mid-write) is dropped
+    with a warning; a bad line anywhere else is an error naming the file and line."""
+    path = Path(path)
+    lines = path.read_text(errors="replace").splitlines()
+    records = []
+    for number, line in enumerate(lines, start=1):
+        if not line.strip():
+            continue
+        try:
+            records.append(json.loads(line))
+        except json.JSONDecodeError as err:
+            if number == len(lines):
+                log.warning("%s: dropped a torn last line (a write was cut off): %.60s...", path, line)
+                continue
+            raise ValueError(f"{path}:{number}: not a JSON record: {err}") from None
+    return records
+
+
 def truncate_jsonl(path: str | Path, last_step: int) -> None:
-    """Keep only records with step <= last_step (used before resuming from that step)."""
+    """Keep only records with step <= last_step (before resuming from that step; -1 empties the
+    log for a fresh start). A torn last line goes too (see `read_jsonl`)."""
     path = Path(path)
     if not path.exists():
         return
-    kept = [line for line in path.read_text().splitlines() if line.strip() and json.loads(line)["step"] <= last_step]
-    path.write_text("".join(line + "\n" for line in kept))
-
-
-def read_jsonl(path: str | Path) -> list[dict[str, Any]]:
-    return [json.loads(line) for line in Path(path).read_text().splitlines() if line.strip()]
+    kept = [r for r in read_jsonl(path) if r["step"] <= last_step]
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text("".join(json.dumps(r) + "\n" for r in kept))
+    os.replace(tmp, path)
 
 
 class ConsoleSink:
@@ -173,7 +197,7 @@ class MlflowStore:
 
     # ------------------------------------------------------------------ runs
     def start_run(self, name: str, parent_run_id: str | None = None, tags: dict[str, str] | None = None) -> str:
-        all_tags = dict(tags or {})
+        all_tags = redact_params(tags or {})
         if parent_run_id:
             all_tags["mlflow.parentRunId"] = parent_run_id
         run = self.client.create_run(self.experiment_id, run_name=name, tags=all_tags)
@@ -185,7 +209,7 @@ class MlflowStore:
     def log_params(self, run_id: str, params: dict[str, Any]) -> None:
         from mlflow.entities import Param
 
-        items = [Param(mlflow_key(k), str(v)[:6000]) for k, v in params.items()]
+        items = [Param(mlflow_key(k), str(v)[:6000]) for k, v in redact_params(params).items()]  # no secrets in MLflow
         for start in range(0, len(items), 100):  # MLflow's limit of params per batch
             self.client.log_batch(run_id, params=items[start:start + 100])
 
@@ -193,7 +217,7 @@ class MlflowStore:
         MlflowSink(run_id, client=self.client).log(step, metrics)
 
     def set_tags(self, run_id: str, tags: dict[str, Any]) -> None:
-        for k, v in tags.items():
+        for k, v in redact_params(tags).items():
             self.client.set_tag(run_id, k, str(v))
 
     def log_artifact(self, run_id: str, path: str | Path, artifact_path: str | None = None) -> None:

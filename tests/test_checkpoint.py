@@ -64,3 +64,24 @@ def test_damaged_checkpoint_is_skipped_with_reason(tmp_path):
 def test_step_of_rejects_other_folders(tmp_path):
     with pytest.raises(CheckpointError, match="not a checkpoint folder"):
         step_of(tmp_path / "latest")
+
+
+def test_pruning_never_removes_the_newest_healthy_checkpoint(tmp_path):
+    mgr = CheckpointManager(tmp_path, keep_last=1)
+    mgr.save(1, _writer(b"a"))
+    mgr.save(2, _writer(b"b"), healthy=False)
+    mgr.save(3, _writer(b"c"), healthy=False)
+    assert [step_of(p) for p in mgr.complete()] == [1, 3]
+    assert step_of(mgr.newest_healthy()) == 1
+    mgr.save(4, _writer(b"d"))
+    assert [step_of(p) for p in mgr.complete()] == [4]
+
+
+def test_a_changed_file_of_the_same_size_fails_its_hash(tmp_path):
+    mgr = CheckpointManager(tmp_path, keep_last=3)
+    mgr.save(1, _writer(b"good"))
+    newest = mgr.save(2, _writer(b"same"))
+    (newest / "model" / "weights.bin").write_bytes(b"SAME")
+    with pytest.raises(CheckpointError, match=r"step_00000002: file model/weights.bin does not match its SHA-256"):
+        mgr.verify(newest)
+    assert step_of(mgr.latest()) == 1

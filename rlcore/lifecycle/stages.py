@@ -19,15 +19,16 @@ import traceback
 from pathlib import Path
 from typing import Any
 
-from rlcore.config import Config, config_from_dict, dump_config, load_config
-from rlcore.lifecycle.data_prep import PreparedData, prepare_dataset
+from rlcore.config import Config, config_from_dict, load_config
+from rlcore.lifecycle.data_prep import prepare_dataset
 from rlcore.lifecycle.evaluation import evaluate_model
 from rlcore.lifecycle.fingerprint import files_fingerprint
 from rlcore.lifecycle.gate import GatePolicy, decide
-from rlcore.lifecycle.health import HealthBreach, HealthGuard
+from rlcore.lifecycle.health import HealthBreach
 from rlcore.lifecycle.lineage import build_lineage, lineage_tags
 from rlcore.lifecycle.mlflow_store import CHALLENGER, CHAMPION, MlflowStore, ModelRegistry, default_tracking_uri, log_training
 from rlcore.lifecycle.notify import notify
+from rlcore.redact import redact_tree
 
 log = logging.getLogger(__name__)
 
@@ -146,8 +147,8 @@ def train_stage(config: Config, prepared: dict[str, Any], workdir: str | Path, c
     """Train from the config (warm-started from the champion when configured), under the health
     guard; resumes from the newest complete checkpoint of this pipeline run when retried."""
     from rlcore.checkpoint import CheckpointManager
-    from rlcore.trainer.run_state import TrainingStopped
     from rlcore.trainer.run import run_training
+    from rlcore.trainer.run_state import TrainingStopped
 
     reference_model = str(Path(config.model.path).resolve())
     start_model, parent = reference_model, reference_model
@@ -163,10 +164,9 @@ def train_stage(config: Config, prepared: dict[str, Any], workdir: str | Path, c
     store = open_store(config, workdir)
     run_id = store.start_run("train", ctx["run_id"], {PIPELINE_TAG: ctx["run_name"], "rlcore.stage": "train",
                                                       "parent_model": parent, "dataset_fingerprint": prepared["fingerprint"]})
-    hooks = [HealthGuard.from_config(config.health)] if config.health.enabled else []
     stopped: dict[str, Any] | None = None
     try:
-        run_training(run_config, step_hooks=hooks)
+        run_training(run_config)  # every recipe runs the health guard of `health:`
     except HealthBreach as breach:
         stopped = breach.to_dict()
     except TrainingStopped as err:
@@ -203,7 +203,8 @@ def train_stage(config: Config, prepared: dict[str, Any], workdir: str | Path, c
         "steps": max((r["step"] for r in records), default=0),
         "train_val_acc_first": vals[0]["val/acc"] if vals else None,
         "train_val_acc_last": vals[-1]["val/acc"] if vals else None,
-        "config": run_config.model_dump(mode="json"),
+        # for lineage.json and the model version's tags (and Prefect's stored task result): redacted
+        "config": redact_tree(run_config.model_dump(mode="json")),
     }
 
 

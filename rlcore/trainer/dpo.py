@@ -14,6 +14,7 @@ from typing import Any, Sequence
 
 from rlcore.config import Config
 from rlcore.protocol import Batch
+from rlcore.trainer.health import HealthGuard
 from rlcore.trainer.loaders import preference_loader, prompt_loader
 from rlcore.trainer.metrics import Timer, mean_over_ranks
 from rlcore.trainer.preference_parts import (
@@ -43,9 +44,10 @@ class DPOTrainer:
         self.logps = SequenceLogProbs(config, self.groups, self.algorithm)
         self.reference = ReferenceLogProbs(config, self.run_dir, self.logps)
         self.guard = BadStepGuard(config.actor.max_consecutive_bad_steps, self.run_dir / "checkpoints")
+        self.health = HealthGuard.from_config(config.health)
         self.checkpoints = RunCheckpoints(config, self.run_dir, self.groups, self.algorithm,
-                                          {"train_loader": self.train_loader, "guard": self.guard})
-        self.log = StepLog(config, self.run_dir, self.algorithm, self.groups, step_hooks)
+                                          {"train_loader": self.train_loader, "guard": self.guard, "health": self.health})
+        self.log = StepLog(config, self.run_dir, self.algorithm, self.groups, [self.health, *step_hooks])
         self.step = 0
 
     def fit(self) -> list[dict[str, Any]]:

@@ -16,6 +16,7 @@ from typing import Any, Sequence
 from rlcore.algos import compute_advantage, make_kl_controller
 from rlcore.config import Config
 from rlcore.protocol import Batch
+from rlcore.trainer.health import HealthGuard
 from rlcore.trainer.loaders import prompt_loader
 from rlcore.trainer.metrics import Timer, mean_over_ranks, rl_batch_metrics
 from rlcore.trainer.rl_steps import old_and_ref_log_probs, rewards_with_kl, score
@@ -44,11 +45,12 @@ class PPOTrainer:
         kl = config.algorithm.kl_ctrl
         self.kl_ctrl = make_kl_controller(kl.type, kl_coef=kl.kl_coef, target_kl=kl.target_kl, horizon=kl.horizon)
         self.guard = BadStepGuard(config.actor.max_consecutive_bad_steps, self.run_dir / "checkpoints")
-        self.checkpoints = RunCheckpoints(config, self.run_dir, self.groups, self.algorithm,
-                                          {"train_loader": self.train_loader, "kl_ctrl": self.kl_ctrl, "guard": self.guard})
+        self.health = HealthGuard.from_config(config.health)
+        self.checkpoints = RunCheckpoints(config, self.run_dir, self.groups, self.algorithm, {
+            "train_loader": self.train_loader, "kl_ctrl": self.kl_ctrl, "guard": self.guard, "health": self.health})
         self.rollout_sleep = RolloutSleep(self.groups, rollout_shares_gpu(config))
         self.prefetcher = Prefetcher(config, self.groups, self.train_loader) if config.trainer.off_policy == "one_step" else None
-        self.log = StepLog(config, self.run_dir, self.algorithm, self.groups, step_hooks)
+        self.log = StepLog(config, self.run_dir, self.algorithm, self.groups, [self.health, *step_hooks])
         self.step = 0
         self.rollout_version = 0  # the rollout engine holds the weights after this many actor updates
 

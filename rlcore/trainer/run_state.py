@@ -89,9 +89,9 @@ class RunCheckpoints:
     def resume(self) -> int:
         """Restore the newest checkpoint (`trainer.resume`); returns its step (0: a fresh start)."""
         path = self._resume_point()
-        if path is None:
+        if path is None:  # a fresh start: nothing of an earlier attempt stays in the logs
             for name in self.LOGS:
-                truncate_jsonl(self.run_dir / name, 0)
+                truncate_jsonl(self.run_dir / name, -1)
             return 0
         saved = load_trainer_state(path)
         self.groups.load_checkpoint(str(path))
@@ -110,7 +110,9 @@ class RunCheckpoints:
             state = {name: obj.state_dict() for name, obj in self.state.items()}
             save_trainer_state(folder, {"step": step, "rng": rng_state(), **state})
 
-        return self.manager.save(step, write, extra={"algorithm": self.algorithm})
+        # Saved only after the step passed the health guard; with `health.enabled: false` the
+        # checkpoint is unchecked, and pruning keeps the newest checked one.
+        return self.manager.save(step, write, extra={"algorithm": self.algorithm}, healthy=self.config.health.enabled)
 
     def _resume_point(self) -> Path | None:
         mode = self.config.trainer.resume

@@ -81,8 +81,6 @@ class ActorWorker(Worker):
         super().__init__(rank=rank, world_size=world_size, role="actor")
         self.config = config
         self.device = resolve_device(config.trainer.device)
-        self.log_probs = PolicyLogProbs.of(config)
-        self.settings = UpdateSettings.of(config.actor)
         self.model: nn.Module | None = None
         self.optimizer: torch.optim.Optimizer | None = None
         self.scheduler: torch.optim.lr_scheduler.LRScheduler | None = None
@@ -99,6 +97,14 @@ class ActorWorker(Worker):
     @property
     def trained(self) -> Trainable:
         return Trainable(self.model, self.optimizer, self.scheduler)
+
+    @property
+    def log_probs(self) -> PolicyLogProbs:
+        return PolicyLogProbs.of(self.config)  # read per call: the config is the one source of settings
+
+    @property
+    def settings(self) -> UpdateSettings:
+        return UpdateSettings.of(self.config.actor)
 
     @register(dispatch=Dispatch.DP_BALANCED)
     def compute_log_prob(self, batch: Batch) -> Batch:
@@ -128,7 +134,8 @@ class ActorWorker(Worker):
 
     def _step_metrics(self, result: UpdateResult) -> dict[str, float]:
         return {"actor/grad_norm": result.grad_norm, "actor/lr": self.trained.lr, "actor/bad_updates": float(result.skipped_steps),
-                "actor/param_norm": result.param_norm, "actor/nonfinite_state": result.nonfinite_state}
+                "actor/param_norm": result.param_norm, "actor/param_norm_growth": result.param_norm_growth,
+                "actor/nonfinite_state": result.nonfinite_state}
 
     @register(dispatch=Dispatch.COLLECTIVE, blocking=False)
     def weights_for_rollout(self) -> list[tuple[str, torch.Tensor]]:
@@ -171,8 +178,6 @@ class ReferenceWorker(Worker):
         super().__init__(rank=rank, world_size=world_size, role="ref")
         self.config = config
         self.device = resolve_device(config.trainer.device)
-        self.log_probs = PolicyLogProbs.of(config)
-        self.micro = MicroBatching.of(config.actor)
         self.model: nn.Module | None = None
 
     def setup(self, model_path: str | None = None) -> None:
@@ -183,4 +188,5 @@ class ReferenceWorker(Worker):
 
     @register(dispatch=Dispatch.DP_BALANCED)
     def compute_ref_log_prob(self, batch: Batch) -> Batch:
-        return self.log_probs.no_grad(self.model, batch, "ref_log_probs", self.micro, self.device)
+        log_probs = PolicyLogProbs.of(self.config)
+        return log_probs.no_grad(self.model, batch, "ref_log_probs", MicroBatching.of(self.config.actor), self.device)

@@ -122,6 +122,31 @@ class UpdateResult:
     grad_norm: float    # mean over the steps taken; nan if none was
     skipped_steps: int  # steps dropped for a non-finite loss or gradient norm
     metrics: dict[str, float]  # `terms` (mean over steps taken) and `stats` (pooled means)
+    param_norm: float = math.nan   # L2 norm of all parameters after the update (over ranks)
+    param_norm_growth: float = 1.0  # that norm after / before this update
+    nonfinite_state: float = 0.0   # non-finite elements in parameters and optimizer state (over ranks)
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    """This rank's shard of a (possibly FSDP2-sharded) tensor."""
+    return t.to_local() if hasattr(t, "to_local") else t
+
+
+def weight_health(trained: Trainable, device: torch.device) -> tuple[float, float]:
+    """(parameter L2 norm, count of non-finite elements in parameters and optimizer state), summed
+    over ranks: what the run-health guard needs to stop an exploding or NaN model before it is saved."""
+    squares, bad = 0.0, 0.0
+    with torch.no_grad():
+        for p in trained.model.parameters():
+            local = _local(p.detach()).float()
+            squares += float(local.square().sum())
+            bad += float((~torch.isfinite(local)).sum())
+        for state in trained.optimizer.state.values():
+            for value in state.values():
+                if isinstance(value, torch.Tensor) and value.is_floating_point():
+                    bad += float((~torch.isfinite(_local(value.detach()))).sum())
+    squares, bad = global_sums([squares, bad], device)
+    return math.sqrt(squares) if math.isfinite(squares) else math.inf, bad
 
 
 def run_update(
@@ -138,6 +163,7 @@ def run_update(
     step each, then one scheduler step. `lengths` gives the tokens of each row for packing."""
     trained.model.train()
     batch = batch.to(device)
+    norm_before, _ = weight_health(trained, device)
     stats = RankSummedMeans()
     taken: list[dict[str, float]] = []
     skipped = 0
@@ -150,11 +176,15 @@ def run_update(
                 taken.append(step)
     trained.scheduler.step()
     means = {k: sum(s[k] for s in taken) / len(taken) for k in taken[0]} if taken else {}
+    param_norm, nonfinite = weight_health(trained, device)
     return UpdateResult(
         loss=means.pop("loss", math.nan),
         grad_norm=means.pop("grad_norm", math.nan),
         skipped_steps=skipped,
         metrics={**means, **stats.means(device)},
+        param_norm=param_norm,
+        param_norm_growth=param_norm / norm_before if norm_before > 0 else 1.0,
+        nonfinite_state=nonfinite,
     )
 
 

@@ -2,17 +2,23 @@
 and `rlcore train`), and when `rlcore train` finishes.
 
 A notification must never fail the pipeline that sends it: errors are logged and reported as
-False. No URL configured means no notification (and no network access).
+False. No URL configured means no notification (and no network access). The URL is a secret
+(credentials in its userinfo, query or path): it is used for the POST only, and log lines show
+it redacted (`rlcore.redact.redact_secret`: scheme and host).
 """
 
 from __future__ import annotations
 
+import base64
 import json
 import logging
 import time
 import urllib.error
+import urllib.parse
 import urllib.request
 from typing import Any
+
+from rlcore.redact import redact_secret, redact_text
 
 log = logging.getLogger(__name__)
 
@@ -25,21 +31,44 @@ def build_payload(event: str, summary: dict[str, Any]) -> dict[str, Any]:
     return {"source": "rlcore", "event": event, "time": time.time(), **summary}
 
 
+def request_target(url: str) -> tuple[str, dict[str, str]]:
+    """The URL to POST to and its extra headers: credentials in the URL's userinfo
+    (`https://user:pass@host/...`) become HTTP Basic authorization, as curl and requests do
+    (urllib would take `user:pass@host` for the host name and fail)."""
+    parts = urllib.parse.urlsplit(url)
+    if parts.username is None and parts.password is None:
+        return url, {}
+    host = parts.netloc.rsplit("@", 1)[1]
+    user = urllib.parse.unquote(parts.username or "")
+    password = urllib.parse.unquote(parts.password or "")
+    token = base64.b64encode(f"{user}:{password}".encode()).decode("ascii")
+    return urllib.parse.urlunsplit(parts._replace(netloc=host)), {"Authorization": f"Basic {token}"}
+
+
 def notify(url: str | None, event: str, summary: dict[str, Any], timeout_s: float = 5.0, retries: int = 1) -> bool:
     """POST `{"source": "rlcore", "event": ..., "time": ..., **summary}` to `url`; True on a 2xx."""
     payload = build_payload(event, summary)
     if not url:
         return False
     data = json.dumps(payload, default=str).encode("utf-8")
+    shown = redact_secret(url)
+    try:
+        target, auth = request_target(url)
+    except ValueError as err:
+        log.warning("webhook %s is not a usable URL: %s", shown, redact_text(str(err).replace(url, shown)))
+        return False
+    headers = {"Content-Type": "application/json", **auth}
     for attempt in range(retries + 1):
-        request = urllib.request.Request(url, data=data, method="POST", headers={"Content-Type": "application/json"})
         try:
+            request = urllib.request.Request(target, data=data, method="POST", headers=headers)
             with urllib.request.urlopen(request, timeout=timeout_s) as response:
                 if 200 <= response.status < 300:
                     return True
-                log.warning("webhook %s answered %s", url, response.status)
+                log.warning("webhook %s answered %s", shown, response.status)
         except (urllib.error.URLError, OSError, ValueError) as err:
-            log.warning("webhook %s failed (attempt %d): %s", url, attempt + 1, err)
+            # urllib's messages may quote the URL ("unknown url type: '...'")
+            reason = redact_text(str(err).replace(url, shown).replace(target, shown))
+            log.warning("webhook %s failed (attempt %d): %s", shown, attempt + 1, reason)
         if attempt < retries:
             time.sleep(0.5)
     return False

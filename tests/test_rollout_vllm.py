@@ -1,11 +1,14 @@
 """vLLM rollout backend (real in-process engine, CPU here): log-probs against an HF forward pass,
 the output contract (n samples, EOS, shapes), seeds, and live weight updates that must equal a
-fresh engine started on the new weights. Skipped where vLLM is not installed."""
+fresh engine started on the new weights, as one vLLM reload per sync with no "Failed to load
+weights" warnings. Skipped where vLLM is not installed."""
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import logging
+from collections.abc import Iterator
 
 import pytest
 
@@ -50,6 +53,24 @@ def prompt_batch(lengths: list[int], seed: int = 1) -> Batch:
         mask[i, width - n:] = 1
     uids = np.array([f"p{i}" for i in range(len(lengths))], dtype=object)
     return Batch(tensors={"input_ids": ids, "attention_mask": mask}, meta={"uid": uids}, info={"step": 7})
+
+
+@contextlib.contextmanager
+def vllm_warnings() -> Iterator[list[str]]:
+    """Messages of WARNING and above that vLLM logs inside the block (its loggers hang below
+    "vllm", which has its own handler, so pytest's caplog does not see them)."""
+    seen: list[str] = []
+
+    class Collect(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            seen.append(record.getMessage())
+
+    handler = Collect(level=logging.WARNING)
+    logging.getLogger("vllm").addHandler(handler)
+    try:
+        yield seen
+    finally:
+        logging.getLogger("vllm").removeHandler(handler)
 
 
 def reference_log_probs(model, out: Batch, temperature: float) -> torch.Tensor:
@@ -163,6 +184,25 @@ class TestSharedEngine:
         with pytest.raises(ValueError, match="model.layers.9.mlp.up_proj.weight"):
             engine_a.update_weights([("model.layers.9.mlp.up_proj.weight", torch.zeros(1))])
 
+    def test_partial_sync_is_finished_before_the_engine_is_used(self, engine_a, models):
+        """A caller that sends only some layers: they are loaded, the others keep their weights,
+        and vLLM names the layers with weights that the sync did not update (its warning is
+        meaningful there); the parameter-less rotary embedding is never among them."""
+        batch = prompt_batch([5, 9, 2])
+        greedy = SamplingParams(n=1, do_sample=False, max_new_tokens=6)
+        before = engine_a.generate(batch, greedy)
+        finished = engine_a.syncs_finished
+        sd = dict(models[0].named_parameters())  # the engine's own weights: outputs must not change
+        with vllm_warnings() as warnings:
+            engine_a.update_weights((n, t) for n, t in sd.items() if n.startswith("model.layers.1.mlp."))
+            assert engine_a.syncs_finished == finished  # still open: the sync is incomplete
+            after = engine_a.generate(batch, greedy)
+        assert engine_a.syncs_finished == finished + 1
+        assert after["responses"].tolist() == before["responses"].tolist()
+        torch.testing.assert_close(after["rollout_log_probs"], before["rollout_log_probs"], atol=1e-5, rtol=0)
+        failed = {w.split(":")[0] for w in warnings if w.endswith("Failed to load weights")}
+        assert "QKVParallelLinear" in failed and "RotaryEmbedding" not in failed
+
     def test_sleep_and_wake_are_noops_on_cpu(self, engine_a, caplog):
         with caplog.at_level(logging.WARNING, logger="rlcore.rollout.vllm"):
             engine_a.sleep()
@@ -215,16 +255,22 @@ def test_update_weights_equals_fresh_engine(models, dtype):
     greedy = SamplingParams(n=1, do_sample=False, max_new_tokens=10)
     sampled = SamplingParams(n=2, max_new_tokens=10, seed=5)
 
-    live = VLLMRolloutEngine.from_pretrained(str(dir_a), dtype=dtype, eos_token_ids=[], **ENGINE_KW)
+    # weight_bucket_mb: a few layers per vLLM load call, so one sync takes several
+    live = VLLMRolloutEngine.from_pretrained(str(dir_a), dtype=dtype, eos_token_ids=[], weight_bucket_mb=0.2,
+                                             **ENGINE_KW)
     try:
         before = live.generate(batch, greedy)  # fills the prefix cache with model A's KV blocks
         # named_parameters() lists the tied embedding once, without lm_head.weight; send it in
         # small buckets that cut through attention and MLP groups.
         params = list(model_b.named_parameters())
         assert "lm_head.weight" not in dict(params)
-        for i in range(0, len(params), 3):
-            live.update_weights(params[i: i + 3])
+        with vllm_warnings() as warnings:
+            for i in range(0, len(params), 3):
+                live.update_weights(params[i: i + 3])
         assert live.pending_weights == []
+        assert live.syncs_finished == 1  # one vLLM reload for the whole sync
+        assert warnings == []  # was: "RotaryEmbedding: Failed to load weights" at every sync, and a
+        # warning for every layer a bucket did not carry
         after_g, after_s = live.generate(batch, greedy), live.generate(batch, sampled)
     finally:
         live.close()
@@ -256,6 +302,24 @@ def test_sampled_logprobs_reads_flat_and_dict_formats():
     assert _sampled_logprobs(flat, ids) == [-0.5, -1.25, -2.0]
     dicts = [{7: Logprob(-0.5), 4: Logprob(-3.0)}, {3: Logprob(-1.25)}, {1: Logprob(-0.1), 9: Logprob(-2.0)}]
     assert _sampled_logprobs(dicts, ids) == [-0.5, -1.25, -2.0]
+
+
+def test_only_the_expected_cast_warning_is_dropped():
+    """float32 tensors into a bf16 engine's parameters are cast by design (rollout.dtype); other
+    dtype mismatches still reach the log."""
+    from rlcore.rollout.vllm import _quiet_expected_casts
+
+    logger = logging.getLogger("vllm.model_executor.models.utils")
+    fmt = "Attempted to load weight %s with dtype %s into parameter with dtype %s"
+
+    def passes(sent: torch.dtype, param: torch.dtype) -> bool:
+        return logger.filter(logger.makeRecord(logger.name, logging.WARNING, __file__, 1, fmt, ("w", sent, param), None))
+
+    with _quiet_expected_casts(torch.bfloat16):
+        assert not passes(torch.float32, torch.bfloat16)
+        assert passes(torch.float32, torch.float16)  # not the engine's dtype
+        assert passes(torch.bfloat16, torch.float8_e4m3fn)  # not float32 -> bf16
+    assert passes(torch.float32, torch.bfloat16)  # only while a sync runs
 
 
 def test_only_the_expected_chat_template_warmup_warning_is_dropped():

@@ -19,6 +19,18 @@ some of its tensors in one reload would be rebuilt from partial data, so tensors
 until every tensor of their module group has arrived, then sent in buckets of at most
 `weight_bucket_mb`. For tied embeddings both `model.embed_tokens.weight` and `lm_head.weight`
 are always sent: vLLM keeps a separate (repacked) head on CPU that otherwise stays stale.
+
+One weight sync is one vLLM layerwise reload, however many buckets it takes: the first bucket
+opens it, each bucket's layers are loaded (and repacked) as they complete, and it is finalised
+once every checkpoint tensor has arrived (or before the engine is next used, if a caller sent
+only part of the model). vLLM's own `reload_weights` finalises at every call and warns
+"<Layer>: Failed to load weights" for each layer that call did not carry -- every other layer of
+a multi-bucket sync, and at every sync the rotary embedding, whose only tensor is a cos/sin
+cache computed from the config that no checkpoint holds. Layers without parameters are marked
+as having nothing to load, so the warning is left for what it means: a layer with weights that a
+sync did not update. A bf16 engine beside a float32 actor (`rollout.dtype`) casts every tensor
+on load, as a fresh engine casts the checkpoint; vLLM warns about each such narrowing, and that
+one expected message (float32 into the engine's own dtype) is dropped during syncs.
 """
 
 from __future__ import annotations
@@ -116,6 +128,81 @@ def _quiet_chat_template_warmup() -> Iterator[None]:
         target.removeFilter(quiet)
 
 
+# --------------------------------------------------------------- worker side of a weight sync
+# Run inside vLLM's worker (`collective_rpc` passes it as the first argument), as vLLM's own
+# `Worker.reload_weights` -> `reload.inplace.reload_weights` does, but split into open / load /
+# finish so that one sync spans several calls.
+
+
+def _reload_open(worker: Any) -> None:
+    """Put every layer into layerwise-reload mode; parameter-less layers expect nothing."""
+    from vllm.config import set_current_vllm_config
+    from vllm.model_executor.model_loader.reload import initialize_layerwise_reload
+    from vllm.model_executor.model_loader.reload.layerwise import get_layerwise_info
+
+    model = worker.model_runner.get_model()
+    with set_current_vllm_config(worker.vllm_config), torch.no_grad():
+        initialize_layerwise_reload(model)
+    for module in model.modules():
+        info = get_layerwise_info(module)
+        params, buffers = info.kernel_tensors or ({}, {})
+        if not params and set(buffers) <= info.kernel_non_persistent_buffers:
+            info.load_numel_total = 0  # e.g. RotaryEmbedding's cos_sin_cache: computed, never loaded
+
+
+def _reload_load(worker: Any, weights: list[tuple[str, torch.Tensor]]) -> None:
+    """Load checkpoint-named tensors; each layer is processed once all of its tensors are in."""
+    from vllm.config import set_current_vllm_config
+
+    with set_current_vllm_config(worker.vllm_config), torch.no_grad():
+        worker.model_runner.get_model().load_weights(weights)
+
+
+def _reload_finish(worker: Any) -> None:
+    """Finalise the reload (layers that got nothing keep their tensors) and drop derived state."""
+    from vllm.config import set_current_vllm_config
+    from vllm.model_executor.model_loader.reload import finalize_layerwise_reload
+
+    runner = worker.model_runner
+    with set_current_vllm_config(worker.vllm_config), torch.no_grad():
+        finalize_layerwise_reload(runner.get_model(), worker.vllm_config.model_config)
+    for name in ("reset_lora_state", "reset_encoder_cache", "reset_mm_cache"):
+        reset = getattr(runner, name, None)
+        if reset is not None:
+            reset()
+
+
+class _ExpectedCastFilter(logging.Filter):
+    """Drops vLLM's "Attempted to load weight X with dtype A into parameter with dtype B" when B is
+    the engine's dtype and A a wider float: the cast `rollout.dtype` asks for, once per tensor per
+    sync. Other dtype mismatches still warn."""
+
+    def __init__(self, engine_dtype: torch.dtype) -> None:
+        super().__init__()
+        self.engine_dtype = engine_dtype
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if not str(record.msg).startswith("Attempted to load weight %s with dtype %s into parameter"):
+            return True
+        args = record.args if isinstance(record.args, tuple) else ()
+        if len(args) != 3 or not all(isinstance(a, torch.dtype) for a in args[1:]):
+            return True
+        sent, param = args[1], args[2]
+        narrowing = sent.is_floating_point and sent.itemsize > param.itemsize
+        return not (param == self.engine_dtype and narrowing)
+
+
+@contextlib.contextmanager
+def _quiet_expected_casts(engine_dtype: torch.dtype) -> Iterator[None]:
+    target = logging.getLogger("vllm.model_executor.models.utils")
+    quiet = _ExpectedCastFilter(engine_dtype)
+    target.addFilter(quiet)
+    try:
+        yield
+    finally:
+        target.removeFilter(quiet)
+
+
 def _read_json(path: Path) -> dict[str, Any]:
     return json.loads(path.read_text()) if path.is_file() else {}
 
@@ -147,7 +234,10 @@ class VLLMRolloutEngine:
         self._groups: dict[str, set[str]] = {}
         for name in names:
             self._groups.setdefault(_group_of(name), set()).add(name)
+        self._all_names = frozenset(names)
         self._pending: dict[str, dict[str, torch.Tensor]] = {}
+        self._loaded: set[str] | None = None  # names loaded by the open reload; None: none open
+        self.syncs_finished = 0
         self._asleep = False
         self._warned: set[str] = set()
 
@@ -250,6 +340,7 @@ class VLLMRolloutEngine:
             raise RuntimeError("VLLMRolloutEngine.generate called while asleep; call wake() first")
         if self.llm is None:
             raise RuntimeError("VLLMRolloutEngine.generate called after close()")
+        self._finish_sync()  # a caller that sent part of the model: what it sent is used
         prompt_ids = batch.tensors["input_ids"]
         prompt_mask = batch.tensors["attention_mask"]
         check_left_padded(prompt_mask)
@@ -331,7 +422,8 @@ class VLLMRolloutEngine:
         """Load (a bucket of) HF-named tensors into the running engine.
 
         Tensors wait until their whole module group has arrived (module docstring), so any split
-        of the weights over calls is safe; a sync is complete once every tensor was sent once.
+        of the weights over calls is safe; a sync is complete, and its vLLM reload finalised,
+        once every tensor was sent once.
         """
         if self._asleep:
             self.wake()
@@ -360,11 +452,25 @@ class VLLMRolloutEngine:
             size += group_size
         if bucket:
             self._reload(bucket)
-        # KV blocks cached for earlier prompts were computed with the old weights.
-        self.llm.reset_prefix_cache()
+        if self._loaded is not None and self._loaded >= self._all_names:
+            self._finish_sync()
 
     def _reload(self, bucket: list[tuple[str, torch.Tensor]]) -> None:
-        self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": bucket})
+        if self._loaded is None:
+            self.llm.collective_rpc(_reload_open)
+            self._loaded = set()
+        with _quiet_expected_casts(self.llm.llm_engine.vllm_config.model_config.dtype):
+            self.llm.collective_rpc(_reload_load, args=(bucket,))
+        self._loaded.update(name for name, _ in bucket)
+
+    def _finish_sync(self) -> None:
+        """Finalise the open reload, if any, and drop KV blocks computed with the old weights."""
+        if self._loaded is None or self.llm is None:
+            return
+        self.llm.collective_rpc(_reload_finish)
+        self._loaded = None
+        self.syncs_finished += 1
+        self.llm.reset_prefix_cache()
 
     @property
     def pending_weights(self) -> list[str]:
@@ -373,6 +479,7 @@ class VLLMRolloutEngine:
 
     def sleep(self) -> None:
         """GPU: vLLM sleep mode level 1 (weights to host memory, KV cache dropped). CPU: no-op."""
+        self._finish_sync()
         if self.device.type == "cpu":
             self._warn_once("sleep", "vLLM sleep mode is GPU-only; sleep()/wake() are no-ops on CPU")
             return

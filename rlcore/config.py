@@ -12,15 +12,17 @@ from typing import Any, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
+from rlcore.errors import RLCoreError
 from rlcore.redact import redact_tree
 
 
-class ConfigError(ValueError):
+class ConfigError(RLCoreError, ValueError):
     """A configuration problem; the message names the dotted key."""
 
 
 class _Section(BaseModel):
-    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+    # allow_inf_nan=False: `actor.optim.lr=inf` (or nan) is an error at load, not an all-NaN model
+    model_config = ConfigDict(extra="forbid", validate_assignment=True, allow_inf_nan=False)
 
 
 def registered_names(kind: Literal["advantage estimator", "policy loss", "KL estimator"]) -> list[str]:
@@ -185,6 +187,15 @@ class RewardConfig(_Section):
     num_workers: int = Field(2, ge=0)
     timeout_s: float = Field(10.0, gt=0)
     error_score: float = 0.0
+    clip: float | None = Field(
+        1e4, gt=0, description="a score beyond ±clip is clipped to it and counted (reward/clipped), so one huge "
+        "reward cannot overflow float32 or swamp its group's advantages; None: clip only at float32's range")
+
+    @model_validator(mode="after")
+    def _check_error_score(self) -> RewardConfig:
+        if self.clip is not None and abs(self.error_score) > self.clip:
+            raise ValueError(f"reward.error_score={self.error_score:g} lies beyond reward.clip={self.clip:g}")
+        return self
 
 
 class KLControlConfig(_Section):
@@ -301,15 +312,20 @@ class RayConfig(_Section):
 
 
 class HealthConfig(_Section):
-    """Run-health limits checked after every training step (None switches a check off).
+    """Run-health limits checked after every training step of every run, `rlcore train` and the
+    pipeline alike (None switches a check off; `enabled: false` all of them).
 
     `max_kl` reads `actor/kl` (present only when a reference model is used), `min_entropy`
-    reads `actor/entropy`, `max_reward_jump` compares `reward/mean` of consecutive steps."""
+    reads `actor/entropy`, `max_reward_jump` compares `reward/mean` of consecutive steps,
+    `max_param_norm_growth` compares the actor's parameter norm `actor/param_norm` of consecutive
+    steps (and a non-finite weight or optimizer state always stops the run)."""
 
     enabled: bool = True
     max_kl: float | None = Field(1.0, gt=0, description="KL to the reference above this stops the run")
     min_entropy: float | None = Field(0.01, ge=0, description="policy entropy below this (collapse) stops the run")
     max_reward_jump: float | None = Field(0.75, gt=0, description="|reward/mean change| between consecutive steps above this stops the run")
+    max_param_norm_growth: float | None = Field(
+        2.0, gt=1, description="the actor's parameter norm growing by more than this factor in one step stops the run")
 
 
 class TrackingConfig(_Section):

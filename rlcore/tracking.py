@@ -9,13 +9,17 @@ of a resumed run reads like that of an uninterrupted one.
 from __future__ import annotations
 
 import json
+import logging
 import math
+import os
 import sys
 import tempfile
 from pathlib import Path
 from typing import Any, Iterable, Protocol
 
 from rlcore.redact import redact_params
+
+log = logging.getLogger(__name__)
 
 
 def _plain(value: Any) -> Any:
@@ -46,17 +50,35 @@ class JsonlSink:
         self._file.close()
 
 
+def read_jsonl(path: str | Path) -> list[dict[str, Any]]:
+    """The records of a JSONL log. A torn last line (the process was killed mid-write) is dropped
+    with a warning; a bad line anywhere else is an error naming the file and line."""
+    path = Path(path)
+    lines = path.read_text(errors="replace").splitlines()
+    records = []
+    for number, line in enumerate(lines, start=1):
+        if not line.strip():
+            continue
+        try:
+            records.append(json.loads(line))
+        except json.JSONDecodeError as err:
+            if number == len(lines):
+                log.warning("%s: dropped a torn last line (a write was cut off): %.60s...", path, line)
+                continue
+            raise ValueError(f"{path}:{number}: not a JSON record: {err}") from None
+    return records
+
+
 def truncate_jsonl(path: str | Path, last_step: int) -> None:
-    """Keep only records with step <= last_step (used before resuming from that step)."""
+    """Keep only records with step <= last_step (before resuming from that step; -1 empties the
+    log for a fresh start). A torn last line goes too (see `read_jsonl`)."""
     path = Path(path)
     if not path.exists():
         return
-    kept = [line for line in path.read_text().splitlines() if line.strip() and json.loads(line)["step"] <= last_step]
-    path.write_text("".join(line + "\n" for line in kept))
-
-
-def read_jsonl(path: str | Path) -> list[dict[str, Any]]:
-    return [json.loads(line) for line in Path(path).read_text().splitlines() if line.strip()]
+    kept = [r for r in read_jsonl(path) if r["step"] <= last_step]
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text("".join(json.dumps(r) + "\n" for r in kept))
+    os.replace(tmp, path)
 
 
 class ConsoleSink:

@@ -26,6 +26,7 @@ LAYERS: dict[str, int] = {
     "config": 2,
     "algos": 1, "protocol": 1, "redact": 1,
     "native": 0, "_native": -1,  # the Rust extension and its loader (version check)
+    "errors": 0,  # RLCoreError, the base every layer's user-facing errors derive from; imports nothing
     "__init__": 99,  # the package root: its version string and the native check at import; exempt
 }
 

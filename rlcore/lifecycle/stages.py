@@ -24,7 +24,7 @@ from rlcore.lifecycle.data_prep import prepare_dataset
 from rlcore.lifecycle.evaluation import evaluate_model
 from rlcore.lifecycle.fingerprint import files_fingerprint
 from rlcore.lifecycle.gate import GatePolicy, decide
-from rlcore.lifecycle.health import HealthBreach, HealthGuard
+from rlcore.lifecycle.health import HealthBreach
 from rlcore.lifecycle.lineage import build_lineage, lineage_tags
 from rlcore.lifecycle.mlflow_store import CHALLENGER, CHAMPION, MlflowStore, ModelRegistry, default_tracking_uri, log_training
 from rlcore.lifecycle.notify import notify
@@ -164,10 +164,9 @@ def train_stage(config: Config, prepared: dict[str, Any], workdir: str | Path, c
     store = open_store(config, workdir)
     run_id = store.start_run("train", ctx["run_id"], {PIPELINE_TAG: ctx["run_name"], "rlcore.stage": "train",
                                                       "parent_model": parent, "dataset_fingerprint": prepared["fingerprint"]})
-    hooks = [HealthGuard.from_config(config.health)] if config.health.enabled else []
     stopped: dict[str, Any] | None = None
     try:
-        run_training(run_config, step_hooks=hooks)
+        run_training(run_config)  # every recipe runs the health guard of `health:`
     except HealthBreach as breach:
         stopped = breach.to_dict()
     except TrainingStopped as err:

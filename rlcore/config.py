@@ -62,7 +62,7 @@ class ModelConfig(_Section):
     gradient_checkpointing: bool = False
 
     @model_validator(mode="after")
-    def _check_pure_bf16(self) -> "ModelConfig":
+    def _check_pure_bf16(self) -> ModelConfig:
         if self.pure_bf16 and self.dtype != "bfloat16":
             raise ValueError(f"model.pure_bf16=true needs model.dtype=bfloat16 (got {self.dtype})")
         return self
@@ -413,7 +413,7 @@ class Config(_Section):
         return self
 
     @model_validator(mode="after")
-    def _check_cpu_offload(self) -> "Config":
+    def _check_cpu_offload(self) -> Config:
         if self.actor.cpu_offload and self.trainer.device == "cpu":
             raise ValueError("actor.cpu_offload=true needs a CUDA device: with trainer.device=cpu the weights, gradients "
                              "and optimizer state already live in host memory, so there is nothing to offload")

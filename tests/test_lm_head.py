@@ -20,9 +20,9 @@ import torch
 from torch import nn
 from transformers import (
     CohereConfig,
+    CohereForCausalLM,
     FalconH1Config,
     FalconH1ForCausalLM,
-    CohereForCausalLM,
     Gemma2Config,
     Gemma2ForCausalLM,
     GraniteConfig,

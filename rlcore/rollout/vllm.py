@@ -268,9 +268,9 @@ class VLLMRolloutEngine:
 
         Per-device defaults: CPU -> eager mode (no compile on a few shared cores), a 1 GiB KV cache
         (`kv_cache_gib`), KV blocks of `CPU_BLOCK_SIZE` tokens, no sleep mode; GPU -> CUDA graphs,
-        `gpu_memory_utilization` of the card, vLLM's block size, sleep mode on. `seed` is the engine seed (use the run seed). EOS and pad ids come from the
-        checkpoint's generation_config.json / config.json when not given. `extra` and further
-        keywords go to `vllm.LLM` verbatim.
+        `gpu_memory_utilization` of the card, vLLM's block size, sleep mode on. `seed` is the engine
+        seed (use the run seed). EOS and pad ids come from the checkpoint's generation_config.json /
+        config.json when not given. `extra` and further keywords go to `vllm.LLM` verbatim.
         """
         root = Path(path)
         dev = torch.device(device)

@@ -13,8 +13,8 @@ from __future__ import annotations
 
 import types
 from collections import defaultdict
+from collections.abc import Iterator
 from functools import partial
-from typing import Iterator
 
 import torch
 import torch.distributed as dist

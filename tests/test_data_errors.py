@@ -82,7 +82,7 @@ def test_rl_rows_that_are_not_utf8_name_file_row_and_field(tmp_path, tok, make):
     assert "1+1=" in ds.items[0].raw_prompt and "4+4=" in ds.items[1].raw_prompt
 
     # Read on its own, the first undecodable row is the error.
-    with pytest.raises(DataError, match=rf"row 1: field 'prompt\[0\].content': not valid UTF-8"):
+    with pytest.raises(DataError, match=r"row 1: field 'prompt\[0\].content': not valid UTF-8"):
         read_rows(path)
 
 

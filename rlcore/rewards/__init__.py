@@ -15,6 +15,7 @@ from .manager import (
     scores_to_token_rewards,
 )
 from .registry import (
+    RewardFunctionError,
     builtin_data_sources,
     default_compute_score,
     load_reward_fn,
@@ -22,6 +23,7 @@ from .registry import (
 )
 
 __all__ = [
+    "RewardFunctionError",
     "RewardScorer",
     "RewardWorkerError",
     "ScoreItem",

@@ -51,6 +51,9 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
+# The largest finite float32: scores (and extras) beyond it would become inf in the [N] arrays.
+FLOAT32_MAX = float(np.finfo(np.float32).max)
+
 # Rows lost with a worker that died while it was not inside any call (so no call can be blamed)
 # are re-run at most this often, so that nothing can make the pool loop forever.
 MAX_ATTEMPTS = 3
@@ -76,6 +79,7 @@ class ScoreResult:
     n_timeouts: int = 0  # calls killed after timeout_s
     first_error: str | None = None  # first failure in input order: "Type: message (item i, ...)"
     failed: np.ndarray | None = None  # [N] bool, True where error_score was used
+    n_clipped: int = 0  # scores beyond the scorer's clip, clipped to it
 
     @property
     def n_failed(self) -> int:
@@ -159,6 +163,8 @@ class RewardScorer:
     one raises ValueError at construction, naming the spec.
     num_workers: worker processes; 0 scores serially in this process (no timeouts, see module doc).
     timeout_s: limit per call (one item). error_score: the score of a failed call.
+    clip: a score beyond ±clip is clipped to it and counted (`ScoreResult.n_clipped`); None clips
+    only at float32's range, so a returned 1e300 can never become inf.
     chunk_size: items per message to a worker; default: about 4 chunks per worker per call.
     """
 
@@ -168,6 +174,7 @@ class RewardScorer:
         num_workers: int = 2,
         timeout_s: float = 10.0,
         error_score: float = 0.0,
+        clip: float | None = None,
         *,
         chunk_size: int | None = None,
         start_timeout_s: float = 120.0,
@@ -178,6 +185,11 @@ class RewardScorer:
             raise ValueError(f"timeout_s must be > 0, got {timeout_s}")
         if chunk_size is not None and chunk_size < 1:
             raise ValueError(f"chunk_size must be >= 1, got {chunk_size}")
+        if clip is not None and not 0 < clip <= FLOAT32_MAX:
+            raise ValueError(f"clip must be > 0 and within float32's range, got {clip}")
+        self.clip = float(clip) if clip is not None else FLOAT32_MAX
+        if abs(error_score) > self.clip:
+            raise ValueError(f"error_score={error_score:g} lies beyond clip={self.clip:g}")
         self.fn_spec = resolve_spec(fn_spec)
         self.num_workers = num_workers
         self.timeout_s = float(timeout_s)
@@ -231,19 +243,25 @@ class RewardScorer:
         scores = np.full(n, self.error_score, dtype=np.float32)
         failed = np.zeros(n, dtype=bool)
         extra: dict[str, np.ndarray] = {}
-        n_errors = n_timeouts = 0
+        n_errors = n_timeouts = n_clipped = 0
         first_error: str | None = None
         first_tb: str | None = None
+        first_clipped: str | None = None
         for i, outcome in enumerate(outcomes):
             assert outcome is not None, f"item {i} was never scored"
             kind, payload = outcome
             if kind == "ok":
                 score, extras = payload
+                if abs(score) > self.clip:
+                    n_clipped += 1
+                    if first_clipped is None:
+                        first_clipped = f"{score:g} (item {i}, data_source={items[i].data_source!r})"
+                    score = math.copysign(self.clip, score)
                 scores[i] = score
                 for key, value in extras.items():
                     if key not in extra:
                         extra[key] = np.full(n, np.nan, dtype=np.float32)
-                    extra[key][i] = value
+                    extra[key][i] = min(max(value, -FLOAT32_MAX), FLOAT32_MAX)  # a metric: kept finite, not counted
                 continue
             failed[i] = True
             if kind == "timeout":
@@ -261,7 +279,10 @@ class RewardScorer:
                 n_errors + n_timeouts, n, n_errors, n_timeouts, self.error_score, first_error,
                 f"\n{first_tb}" if first_tb else "",
             )
-        return ScoreResult(scores, extra, n_errors, n_timeouts, first_error, failed)
+        if first_clipped is not None:
+            log.warning("reward: %d of %d scores beyond ±%g were clipped to it (reward.clip); first: %s",
+                        n_clipped, n, self.clip, first_clipped)
+        return ScoreResult(scores, extra, n_errors, n_timeouts, first_error, failed, n_clipped)
 
 
 class _PoolRun:

@@ -17,9 +17,16 @@ import sys
 from collections.abc import Callable
 from typing import Any
 
+from rlcore.errors import RLCoreError
+
 from . import gsm8k, math_boxed
 
 RewardFn = Callable[..., Any]
+
+
+class RewardFunctionError(RLCoreError, ValueError):
+    """`reward.function` cannot be used: the message names the spec and what is wrong with it
+    (no such file or module, the file fails to run, no such function)."""
 
 # data_source -> scorer(solution_str, ground_truth). `tiny_arith` is the built-in example task.
 _BUILTIN: dict[str, Callable[[str, Any], float]] = {}
@@ -59,31 +66,31 @@ def default_compute_score(
 def _load_module_from_file(path: str, spec: str):
     abs_path = os.path.abspath(path)
     if not os.path.isfile(abs_path):
-        raise ValueError(f"reward function spec {spec!r}: file {abs_path} does not exist")
+        raise RewardFunctionError(f"reward function spec {spec!r}: file {abs_path} does not exist")
     digest = hashlib.sha1(abs_path.encode()).hexdigest()[:10]
     mod_name = f"_rlcore_reward_{os.path.splitext(os.path.basename(abs_path))[0]}_{digest}"
     mspec = importlib.util.spec_from_file_location(mod_name, abs_path)
     if mspec is None or mspec.loader is None:
-        raise ValueError(f"reward function spec {spec!r}: cannot load {abs_path} as a Python module")
+        raise RewardFunctionError(f"reward function spec {spec!r}: cannot load {abs_path} as a Python module")
     module = importlib.util.module_from_spec(mspec)
     sys.modules[mod_name] = module  # so dataclasses/pickle inside the user file can find it
     try:
         mspec.loader.exec_module(module)
     except Exception as e:
         sys.modules.pop(mod_name, None)
-        raise ValueError(f"reward function spec {spec!r}: executing {abs_path} failed: {type(e).__name__}: {e}") from e
+        raise RewardFunctionError(f"reward function spec {spec!r}: executing {abs_path} failed: {type(e).__name__}: {e}") from e
     return module
 
 
 def _load_module(name: str, spec: str):
     if not all(part.isidentifier() for part in name.split(".")):
-        raise ValueError(f"reward function spec {spec!r}: {name!r} is neither a module name nor a .py path")
+        raise RewardFunctionError(f"reward function spec {spec!r}: {name!r} is neither a module name nor a .py path")
     try:
         return importlib.import_module(name)
     except ModuleNotFoundError as e:
-        raise ValueError(f"reward function spec {spec!r}: cannot import module {name!r} ({e})") from e
+        raise RewardFunctionError(f"reward function spec {spec!r}: cannot import module {name!r} ({e})") from e
     except Exception as e:
-        raise ValueError(f"reward function spec {spec!r}: importing {name!r} failed: {type(e).__name__}: {e}") from e
+        raise RewardFunctionError(f"reward function spec {spec!r}: importing {name!r} failed: {type(e).__name__}: {e}") from e
 
 
 def is_path_spec(where: str) -> bool:
@@ -106,24 +113,26 @@ def load_reward_fn(spec: str | None) -> RewardFn:
     if spec is None:
         return default_compute_score
     if not isinstance(spec, str) or not spec.strip():
-        raise ValueError(f"reward function spec {spec!r}: expected 'module:function' or 'path/to/file.py:function'")
+        raise RewardFunctionError(f"reward function spec {spec!r}: expected 'module:function' or 'path/to/file.py:function'")
     where, sep, name = spec.strip().rpartition(":")
     if not sep or not where:
-        raise ValueError(
+        raise RewardFunctionError(
             f"reward function spec {spec!r}: missing ':function'; expected 'module:function' or 'path/to/file.py:function'"
         )
     if not name.isidentifier():
-        raise ValueError(f"reward function spec {spec!r}: {name!r} is not a valid function name")
+        raise RewardFunctionError(f"reward function spec {spec!r}: {name!r} is not a valid function name")
     module = _load_module_from_file(where, spec) if is_path_spec(where) else _load_module(where, spec)
     fn = getattr(module, name, None)
     if fn is None:
-        raise ValueError(f"reward function spec {spec!r}: {where} has no attribute {name!r}")
+        raise RewardFunctionError(f"reward function spec {spec!r}: {where} has no attribute {name!r}")
     if not callable(fn):
-        raise ValueError(f"reward function spec {spec!r}: {where}.{name} is a {type(fn).__name__}, not a function")
+        raise RewardFunctionError(f"reward function spec {spec!r}: {where}.{name} is a {type(fn).__name__}, not a function")
     return fn
 
 
 def _as_float(value: Any) -> float | None:
+    if isinstance(value, numbers.Integral) and not isinstance(value, bool) and abs(value) > sys.float_info.max:
+        return sys.float_info.max if value > 0 else -sys.float_info.max  # an int beyond any float: the largest float
     if isinstance(value, (bool, numbers.Real)):
         return float(value)
     if hasattr(value, "item") and getattr(value, "ndim", None) == 0:  # numpy / torch scalar

@@ -20,7 +20,8 @@ class RewardWorker(Worker):
     def setup(self) -> None:
         cfg = self.config.reward
         self.tokenizer = load_tokenizer(self.config.model.path)
-        self.scorer = RewardScorer(cfg.function, num_workers=cfg.num_workers, timeout_s=cfg.timeout_s, error_score=cfg.error_score)
+        self.scorer = RewardScorer(cfg.function, num_workers=cfg.num_workers, timeout_s=cfg.timeout_s,
+                                   error_score=cfg.error_score, clip=cfg.clip)
 
     def decode_responses(self, batch: Batch) -> list[str]:
         responses = batch["responses"]
@@ -49,6 +50,7 @@ class RewardWorker(Worker):
         out.info["reward_metrics"] = {
             "reward/errors": float(result.n_errors),
             "reward/timeouts": float(result.n_timeouts),
+            "reward/clipped": float(result.n_clipped),  # beyond ±reward.clip (see RewardScorer)
         }
         if result.first_error:
             out.info["reward_first_error"] = result.first_error

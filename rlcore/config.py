@@ -21,7 +21,8 @@ class ConfigError(RLCoreError, ValueError):
 
 
 class _Section(BaseModel):
-    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+    # allow_inf_nan=False: `actor.optim.lr=inf` (or nan) is an error at load, not an all-NaN model
+    model_config = ConfigDict(extra="forbid", validate_assignment=True, allow_inf_nan=False)
 
 
 def registered_names(kind: Literal["advantage estimator", "policy loss", "KL estimator"]) -> list[str]:
@@ -61,7 +62,7 @@ class ModelConfig(_Section):
     gradient_checkpointing: bool = False
 
     @model_validator(mode="after")
-    def _check_pure_bf16(self) -> "ModelConfig":
+    def _check_pure_bf16(self) -> ModelConfig:
         if self.pure_bf16 and self.dtype != "bfloat16":
             raise ValueError(f"model.pure_bf16=true needs model.dtype=bfloat16 (got {self.dtype})")
         return self
@@ -311,15 +312,20 @@ class RayConfig(_Section):
 
 
 class HealthConfig(_Section):
-    """Run-health limits checked after every training step (None switches a check off).
+    """Run-health limits checked after every training step of every run, `rlcore train` and the
+    pipeline alike (None switches a check off; `enabled: false` all of them).
 
     `max_kl` reads `actor/kl` (present only when a reference model is used), `min_entropy`
-    reads `actor/entropy`, `max_reward_jump` compares `reward/mean` of consecutive steps."""
+    reads `actor/entropy`, `max_reward_jump` compares `reward/mean` of consecutive steps,
+    `max_param_norm_growth` compares the actor's parameter norm `actor/param_norm` of consecutive
+    steps (and a non-finite weight or optimizer state always stops the run)."""
 
     enabled: bool = True
     max_kl: float | None = Field(1.0, gt=0, description="KL to the reference above this stops the run")
     min_entropy: float | None = Field(0.01, ge=0, description="policy entropy below this (collapse) stops the run")
     max_reward_jump: float | None = Field(0.75, gt=0, description="|reward/mean change| between consecutive steps above this stops the run")
+    max_param_norm_growth: float | None = Field(
+        2.0, gt=1, description="the actor's parameter norm growing by more than this factor in one step stops the run")
 
 
 class TrackingConfig(_Section):
@@ -407,7 +413,7 @@ class Config(_Section):
         return self
 
     @model_validator(mode="after")
-    def _check_cpu_offload(self) -> "Config":
+    def _check_cpu_offload(self) -> Config:
         if self.actor.cpu_offload and self.trainer.device == "cpu":
             raise ValueError("actor.cpu_offload=true needs a CUDA device: with trainer.device=cpu the weights, gradients "
                              "and optimizer state already live in host memory, so there is nothing to offload")

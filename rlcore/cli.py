@@ -1,4 +1,9 @@
-"""`rlcore` command line: train from a config, build the tiny example, run the pipeline."""
+"""`rlcore` command line: train from a config, build the tiny example, run the pipeline.
+
+rlcore's own errors (a bad config, data file, reward function, checkpoint or path, and a run
+that stopped itself) are printed as their message alone, the traceback only with -v (anywhere
+on the command line); exit status 2 when the input was refused, 3 when a run stopped itself.
+"""
 
 from __future__ import annotations
 
@@ -10,7 +15,8 @@ import sys
 import traceback
 from pathlib import Path
 
-from rlcore.config import Config, ConfigError, load_config
+from rlcore.config import Config, load_config
+from rlcore.errors import RLCoreError
 
 CONFIG_DIR = Path(__file__).resolve().parent / "configs"
 
@@ -184,8 +190,9 @@ def _cmd_pipeline_emit(args: argparse.Namespace) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="rlcore", description=__doc__)
-    parser.add_argument("-v", "--verbose", action="store_true")
+    parser = argparse.ArgumentParser(prog="rlcore", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("-v", "--verbose", action="store_true",
+                        help="INFO logs, and the traceback behind an error (also accepted after the subcommand)")
     sub = parser.add_subparsers(dest="command", required=True)
 
     train = sub.add_parser("train", help="run a training config: rlcore train CONFIG [dotted.key=value ...]")
@@ -227,14 +234,49 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+VERBOSE_FLAGS = ("-v", "--verbose")
+EXIT_REFUSED = 2  # the config, data, a named file or a checkpoint cannot be used: nothing ran
+EXIT_STOPPED = 3  # the run stopped itself (health check, non-finite steps); its work so far is saved
+
+
+def pop_verbose(argv: list[str]) -> tuple[list[str], bool]:
+    """`argv` without -v/--verbose wherever they stand (before a `--`), and whether one was there,
+    so `rlcore train cfg.yaml a=1 -v` works like `rlcore -v train cfg.yaml a=1`."""
+    end = argv.index("--") if "--" in argv else len(argv)
+    kept = [a for a in argv[:end] if a not in VERBOSE_FLAGS] + argv[end:]
+    return kept, len(kept) != len(argv)
+
+
+def user_error_exit(err: BaseException) -> int | None:
+    """The exit status for one of rlcore's own errors (its message says it all), None for anything
+    else (a bug: its traceback is the useful part). CheckpointError and TrainingStopped are
+    rlcore's own too, though they do not derive from RLCoreError."""
+    from rlcore.checkpoint import CheckpointError
+    from rlcore.trainer.run_state import TrainingStopped
+
+    if isinstance(err, TrainingStopped):
+        return EXIT_STOPPED
+    if isinstance(err, (RLCoreError, CheckpointError)):
+        return EXIT_REFUSED
+    return None
+
+
 def main(argv: list[str] | None = None) -> int:
+    argv, verbose = pop_verbose(list(sys.argv[1:] if argv is None else argv))
     args = build_parser().parse_args(argv)
-    logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    verbose = verbose or args.verbose
+    logging.basicConfig(level=logging.INFO if verbose else logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     try:
         return args.func(args)
-    except ConfigError as err:
-        print(f"rlcore: {err}", file=sys.stderr)
-        return 2
+    except Exception as err:
+        code = user_error_exit(err)
+        if code is None:
+            raise
+        if verbose:
+            traceback.print_exc()
+        what = "training stopped" if code == EXIT_STOPPED else "error"
+        print(f"rlcore: {what}: {err}", file=sys.stderr)
+        return code
 
 
 if __name__ == "__main__":

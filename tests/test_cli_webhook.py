@@ -15,7 +15,6 @@ import pytest
 
 from rlcore.algos import register_policy_loss, vanilla_policy_loss
 from rlcore.cli import CONFIG_DIR, main, tiny_example_overrides
-from rlcore.trainer.run_state import TrainingStopped
 
 pytestmark = pytest.mark.slow
 
@@ -77,8 +76,8 @@ def test_finished_run_posts_finished_with_its_checkpoint(tiny_example, tmp_path,
 
 def test_failed_run_posts_failed_with_the_error(tiny_example, tmp_path, receiver):
     missing = tmp_path / "no-such-model"
-    with pytest.raises(Exception, match="no-such-model"):
-        main(train_args(tiny_example, tmp_path / "run", receiver.url, f"model.path={missing}"))
+    # refused before any model loads (rlcore.trainer.preflight): a message and exit status 2
+    assert main(train_args(tiny_example, tmp_path / "run", receiver.url, f"model.path={missing}")) == 2
     assert [p["event"] for p in receiver.posts] == ["failed"]
     assert "no-such-model" in receiver.posts[0]["error"]
     assert receiver.posts[0]["checkpoint"] is None
@@ -91,9 +90,8 @@ def _nan_policy_loss(old_log_prob, log_prob, advantages, response_mask, **kw):
 
 def test_run_that_stops_itself_posts_health_stop(tiny_example, tmp_path, receiver):
     register_policy_loss("test_webhook_nan", overwrite=True)(_nan_policy_loss)
-    with pytest.raises(TrainingStopped):
-        main(train_args(tiny_example, tmp_path / "run", receiver.url, "actor.policy_loss=test_webhook_nan",
-                        "actor.max_consecutive_bad_steps=1"))
+    assert main(train_args(tiny_example, tmp_path / "run", receiver.url, "actor.policy_loss=test_webhook_nan",
+                           "actor.max_consecutive_bad_steps=1")) == 3  # the run stopped itself
     assert [p["event"] for p in receiver.posts] == ["health_stop"]
     assert "actor.max_consecutive_bad_steps=1" in receiver.posts[0]["reason"]
 

@@ -8,7 +8,11 @@ from rlcore.config import Config
 
 
 def make_trainer(config: Config, **kwargs: Any) -> Any:
-    """The recipe of `algorithm.name`; kwargs go to it (`groups`, `step_hooks`)."""
+    """The recipe of `algorithm.name`; kwargs go to it (`groups`, `step_hooks`). Everything the
+    config names is checked first (`rlcore.trainer.preflight`), before any model loads."""
+    from rlcore.trainer.preflight import preflight
+
+    preflight(config)
     name = config.algorithm.name
     if name == "ppo":
         from rlcore.trainer.ppo import PPOTrainer

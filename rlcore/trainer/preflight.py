@@ -1,0 +1,218 @@
+"""Check every name a config resolves before anything expensive starts.
+
+`rlcore.config` already refuses unknown keys, bad values and unknown registry names (estimators,
+losses, KL types) at load. What it cannot know is whether the things the config *points at* are
+there and usable: the model folder, the data files, the reward function, the checkpoint to resume,
+the critic's model. Without this, each of those failed only after the models loaded and a
+generation ran, behind a traceback from the library that tripped over it ("Repo id must be in the
+form..." for a missing model folder). `preflight` checks them all in one pass, with file-level
+reads only (no model, no tokenizer, no full data read; the loaders validate every row before any
+model loads), and reports every problem at once, each naming its config key.
+
+`rlcore.trainer.run.make_trainer` calls it first, so `rlcore train`, the pipeline and any script
+that builds a trainer get it.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import time
+from pathlib import Path
+from typing import Any
+
+from rlcore.checkpoint import MANIFEST, CheckpointError, step_of
+from rlcore.config import Config
+from rlcore.data import RL_FIELDS, DatasetError, peek_fields
+from rlcore.data.preference import PREFERENCE_FIELDS
+from rlcore.errors import RLCoreError
+from rlcore.rewards.registry import load_reward_fn, resolve_spec
+
+log = logging.getLogger(__name__)
+
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json", "vocab.txt")
+WEIGHT_PATTERNS = ("*.safetensors", "pytorch_model*.bin", "*.safetensors.index.json", "pytorch_model.bin.index.json")
+
+
+class PreflightError(RLCoreError):
+    """What the config points at cannot be used; `.problems` holds one line per problem, each
+    starting with its config key."""
+
+    def __init__(self, problems: list[str]) -> None:
+        self.problems = list(problems)
+        if len(self.problems) == 1:
+            message = self.problems[0]
+        else:
+            message = f"{len(self.problems)} problems with what the config names:\n  " + "\n  ".join(self.problems)
+        super().__init__(message)
+
+    def __reduce__(self) -> tuple[Any, ...]:  # keep `.problems` through pickling (Ray, Prefect results)
+        return (PreflightError, (self.problems,))
+
+
+def preflight(config: Config) -> None:
+    """Raise `PreflightError` listing every config key whose target is missing or unusable."""
+    start = time.perf_counter()
+    problems = preflight_problems(config)
+    log.info("preflight: %d problem(s), %.3f s", len(problems), time.perf_counter() - start)
+    if problems:
+        raise PreflightError(problems)
+
+
+def preflight_problems(config: Config) -> list[str]:
+    """Every problem found, one line each, starting with the config key."""
+    problems = model_folder_problems("model.path", config.model.path, tokenizer=True)
+    if config.algorithm.name == "ppo" and config.critic.model_path is not None:
+        problems += model_folder_problems("critic.model_path", config.critic.model_path, tokenizer=False)
+    problems += data_problems(config)
+    problems += reward_problems(config.reward.function)
+    problems += resume_problems(config.trainer.resume, config.algorithm.name)
+    problems += output_dir_problems(config.trainer.output_dir)
+    return problems
+
+
+def model_folder_problems(key: str, path: str, *, tokenizer: bool) -> list[str]:
+    """A local Hugging Face model folder: config.json naming a model type, weights, and (for the
+    policy, whose folder the tokenizer is loaded from) a tokenizer."""
+    folder = Path(path)
+    what = f"a local Hugging Face model folder with config.json, weights{' and a tokenizer' if tokenizer else ''}; " \
+           "models are never downloaded"
+    if not folder.exists():
+        return [f"{key}: {path} does not exist (expected {what})"]
+    if not folder.is_dir():
+        return [f"{key}: {path} is not a folder (expected {what})"]
+    problems = []
+    config_file = folder / "config.json"
+    if not config_file.is_file():
+        problems.append(f"{key}: {path} has no config.json (expected {what})")
+    else:
+        try:
+            model_config = json.loads(config_file.read_text(encoding="utf-8"))
+        except (OSError, ValueError) as err:
+            problems.append(f"{key}: {config_file} is not readable JSON ({err})")
+        else:
+            if not isinstance(model_config, dict) or "model_type" not in model_config:
+                problems.append(f"{key}: {config_file} names no model_type (not a transformers model config)")
+    if not any(next(folder.glob(pattern), None) is not None for pattern in WEIGHT_PATTERNS):
+        problems.append(f"{key}: {path} holds no weights (*.safetensors or pytorch_model*.bin)")
+    if tokenizer:
+        present = [name for name in TOKENIZER_FILES if (folder / name).is_file()]
+        if not present:
+            problems.append(f"{key}: {path} has no tokenizer ({' or '.join(TOKENIZER_FILES[:2])}); "
+                            "the run's tokenizer is loaded from model.path")
+        if "tokenizer_config.json" in present:
+            try:
+                json.loads((folder / "tokenizer_config.json").read_text(encoding="utf-8"))
+            except (OSError, ValueError) as err:
+                problems.append(f"{key}: {folder / 'tokenizer_config.json'} is not readable JSON ({err})")
+        if "tokenizer.json" in present and (folder / "tokenizer.json").stat().st_size == 0:
+            problems.append(f"{key}: {folder / 'tokenizer.json'} is empty")
+    return problems
+
+
+def data_problems(config: Config) -> list[str]:
+    """Each data file the run reads: there, readable, in a known format, with the fields its rows need."""
+    algorithm = config.algorithm.name
+    preference = algorithm in ("dpo", "kto")
+    either = [PREFERENCE_FIELDS["pairwise"], PREFERENCE_FIELDS["unpaired"]]
+    if algorithm == "dpo":
+        train = [PREFERENCE_FIELDS["pairwise"]]
+    elif algorithm == "kto":
+        train = [PREFERENCE_FIELDS["unpaired"]]
+    else:
+        train = [RL_FIELDS]
+    lists = [("data.train_files", config.data.train_files, train),
+             ("data.val_files", config.data.val_files, either if preference else [RL_FIELDS])]
+    if preference:
+        lists.append(("preference.task_val_files", config.preference.task_val_files, [RL_FIELDS]))
+    problems = [] if config.data.train_files else ["data.train_files: empty (give at least one .parquet or .jsonl file)"]
+    for key, files, needed in lists:
+        for i, file in enumerate(files):
+            problem = data_file_problem(f"{key}[{i}]", file, needed)
+            if problem is not None:
+                problems.append(problem)
+    return problems
+
+
+def data_file_problem(key: str, file: str, needed: list[tuple[str, ...]]) -> str | None:
+    """None when `file` is readable and has every field of one of the `needed` sets."""
+    try:
+        fields = peek_fields(file)
+    except DatasetError as err:
+        return f"{key}: {err}"
+    if any(all(name in fields for name in required) for required in needed):
+        return None
+    if len(needed) == 1:
+        missing = [name for name in needed[0] if name not in fields]
+        return (f"{key}: {file} lacks the field(s) {', '.join(missing)} (it has {', '.join(fields)}; "
+                f"rows here need {', '.join(needed[0])})")
+    wanted = " or ".join(f"({', '.join(required)})" for required in needed)
+    return f"{key}: {file} has the fields {', '.join(fields)}; rows here need {wanted}"
+
+
+def reward_problems(spec: str | None) -> list[str]:
+    """`reward.function` importable (a module) or existing and running (a .py file), and
+    defining the function; None (the built-in scorers) needs nothing."""
+    if spec is None:
+        return []
+    try:
+        load_reward_fn(resolve_spec(spec))
+    except Exception as err:  # noqa: BLE001 - user code may raise anything while it is imported
+        return [f"reward.function: {str(err).removeprefix('reward function spec ')}"]
+    return []
+
+
+def resume_problems(resume: str, algorithm: str) -> list[str]:
+    """An explicit `trainer.resume` path: a complete checkpoint folder of this algorithm (every
+    file its manifest lists, at its size; the full SHA-256 check runs at the resume itself)."""
+    if resume in ("auto", "disable"):
+        return []
+    path = Path(resume)
+    what = "expected 'auto', 'disable' or a checkpoint folder step_XXXXXXXX holding COMPLETE.json"
+    if not path.exists():
+        return [f"trainer.resume: {resume} does not exist ({what})"]
+    try:
+        step_of(path)
+    except CheckpointError:
+        return [f"trainer.resume: {resume} is not a checkpoint folder ({what})"]
+    if not path.is_dir():
+        return [f"trainer.resume: {resume} is not a folder ({what})"]
+    try:
+        manifest = json.loads((path / MANIFEST).read_text())
+        files = manifest["files"]
+    except FileNotFoundError:
+        return [f"trainer.resume: {resume} is incomplete: no {MANIFEST} (its save did not finish)"]
+    except (OSError, ValueError, KeyError, TypeError) as err:
+        return [f"trainer.resume: {resume}: unreadable {MANIFEST} ({err})"]
+    for rel, expected in files.items():
+        file = path / rel
+        size = expected["size"] if isinstance(expected, dict) else expected
+        if not file.is_file():
+            return [f"trainer.resume: {resume} is incomplete: missing file {rel}"]
+        if file.stat().st_size != size:
+            return [f"trainer.resume: {resume}: file {rel} has {file.stat().st_size} bytes, {MANIFEST} says {size}"]
+    saved = manifest.get("algorithm")
+    if saved is not None and saved != algorithm:
+        return [f"trainer.resume: {resume} is a {saved} checkpoint; this run is algorithm.name={algorithm}"]
+    return []
+
+
+def output_dir_problems(output_dir: str) -> list[str]:
+    """`trainer.output_dir` is a folder, or can be made one."""
+    path = Path(output_dir)
+    if path.exists():
+        if not path.is_dir():
+            return [f"trainer.output_dir: {output_dir} exists and is not a folder"]
+        if not os.access(path, os.W_OK | os.X_OK):
+            return [f"trainer.output_dir: {output_dir} is not writable"]
+        return []
+    parent = path.absolute().parent
+    while not parent.exists():
+        parent = parent.parent
+    if not parent.is_dir() or not os.access(parent, os.W_OK | os.X_OK):
+        return [f"trainer.output_dir: cannot create {output_dir}: {parent} is not a writable folder"]
+    return []
+
+
+__all__ = ["PreflightError", "preflight", "preflight_problems"]

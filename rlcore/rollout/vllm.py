@@ -30,7 +30,7 @@ cache computed from the config that no checkpoint holds. Layers without paramete
 as having nothing to load, so the warning is left for what it means: a layer with weights that a
 sync did not update. A bf16 engine beside a float32 actor (`rollout.dtype`) casts every tensor
 on load, as a fresh engine casts the checkpoint; vLLM warns about each such narrowing, and that
-one expected message (float32 into the engine's own dtype) is dropped during syncs.
+one expected message (float32 into the engine's own dtype) is dropped during syncs and at start.
 """
 
 from __future__ import annotations
@@ -319,7 +319,9 @@ class VLLMRolloutEngine:
             logger.warning("vLLM sleep mode is GPU-only; ignoring enable_sleep_mode=True on CPU")
         kwargs.update(extra or {})
         kwargs.update(llm_kwargs)
-        with _quiet_chat_template_warmup():
+        engine_dtype = getattr(torch, str(kwargs["dtype"]), None)
+        casts = _quiet_expected_casts(engine_dtype) if isinstance(engine_dtype, torch.dtype) else contextlib.nullcontext()
+        with _quiet_chat_template_warmup(), casts:
             llm = vllm.LLM(**kwargs)
         return cls(
             llm,

@@ -11,6 +11,8 @@ from rlcore.config import OptimConfig
 
 
 def build_optimizer(model: nn.Module, cfg: OptimConfig) -> torch.optim.Optimizer:
+    """AdamW over the trainable parameters. Its state takes their dtype and device: float32 master
+    weights under bf16 compute (bf16 only with model.pure_bf16), host memory with CPU offload."""
     params = [p for p in model.parameters() if p.requires_grad]
     return torch.optim.AdamW(params, lr=cfg.lr, betas=cfg.betas, weight_decay=cfg.weight_decay, foreach=False)
 

@@ -187,3 +187,17 @@ def test_an_exploding_update_stops_the_run_and_keeps_the_healthy_checkpoint(tiny
     manager = CheckpointManager(run / "checkpoints")
     assert [step_of(p) for p in manager.complete()] == [1]
     assert step_of(manager.latest()) == 1
+
+
+def test_rlcore_train_applies_the_health_settings(tiny_example, tmp_path, capsys):
+    """`health:` is honoured by a plain `rlcore train`, not only by the pipeline: an entropy floor
+    no policy can meet stops the run at step 1 with a clear message and exit code 3."""
+    from rlcore.cli import main
+
+    args = ["train", str(CONFIG_DIR / "tiny_grpo.yaml"), *tiny_example_overrides(tiny_example, str(tmp_path / "run")),
+            *QUICK, "trainer.total_steps=2", "health.min_entropy=50"]
+    assert main(args) == 3
+    err = capsys.readouterr().err
+    assert "entropy collapse at step 1" in err and "Traceback" not in err
+    assert not (tmp_path / "run" / "checkpoints" / "step_00000001").exists()
+    assert main([*args[:-1], "health.enabled=false"]) == 0

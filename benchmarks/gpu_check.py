@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import functools
 import json
 import os
 import platform
@@ -38,9 +39,10 @@ import tempfile
 import time
 import traceback
 import types
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 H200_BF16_DENSE_FLOPS = 989e12  # NVIDIA H200 SXM spec sheet, dense (no sparsity)
 PHASES = ("kernel", "actor", "rollout", "grpo")
@@ -281,7 +283,7 @@ def phase_kernel(s: Shapes, device, meter: Meter) -> dict[str, Any]:
         base = meter.allocated_gib()
         times = []
         for _ in range(s.kernel_repeats):
-            out, secs = meter.timed(lambda: run(fn))
+            out, secs = meter.timed(functools.partial(run, fn))
             times.append(secs)
         peak = meter.peak_gib()
         outputs[name] = out
@@ -415,7 +417,7 @@ def phase_actor(s: Shapes, device, meter: Meter, model_dir: Path, train_file: Pa
             meter.reset()
             times, metrics = [], {}
             for _ in range(s.actor_steps):
-                metrics, secs = meter.timed(lambda: worker.update_actor(batch))
+                metrics, secs = meter.timed(functools.partial(worker.update_actor, batch))
                 times.append(secs)
             secs = sum(times) / len(times)
             tok_s = tokens / secs
@@ -458,7 +460,7 @@ def phase_rollout(s: Shapes, device, meter: Meter, model_dir: Path) -> dict[str,
     engine.generate(batch, SamplingParams(n=1, max_new_tokens=4, seed=0))  # warm-up
     meter.reset()
     params = SamplingParams(n=1, temperature=1.0, max_new_tokens=s.rollout_new_tokens, seed=0)
-    gen, secs = meter.timed(lambda: engine.generate(batch, params))
+    gen, secs = meter.timed(functools.partial(engine.generate, batch, params))
     new_tokens = int(gen["response_mask"].sum())
     out = {"prompts": b, "prompt_len": p, "max_new_tokens": s.rollout_new_tokens, "dtype": "bfloat16",
            "new_tokens": new_tokens, "seconds": secs, "tokens_per_s": new_tokens / secs,

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 from pathlib import Path
 
-import numpy as np
 import pytest
 import torch
 from conftest import train_on_ray  # tests/ is on sys.path (pytest rootdir conftest)

@@ -7,7 +7,6 @@ import json
 import pickle
 import threading
 from http.server import BaseHTTPRequestHandler, HTTPServer
-from pathlib import Path
 
 import pytest
 
@@ -16,9 +15,8 @@ from rlcore.data import DataValidationError, read_rows, write_rows
 from rlcore.lifecycle import GatePolicy, HealthBreach, HealthGuard, decide, files_fingerprint, prepare_dataset, rows_fingerprint
 from rlcore.lifecycle.events import DirectoryWatcher, data_resource, new_files
 from rlcore.lifecycle.lineage import build_lineage, lineage_tags
-from rlcore.tracking import flatten
 from rlcore.lifecycle.notify import notify
-from rlcore.tracking import MlflowSink, mlflow_key
+from rlcore.tracking import MlflowSink, flatten, mlflow_key
 from rlcore.trainer.run_state import TrainingStopped
 
 

@@ -10,11 +10,11 @@ import pytest
 import torch
 from conftest import train_on_ray  # tests/ is on sys.path (pytest rootdir conftest)
 
+from rlcore.checkpoint import CheckpointManager
 from rlcore.cli import CONFIG_DIR
 from rlcore.config import load_config
 from rlcore.example import evaluate_accuracy
 from rlcore.example.preference import build_preference_set, train_overrides
-from rlcore.checkpoint import CheckpointManager
 from rlcore.tracking import read_jsonl
 from rlcore.trainer.run import make_trainer
 

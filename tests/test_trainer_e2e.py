@@ -21,8 +21,8 @@ from rlcore.checkpoint import CheckpointManager, step_of
 from rlcore.cli import CONFIG_DIR, tiny_example_overrides
 from rlcore.config import load_config
 from rlcore.tracking import read_jsonl
-from rlcore.trainer.run_state import TrainingStopped
 from rlcore.trainer.run import make_trainer
+from rlcore.trainer.run_state import TrainingStopped
 
 pytestmark = pytest.mark.slow
 

@@ -8,15 +8,15 @@ the working directory, artifacts next to it (`mlruns/`); any tracking server by 
 
 from __future__ import annotations
 
-import json
 import logging
 import math
 import tempfile
+from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterable
+from typing import Any
 
-from rlcore.tracking import MlflowSink, MlflowStore, default_tracking_uri, flatten, read_jsonl
+from rlcore.tracking import MlflowSink, MlflowStore, flatten, read_jsonl
 
 log = logging.getLogger(__name__)
 

@@ -12,7 +12,8 @@ in, so it runs (on Ray, in its own pool) while step k scores, recomputes log-pro
 from __future__ import annotations
 
 import time
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 import torch
 
@@ -26,7 +27,12 @@ from rlcore.trainer.metrics import Timer, mean_over_ranks, rl_batch_metrics
 from rlcore.trainer.rl_steps import old_and_ref_log_probs, rewards_with_kl, score
 from rlcore.trainer.roles import WorkerGroups, build_worker_groups
 from rlcore.trainer.rollout_parts import (
-    Prefetcher, RolloutSleep, generate, rollout_shares_gpu, sync_weights, train_sampling,
+    Prefetcher,
+    RolloutSleep,
+    generate,
+    rollout_shares_gpu,
+    sync_weights,
+    train_sampling,
 )
 from rlcore.trainer.run_state import BadStepGuard, RunCheckpoints, prepare_run_dir
 from rlcore.trainer.step_log import StepHook, StepLog

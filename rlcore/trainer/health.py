@@ -60,7 +60,7 @@ class HealthGuard:
         self._warned: set[str] = set()
 
     @classmethod
-    def from_config(cls, health: Any) -> "HealthGuard":
+    def from_config(cls, health: Any) -> HealthGuard:
         """From a `HealthConfig` section (rlcore.config). `enabled: false` lifts every limit; non-finite
         weights still stop the run (training on them is never what anyone wants)."""
         if not health.enabled:

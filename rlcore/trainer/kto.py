@@ -13,7 +13,8 @@ exactly as an RL run measures `val/acc`.
 from __future__ import annotations
 
 import time
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 from rlcore.config import Config
 from rlcore.protocol import Batch
@@ -21,7 +22,10 @@ from rlcore.trainer.health import HealthGuard
 from rlcore.trainer.loaders import preference_loader, prompt_loader
 from rlcore.trainer.metrics import Timer, mean_over_ranks
 from rlcore.trainer.preference_parts import (
-    ReferenceLogProbs, SequenceLogProbs, preference_step_metrics, preference_validation,
+    ReferenceLogProbs,
+    SequenceLogProbs,
+    preference_step_metrics,
+    preference_validation,
 )
 from rlcore.trainer.roles import WorkerGroups, build_worker_groups
 from rlcore.trainer.rollout_parts import RolloutSleep, sync_weights

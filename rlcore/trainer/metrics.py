@@ -4,8 +4,8 @@ and the numbers an operator watches on an RL batch (reward, lengths, advantages,
 from __future__ import annotations
 
 import time
+from collections.abc import Iterator
 from contextlib import contextmanager
-from typing import Any, Iterator
 
 import numpy as np
 import torch

@@ -3,10 +3,11 @@ placed on resource pools (`trainer.backend`). The control flow sees the same `Wo
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 from rlcore.config import Config
 from rlcore.controller import ColocatedWorker, InProcessWorkerGroup, RoleView, Worker, WorkerGroup

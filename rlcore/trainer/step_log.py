@@ -4,8 +4,9 @@
 from __future__ import annotations
 
 import json
+from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any, Callable, Sequence
+from typing import Any
 
 from rlcore.config import Config
 from rlcore.tracking import Tracker, open_tracker
@@ -32,7 +33,7 @@ class StepLog:
         self.tracker: Tracker | None = None
         self.workers: dict[str, Any] = {}
 
-    def __enter__(self) -> "StepLog":
+    def __enter__(self) -> StepLog:
         cfg = self.config
         self.tracker = open_tracker(cfg.trainer.loggers, self.run_dir, cfg.trainer.total_steps,
                                     mlflow_uri=cfg.tracking.mlflow_uri, experiment=cfg.tracking.experiment,

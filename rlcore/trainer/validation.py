@@ -18,8 +18,8 @@ from rlcore.config import Config
 from rlcore.data import PromptLoader
 from rlcore.trainer.metrics import Timer
 from rlcore.trainer.rl_steps import score
-from rlcore.trainer.rollout_parts import generate, val_sampling
 from rlcore.trainer.roles import WorkerGroups
+from rlcore.trainer.rollout_parts import generate, val_sampling
 
 
 def sampled_validation_metrics(uids: list[str], sources: list[str], answers: list[str], acc: list[float],

@@ -22,7 +22,16 @@ from rlcore.controller import Dispatch, Worker, register
 from rlcore.protocol import Batch
 from rlcore.workers.checkpointing import load_training_state, save_trained
 from rlcore.workers.fsdp import gather_bucket, iter_full_state, plan_buckets, shard_model
-from rlcore.workers.loops import GlobalCounts, MicroBatching, MicroLoss, MicroLossFn, UpdateResult, UpdateSettings, mean_stats, run_update
+from rlcore.workers.loops import (
+    GlobalCounts,
+    MicroBatching,
+    MicroLoss,
+    MicroLossFn,
+    UpdateResult,
+    UpdateSettings,
+    mean_stats,
+    run_update,
+)
 from rlcore.workers.modeling import compute_precision, load_causal_lm, resolve_device, trained_dtype
 from rlcore.workers.optim import build_optimizer, build_scheduler
 from rlcore.workers.policy import PolicyLogProbs

@@ -20,7 +20,16 @@ from rlcore.controller import Dispatch, Worker, register
 from rlcore.protocol import Batch
 from rlcore.workers.checkpointing import load_training_state, save_trained
 from rlcore.workers.fsdp import shard_model
-from rlcore.workers.loops import GlobalCounts, MicroBatching, MicroLoss, MicroLossFn, UpdateSettings, forward_no_grad, mean_stats, run_update
+from rlcore.workers.loops import (
+    GlobalCounts,
+    MicroBatching,
+    MicroLoss,
+    MicroLossFn,
+    UpdateSettings,
+    forward_no_grad,
+    mean_stats,
+    run_update,
+)
 from rlcore.workers.modeling import compute_precision, load_value_model, resolve_device, response_values, trained_dtype
 from rlcore.workers.optim import build_optimizer, build_scheduler
 from rlcore.workers.trainable import Trainable
@@ -68,11 +77,13 @@ class ValueObjective:
 
 
 class CriticWorker(Worker):
+    """The value model (PPO): values for GAE, the clipped value update, checkpoints. FSDP2 when
+    its group has a process group."""
+
     def __init__(self, config: Config, rank: int = 0, world_size: int = 1) -> None:
         super().__init__(rank=rank, world_size=world_size, role="critic")
         self.config = config
         self.device = resolve_device(config.trainer.device)
-        self.settings = critic_settings(config)
         self.model: nn.Module | None = None
         self.optimizer: torch.optim.Optimizer | None = None
         self.scheduler: torch.optim.lr_scheduler.LRScheduler | None = None
@@ -88,6 +99,10 @@ class CriticWorker(Worker):
     @property
     def trained(self) -> Trainable:
         return Trainable(self.model, self.optimizer, self.scheduler)
+
+    @property
+    def settings(self) -> UpdateSettings:
+        return critic_settings(self.config)
 
     @register(dispatch=Dispatch.DP_BALANCED)
     def compute_values(self, batch: Batch) -> Batch:

@@ -17,8 +17,9 @@ from __future__ import annotations
 
 import math
 from collections import defaultdict
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Callable, Protocol
+from typing import Protocol
 
 import torch
 from torch import nn
@@ -29,6 +30,7 @@ from rlcore.protocol import Batch
 from rlcore.workers.fsdp import distributed_world, equalize_micro_batches, to_full
 from rlcore.workers.ranks import RankSummedMeans, global_sums
 from rlcore.workers.trainable import Trainable
+from rlcore.workers.weight_health import weight_health
 
 
 def attention_lengths(batch: Batch) -> torch.Tensor:
@@ -125,28 +127,6 @@ class UpdateResult:
     param_norm: float = math.nan   # L2 norm of all parameters after the update (over ranks)
     param_norm_growth: float = 1.0  # that norm after / before this update
     nonfinite_state: float = 0.0   # non-finite elements in parameters and optimizer state (over ranks)
-
-
-def _local(t: torch.Tensor) -> torch.Tensor:
-    """This rank's shard of a (possibly FSDP2-sharded) tensor."""
-    return t.to_local() if hasattr(t, "to_local") else t
-
-
-def weight_health(trained: Trainable, device: torch.device) -> tuple[float, float]:
-    """(parameter L2 norm, count of non-finite elements in parameters and optimizer state), summed
-    over ranks: what the run-health guard needs to stop an exploding or NaN model before it is saved."""
-    squares, bad = 0.0, 0.0
-    with torch.no_grad():
-        for p in trained.model.parameters():
-            local = _local(p.detach()).float()
-            squares += float(local.square().sum())
-            bad += float((~torch.isfinite(local)).sum())
-        for state in trained.optimizer.state.values():
-            for value in state.values():
-                if isinstance(value, torch.Tensor) and value.is_floating_point():
-                    bad += float((~torch.isfinite(_local(value.detach()))).sum())
-    squares, bad = global_sums([squares, bad], device)
-    return math.sqrt(squares) if math.isfinite(squares) else math.inf, bad
 
 
 def run_update(

@@ -20,7 +20,13 @@ from rlcore.config import PreferenceConfig
 from rlcore.data.preference import sequence_log_prob_sums, sequence_view
 from rlcore.protocol import Batch
 from rlcore.workers.loops import (
-    GlobalCounts, MicroBatching, MicroLoss, MicroLossFn, attention_lengths, forward_no_grad, value_stats,
+    GlobalCounts,
+    MicroBatching,
+    MicroLoss,
+    MicroLossFn,
+    attention_lengths,
+    forward_no_grad,
+    value_stats,
 )
 from rlcore.workers.policy import PolicyLogProbs
 from rlcore.workers.ranks import global_sum
@@ -83,7 +89,7 @@ class KTOObjective:
         z0 = kto_reference_point_from_sums(logratio_sum, counts.rows)
         return partial(self.micro_loss, z0=z0, global_rows=counts.rows)
 
-    def micro_loss(self, mb: Batch, z0: float, global_rows: float) -> MicroLoss:
+    def micro_loss(self, mb: Batch, z0: torch.Tensor, global_rows: float) -> MicroLoss:
         p = self.config
         view = sequence_view(mb)
         logp, _ = self.log_probs(self.model, view)

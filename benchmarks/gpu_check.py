@@ -344,14 +344,7 @@ def fsdp2_bf16(model, device):
     for layer in getattr(model, model.base_model_prefix).layers:
         fully_shard(layer, mesh=mesh, mp_policy=mp)
     fully_shard(model, mesh=mesh, mp_policy=mp)
-    impl = getattr(rl_fsdp, "_sharded_log_probs", None)
-    if impl is None:  # fall back to the plain computation, cloned like fsdp.py does
-        from rlcore.workers.modeling import _response_log_probs_impl
-
-        def impl(m, *args, **kwargs):
-            lp, ent = _response_log_probs_impl(m, *args, **kwargs)
-            return lp.clone(), ent.clone() if ent is not None else None
-    model.rlcore_response_log_probs = types.MethodType(impl, model)
+    model.rlcore_response_log_probs = types.MethodType(rl_fsdp.sharded_log_probs, model)
     register_fsdp_forward_method(model, "rlcore_response_log_probs")
     return model
 

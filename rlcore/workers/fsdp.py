@@ -77,7 +77,7 @@ def shard_model(
     fully_shard(model, **kwargs)
     # response_log_probs runs the backbone and the head outside `model.forward`: register it as
     # a forward method so the root's parameters are gathered (and their gradients reduced).
-    model.rlcore_response_log_probs = types.MethodType(_sharded_log_probs, model)
+    model.rlcore_response_log_probs = types.MethodType(sharded_log_probs, model)
     register_fsdp_forward_method(model, "rlcore_response_log_probs")
     return model
 
@@ -160,7 +160,7 @@ def _params_to_host(model: nn.Module) -> None:
             setattr(module, name, host)
 
 
-def _sharded_log_probs(model: nn.Module, *args, **kwargs):
+def sharded_log_probs(model: nn.Module, *args, **kwargs):
     """`response_log_probs` as an FSDP forward method; outputs are copies, not views (FSDP warns
     that an in-place op on a view would skip its backward hook)."""
     from rlcore.workers.modeling import forward_response_log_probs

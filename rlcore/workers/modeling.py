@@ -14,7 +14,7 @@ from pathlib import Path
 
 import torch
 from torch import nn
-from transformers import AutoModelForCausalLM, AutoModelForTokenClassification
+from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForTokenClassification
 
 from rlcore.config import ModelConfig
 from rlcore.protocol import Batch
@@ -57,10 +57,13 @@ def load_causal_lm(path: str | Path, dtype: str, device: torch.device, gradient_
 
 
 def load_value_model(path: str | Path, dtype: str, device: torch.device, gradient_checkpointing: bool = False) -> nn.Module:
-    """A causal LM backbone with a scalar head per token (verl's critic: token classification, 1 label)."""
-    model = AutoModelForTokenClassification.from_pretrained(
-        Path(path), num_labels=1, dtype=_DTYPES[dtype], local_files_only=True
-    )
+    """A causal LM backbone with a scalar head per token (verl's critic: token classification, 1 label).
+
+    No dropout before the head (transformers' default for Llama-style classifiers is 10%): the
+    values the critic is trained on must be the ones `compute_values` predicts, as in verl."""
+    config = AutoConfig.from_pretrained(Path(path), num_labels=1, local_files_only=True)
+    config.classifier_dropout = 0.0
+    model = AutoModelForTokenClassification.from_pretrained(Path(path), config=config, dtype=_DTYPES[dtype], local_files_only=True)
     if gradient_checkpointing:
         model.gradient_checkpointing_enable()
     return model.to(device)

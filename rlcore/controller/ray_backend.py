@@ -18,11 +18,13 @@ only starts per-rank calls (`execute.remote`) and waits for them. What it adds:
 from __future__ import annotations
 
 import gc
+import ipaddress
 import logging
 import os
 import socket
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from datetime import timedelta
 from typing import Any
 
@@ -37,7 +39,10 @@ __all__ = [
     "ResourcePool",
     "WorkerDiedError",
     "WorkerTimeoutError",
+    "address_host",
     "ensure_ray",
+    "interface_with",
+    "is_loopback",
 ]
 
 log = logging.getLogger(__name__)
@@ -54,9 +59,58 @@ class WorkerTimeoutError(WorkerError):
     """A call ran past the group's time limit (a hung worker or a stuck collective)."""
 
 
+LOOPBACK = "127.0.0.1"
+
+
+def is_loopback(host: str) -> bool:
+    """Whether `host` is an address of this machine only (127.0.0.0/8, ::1, IPv4-mapped loopback)."""
+    try:
+        ip = ipaddress.ip_address(host)
+    except ValueError:
+        return host == "localhost"
+    if isinstance(ip, ipaddress.IPv6Address) and ip.ipv4_mapped is not None:
+        ip = ip.ipv4_mapped
+    return ip.is_loopback
+
+
+def address_host(address: str) -> str:
+    """The host of a Ray address ("host:port", "[::1]:port", "host"); "" for "auto" and ray:// URLs."""
+    if address == "auto" or "://" in address:
+        return ""
+    if address.startswith("["):
+        return address[1:].split("]", 1)[0]
+    return address.rsplit(":", 1)[0] if address.count(":") == 1 else address
+
+
+@contextmanager
+def _ray_node_ip_kept_local() -> Iterator[None]:
+    """While a local Ray starts: let `_node_ip_address="127.0.0.1"` stand.
+
+    On Linux Ray 2.60 replaces a loopback node address by the machine's routable one
+    (`services.resolve_ip_for_localhost`, unless `ENABLE_RAY_CLUSTER` is off, as on macOS and
+    Windows), and its GCS, raylet, agents and workers then listen on every interface. That switch
+    is read when the address is resolved, not at import, so it is turned off here for the
+    duration of `ray.init` only (a later connection to a real cluster is unaffected)."""
+    try:
+        from ray._private import ray_constants
+    except ImportError:  # another Ray layout: the check after ray.init still guards the result
+        yield
+        return
+    before = getattr(ray_constants, "ENABLE_RAY_CLUSTER", None)
+    ray_constants.ENABLE_RAY_CLUSTER = False
+    try:
+        yield
+    finally:
+        ray_constants.ENABLE_RAY_CLUSTER = before
+
+
 def ensure_ray(address: str | None = None, num_cpus: float | None = None, temp_dir: str | None = None) -> bool:
     """Connect to `address`, or start a local cluster. Returns True when this call started Ray
-    (the caller then owns `ray.shutdown()`); an already initialised Ray is reused as it is."""
+    (the caller then owns `ray.shutdown()`); an already initialised Ray is reused as it is.
+
+    A local cluster listens on 127.0.0.1 only (GCS, raylet, object manager, agents, workers; no
+    dashboard): nothing of it is reachable from the network. A cluster given by `address` is
+    used as it was started (one on a loopback address is reached there)."""
     import ray
 
     if ray.is_initialized():
@@ -67,16 +121,42 @@ def ensure_ray(address: str | None = None, num_cpus: float | None = None, temp_d
     gc.collect()
     os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
     if address:
-        ray.init(address=address, log_to_driver=True)
+        if is_loopback(address_host(address)):
+            # a loopback-only cluster (one rlcore or `ray start --node-ip-address=127.0.0.1`
+            # started): without this, Ray rewrites 127.0.0.1 to the machine's routable address
+            # and never reaches it. Only how this process connects changes, nothing of the cluster.
+            with _ray_node_ip_kept_local():
+                ray.init(address=address, log_to_driver=True, _node_ip_address=LOOPBACK)
+        else:
+            ray.init(address=address, log_to_driver=True)
         return True
-    kwargs: dict[str, Any] = dict(include_dashboard=False, log_to_driver=True)
+    kwargs: dict[str, Any] = dict(include_dashboard=False, dashboard_host=LOOPBACK, log_to_driver=True,
+                                  _node_ip_address=LOOPBACK)
     if num_cpus is not None:
         kwargs["num_cpus"] = int(-(-num_cpus // 1))
     if temp_dir:
         os.makedirs(temp_dir, exist_ok=True)
         kwargs["_temp_dir"] = os.path.abspath(temp_dir)
-    ray.init(**kwargs)
+    with _ray_node_ip_kept_local():
+        ray.init(**kwargs)
+    node_ip = ray.util.get_node_ip_address()
+    if not is_loopback(node_ip):
+        ray.shutdown()
+        raise RuntimeError(
+            f"the local Ray cluster came up on {node_ip}, not {LOOPBACK}: its services would be reachable from the "
+            f"network. This Ray ({ray.__version__}) does not keep a local node on loopback the way rlcore asks it to; "
+            "start a cluster yourself (`ray start --head ...`) and pass its address as ray.address")
     return True
+
+
+def interface_with(addr: str) -> str | None:
+    """The name of this machine's network interface that holds `addr` (`lo` for 127.0.0.1)."""
+    import psutil
+
+    for name, addrs in psutil.net_if_addrs().items():
+        if any(a.address == addr for a in addrs):
+            return name
+    return None
 
 
 class ResourcePool:
@@ -126,6 +206,7 @@ class _WorkerHost:
         torch.set_num_threads(int(env.get("OMP_NUM_THREADS", "1")))
         self.role, self.rank, self.world_size = role, rank, world_size
         self.worker: Worker | None = None
+        self.store_listener: socket.socket | None = None  # rank 0: the TCP store's socket
 
     def build(self, factory: Callable[[int, int], Worker]) -> dict[str, MethodSpec]:
         try:
@@ -142,26 +223,42 @@ class _WorkerHost:
         return w.registered_methods()
 
     def rendezvous_address(self) -> tuple[str, int]:
-        """This node's address and a port free right now (rank 0 hosts the TCP store)."""
+        """This node's address and the port rank 0's TCP store will serve on. The socket is bound
+        to that address only (torch's own store would listen on every interface) and held open
+        until `init_distributed` hands it to the store, so no other process can take the port."""
         import ray
 
-        with socket.socket() as s:
-            s.bind(("", 0))
-            port = s.getsockname()[1]
-        return ray.util.get_node_ip_address(), port
+        addr = ray.util.get_node_ip_address()
+        listener = socket.socket(socket.AF_INET6 if ":" in addr else socket.AF_INET, socket.SOCK_STREAM)
+        listener.bind((addr, 0))
+        listener.listen(128)
+        self.store_listener = listener
+        return addr, listener.getsockname()[1]
 
     def init_distributed(self, addr: str, port: int, backend: str, timeout_s: float) -> None:
         import torch.distributed as dist
 
         os.environ.update(MASTER_ADDR=addr, MASTER_PORT=str(port), RANK=str(self.rank),
                           WORLD_SIZE=str(self.world_size), LOCAL_RANK="0")
+        timeout = timedelta(seconds=timeout_s)
         try:
             if backend == "nccl":
                 import torch
 
                 torch.cuda.set_device(0)  # Ray exposes this rank's GPU as device 0
-            dist.init_process_group(backend, rank=self.rank, world_size=self.world_size,
-                                    timeout=timedelta(seconds=timeout_s))
+            if backend == "gloo" and is_loopback(addr) and "GLOO_SOCKET_IFNAME" not in os.environ:
+                # every rank is on this machine (a loopback cluster): gloo's pairs listen on
+                # loopback too, not on whatever address the host name resolves to
+                name = interface_with(addr)
+                if name is not None:
+                    os.environ["GLOO_SOCKET_IFNAME"] = name
+            if self.rank == 0:
+                assert self.store_listener is not None, "rendezvous_address runs on rank 0 first"
+                store = dist.TCPStore(addr, port, self.world_size, is_master=True, timeout=timeout,
+                                      wait_for_workers=False, master_listen_fd=self.store_listener.fileno())
+            else:
+                store = dist.TCPStore(addr, port, self.world_size, is_master=False, timeout=timeout)
+            dist.init_process_group(backend, store=store, rank=self.rank, world_size=self.world_size, timeout=timeout)
         except Exception as e:
             raise WorkerError.from_exception(self.role, self.rank, "init_distributed", e) from None
 

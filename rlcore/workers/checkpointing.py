@@ -11,17 +11,28 @@ Files, for name `actor`:
 
 A one-process checkpoint also resumes on several ranks (its optimizer state is re-keyed and
 sharded). `.pt` files are read with `weights_only=True`: a checkpoint carries tensors and plain
-values, never code that unpickling would run.
+values, never code that unpickling would run. The distributed checkpoint is held to the same
+rule (`load_dcp`): torch reads its `.metadata` with plain `pickle.load` and its non-tensor values
+with `torch.load(weights_only=False)`, so here the metadata is unpickled with only the classes
+DCP metadata is made of, and every other value with `weights_only=True`; anything else is an
+`UnsafeCheckpointError` naming the file, raised before any of it runs.
 """
 
 from __future__ import annotations
 
+import io
+import pickle
+import re
 import shutil
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch.distributed.checkpoint import CheckpointException, DefaultLoadPlanner, FileSystemReader
+from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
 
+from rlcore.errors import RLCoreError
 from rlcore.workers.fsdp import is_sharded
 from rlcore.workers.trainable import Trainable
 
@@ -81,12 +92,11 @@ def _save_sharded(trained: Trainable, folder: Path, name: str, rank: int, tokeni
 
 
 def _load_sharded(trained: Trainable, folder: Path, name: str) -> None:
-    import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
     model_sd, optim_sd = get_state_dict(trained.model, trained.optimizer)
     state = {"model": model_sd, "optim": optim_sd}
-    dcp.load(state, checkpoint_id=str(folder / f"{name}_dcp"), no_dist=not dist.is_initialized())
+    load_dcp(state, folder / f"{name}_dcp")
     set_state_dict(trained.model, trained.optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
     sched = torch.load(folder / f"{name}_scheduler.pt", map_location="cpu", weights_only=True)
     trained.scheduler.load_state_dict(sched["scheduler"])
@@ -118,3 +128,111 @@ def _tied_aliases(model: torch.nn.Module) -> list[str]:
         else:
             first[id(p)] = name
     return aliases
+
+
+# ---------------------------------------------------------------------- safe DCP reads
+class UnsafeCheckpointError(RLCoreError, RuntimeError):
+    """A checkpoint file holds something other than data (loading it could run code), or is not
+    the file it claims to be; the message names the file."""
+
+
+DCP_METADATA = "torch.distributed.checkpoint.metadata"
+# What a DCP `.metadata` pickle refers to (torch 2.13, FSDP2 model + optimizer; found by listing
+# the globals of real ones), besides torch's dtypes. Each is a plain data class, an enum, or a
+# lookup (`_get_layout`: layout by name): none runs code of the file's choosing.
+DCP_METADATA_GLOBALS = frozenset({
+    (DCP_METADATA, "Metadata"), (DCP_METADATA, "MetadataIndex"), (DCP_METADATA, "StorageMeta"),
+    (DCP_METADATA, "TensorStorageMetadata"), (DCP_METADATA, "BytesStorageMetadata"),
+    (DCP_METADATA, "ChunkStorageMetadata"), (DCP_METADATA, "TensorProperties"), (DCP_METADATA, "_MEM_FORMAT_ENCODING"),
+    ("torch.distributed.checkpoint.filesystem", "_StorageInfo"),
+    ("torch.serialization", "_get_layout"),
+    ("torch", "Size"),
+    ("pathlib", "PosixPath"), ("pathlib", "PurePosixPath"), ("pathlib", "WindowsPath"), ("pathlib", "PureWindowsPath"),
+    ("collections", "OrderedDict"),
+})
+
+
+class _Refused(pickle.UnpicklingError):
+    """The pickle asks for something checkpoint metadata never contains."""
+
+
+class _MetadataUnpickler(pickle.Unpickler):
+    def find_class(self, module: str, name: str) -> Any:
+        if (module, name) in DCP_METADATA_GLOBALS or (module == "torch" and isinstance(getattr(torch, name, None), torch.dtype)):
+            return super().find_class(module, name)
+        raise _Refused(f"it refers to {module}.{name}, which is not part of checkpoint metadata")
+
+    def persistent_load(self, pid: Any) -> Any:
+        raise _Refused("it has a persistent id, which checkpoint metadata never has")
+
+
+def read_dcp_metadata(path: Path) -> Metadata:
+    """A DCP `.metadata` file, unpickled with only the classes DCP metadata is made of."""
+    try:
+        with open(path, "rb") as f:
+            metadata = _MetadataUnpickler(f).load()
+    except _Refused as err:
+        raise UnsafeCheckpointError(f"{path}: refused to load this checkpoint metadata: {err}. A checkpoint holds "
+                                    "data only; this file was not written by torch.distributed.checkpoint") from None
+    except (pickle.UnpicklingError, EOFError, AttributeError, ImportError, IndexError, TypeError, ValueError) as err:
+        raise UnsafeCheckpointError(f"{path}: not a readable checkpoint metadata file ({type(err).__name__}: {err})") from None
+    if not isinstance(metadata, Metadata):
+        raise UnsafeCheckpointError(f"{path}: holds a {type(metadata).__name__}, not checkpoint metadata")
+    return metadata
+
+
+class SafeFileSystemReader(FileSystemReader):
+    """DCP's file reader, with the metadata read by `read_dcp_metadata` instead of `pickle.load`."""
+
+    def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
+        rank = kwargs.get("rank")
+        metadata = read_dcp_metadata(Path(self.path) / (".metadata" if rank is None else f"__{rank}.metadata"))
+        if getattr(metadata, "storage_meta", None) is None:
+            metadata.storage_meta = StorageMeta()
+        metadata.storage_meta.load_id = self.load_id
+        return metadata
+
+
+class SafeLoadPlanner(DefaultLoadPlanner):
+    """DCP's load planner, with non-tensor values (optimizer hyperparameters, steps) checked by
+    `torch.load(weights_only=True)` before torch's own `weights_only=False` load sees them."""
+
+    def __init__(self, folder: Path) -> None:
+        super().__init__()
+        self.folder = folder
+
+    def load_bytes(self, read_item: Any, value: io.BytesIO) -> None:
+        try:
+            torch.load(io.BytesIO(value.getvalue()), weights_only=True)
+        except pickle.UnpicklingError as err:
+            found = re.search(r"WeightsUnpickler error: ([^.\n]*)", str(err))
+            why = found.group(1) if found else str(err).splitlines()[0]
+            raise UnsafeCheckpointError(f"{self.folder}: refused to load the value of {read_item.dest_index.fqn!r} "
+                                        f"from its data files: it is not plain data ({why})") from None
+        value.seek(0)
+        super().load_bytes(read_item, value)
+
+
+def check_dcp_metadata(folder: Path) -> None:
+    """Every `.metadata` file of a distributed checkpoint folder passes `read_dcp_metadata`."""
+    files = sorted(folder.glob("*.metadata"))
+    if not files:
+        raise FileNotFoundError(f"{folder}: no .metadata file: not a complete distributed checkpoint")
+    for path in files:
+        read_dcp_metadata(path)
+
+
+def load_dcp(state: dict[str, Any], folder: Path) -> None:
+    """`dcp.load` of `folder` into `state`, refusing anything but data (see the module's doc)."""
+    import torch.distributed.checkpoint as dcp
+
+    folder = Path(folder)
+    check_dcp_metadata(folder)  # a clear error before DCP starts (it would wrap this one)
+    try:
+        dcp.load(state, storage_reader=SafeFileSystemReader(folder), planner=SafeLoadPlanner(folder),
+                 no_dist=not dist.is_initialized())
+    except CheckpointException as err:  # DCP gathers each rank's error into one
+        for exc, _trace in err.failures.values():
+            if isinstance(exc, UnsafeCheckpointError):
+                raise exc from None
+        raise

@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from rlcore.tracking import MlflowSink, MlflowStore, flatten, read_jsonl
+from rlcore.tracking import default_tracking_uri as default_tracking_uri  # re-exported for the stages
 
 log = logging.getLogger(__name__)
 

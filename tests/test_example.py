@@ -2,12 +2,27 @@
 
 from __future__ import annotations
 
+import json
+import os
+import subprocess
+import sys
+from dataclasses import replace
+from pathlib import Path
+
 import pytest
 import torch
 from safetensors.torch import load_file
 
 from rlcore.example import build as build_mod
-from rlcore.example.build import COMPLETE, Recipe, build_tiny_example, default_example_dir
+from rlcore.example.build import (
+    COMPLETE,
+    Recipe,
+    TinyExample,
+    build_tiny_example,
+    default_example_dir,
+    load_tiny_example,
+    weights_sha256,
+)
 from rlcore.example.evaluate import extract_answer
 from rlcore.example.model import TinyModelSpec
 from rlcore.example.task import Problem, sft_rows, split_problems
@@ -93,16 +108,23 @@ def test_quick_build_is_deterministic_cached_and_loadable(tmp_path, monkeypatch)
     b = build_tiny_example(tmp_path / "b", seed=1, recipe=QUICK)
     wa, wb = load_file(a.model_dir / "model.safetensors"), load_file(b.model_dir / "model.safetensors")
     assert wa.keys() == wb.keys() and all(torch.equal(wa[k], wb[k]) for k in wa)
+    assert a.weights_sha256 == b.weights_sha256 == weights_sha256(a.model_dir)  # the manifest names the file
+    assert a.pinned and a.float_env["aten_cpu_capability"] == "DEFAULT" and a.float_env["threads"] == "1"
     assert (a.train_file.read_bytes(), a.sft_file.read_bytes()) == (b.train_file.read_bytes(), b.sft_file.read_bytes())
     assert (a.sft_greedy_accuracy, a.sft_pass_at_n) == (b.sft_greedy_accuracy, b.sft_pass_at_n)
-    c = build_tiny_example(tmp_path / "c", seed=2, recipe=QUICK)
-    assert not torch.equal(load_file(c.model_dir / "model.safetensors")["model.embed_tokens.weight"], wa["model.embed_tokens.weight"])
+    # Another seed, other weights (built in this process, to save a process start).
+    c1 = build_tiny_example(tmp_path / "c1", seed=1, recipe=QUICK, pinned=False)
+    c2 = build_tiny_example(tmp_path / "c2", seed=2, recipe=QUICK, pinned=False)
+    assert not c1.pinned and c1.float_env["aten_cpu_capability"] == torch.backends.cpu.get_cpu_capability()
+    assert c2.weights_sha256 != c1.weights_sha256
+    assert c2.train_file.read_bytes() != c1.train_file.read_bytes()
 
-    # Cached: a second call never builds.
-    monkeypatch.setattr(build_mod, "_build_into", lambda *a, **k: pytest.fail("rebuilt a complete example"))
+    # Cached: a second call never builds (a build starts its pinned process).
+    monkeypatch.setattr(build_mod.subprocess, "Popen", lambda *a, **k: pytest.fail("rebuilt a complete example"))
     again = build_tiny_example(tmp_path / "a", seed=1, recipe=QUICK)
     assert again.model_dir == a.model_dir and again.sft_greedy_accuracy == a.sft_greedy_accuracy
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["a", "b", "c"]  # no temp folders left
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["a", "b", "c1", "c2"]  # no temp folders left
+    monkeypatch.undo()
 
     model = AutoModelForCausalLM.from_pretrained(a.model_dir, local_files_only=True)
     tok = AutoTokenizer.from_pretrained(a.model_dir, local_files_only=True)
@@ -110,21 +132,56 @@ def test_quick_build_is_deterministic_cached_and_loadable(tmp_path, monkeypatch)
     torch.testing.assert_close(model.state_dict()["model.embed_tokens.weight"], wa["model.embed_tokens.weight"])
 
 
-def test_failed_or_partial_builds_are_never_used(tmp_path, monkeypatch):
+def test_failed_or_partial_builds_are_never_used(tmp_path):
     out = tmp_path / "ex"
     out.mkdir()
     (out / "junk").write_text("from an interrupted build")  # no .complete marker
-
-    def boom(*args, **kwargs):
-        raise RuntimeError("SFT crashed")
-
-    monkeypatch.setattr(build_mod, "run_sft", boom)
-    with pytest.raises(RuntimeError, match="SFT crashed"):
-        build_tiny_example(out, seed=0, recipe=QUICK)
+    # No SFT rows: SFT fails inside the build process, and its error reaches the caller.
+    with pytest.raises(RuntimeError, match="run_sft got no rows"):
+        build_tiny_example(out, seed=0, recipe=replace(QUICK, sft_steps=0))
     assert sorted(p.name for p in tmp_path.iterdir()) == ["ex"]  # the temp folder was cleaned up
-    monkeypatch.undo()
-    ex = build_tiny_example(out, seed=0, recipe=QUICK)  # the stale folder is replaced
+    assert load_tiny_example(out) is None
+    ex = build_tiny_example(out, seed=0, recipe=QUICK, pinned=False)  # the stale folder is replaced
     assert (out / COMPLETE).exists() and not (out / "junk").exists() and ex.root == out.resolve()
+
+
+def _other_machine_env() -> dict[str, str]:
+    """This process's environment made to look like another x86-64 machine to torch, MKL and glibc:
+    other ATen kernels than this CPU's own, MKL limited to AVX2, two threads, libm without FMA."""
+    native = torch.backends.cpu.get_cpu_capability()
+    other = {"AVX512": "avx2", "AVX2": "default"}.get(native)
+    if other is None:
+        pytest.skip(f"no other ATen kernel set to emulate on a CPU running {native}")
+    return dict(os.environ, ATEN_CPU_CAPABILITY=other, MKL_ENABLE_INSTRUCTIONS="AVX2", MKL_CBWR="AUTO",
+                OMP_NUM_THREADS="2", MKL_NUM_THREADS="2", GLIBC_TUNABLES="glibc.cpu.hwcaps=-AVX2,-AVX2_Usable",
+                PYTHONPATH=str(Path(build_mod.__file__).resolve().parents[2]))
+
+
+def _build_elsewhere(out: Path, env: dict[str, str], pinned: bool) -> TinyExample:
+    """The QUICK example built by a separate Python process with environment `env`."""
+    code = ("import json, sys; from rlcore.example.build import Recipe, build_tiny_example; "
+            "build_tiny_example(sys.argv[1], seed=1, recipe=Recipe.from_json(json.loads(sys.argv[2])), "
+            f"pinned={pinned})")
+    done = subprocess.run([sys.executable, "-c", code, str(out), json.dumps(QUICK.to_json())], env=env,
+                          capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return load_tiny_example(out)
+
+
+@pytest.mark.slow  # four quick builds, three of them in fresh processes (~30 s)
+def test_pinned_build_reproduces_its_weights_under_another_machines_settings(tmp_path):
+    other = _other_machine_env()
+    # Without the pin, the other machine's settings give other weights: the check below can fail.
+    here = build_tiny_example(tmp_path / "here", seed=1, recipe=QUICK, pinned=False)
+    there = _build_elsewhere(tmp_path / "there", other, pinned=False)
+    assert there.float_env["aten_cpu_capability"] != here.float_env["aten_cpu_capability"]
+    assert there.weights_sha256 != here.weights_sha256
+    # With it (the default), the weights are bit-identical, and so is the hash in the manifest.
+    pinned_here = build_tiny_example(tmp_path / "pinned-here", seed=1, recipe=QUICK)
+    pinned_there = _build_elsewhere(tmp_path / "pinned-there", other, pinned=True)
+    assert pinned_there.float_env == pinned_here.float_env
+    assert pinned_there.weights_sha256 == pinned_here.weights_sha256 == weights_sha256(pinned_there.model_dir)
+    assert pinned_here.weights_sha256 not in (here.weights_sha256, there.weights_sha256)
 
 
 def test_default_dir_follows_rlcore_cache(monkeypatch, tmp_path):

@@ -196,9 +196,9 @@ def build_tiny_example(out_dir: Path | None = None, seed: int = 0, force: bool =
     return load_tiny_example(out_dir)  # type: ignore[return-value]
 
 
-def pinned_env(base: dict[str, str] | None = None) -> dict[str, str]:
-    """`base` (default: this process's environment) with the build's float settings pinned."""
-    env = {k: v for k, v in (os.environ if base is None else base).items() if k not in UNPINNED_ENV}
+def pinned_env() -> dict[str, str]:
+    """This process's environment with the build's float settings pinned."""
+    env = {k: v for k, v in os.environ.items() if k not in UNPINNED_ENV}
     root = str(Path(__file__).resolve().parents[2])  # so the child imports this rlcore
     env["PYTHONPATH"] = os.pathsep.join([root, *filter(None, [env.get("PYTHONPATH")])])
     return env | PINNED_ENV

@@ -289,7 +289,7 @@ class RayConfig(_Section):
     init_timeout_s: float = Field(600.0, gt=0, description="longest worker start-up (import, model load, rendezvous)")
 
     @model_validator(mode="after")
-    def _check_names(self) -> "RayConfig":
+    def _check_names(self) -> RayConfig:
         for role, pool in self.roles.items():
             if role not in ROLES:
                 raise ValueError(f"ray.roles: unknown role {role!r} (roles: {list(ROLES)})")
@@ -365,7 +365,7 @@ class Config(_Section):
     preference: PreferenceConfig = PreferenceConfig()
 
     @model_validator(mode="after")
-    def _check_preference(self) -> "Config":
+    def _check_preference(self) -> Config:
         if self.algorithm.name in ("dpo", "kto") and self.algorithm.use_reference is False:
             raise ValueError(f"algorithm.use_reference=false: {self.algorithm.name} needs the reference model")
         kl_terms = [k for k, on in (("actor.use_kl_loss", self.actor.use_kl_loss),
@@ -377,7 +377,7 @@ class Config(_Section):
         return self
 
     @model_validator(mode="after")
-    def _check_consistency(self) -> "Config":
+    def _check_consistency(self) -> Config:
         if self.data.train_batch_size % self.actor.ppo_mini_batch_size:
             raise ValueError(
                 f"data.train_batch_size ({self.data.train_batch_size}) must be a multiple of "
@@ -399,14 +399,14 @@ class Config(_Section):
         return self
 
     @model_validator(mode="after")
-    def _check_off_policy(self) -> "Config":
+    def _check_off_policy(self) -> Config:
         if self.trainer.off_policy != "sync" and self.algorithm.name not in ("grpo", "ppo"):
             raise ValueError(f"trainer.off_policy={self.trainer.off_policy!r} is not supported by the "
                              f"{self.algorithm.name!r} control flow (no generation to overlap); use trainer.off_policy=sync")
         return self
 
     @model_validator(mode="after")
-    def _check_validation_sampling(self) -> "Config":
+    def _check_validation_sampling(self) -> Config:
         if self.rollout.val_greedy and self.rollout.val_n > 1:
             raise ValueError(f"rollout.val_greedy=true with rollout.val_n={self.rollout.val_n}: every sample would be the "
                              "same greedy answer (pass@n = accuracy); set rollout.val_greedy=false or val_n=1")

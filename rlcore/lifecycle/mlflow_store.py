@@ -1,5 +1,6 @@
 """MLflow access for the lifecycle: runs (one per pipeline run, nested per stage), artifacts,
-plots, and the model registry (versions, `champion` / `challenger` aliases, tags).
+plots, datasets, and the model registry (versions, `champion` / `challenger` aliases, tags).
+A version is an MLflow pyfunc model whose folder is also a plain HF folder (`hf_pyfunc`).
 
 Everything goes through an explicit `MlflowClient` and run ids, never MLflow's thread-local
 "active run", so stages may run in Prefect's worker threads. Default store: a SQLite file in
@@ -11,6 +12,7 @@ from __future__ import annotations
 import logging
 import math
 import tempfile
+import warnings
 from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
@@ -80,6 +82,45 @@ def plot_curves(records: list[dict[str, Any]], out_dir: Path, curves: dict[str, 
         fig.savefig(path, dpi=100)
         plt.close(fig)
         written.append(path)
+# ---------------------------------------------------------------------- datasets
+def log_dataset(store: MlflowStore, run_id: str, path: str | Path, name: str, context: str,
+                fingerprint: str | None = None, tags: dict[str, str] | None = None) -> None:
+    """A data file as the run's MLflow dataset input (what `mlflow.log_input` records, by run id
+    rather than the thread's active run): schema and row count from its rows, rlcore's content
+    fingerprint of its rows (`rows_fingerprint`, computed when not given) as the digest, its
+    first 32 hex digits (MLflow keeps at most 36), and in full as the input tag `rlcore.fingerprint`."""
+    import mlflow.data
+    import pandas as pd
+    from mlflow.data.dataset_source_registry import resolve_dataset_source
+    from mlflow.entities import DatasetInput, InputTag
+    from mlflow.utils.mlflow_tags import MLFLOW_DATASET_CONTEXT
+
+    from rlcore.data.io import read_rows
+    from rlcore.lifecycle.fingerprint import rows_fingerprint
+
+    path = Path(path).resolve()
+    rows = read_rows(path)
+    fingerprint = fingerprint or rows_fingerprint(rows)
+    with warnings.catch_warnings():  # MLflow registers the local source twice ("" and "file") and says so
+        warnings.filterwarnings("ignore", message="The specified dataset source can be interpreted in multiple ways")
+        source = resolve_dataset_source(str(path))
+    dataset = mlflow.data.from_pandas(pd.DataFrame(rows), source=source, name=name, digest=fingerprint[:32])
+    input_tags = [InputTag(MLFLOW_DATASET_CONTEXT, context), InputTag("rlcore.fingerprint", fingerprint),
+                  *(InputTag(k, str(v)) for k, v in (tags or {}).items())]
+    store.client.log_inputs(run_id, datasets=[DatasetInput(dataset._to_mlflow_entity(), tags=input_tags)])
+
+
+# ---------------------------------------------------------------------- models
+def log_model_folder(store: MlflowStore, run_id: str, hf_dir: str | Path, artifact_path: str = "model") -> None:
+    """The HF folder `hf_dir` as the run's `artifact_path`, made an MLflow pyfunc model on the way
+    (`MLmodel`, code, requirements next to the HF files; see rlcore.lifecycle.hf_pyfunc)."""
+    from rlcore.lifecycle.hf_pyfunc import save_hf_pyfunc
+
+    with tempfile.TemporaryDirectory() as tmp:
+        folder = save_hf_pyfunc(hf_dir, Path(tmp) / artifact_path)
+        store.log_artifact(run_id, folder, artifact_path)
+
+
     return written
 
 
@@ -109,17 +150,26 @@ class ModelRegistry:
             self.client.get_registered_model(self.name)
         except MlflowException:
             self.client.create_registered_model(self.name, description="rlcore RL post-trained models")
+    description: str = ""
 
-    def register(self, run_id: str, artifact_path: str = "model", tags: dict[str, str] | None = None) -> VersionInfo:
-        """A new version whose files are the run's `artifact_path` folder (HF safetensors)."""
+    def register(self, run_id: str, artifact_path: str = "model", tags: dict[str, str] | None = None,
+                 description: str | None = None) -> VersionInfo:
+        """A new version whose files are the run's `artifact_path` folder (HF safetensors; an
+        MLflow model too when logged by `log_model_folder`)."""
         self.ensure()
         source = self.store.artifact_uri(run_id, artifact_path)
-        mv = self.client.create_model_version(self.name, source=source, run_id=run_id, tags=tags or {})
+        mv = self.client.create_model_version(self.name, source=source, run_id=run_id, tags=tags or {},
+                                              description=description)
         return self.get(mv.version)
 
     def get(self, version: str) -> VersionInfo:
         mv = self.client.get_model_version(self.name, str(version))
-        return VersionInfo(self.name, str(mv.version), mv.source, mv.run_id, dict(mv.tags or {}), list(getattr(mv, "aliases", []) or []))
+        return VersionInfo(self.name, str(mv.version), mv.source, mv.run_id, dict(mv.tags or {}),
+                           list(getattr(mv, "aliases", []) or []), mv.description or "")
+
+    def describe(self, version: str, description: str) -> None:
+        """The version's description (shown on its page in the MLflow UI)."""
+        self.client.update_model_version(self.name, str(version), description=description)
 
     def by_alias(self, alias: str) -> VersionInfo | None:
         from mlflow.exceptions import MlflowException
@@ -156,3 +206,9 @@ class ModelRegistry:
             mlflow.set_tracking_uri(previous[0])
             mlflow.set_registry_uri(previous[1])
         return Path(local)
+
+
+__all__ = [
+    "CHALLENGER", "CHAMPION", "CURVES", "MlflowStore", "ModelRegistry", "VersionInfo", "default_tracking_uri", "flatten",
+    "log_dataset", "log_model_folder", "log_training", "plot_curves",
+]

@@ -1,5 +1,7 @@
 """Webhook notifications: a JSON POST on promotion, rejection, health stop and failure (pipeline
-and `rlcore train`), and when `rlcore train` finishes.
+and `rlcore train`), and when `rlcore train` finishes. A served pipeline's `failed` and `crashed`
+come from the Prefect server instead, in the same shape (rlcore.lifecycle.automations): a run
+whose process is killed cannot report itself.
 
 A notification must never fail the pipeline that sends it: errors are logged and reported as
 False. No URL configured means no notification (and no network access). The URL is a secret
@@ -23,6 +25,9 @@ from rlcore.redact import redact_secret, redact_text
 log = logging.getLogger(__name__)
 
 EVENTS = ("promoted", "rejected", "health_stop", "failed", "finished")
+# What the Prefect server sends for a served pipeline run (rlcore.lifecycle.automations);
+# `crashed`: the process running it died.
+SERVER_EVENTS = ("failed", "crashed")
 
 
 def build_payload(event: str, summary: dict[str, Any]) -> dict[str, Any]:

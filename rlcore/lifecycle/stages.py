@@ -85,8 +85,10 @@ def finish_pipeline(config: Config, ctx: dict[str, Any], summary: dict[str, Any]
     store.end_run(ctx["run_id"], status)
 
 
-def fail_pipeline(config: Config, ctx: dict[str, Any], error: BaseException) -> None:
-    """Record the failure on the run and notify; never raises (the original error matters)."""
+def fail_pipeline(config: Config, ctx: dict[str, Any], error: BaseException, notify_webhook: bool = True) -> None:
+    """Record the failure on the run and notify (unless `notify_webhook` is False: a server-side
+    automation reports it, see rlcore.lifecycle.automations); never raises (the original error
+    matters)."""
     text = "".join(traceback.format_exception_only(type(error), error)).strip()
     try:
         store = open_store(config, ctx["workdir"])
@@ -94,7 +96,8 @@ def fail_pipeline(config: Config, ctx: dict[str, Any], error: BaseException) -> 
         store.end_run(ctx["run_id"], "FAILED")
     except Exception as err:  # noqa: BLE001
         log.warning("could not record the failure in MLflow: %s", err)
-    notify(config.registry.webhook_url, "failed", {"pipeline_run": ctx.get("run_name"), "error": text})
+    if notify_webhook:
+        notify(config.registry.webhook_url, "failed", {"pipeline_run": ctx.get("run_name"), "error": text})
 
 
 # ---------------------------------------------------------------------- data prep

@@ -334,6 +334,8 @@ class TrackingConfig(_Section):
     mlflow_uri: str | None = Field(None, description="tracking URI; default: sqlite:///<working dir>/mlflow.db")
     experiment: str = "rlcore"
     log_model: bool = Field(True, description="log the final model folder as a run artifact")
+    run_id: str | None = Field(None, description="with the mlflow logger: log each step into this existing MLflow "
+                               "run, which its owner ends (the pipeline's train stage); default: a run per run folder")
 
 
 class RegistryConfig(_Section):

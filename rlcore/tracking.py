@@ -194,7 +194,8 @@ class MlflowStore:
             elif self.tracking_uri.startswith("sqlite:///"):
                 # Artifacts next to the database, not wherever the process happens to run.
                 location = (Path(self.tracking_uri[len("sqlite:///"):]).parent / "mlruns").resolve().as_uri()
-            self.experiment_id = self.client.create_experiment(experiment, artifact_location=location)
+            self.experiment_id = self.client.create_experiment(experiment, artifact_location=location,
+                                                               tags={EXPERIMENT_KIND_TAG: EXPERIMENT_KIND})
 
     # ------------------------------------------------------------------ runs
     def start_run(self, name: str, parent_run_id: str | None = None, tags: dict[str, str] | None = None) -> str:
@@ -222,6 +223,12 @@ class MlflowStore:
             self.client.set_tag(run_id, k, str(v))
 
     def log_artifact(self, run_id: str, path: str | Path, artifact_path: str | None = None) -> None:
+# MLflow's UI opens an experiment without this tag in its GenAI (traces) view; training runs
+# belong in its model-training view.
+EXPERIMENT_KIND_TAG = "mlflow.experimentKind"
+EXPERIMENT_KIND = "custom_model_development"
+
+
         path = Path(path)
         if path.is_dir():
             self.client.log_artifacts(run_id, str(path), artifact_path)
@@ -235,6 +242,8 @@ class MlflowStore:
             self.client.log_artifact(run_id, str(p))
 
     def artifact_uri(self, run_id: str, path: str = "") -> str:
+            if found.tags.get(EXPERIMENT_KIND_TAG) is None:  # a store made before rlcore set the kind
+                self.client.set_experiment_tag(self.experiment_id, EXPERIMENT_KIND_TAG, EXPERIMENT_KIND)
         base = self.client.get_run(run_id).info.artifact_uri
         return f"{base}/{path}" if path else base
 
@@ -243,15 +252,26 @@ class MlflowStore:
 
 
 def open_tracker(loggers: Iterable[str], run_dir: Path, total_steps: int, *, mlflow_uri: str | None = None,
-                 experiment: str = "rlcore", config_tree: dict[str, Any] | None = None, tags: dict[str, str] | None = None) -> Tracker:
+                 experiment: str = "rlcore", config_tree: dict[str, Any] | None = None, tags: dict[str, str] | None = None,
+                 run_id: str | None = None) -> Tracker:
     """The sinks a training run's `trainer.loggers` name. `mlflow`: one MLflow run per run
-    directory (its id kept in `mlflow_run_id`), so a resumed run keeps logging into the same run."""
+    directory (its id kept in `mlflow_run_id`), so a resumed run keeps logging into the same run.
+    With `run_id` (`tracking.run_id`), steps go live into that existing run instead, which its
+    owner (the pipeline's train stage) made and ends: no second run. A resumed run first logs
+    its record so far (metrics.jsonl, already cut back to the checkpoint) into it, so that run
+    holds every step, once."""
     sinks: list[Sink] = []
     if "jsonl" in loggers:
         sinks.append(JsonlSink(run_dir / "metrics.jsonl"))
     if "console" in loggers:
         sinks.append(ConsoleSink(total_steps))
-    if "mlflow" in loggers:
+    if "mlflow" in loggers and run_id:
+        sink = MlflowSink(run_id, client=MlflowStore(mlflow_uri, experiment).client)
+        past = run_dir / "metrics.jsonl"
+        for record in read_jsonl(past) if past.is_file() else []:
+            sink.log(int(record["step"]), {k: v for k, v in record.items() if k != "step"})
+        sinks.append(sink)
+    elif "mlflow" in loggers:
         store = MlflowStore(mlflow_uri, experiment)
         id_file = run_dir / "mlflow_run_id"
         if id_file.is_file():

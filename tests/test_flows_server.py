@@ -138,7 +138,9 @@ def test_data_event_runs_pipeline_and_registers_version(prefect_server, tiny_exa
     [report] = list((work / "runs" / "pipeline" / "data").glob("*/prep_report.json"))
     prep = json.loads(report.read_text())
     assert prep["counts"]["train"] == 64  # trained on the arrived file, not the configured data
-    assert champion.tags["lineage.dataset_fingerprint"] == prep["fingerprint"]
+    assert champion.tags["rlcore.dataset_fingerprint"] == prep["fingerprint"]
+    # The promotion decision is in the serve log: version, metric and why.
+    assert "rlcore-tiny version 1 promoted to champion: accuracy " in (tmp_path / "serve.log").read_text()
 
 
 def _prefect(args: list[str], env: dict[str, str], timeout: float = 180) -> subprocess.CompletedProcess:

@@ -1,7 +1,8 @@
 """MLflow side of the lifecycle on a real SQLite store: the registry round trip (version from a
 run's artifact folder, aliases, `models:/name@champion` loaded by transformers), training records
-(params, per-step metrics, plots), and the train stage stopping on a health breach with the last
-healthy checkpoint as the candidate."""
+(params, files, plots; datasets with rlcore's fingerprint as digest), the experiment's UI kind,
+and the train stage (steps logged live into its one run, kept across a retry) stopping on a
+health breach with the last healthy checkpoint as the candidate."""
 
 from __future__ import annotations
 
@@ -57,7 +58,12 @@ def test_registry_round_trip_loads_with_transformers(store, tiny_example, tmp_pa
         torch.testing.assert_close(state[name], tensor, rtol=0, atol=0)
 
 
-def test_log_training_records_params_steps_and_plots(store, tmp_path):
+def test_experiment_opens_in_the_model_training_view(store):
+    experiment = store.client.get_experiment(store.experiment_id)
+    assert experiment.tags["mlflow.experimentKind"] == "custom_model_development"
+
+
+def test_log_training_records_params_files_and_plots(store, tmp_path):
     from mlflow.artifacts import download_artifacts
 
     from rlcore.lifecycle.mlflow_store import log_training
@@ -73,14 +79,30 @@ def test_log_training_records_params_steps_and_plots(store, tmp_path):
     log_training(store, run, run_dir, {"actor": {"optim": {"lr": 2e-5}}, "rollout": {"n": 4}})
     data = store.client.get_run(run).data
     assert data.params["actor.optim.lr"] == "2e-05" and data.params["rollout.n"] == "4"
-    history = store.client.get_metric_history(run, "reward/mean")
-    assert sorted((m.step, m.value) for m in history) == [(1, 0.4), (2, 0.5)]
-    assert [m.value for m in store.client.get_metric_history(run, "val/pass_at_4")] == [0.5]
+    assert data.metrics == {}  # steps reach the run live, from the training run itself (tracking.run_id)
     names = {f.path for f in store.client.list_artifacts(run)} | {f.path for f in store.client.list_artifacts(run, "plots")}
     assert {"config.yaml", "metrics.jsonl", "plots/reward.png", "plots/accuracy.png", "plots/kl.png"} <= names
     png = Path(download_artifacts(run_id=run, artifact_path="plots/kl.png", dst_path=str(tmp_path / "p"),
                                   tracking_uri=store.tracking_uri))
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_dataset_is_logged_with_its_fingerprint_as_digest(store, tiny_example):
+    from rlcore.data import read_rows
+    from rlcore.lifecycle.fingerprint import rows_fingerprint
+    from rlcore.lifecycle.mlflow_store import log_dataset
+
+    run = store.start_run("train")
+    log_dataset(store, run, tiny_example.val_file, "val", "validation", tags={"rlcore.dataset_fingerprint": "abc"})
+    [used] = store.client.get_run(run).inputs.dataset_inputs
+    rows = read_rows(tiny_example.val_file)
+    fingerprint = rows_fingerprint(rows)
+    assert (used.dataset.name, used.dataset.digest) == ("val", fingerprint[:32])
+    assert json.loads(used.dataset.profile)["num_rows"] == len(rows)
+    assert json.loads(used.dataset.source)["uri"] == str(Path(tiny_example.val_file).resolve())
+    assert "prompt" in used.dataset.schema
+    assert {t.key: t.value for t in used.tags} == {"mlflow.data.context": "validation", "rlcore.fingerprint": fingerprint,
+                                                  "rlcore.dataset_fingerprint": "abc"}
 
 
 class _Hook(BaseHTTPRequestHandler):
@@ -122,6 +144,17 @@ def test_health_stop_keeps_last_healthy_checkpoint(store, tiny_example, tmp_path
         server.server_close()
     stopped = second["stopped"]
     assert stopped["metric"] == "actor/entropy" and stopped["step"] == 2 and stopped["limit"] == 1000
+    # Each attempt is one MLflow run of the stage, into which its training logged every step (no
+    # run of its own); the retry's run has the whole record: the step it resumed after, then its own.
+    assert [m.step for m in store.client.get_metric_history(first["run_id"], "reward/mean")] == [1]
+    assert [m.step for m in store.client.get_metric_history(second["run_id"], "reward/mean")] == [1, 2]
+    runs = store.client.search_runs([store.experiment_id], "tags.`rlcore.pipeline_run` = 'health-test'")
+    assert sorted(r.data.tags["rlcore.stage"] for r in runs) == ["pipeline", "train", "train"]
+    assert {r.data.tags.get("mlflow.parentRunId") for r in runs} == {None, ctx["run_id"]}
+    assert store.client.search_runs([store.experiment_id], "tags.`rlcore.algorithm` = 'grpo'") == []  # no orphan run
+    [train_input, val_input] = sorted(store.client.get_run(second["run_id"]).inputs.dataset_inputs, key=lambda d: d.dataset.name)
+    assert (train_input.dataset.name, train_input.dataset.digest) == ("train", prepared["train_fingerprint"][:32])
+    assert {t.key: t.value for t in val_input.tags}["mlflow.data.context"] == "validation"
     assert second["checkpoint"] == first["checkpoint"]  # step 2 was never saved
     assert second["candidate_dir"].endswith("step_00000001/actor")
     run = store.client.get_run(second["run_id"])

@@ -232,10 +232,13 @@ def test_lineage_names_reward_functions_and_dataset():
     assert len(rewards["tiny_arith"]["version"]) == 12
     again = build_lineage(config={"a": 1}, dataset_fingerprint="f" * 64, data_sources=["tiny_arith"], parent_model="p")
     assert again["reward_functions"]["tiny_arith"] == rewards["tiny_arith"]
-    tags = lineage_tags(lineage)
-    assert tags["lineage.dataset_fingerprint"] == "f" * 64
-    assert tags["lineage.parent_model"] == "/models/base"
-    assert "torch==" in tags["lineage.packages"]
+    tags = lineage_tags({**lineage, "config": {"algorithm": {"name": "grpo"}}})
+    assert set(tags) == {"rlcore.parent_model", "rlcore.dataset_fingerprint", "rlcore.algorithm", "rlcore.reward",
+                         "rlcore.code"}
+    assert tags["rlcore.dataset_fingerprint"] == "f" * 64
+    assert tags["rlcore.parent_model"] == "/models/base" and tags["rlcore.algorithm"] == "grpo"
+    assert tags["rlcore.reward"].split(",") == sorted({f"{r['name']}@{r['version']}" for r in rewards.values()})
+    assert "torch" in lineage["packages"]  # packages stay in the full record (lineage.json)
     assert all(isinstance(v, str) and len(v) < 5000 for v in tags.values())
 
 

@@ -1,5 +1,9 @@
 """`rlcore pipeline run` end to end on the tiny example (ephemeral Prefect, SQLite MLflow in the
-working directory), twice: the second run warm-starts from the first one's champion."""
+working directory), twice: the second run warm-starts from the first one's champion. What a user
+then finds: the champion loads with `mlflow.pyfunc.load_model` and generates, and with
+transformers; versions described, with a few `rlcore.*` tags; the data as MLflow datasets; one
+MLflow run per stage, the train run's steps logged while training ran; Prefect and MLflow runs
+pointing at each other; the promotion decision in the log."""
 
 from __future__ import annotations
 
@@ -57,6 +61,8 @@ def test_pipeline_run_twice_warm_starts_from_champion(tiny_example, tmp_path):
     assert "does not beat the champion" in second["reason"]
     assert second["dataset_fingerprint"] == first["dataset_fingerprint"]
     assert "Cached" in second_proc.stderr  # data_prep reused by input fingerprint
+    assert (f"rlcore-tiny version 2 not promoted (challenger): accuracy {second['accuracy_after']:.4f} vs the "
+            f"champion's {second['accuracy_before']:.4f}: {second['reason']}") in second_proc.stderr
 
     from mlflow.tracking import MlflowClient
     from transformers import AutoModelForCausalLM
@@ -67,16 +73,71 @@ def test_pipeline_run_twice_warm_starts_from_champion(tiny_example, tmp_path):
     registry = ModelRegistry(MlflowStore(uri), "rlcore-tiny")
     assert registry.by_alias("champion").version == "1"
     challenger = registry.by_alias("challenger")
-    assert challenger.version == "2" and challenger.tags["promotion.check"] == "margin"
-    assert challenger.tags["lineage.parent_model"] == "models:/rlcore-tiny/1"
-    assert challenger.tags["lineage.dataset_fingerprint"] == first["dataset_fingerprint"]
-    model = AutoModelForCausalLM.from_pretrained(registry.download("champion", tmp_path / "champion"))
+    assert challenger.version == "2" and challenger.tags["rlcore.check"] == "margin"
+    assert challenger.tags["rlcore.decision"] == "rejected"
+    assert challenger.tags["rlcore.parent_model"] == "models:/rlcore-tiny/1"
+    assert challenger.tags["rlcore.dataset_fingerprint"] == first["dataset_fingerprint"]
+    assert challenger.tags["rlcore.algorithm"] == "grpo" and "compute_score@" in challenger.tags["rlcore.reward"]
+    assert len(challenger.tags) <= 10 and all(k.startswith("rlcore.") for k in challenger.tags)
+    assert challenger.description.startswith("Not promoted: **challenger**. accuracy ")
+    assert second["reason"] in challenger.description and "grpo from `models:/rlcore-tiny/1`" in challenger.description
+    assert registry.get("1").description.startswith("Promoted to **champion**. accuracy ")
+    champion_dir = registry.download("champion", tmp_path / "champion")
+    model = AutoModelForCausalLM.from_pretrained(champion_dir)
     assert model.config.vocab_size == tiny_example.vocab_size
+
+    # The champion is an MLflow model: loaded by its registry URI, it answers prompts (greedy, so
+    # exactly what transformers generates from the same folder).
+    import mlflow
+
+    from rlcore.lifecycle.hf_pyfunc import TextGenerator
+
+    previous = mlflow.get_tracking_uri(), mlflow.get_registry_uri()
+    mlflow.set_tracking_uri(uri)
+    mlflow.set_registry_uri(uri)
+    try:
+        served = mlflow.pyfunc.load_model("models:/rlcore-tiny@champion")
+    finally:
+        mlflow.set_tracking_uri(previous[0])
+        mlflow.set_registry_uri(previous[1])
+    answers = served.predict(["12+34=", "57+68="], params={"max_new_tokens": 8})
+    assert answers == TextGenerator(str(champion_dir)).generate(["12+34=", "57+68="], max_new_tokens=8)
+    assert all(isinstance(a, str) and a.strip() for a in answers)
 
     client = MlflowClient(uri)
     parent = client.get_run(second["mlflow_run_id"])
     children = client.search_runs([parent.info.experiment_id], f"tags.mlflow.parentRunId = '{parent.info.run_id}'")
-    assert {r.data.tags["rlcore.stage"] for r in children} == {"train", "evaluate", "promote"}  # data_prep was cached
+    assert sorted(r.data.tags["rlcore.stage"] for r in children) == ["evaluate", "promote", "train"]  # data_prep cached
     train = next(r for r in children if r.data.tags["rlcore.stage"] == "train")
     assert train.data.params["trainer.total_steps"] == "2"
-    assert {m.step for m in client.get_metric_history(train.info.run_id, "reward/mean")} == {1, 2}
+    history = client.get_metric_history(train.info.run_id, "reward/mean")
+    assert sorted(m.step for m in history) == [1, 2]
+    # Logged while training ran: step 1 reached MLflow before the step-2 checkpoint was written.
+    step1_ms = next(m.timestamp for m in history if m.step == 1)
+    assert step1_ms < (Path(second["run_dir"]) / "checkpoints" / "step_00000002" / "COMPLETE.json").stat().st_mtime * 1000
+    # One MLflow run per stage and pipeline run, nothing else (no run of the training's own).
+    everything = client.search_runs([parent.info.experiment_id])
+    assert sorted(r.data.tags["rlcore.stage"] for r in everything) == sorted(
+        ["pipeline", "data_prep", "train", "evaluate", "promote"] + ["pipeline", "train", "evaluate", "promote"])
+    assert all(r.data.tags.get("mlflow.parentRunId") or r.data.tags["rlcore.stage"] == "pipeline" for r in everything)
+    experiment = client.get_experiment(parent.info.experiment_id)
+    assert experiment.tags["mlflow.experimentKind"] == "custom_model_development"  # the UI's model-training view
+
+    # The data as MLflow datasets, rlcore's fingerprints as digests.
+    inputs = {d.dataset.name: d for d in client.get_run(train.info.run_id).inputs.dataset_inputs}
+    assert set(inputs) == {"train", "val"}
+    assert {t.key: t.value for t in inputs["train"].tags}["rlcore.dataset_fingerprint"] == second["dataset_fingerprint"]
+    assert {t.key: t.value for t in inputs["train"].tags}["mlflow.data.context"] == "training"
+
+    # Prefect and MLflow point at each other: the runs carry the flow run's id, the flow run an
+    # artifact naming its MLflow run.
+    flow_run_id = parent.data.tags["prefect.flow_run_id"]
+    assert flow_run_id == second["prefect_flow_run_id"]
+    assert {r.data.tags["prefect.flow_run_id"] for r in children} == {flow_run_id}
+    import sqlite3
+
+    with sqlite3.connect(tmp_path / "prefect" / "prefect.db") as db:
+        artifacts = db.execute("SELECT key, description, flow_run_id FROM artifact WHERE key = 'mlflow-run'").fetchall()
+    assert (f"mlflow_run_id={second['mlflow_run_id']}" in [a[1] for a in artifacts])
+    assert {str(a[2]).replace("-", "") for a in artifacts if a[1].endswith(second["mlflow_run_id"])} == {
+        flow_run_id.replace("-", "")}

@@ -1,15 +1,15 @@
 """Lineage records: everything needed to say where a model version came from.
 
-Recorded on every registered model version (as tags, and in full as `lineage.json`): the dataset
+Recorded in full as `lineage.json` on the run of every registered model version: the dataset
 fingerprint, the reward functions used with a version (a hash of their source), the resolved
-config, the code version (git commit, dirty flag), package versions and the parent model.
+config, the code version (git commit, dirty flag), package versions and the parent model; the
+version itself carries a few `rlcore.*` tags drawn from it (`lineage_tags`).
 """
 
 from __future__ import annotations
 
 import hashlib
 import inspect
-import json
 import subprocess
 from collections.abc import Iterable
 from importlib import metadata
@@ -94,16 +94,18 @@ def build_lineage(
 
 
 def lineage_tags(lineage: dict[str, Any]) -> dict[str, str]:
-    """Short string tags for a registered model version (the full record is an artifact)."""
+    """A few namespaced tags for a registered model version, the ones people filter and compare
+    versions by; everything else (config, packages, per-source reward versions) is in the
+    version's run as `lineage.json`."""
     code = lineage.get("code", {})
-    config_hash = hashlib.sha256(json.dumps(lineage.get("config", {}), sort_keys=True).encode()).hexdigest()[:16]
+    commit = code.get("commit")
+    code_tag = f"{commit[:12]}{'-dirty' if code.get('dirty') else ''}" if commit else f"rlcore {code.get('version')}"
     rewards = sorted({f"{r['name']}@{r['version']}" for r in lineage.get("reward_functions", {}).values()})
+    algorithm = lineage.get("config", {}).get("algorithm", {})
     return {
-        "lineage.dataset_fingerprint": lineage["dataset_fingerprint"],
-        "lineage.parent_model": str(lineage.get("parent_model")),
-        "lineage.reward_functions": ",".join(rewards),
-        "lineage.config_sha256": config_hash,
-        "lineage.code_commit": str(code.get("commit") or code.get("version")),
-        "lineage.code_dirty": str(code.get("dirty")),
-        "lineage.packages": ",".join(f"{k}=={v}" for k, v in sorted(lineage.get("packages", {}).items())),
+        "rlcore.parent_model": str(lineage.get("parent_model")),
+        "rlcore.dataset_fingerprint": lineage["dataset_fingerprint"],
+        "rlcore.algorithm": str(algorithm.get("name", "unknown")),
+        "rlcore.reward": ",".join(rewards),
+        "rlcore.code": code_tag,
     }

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from rlcore.tracking import MlflowSink, MlflowStore, flatten, read_jsonl
+from rlcore.tracking import MlflowStore, flatten, read_jsonl
 from rlcore.tracking import default_tracking_uri as default_tracking_uri  # re-exported for the stages
 
 log = logging.getLogger(__name__)
@@ -28,14 +28,12 @@ CHALLENGER = "challenger"
 
 
 def log_training(store: MlflowStore, run_id: str, run_dir: str | Path, config_tree: dict[str, Any]) -> list[dict[str, Any]]:
-    """Params from the resolved config, every step's metrics (from the run's metrics.jsonl,
-    which is exactly the resumed run's record), the config and JSONL files, and PNG plots."""
+    """After a run: params from the resolved config, the config and JSONL files, and PNG plots;
+    returns the step records of metrics.jsonl. Step metrics are not logged here: the training run
+    logs them into the run live (`tracking.run_id`), step by step."""
     run_dir = Path(run_dir)
     store.log_params(run_id, flatten(config_tree))
     records = read_jsonl(run_dir / "metrics.jsonl") if (run_dir / "metrics.jsonl").is_file() else []
-    sink = MlflowSink(run_id, client=store.client)
-    for rec in records:
-        sink.log(int(rec["step"]), {k: v for k, v in rec.items() if k != "step"})
     for name in ("config.yaml", "metrics.jsonl"):
         if (run_dir / name).is_file():
             store.client.log_artifact(run_id, str(run_dir / name))

@@ -26,13 +26,23 @@ from rlcore.lifecycle.fingerprint import files_fingerprint
 from rlcore.lifecycle.gate import GatePolicy, decide
 from rlcore.lifecycle.health import HealthBreach
 from rlcore.lifecycle.lineage import build_lineage, lineage_tags
-from rlcore.lifecycle.mlflow_store import CHALLENGER, CHAMPION, MlflowStore, ModelRegistry, default_tracking_uri, log_training
+from rlcore.lifecycle.mlflow_store import (
+    CHALLENGER,
+    CHAMPION,
+    MlflowStore,
+    ModelRegistry,
+    log_dataset,
+    log_model_folder,
+    log_training,
+)
 from rlcore.lifecycle.notify import notify
 from rlcore.redact import redact_tree
+from rlcore.tracking import default_tracking_uri, flatten
 
 log = logging.getLogger(__name__)
 
 PIPELINE_TAG = "rlcore.pipeline_run"
+STAGE_TAG = "rlcore.stage"
 
 
 def new_run_name() -> str:
@@ -65,15 +75,81 @@ def _with(config: Config, **sections: dict[str, Any]) -> Config:
     return config_from_dict(tree)
 
 
+# ---------------------------------------------------------------------- Prefect <-> MLflow
+def prefect_flow_run() -> dict[str, str]:
+    """The Prefect flow run this code runs in (`id`, `name`, and `url` when a Prefect UI is
+    known, i.e. a server rather than the ephemeral API); empty outside a flow run."""
+    try:
+        from prefect.runtime import flow_run
+        from prefect.settings import PREFECT_API_URL, PREFECT_UI_URL
+    except ImportError:
+        return {}
+    if not flow_run.id:
+        return {}
+    found = {"id": str(flow_run.id), "name": str(flow_run.name)}
+    if PREFECT_API_URL.value() and PREFECT_UI_URL.value():
+        found["url"] = f"{PREFECT_UI_URL.value()}/flow-runs/flow-run/{flow_run.id}"
+    return found
+
+
+def stage_tags(ctx: dict[str, Any], stage: str) -> dict[str, str]:
+    """Tags of every MLflow run of a pipeline run: its name, the stage, and the Prefect flow run
+    behind it (`prefect.flow_run_id`, `_name`, `_url`) so each side leads to the other."""
+    return {PIPELINE_TAG: ctx["run_name"], STAGE_TAG: stage,
+            **{f"prefect.flow_run_{k}": v for k, v in prefect_flow_run().items()}}
+
+
+def _mlflow_run_link(store: MlflowStore, run_id: str) -> str:
+    """The run's page on a tracking server, or how to open the UI on a local store."""
+    if store.tracking_uri.startswith(("http://", "https://")):
+        return f"[MLflow run {run_id}]({store.tracking_uri.rstrip('/')}/#/experiments/{store.experiment_id}/runs/{run_id})"
+    return f"MLflow run `{run_id}` (experiment `{store.experiment_id}`): `{store.run_url_hint()}`"
+
+
+def _link_flow_run_to_mlflow(store: MlflowStore, run_id: str, run_name: str) -> None:
+    """A markdown artifact on the current Prefect flow run naming its MLflow run; never fails
+    the pipeline (a link is not worth a failed run)."""
+    if not prefect_flow_run():
+        return
+    try:
+        from prefect.artifacts import create_markdown_artifact
+
+        create_markdown_artifact(
+            markdown=f"# MLflow\n\nPipeline run `{run_name}`: {_mlflow_run_link(store, run_id)}\n\n"
+                     f"Tracking URI: `{store.tracking_uri}`\n",
+            key="mlflow-run", description=f"mlflow_run_id={run_id}")
+    except Exception as err:  # noqa: BLE001
+        log.warning("could not link the Prefect flow run to MLflow run %s: %s", run_id, err)
+
+
+def _announce(message: str) -> None:
+    """A lifecycle decision, printed once: by rlcore's logger when it is on (`rlcore -v`), else,
+    inside a Prefect run, by the run's logger (the console of `pipeline run`/`pipeline serve`
+    and the flow run's logs in the Prefect UI)."""
+    log.info(message)
+    if log.isEnabledFor(logging.INFO):
+        return
+    try:
+        from prefect.exceptions import MissingContextError
+        from prefect.logging import get_run_logger
+    except ImportError:
+        return
+    try:
+        get_run_logger().info(message)
+    except MissingContextError:
+        pass
+
+
 # ---------------------------------------------------------------------- pipeline run
 def start_pipeline(config: Config, workdir: str | Path, run_name: str, trigger: dict[str, Any] | None = None) -> dict[str, Any]:
     store = open_store(config, workdir)
-    run_id = store.start_run(run_name, tags={PIPELINE_TAG: run_name, "rlcore.stage": "pipeline",
+    ctx: dict[str, Any] = {"run_name": run_name}
+    run_id = store.start_run(run_name, tags={**stage_tags(ctx, "pipeline"),
                                              **{f"trigger.{k}": str(v) for k, v in (trigger or {}).items()}})
-    from rlcore.lifecycle.mlflow_store import flatten
-
     store.log_params(run_id, flatten(config.model_dump(mode="json")))
-    return {"run_id": run_id, "run_name": run_name, "tracking_uri": store.tracking_uri, "workdir": str(Path(workdir).resolve())}
+    _link_flow_run_to_mlflow(store, run_id, run_name)
+    return {"run_id": run_id, "run_name": run_name, "tracking_uri": store.tracking_uri, "workdir": str(Path(workdir).resolve()),
+            "prefect_flow_run_id": prefect_flow_run().get("id")}
 
 
 def finish_pipeline(config: Config, ctx: dict[str, Any], summary: dict[str, Any], status: str = "FINISHED") -> None:
@@ -118,7 +194,7 @@ def prepare_data_stage(config: Config, workdir: str | Path, val_fraction: float 
     )
     if ctx is not None:
         store = open_store(config, workdir)
-        run_id = store.start_run("data_prep", ctx["run_id"], {PIPELINE_TAG: ctx["run_name"], "rlcore.stage": "data_prep"})
+        run_id = store.start_run("data_prep", ctx["run_id"], stage_tags(ctx, "data_prep"))
         store.log_params(run_id, {"input_fingerprint": key, "dataset_fingerprint": prepared.fingerprint,
                                   "train_file": prepared.train_file, "val_file": prepared.val_file})
         store.log_metrics(run_id, {f"rows/{k}": v for k, v in prepared.counts.items()})
@@ -158,15 +234,20 @@ def train_stage(config: Config, prepared: dict[str, Any], workdir: str | Path, c
     if champion is not None and config.registry.warm_start:
         start_model, parent = champion["path"], f"models:/{config.registry.model_name}/{champion['version']}"
     output_dir = Path(ctx["workdir"]) / ctx["run_name"] / "train"
+    store = open_store(config, workdir)
+    run_id = store.start_run("train", ctx["run_id"], {**stage_tags(ctx, "train"), "parent_model": parent,
+                                                      "dataset_fingerprint": prepared["fingerprint"]})
+    loggers = list(config.trainer.loggers) + ([] if "mlflow" in config.trainer.loggers else ["mlflow"])
     run_config = _with(
         config,
         model={"path": start_model},
         data={"train_files": [prepared["train_file"]], "val_files": [prepared["val_file"]]},
-        trainer={"output_dir": str(output_dir)},
+        trainer={"output_dir": str(output_dir), "loggers": loggers},
+        # each step goes live into this stage's run (no run of its own; a retry's run also gets
+        # the steps it resumes after, from metrics.jsonl)
+        tracking={"mlflow_uri": store.tracking_uri, "run_id": run_id},
     )
-    store = open_store(config, workdir)
-    run_id = store.start_run("train", ctx["run_id"], {PIPELINE_TAG: ctx["run_name"], "rlcore.stage": "train",
-                                                      "parent_model": parent, "dataset_fingerprint": prepared["fingerprint"]})
+    _log_datasets(store, run_id, prepared, {"train": "training", "val": "validation"})
     stopped: dict[str, Any] | None = None
     try:
         run_training(run_config)  # every recipe runs the health guard of `health:`
@@ -183,7 +264,7 @@ def train_stage(config: Config, prepared: dict[str, Any], workdir: str | Path, c
     checkpoint = CheckpointManager(output_dir / "checkpoints").latest()
     candidate = checkpoint / "actor" if checkpoint is not None else None
     if candidate is not None and config.tracking.log_model:
-        store.log_artifact(run_id, candidate, "model")
+        log_model_folder(store, run_id, candidate, "model")  # an MLflow model that is an HF folder too
     if stopped is not None:
         store.set_tags(run_id, {"health.stopped": "true", "health.reason": stopped["reason"],
                                 "health.candidate": str(checkpoint) if checkpoint else "none"})
@@ -211,6 +292,14 @@ def train_stage(config: Config, prepared: dict[str, Any], workdir: str | Path, c
     }
 
 
+def _log_datasets(store: MlflowStore, run_id: str, prepared: dict[str, Any], contexts: dict[str, str]) -> None:
+    """The prepared splits as the run's MLflow datasets ({"train"|"val": context}); the digest is
+    each split's content fingerprint (computed from the rows when data prep did not give it)."""
+    for split, context in contexts.items():
+        tags = {"rlcore.dataset_fingerprint": prepared["fingerprint"]} if prepared.get("fingerprint") else {}
+        log_dataset(store, run_id, prepared[f"{split}_file"], split, context, prepared.get(f"{split}_fingerprint"), tags)
+
+
 # ---------------------------------------------------------------------- evaluate
 def evaluate_stage(config: Config, candidate_dir: str, baseline_dir: str, baseline_name: str, reference_dir: str,
                    val_file: str, workdir: str | Path, ctx: dict[str, Any] | None = None,
@@ -225,8 +314,8 @@ def evaluate_stage(config: Config, candidate_dir: str, baseline_dir: str, baseli
            "baseline_dir": baseline_dir, "candidate_dir": candidate_dir, "val_file": val_file}
     if ctx is not None:
         store = open_store(config, workdir)
-        run_id = store.start_run("evaluate", ctx["run_id"], {PIPELINE_TAG: ctx["run_name"], "rlcore.stage": "evaluate",
-                                                             "baseline": baseline_name})
+        run_id = store.start_run("evaluate", ctx["run_id"], {**stage_tags(ctx, "evaluate"), "baseline": baseline_name})
+        _log_datasets(store, run_id, {"val_file": val_file}, {"val": "evaluation"})
         store.log_metrics(run_id, {**{f"candidate/{k}": v for k, v in out["candidate"].items()},
                                    **{f"{baseline_name}/{k}": v for k, v in out["baseline"].items()}})
         store.log_json(run_id, out, "evaluation.json")
@@ -267,29 +356,49 @@ def promote_stage(config: Config, train: dict[str, Any], evaluation: dict[str, A
                                    "evaluation": {"candidate": evaluation["candidate"], "baseline": evaluation["baseline"],
                                                   "baseline_name": evaluation["baseline_name"]}})
     store.log_json(train["run_id"], lineage, "lineage.json")
-    run_id = store.start_run("promote", ctx["run_id"], {PIPELINE_TAG: ctx["run_name"], "rlcore.stage": "promote"})
+    run_id = store.start_run("promote", ctx["run_id"], stage_tags(ctx, "promote"))
     store.log_json(run_id, lineage, "lineage.json")
+    alias = CHAMPION if decision.promote else CHALLENGER
+    decision_tags = {"rlcore.decision": "promoted" if decision.promote else "rejected", "rlcore.check": decision.check}
+    description = version_description(policy.metric, evaluation, alias, decision_reason, lineage, train["run_id"])
     version = _existing_version(registry, ctx["run_name"])
     if version is None:
-        tags = {**lineage_tags(lineage), PIPELINE_TAG: ctx["run_name"]}
-        version = registry.register(train["run_id"], "model", tags=tags).version
-    alias = CHAMPION if decision.promote else CHALLENGER
+        tags = {**lineage_tags(lineage), PIPELINE_TAG: ctx["run_name"], **decision_tags}
+        version = registry.register(train["run_id"], "model", tags=tags, description=description).version
+    else:  # a retried promote: the version this pipeline run registered, decided again
+        registry.set_tags(version, decision_tags)
+        registry.describe(version, description)
     registry.set_alias(alias, version)
-    registry.set_tags(version, {
-        "promotion.decision": "promoted" if decision.promote else "rejected",
-        "promotion.reason": decision_reason,
-        "promotion.check": decision.check,
-        **{f"eval.{k}": f"{v:.6g}" for k, v in evaluation["candidate"].items()},
-        **{f"eval.{evaluation['baseline_name']}.{k}": f"{v:.6g}" for k, v in evaluation["baseline"].items()},
-    })
     store.set_tags(run_id, {"version": version, "alias": alias, "decision": decision.check, "reason": decision_reason})
     store.end_run(run_id)
+    cand, base = evaluation["candidate"][policy.metric], evaluation["baseline"][policy.metric]
+    _announce(f"{config.registry.model_name} version {version} "
+              f"{'promoted to champion' if decision.promote else 'not promoted (challenger)'}: {policy.metric} "
+              f"{cand:.4f} vs the {evaluation['baseline_name']}'s {base:.4f}: {decision_reason}")
     result = {"version": version, "alias": alias, "promoted": decision.promote, "reason": decision_reason,
               "check": decision.check, "model": config.registry.model_name, "uri": registry.uri(alias)}
     notify(config.registry.webhook_url, "promoted" if decision.promote else "rejected", {
         "pipeline_run": ctx["run_name"], **result, "evaluation": {k: evaluation[k] for k in ("candidate", "baseline", "baseline_name")},
         "dataset_fingerprint": prepared["fingerprint"]})
     return result
+
+
+def version_description(metric: str, evaluation: dict[str, Any], alias: str, reason: str, lineage: dict[str, Any],
+                        train_run_id: str) -> str:
+    """A registered version's description (markdown, on its MLflow page): the metric against
+    the baseline, the decision and why, and where it came from."""
+    cand, base = evaluation["candidate"], evaluation["baseline"]
+    name = evaluation["baseline_name"]
+    verdict = "Promoted to **champion**" if alias == CHAMPION else "Not promoted: **challenger**"
+    algorithm = lineage.get("config", {}).get("algorithm", {}).get("name", "?")
+    return (f"{verdict}. {metric} {cand[metric]:.4f} vs the {name}'s {base[metric]:.4f} "
+            f"({cand[metric] - base[metric]:+.4f}) on the same {int(cand.get('num_prompts', 0))} held-out prompts.\n\n"
+            f"Why: {reason}.\n\n"
+            f"Candidate: accuracy {cand['accuracy']:.4f}, mean reward {cand['mean_reward']:.4f}, KL to the reference "
+            f"{cand['kl_to_reference']:.4g}, mean response length {cand['response_length']:.3g} tokens.\n\n"
+            f"Trained with {algorithm} from `{lineage.get('parent_model')}` on dataset "
+            f"`{str(lineage.get('dataset_fingerprint'))[:16]}`, pipeline run `{lineage.get('pipeline_run')}`; the full "
+            f"lineage is `lineage.json` of MLflow run `{train_run_id}`.")
 
 
 def _no_promotion_reason(train: dict[str, Any]) -> str:
@@ -339,6 +448,7 @@ def summarize(ctx: dict[str, Any], prepared: dict[str, Any], train: dict[str, An
         "model_uri": promotion["uri"] if promotion else None,
         "run_dir": train["output_dir"],
         "mlflow_run_id": ctx["run_id"],
+        "prefect_flow_run_id": ctx.get("prefect_flow_run_id"),
         "mlflow_ui": f"mlflow ui --backend-store-uri {ctx['tracking_uri']}",
         "prefect_ui": _prefect_ui_hint(),
     }
@@ -346,7 +456,7 @@ def summarize(ctx: dict[str, Any], prepared: dict[str, Any], train: dict[str, An
 
 
 __all__ = [
-    "PIPELINE_TAG", "champion_stage", "data_prep_key", "evaluate_stage", "fail_pipeline", "finish_pipeline",
-    "load_pipeline_config", "new_run_name", "open_store", "prepare_data_stage", "promote_stage", "start_pipeline",
-    "summarize", "train_stage",
+    "PIPELINE_TAG", "STAGE_TAG", "champion_stage", "data_prep_key", "evaluate_stage", "fail_pipeline", "finish_pipeline",
+    "load_pipeline_config", "new_run_name", "open_store", "prefect_flow_run", "prepare_data_stage", "promote_stage",
+    "stage_tags", "start_pipeline", "summarize", "train_stage", "version_description",
 ]

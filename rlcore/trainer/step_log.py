@@ -37,7 +37,8 @@ class StepLog:
         cfg = self.config
         self.tracker = open_tracker(cfg.trainer.loggers, self.run_dir, cfg.trainer.total_steps,
                                     mlflow_uri=cfg.tracking.mlflow_uri, experiment=cfg.tracking.experiment,
-                                    config_tree=cfg.model_dump(mode="json"), tags={"rlcore.algorithm": self.algorithm})
+                                    config_tree=cfg.model_dump(mode="json"), tags={"rlcore.algorithm": self.algorithm},
+                                    run_id=cfg.tracking.run_id)
         self.workers = worker_identities(self.groups) if cfg.trainer.trace else {}
         return self
 

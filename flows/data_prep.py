@@ -1,38 +1,15 @@
-"""data_prep: validate every row (fail or skip by policy), deduplicate, split, write parquet,
-fingerprint. Cached by input fingerprint: the same files and settings reuse the prepared data."""
+"""`data_prep` for prefect.yaml's entrypoint `flows/data_prep.py:data_prep`: the flow itself lives in the
+installed package (rlcore.flows.data_prep), so that a wheel carries it; this is the Prefect project's
+view of it in the repository."""
 
 from __future__ import annotations
 
-import hashlib
 import sys
 from pathlib import Path
-from typing import Any
 
-if str(Path(__file__).resolve().parents[1]) not in sys.path:  # flows/ is not an installed package
+if str(Path(__file__).resolve().parents[1]) not in sys.path:  # a worker that runs this file in the repository
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from prefect import flow, task
+from rlcore.flows.data_prep import data_prep, prepare_data_task
 
-from rlcore.config import config_from_dict
-from rlcore.lifecycle import stages
-
-
-def _cache_key(context: Any, parameters: dict[str, Any]) -> str:
-    config = config_from_dict(parameters["config"])
-    key = stages.data_prep_key(config, parameters.get("val_fraction", 0.1))
-    # the workdir (a path) enters hashed: a storage key must not contain "/"
-    workdir = hashlib.sha256(str(Path(parameters["workdir"]).resolve()).encode()).hexdigest()[:16]
-    return f"rlcore-data-prep-{key}-{workdir}"
-
-
-@task(name="data_prep", cache_key_fn=_cache_key, persist_result=True, retries=1, retry_delay_seconds=2)
-def prepare_data_task(config: dict[str, Any], workdir: str, val_fraction: float = 0.1,
-                      ctx: dict[str, Any] | None = None) -> dict[str, Any]:
-    return stages.prepare_data_stage(config_from_dict(config), workdir, val_fraction, ctx)
-
-
-@flow(name="data_prep")
-def data_prep(config_path: str | None = None, overrides: list[str] | None = None, data_path: str | None = None,
-              workdir: str = "runs/pipeline", val_fraction: float = 0.1) -> dict[str, Any]:
-    config = stages.load_pipeline_config(config_path, overrides or [], data_path)
-    return prepare_data_task(config.model_dump(mode="json"), workdir, val_fraction)
+__all__ = ["data_prep", "prepare_data_task"]

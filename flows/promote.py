@@ -1,30 +1,15 @@
-"""promote: register the candidate as a new model version; move `champion` to it only when it
-beats the champion by the margin within the KL/length budget, else tag it `challenger` with the
-reason. Notifies the webhook either way."""
+"""`promote` for prefect.yaml's entrypoint `flows/promote.py:promote`: the flow itself lives in the
+installed package (rlcore.flows.promote), so that a wheel carries it; this is the Prefect project's
+view of it in the repository."""
 
 from __future__ import annotations
 
 import sys
 from pathlib import Path
-from typing import Any
 
-if str(Path(__file__).resolve().parents[1]) not in sys.path:  # flows/ is not an installed package
+if str(Path(__file__).resolve().parents[1]) not in sys.path:  # a worker that runs this file in the repository
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from prefect import flow, task
+from rlcore.flows.promote import promote, promote_task
 
-from rlcore.config import config_from_dict
-from rlcore.lifecycle import stages
-
-
-@task(name="promote", retries=1, retry_delay_seconds=2, cache_policy=None)
-def promote_task(config: dict[str, Any], train: dict[str, Any], evaluation: dict[str, Any], prepared: dict[str, Any],
-                 workdir: str, ctx: dict[str, Any]) -> dict[str, Any]:
-    return stages.promote_stage(config_from_dict(config), train, evaluation, prepared, workdir, ctx)
-
-
-@flow(name="promote")
-def promote(config: dict[str, Any], train: dict[str, Any], evaluation: dict[str, Any], prepared: dict[str, Any],
-            workdir: str, ctx: dict[str, Any]) -> dict[str, Any]:
-    """The stage on its own, given the outputs of the train and evaluate stages."""
-    return promote_task(config, train, evaluation, prepared, workdir, ctx)
+__all__ = ["promote", "promote_task"]

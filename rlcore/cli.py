@@ -76,9 +76,6 @@ def tiny_example_overrides(example, output_dir: str) -> list[str]:
     return overrides(example, output_dir)
 
 
-FLOWS_DIR = Path(__file__).resolve().parents[1] / "flows"
-
-
 def _quiet_defaults() -> None:
     """No telemetry (no network here), unless the user set these explicitly."""
     for key, value in (("PREFECT_SERVER_ANALYTICS_ENABLED", "false"), ("MLFLOW_DISABLE_TELEMETRY", "true"),
@@ -86,11 +83,12 @@ def _quiet_defaults() -> None:
         os.environ.setdefault(key, value)
 
 
-def load_flow(entrypoint: str = "rl_pipeline.py:rl_pipeline"):
-    """A flow from `flows/` by entrypoint path, exactly as prefect.yaml points at it."""
-    from prefect.flows import load_flow_from_entrypoint
+def load_flow(name: str = "rl_pipeline"):
+    """A flow of the installed package (rlcore.flows.<name>): the repository's flows/ and
+    prefect.yaml re-export these, and a wheel carries them."""
+    import importlib
 
-    return load_flow_from_entrypoint(f"{FLOWS_DIR / entrypoint}", use_placeholder_flow=False)
+    return getattr(importlib.import_module(f"rlcore.flows.{name}"), name)
 
 
 def _pipeline_inputs(args: argparse.Namespace) -> dict:
@@ -163,13 +161,15 @@ def _cmd_pipeline_serve(args: argparse.Namespace) -> int:
     _quiet_defaults()
     if not _require_server():
         return 2
-    import importlib.util
+    from rlcore.flows.serve import serve_pipeline
 
-    spec = importlib.util.spec_from_file_location("rlcore_flows_serve", FLOWS_DIR / "deployments" / "serve.py")
-    serve_mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(serve_mod)
-    serve_mod.serve_pipeline(load_flow(), _pipeline_inputs(args), cron=args.cron or None,
-                             watch_dir=args.watch, watch_interval_s=args.watch_interval, limit=args.limit)
+    inputs = _pipeline_inputs(args)
+    # The webhook of the config as run (the example's paths do not change it): failed and crashed
+    # runs are notified by the server, whatever happens to the processes running them.
+    webhook_url = load_config(inputs["config_path"], inputs["overrides"]).registry.webhook_url
+    serve_pipeline(load_flow(), inputs, cron=args.cron or None, watch_dir=args.watch,
+                   watch_interval_s=args.watch_interval, limit=args.limit, webhook_url=webhook_url,
+                   unresponsive_after_s=args.unresponsive_after)
     return 0
 
 
@@ -227,6 +227,9 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--watch", default=None, help="directory whose new data files trigger a run")
     serve.add_argument("--watch-interval", type=float, default=5.0)
     serve.add_argument("--limit", type=int, default=1, help="concurrent flow runs")
+    serve.add_argument("--unresponsive-after", type=float, default=90.0, metavar="SECONDS",
+                       help="with registry.webhook_url: a run that sent no heartbeat (every 30 s) for this long is "
+                            "marked crashed and notified by the Prefect server, e.g. when the machine running it died")
     serve.set_defaults(func=_cmd_pipeline_serve)
     emit = pipeline_sub.add_parser("emit", help="emit rlcore.data.arrived for a data file (triggers the served pipeline)")
     emit.add_argument("path")

@@ -1,5 +1,6 @@
-"""The flows load by entrypoint path exactly as prefect.yaml names them, and the served
-deployment carries the cron schedule and the data-event trigger."""
+"""The flows load by entrypoint path exactly as prefect.yaml names them (re-exports of the
+installed package's rlcore.flows), and the served deployment carries the cron schedule and the
+data-event trigger."""
 
 from __future__ import annotations
 
@@ -30,6 +31,7 @@ def test_prefect_yaml_entrypoints_load_as_flows():
         path, name = ep.split(":")
         flow = load_flow_from_entrypoint(f"{ROOT / path}:{name}", use_placeholder_flow=False)
         assert isinstance(flow, Flow) and flow.name == name
+        assert flow.fn.__module__ == f"rlcore.flows.{name}"  # the package's flow, not a copy
     main = next(d for d in spec["deployments"] if d["name"] == "rl-pipeline")
     assert main["schedules"][0]["cron"] == "0 3 * * *"
     trigger = main["triggers"][0]
@@ -42,23 +44,20 @@ def test_rl_pipeline_parameters_and_task_policies():
     flow = load_flow()
     params = flow.parameters.properties
     assert {"config_path", "overrides", "data_path", "example", "workdir"} <= set(params)
-    module = __import__("flows.train", fromlist=["train_task"])
-    assert module.train_task.retries >= 1 and module.train_task.timeout_seconds
-    prep = __import__("flows.data_prep", fromlist=["prepare_data_task"]).prepare_data_task
-    assert prep.cache_key_fn is not None
+    from rlcore.flows.data_prep import prepare_data_task
+    from rlcore.flows.train import train_task
+
+    assert train_task.retries >= 1 and train_task.timeout_seconds
+    assert prepare_data_task.cache_key_fn is not None
 
 
 def test_deployment_has_cron_and_data_trigger():
-    import importlib.util
-
     from rlcore.cli import load_flow
+    from rlcore.flows.serve import build_deployment
 
-    spec = importlib.util.spec_from_file_location("serve_mod", ROOT / "flows" / "deployments" / "serve.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    dep = mod.build_deployment(load_flow(), {"example": True}, cron="*/30 * * * *")
+    dep = build_deployment(load_flow(), {"example": True}, cron="*/30 * * * *")
     assert dep.name == "rl-pipeline"
-    assert dep.entrypoint.endswith("flows/rl_pipeline.py:rl_pipeline")
+    assert dep.entrypoint == "rlcore.flows.rl_pipeline.rl_pipeline"  # imported from the package, any working directory
     assert [s.schedule.cron for s in dep.schedules] == ["*/30 * * * *"]
     [trigger] = dep.triggers
     assert trigger.expect == {"rlcore.data.arrived"}

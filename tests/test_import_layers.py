@@ -1,4 +1,4 @@
-"""Imports point one way: flows/cli -> example -> lifecycle -> trainer -> workers ->
+"""Imports point one way: cli -> flows -> example -> lifecycle -> trainer -> workers ->
 controller/rollout/data/rewards/kernels -> packing/checkpoint/tracking -> config -> algos/protocol.
 
 Every import in the package (module level and inside functions) is read from the source; an
@@ -16,7 +16,8 @@ PACKAGE = Path(rlcore.__file__).resolve().parent
 # Higher imports lower (or its own subpackage); never the other way round. Same level, other
 # subpackage: not allowed either (they are meant to be independent of each other).
 LAYERS: dict[str, int] = {
-    "cli": 9,
+    "cli": 10,
+    "flows": 9,  # the Prefect flows of the lifecycle (the repository's flows/ re-exports them)
     "example": 8,
     "lifecycle": 7,
     "trainer": 6,

@@ -1,0 +1,29 @@
+"""evaluate: held-out accuracy, mean reward, KL to the reference and response length, for a
+candidate and for the current champion (or the base model) on the same data."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from prefect import flow, task
+
+from rlcore.config import config_from_dict
+from rlcore.lifecycle import stages
+
+
+@task(name="evaluate", retries=1, retry_delay_seconds=2, timeout_seconds=3600, cache_policy=None)
+def evaluate_task(config: dict[str, Any], candidate_dir: str, baseline_dir: str, baseline_name: str,
+                  reference_dir: str, val_file: str, workdir: str, ctx: dict[str, Any] | None = None) -> dict[str, Any]:
+    return stages.evaluate_stage(config_from_dict(config), candidate_dir, baseline_dir, baseline_name,
+                                 reference_dir, val_file, workdir, ctx)
+
+
+@flow(name="evaluate")
+def evaluate(candidate_dir: str, val_file: str, config_path: str | None = None, overrides: list[str] | None = None,
+             workdir: str = "runs/pipeline") -> dict[str, Any]:
+    """Candidate vs the registry's champion (or `model.path` when there is none)."""
+    config = stages.load_pipeline_config(config_path, overrides or [])
+    tree = config.model_dump(mode="json")
+    champion = stages.champion_stage(config, workdir)
+    baseline_dir, name = (champion["path"], "champion") if champion else (config.model.path, "base")
+    return evaluate_task(tree, candidate_dir, baseline_dir, name, config.model.path, val_file, workdir)

@@ -1,0 +1,77 @@
+"""rl_pipeline: data_prep -> train -> evaluate -> promote, one MLflow run with a nested run per
+stage. Task retries (train resumes from its newest checkpoint), timeouts, and data_prep cached by
+input fingerprint. Runs on any data file an `rlcore.data.arrived` event names (`data_path`).
+
+The flow run is named after the pipeline run (`run_name`, else a fresh `pipeline-<time>-<hex>`),
+so Prefect, MLflow and every webhook notification, the server's crash/failure ones included
+(rlcore.lifecycle.automations), name a run the same way."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from prefect import flow
+
+from rlcore.example.overrides import example_overrides
+from rlcore.flows.data_prep import prepare_data_task
+from rlcore.flows.evaluate import evaluate_task
+from rlcore.flows.promote import promote_task
+from rlcore.flows.train import champion_task, train_task
+from rlcore.lifecycle import stages
+from rlcore.lifecycle.automations import failures_notified_by_server
+
+
+def pipeline_run_name() -> str:
+    """The flow run's name: the `run_name` parameter, else a new pipeline run name (Prefect calls
+    this as the run starts, inside its flow-run context)."""
+    from prefect.runtime import flow_run
+
+    return flow_run.parameters.get("run_name") or stages.new_run_name()
+
+
+def _current_run_name() -> str:
+    """The name pipeline_run_name gave this flow run (a new one when called outside Prefect)."""
+    from prefect.runtime import flow_run
+
+    return flow_run.name or stages.new_run_name()
+
+
+@flow(name="rl_pipeline", flow_run_name=pipeline_run_name)
+def rl_pipeline(
+    config_path: str | None = None,
+    overrides: list[str] | None = None,
+    data_path: str | None = None,
+    example: bool = False,
+    workdir: str = "runs/pipeline",
+    val_fraction: float = 0.1,
+    run_name: str | None = None,
+) -> dict[str, Any]:
+    """`example=True` points the config at the built-in tiny example (before `overrides`)."""
+    base = example_overrides() if example else []
+    config = stages.load_pipeline_config(config_path, base + list(overrides or []), data_path)
+    tree = config.model_dump(mode="json")
+    workdir = str(Path(workdir).resolve())
+    ctx = stages.start_pipeline(config, workdir, run_name or _current_run_name(),
+                                trigger={"data_path": data_path} if data_path else None)
+    try:
+        prepared = prepare_data_task(tree, workdir, val_fraction, ctx)
+        if not (Path(prepared["train_file"]).is_file() and Path(prepared["val_file"]).is_file()):
+            prepared = prepare_data_task.with_options(refresh_cache=True)(tree, workdir, val_fraction, ctx)
+        champion = champion_task(tree, workdir)
+        train = train_task(tree, prepared, workdir, ctx, champion)
+        evaluation = promotion = None
+        if train["candidate_dir"]:  # None: stopped by the health guard before any checkpoint
+            baseline_dir, baseline_name = (champion["path"], "champion") if champion else (train["reference_model"], "base")
+            evaluation = evaluate_task(tree, train["candidate_dir"], baseline_dir, baseline_name,
+                                       train["reference_model"], prepared["val_file"], workdir, ctx)
+            if train["model_logged"]:  # a version's files are the train run's `model` artifact
+                promotion = promote_task(tree, train, evaluation, prepared, workdir, ctx)
+        summary = stages.summarize(ctx, prepared, train, evaluation, promotion, champion, workdir)
+    except BaseException as err:
+        # Served with a failure automation, the server sends `failed` for this run (and `crashed`
+        # when its process dies); one notification per failure, not two.
+        stages.fail_pipeline(config, ctx, err, notify_webhook=not failures_notified_by_server())
+        raise
+    stages.finish_pipeline(config, ctx, summary)
+    return summary

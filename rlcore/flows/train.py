@@ -1,0 +1,37 @@
+"""train: one rlcore training run under the health guard, warm-started from the champion when
+configured. A retry resumes from the newest complete checkpoint of the same run directory."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from prefect import flow, task
+
+from rlcore.config import config_from_dict
+from rlcore.lifecycle import stages
+
+
+@task(name="train", retries=1, retry_delay_seconds=5, timeout_seconds=6 * 3600, cache_policy=None)
+def train_task(config: dict[str, Any], prepared: dict[str, Any], workdir: str, ctx: dict[str, Any],
+               champion: dict[str, Any] | None = None) -> dict[str, Any]:
+    return stages.train_stage(config_from_dict(config), prepared, workdir, ctx, champion)
+
+
+@task(name="champion", retries=2, retry_delay_seconds=2, cache_policy=None)
+def champion_task(config: dict[str, Any], workdir: str) -> dict[str, Any] | None:
+    return stages.champion_stage(config_from_dict(config), workdir)
+
+
+@flow(name="train")
+def train(config_path: str | None = None, overrides: list[str] | None = None, workdir: str = "runs/pipeline",
+          run_name: str | None = None) -> dict[str, Any]:
+    """Train on the config's data as given (no prep), recorded as its own MLflow run."""
+    config = stages.load_pipeline_config(config_path, overrides or [])
+    run_name = run_name or stages.new_run_name()
+    ctx = stages.start_pipeline(config, workdir, run_name)
+    prepared = {"train_file": config.data.train_files[0], "val_file": (config.data.val_files or config.data.train_files)[0],
+                "fingerprint": stages.data_prep_key(config)}
+    tree = config.model_dump(mode="json")
+    result = train_task(tree, prepared, workdir, ctx, champion_task(tree, workdir))
+    stages.finish_pipeline(config, ctx, {"steps": result["steps"], "candidate_dir": result["candidate_dir"]})
+    return result

@@ -1,6 +1,6 @@
 """The pipeline's stages as plain functions: data prep -> train -> evaluate -> promote.
 
-`flows/` wraps each in a Prefect task (retries, timeouts, caching) and composes them; here is
+`rlcore.flows` wraps each in a Prefect task (retries, timeouts, caching) and composes them; here is
 everything they do, testable without Prefect. Stages exchange JSON-able dicts (Prefect persists
 task results) and record themselves as nested MLflow runs under the pipeline's run.
 

@@ -174,6 +174,12 @@ def flatten(tree: dict[str, Any], prefix: str = "") -> dict[str, str]:
     return out
 
 
+# MLflow's UI opens an experiment without this tag in its GenAI (traces) view; training runs
+# belong in its model-training view.
+EXPERIMENT_KIND_TAG = "mlflow.experimentKind"
+EXPERIMENT_KIND = "custom_model_development"
+
+
 class MlflowStore:
     """Runs and artifacts in one experiment of one tracking store."""
 
@@ -187,6 +193,8 @@ class MlflowStore:
         found = self.client.get_experiment_by_name(experiment)
         if found is not None:
             self.experiment_id = found.experiment_id
+            if found.tags.get(EXPERIMENT_KIND_TAG) is None:  # a store made before rlcore set the kind
+                self.client.set_experiment_tag(self.experiment_id, EXPERIMENT_KIND_TAG, EXPERIMENT_KIND)
         else:
             location = None
             if artifact_root is not None:
@@ -223,12 +231,6 @@ class MlflowStore:
             self.client.set_tag(run_id, k, str(v))
 
     def log_artifact(self, run_id: str, path: str | Path, artifact_path: str | None = None) -> None:
-# MLflow's UI opens an experiment without this tag in its GenAI (traces) view; training runs
-# belong in its model-training view.
-EXPERIMENT_KIND_TAG = "mlflow.experimentKind"
-EXPERIMENT_KIND = "custom_model_development"
-
-
         path = Path(path)
         if path.is_dir():
             self.client.log_artifacts(run_id, str(path), artifact_path)
@@ -242,8 +244,6 @@ EXPERIMENT_KIND = "custom_model_development"
             self.client.log_artifact(run_id, str(p))
 
     def artifact_uri(self, run_id: str, path: str = "") -> str:
-            if found.tags.get(EXPERIMENT_KIND_TAG) is None:  # a store made before rlcore set the kind
-                self.client.set_experiment_tag(self.experiment_id, EXPERIMENT_KIND_TAG, EXPERIMENT_KIND)
         base = self.client.get_run(run_id).info.artifact_uri
         return f"{base}/{path}" if path else base
 

@@ -80,6 +80,9 @@ def plot_curves(records: list[dict[str, Any]], out_dir: Path, curves: dict[str, 
         fig.savefig(path, dpi=100)
         plt.close(fig)
         written.append(path)
+    return written
+
+
 # ---------------------------------------------------------------------- datasets
 def log_dataset(store: MlflowStore, run_id: str, path: str | Path, name: str, context: str,
                 fingerprint: str | None = None, tags: dict[str, str] | None = None) -> None:
@@ -119,9 +122,6 @@ def log_model_folder(store: MlflowStore, run_id: str, hf_dir: str | Path, artifa
         store.log_artifact(run_id, folder, artifact_path)
 
 
-    return written
-
-
 # ---------------------------------------------------------------------- registry
 @dataclass
 class VersionInfo:
@@ -131,6 +131,7 @@ class VersionInfo:
     run_id: str | None
     tags: dict[str, str]
     aliases: list[str]
+    description: str = ""
 
 
 class ModelRegistry:
@@ -148,7 +149,6 @@ class ModelRegistry:
             self.client.get_registered_model(self.name)
         except MlflowException:
             self.client.create_registered_model(self.name, description="rlcore RL post-trained models")
-    description: str = ""
 
     def register(self, run_id: str, artifact_path: str = "model", tags: dict[str, str] | None = None,
                  description: str | None = None) -> VersionInfo:

@@ -190,18 +190,20 @@ def test_failure_is_recorded_and_notified(store, tmp_path):
 
 
 def test_champion_folder_is_served_by_vllm_as_is(store, tiny_example, tmp_path):
-    """The downloaded champion is a plain HF folder: vLLM starts on it and decodes like HF."""
+    """The downloaded champion, an MLflow model as the pipeline logs it, is still a plain HF
+    folder: vLLM starts on it and decodes like HF."""
     pytest.importorskip("vllm")
     from rlcore.data import PromptLoader, RLDataset
-    from rlcore.lifecycle.mlflow_store import ModelRegistry
+    from rlcore.lifecycle.mlflow_store import ModelRegistry, log_model_folder
     from rlcore.rollout import SamplingParams, make_rollout_engine
     from rlcore.workers.tokenizer import load_tokenizer
 
     run = store.start_run("train")
-    store.log_artifact(run, tiny_example.model_dir, "model")
+    log_model_folder(store, run, tiny_example.model_dir, "model")
     registry = ModelRegistry(store, "tiny-serve")
     registry.set_alias("champion", registry.register(run, "model").version)
     local = registry.download("champion", tmp_path / "dl")
+    assert (local / "MLmodel").is_file()
 
     tok = load_tokenizer(str(local))
     prompts = next(iter(PromptLoader(RLDataset([tiny_example.val_file], tok, 32), batch_size=16, seed=0, shuffle=False)))

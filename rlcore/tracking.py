@@ -14,9 +14,10 @@ import math
 import os
 import sys
 import tempfile
-from collections.abc import Iterable
+import time
+from collections.abc import Callable, Iterable
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any, Protocol, TextIO
 
 from rlcore.redact import redact_params
 
@@ -82,24 +83,71 @@ def truncate_jsonl(path: str | Path, last_step: int) -> None:
     os.replace(tmp, path)
 
 
+def clock(seconds: float) -> str:
+    """[h:]mm:ss, as tqdm writes elapsed and remaining time."""
+    minutes, secs = divmod(int(round(seconds)), 60)
+    hours, minutes = divmod(minutes, 60)
+    return f"{hours:d}:{minutes:02d}:{secs:02d}" if hours else f"{minutes:02d}:{secs:02d}"
+
+
 class ConsoleSink:
-    """One short line per step: the handful of numbers a person watches."""
+    """One short line per step: the handful of numbers a person watches, and elapsed<remaining
+    time (the remaining from this process's mean step time, resumed steps not counted)."""
 
     KEYS = ("reward/mean", "acc/mean", "val/acc", "actor/kl", "actor/entropy", "actor/pg_clipfrac", "time/step_s")
 
-    def __init__(self, total_steps: int, stream=sys.stderr) -> None:
+    def __init__(self, total_steps: int, stream: TextIO | None = None) -> None:
         self.total_steps = total_steps
         self.stream = stream
+        self._start = time.monotonic()
+        self._first_step: int | None = None
 
     def log(self, step: int, metrics: dict[str, Any]) -> None:
         shown = [f"{k}={_plain(metrics[k]):.4g}" for k in self.KEYS if k in metrics and isinstance(_plain(metrics[k]), (int, float))]
         bar_width = 20
         filled = int(bar_width * step / max(1, self.total_steps))
         bar = "#" * filled + "-" * (bar_width - filled)
-        print(f"[{bar}] step {step}/{self.total_steps} " + " ".join(shown), file=self.stream, flush=True)
+        if self._first_step is None:
+            self._first_step = step
+        elapsed = time.monotonic() - self._start
+        done = step - self._first_step + 1
+        remaining = elapsed / done * max(0, self.total_steps - step)
+        print(f"[{bar}] step {step}/{self.total_steps} [{clock(elapsed)}<{clock(remaining)}] " + " ".join(shown),
+              file=self.stream or sys.stderr, flush=True)
 
     def close(self) -> None:
         pass
+
+
+class _Lines:
+    """A file for tqdm that hands each refreshed meter to `say` as one line (no carriage returns),
+    for pipes, log files and Prefect task logs, where a redrawn bar would be one endless line."""
+
+    def __init__(self, say: Callable[[str], None]) -> None:
+        self.say = say
+        self._last = ""
+
+    def write(self, text: str) -> None:
+        line = text.replace("\r", "").strip()
+        if line and line != self._last:
+            self._last = line
+            self.say(line)
+
+    def flush(self) -> None:
+        pass
+
+
+def progress(total: int, desc: str, unit: str = "it", say: Callable[[str], None] | None = None,
+             every_s: float = 5.0) -> Any:
+    """A tqdm progress bar with elapsed<remaining time: redrawn in place on a terminal's stderr;
+    with `say`, or when stderr is not a terminal, a line at most every `every_s` seconds."""
+    from tqdm import tqdm
+
+    stream = sys.stderr
+    if say is None and stream.isatty():
+        return tqdm(total=total, desc=desc, unit=unit, file=stream, dynamic_ncols=True)
+    return tqdm(total=total, desc=desc, unit=unit, file=_Lines(say or (lambda line: print(line, file=sys.stderr, flush=True))),
+                mininterval=every_s, delay=every_s, bar_format="{desc}: {n_fmt}/{total_fmt} {unit} [{elapsed}<{remaining}, {rate_fmt}]")
 
 
 class Tracker:

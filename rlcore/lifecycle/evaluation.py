@@ -21,6 +21,7 @@ from rlcore.data import PromptLoader, RLDataset
 from rlcore.protocol import Batch
 from rlcore.rewards import RewardScorer, ScoreItem
 from rlcore.rollout import HFRolloutEngine, SamplingParams
+from rlcore.tracking import progress
 from rlcore.workers.tokenizer import load_tokenizer
 
 
@@ -75,8 +76,10 @@ def evaluate_model(
     reward_function: str | None = None,
     apply_chat_template: bool = True,
     limit: int | None = None,
+    label: str | None = None,
 ) -> EvalResult:
-    """Greedy evaluation of `model_dir` on `val_file` (the first `limit` prompts, if given).
+    """Greedy evaluation of `model_dir` on `val_file` (the first `limit` prompts, if given), with
+    a progress bar over prompts named by `label` (default: the folder's last two parts).
 
     `reference_dir`: the model KL is measured against (None: KL is not measured, reported 0).
     """
@@ -95,7 +98,9 @@ def evaluate_model(
     scores: list[float] = []
     accs: list[float] = []
     kl_sum = tokens = 0.0
-    with RewardScorer(reward_function, num_workers=0) as scorer:
+    label = label or "/".join(Path(model_dir).parts[-2:])
+    with RewardScorer(reward_function, num_workers=0) as scorer, \
+            progress(len(dataset), f"evaluate {label}", unit="prompts") as bar:
         for batch in loader.epoch_batches():
             gen = engine.generate(batch, params)
             lengths = gen["response_mask"].sum(-1).long().tolist()
@@ -110,6 +115,7 @@ def evaluate_model(
             if reference is not None:
                 kl, mask = response_token_kl(engine.model, reference, gen)
                 kl_sum += float(kl.sum())
+            bar.update(len(lengths))
     n = len(scores)
     return EvalResult(
         model_dir=model_dir,

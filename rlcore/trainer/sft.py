@@ -113,8 +113,10 @@ def run_sft(
     rows: list[dict],
     config: SFTConfig,
     log: Callable[[str], None] | None = None,
+    on_step: Callable[[int, int], None] | None = None,
 ) -> dict[str, Any]:
-    """Fine-tune `model` in place on `rows` ({"prompt": messages|str, "response": str}).
+    """Fine-tune `model` in place on `rows` ({"prompt": messages|str, "response": str});
+    `on_step(step, total)` after each optimizer step (a progress bar).
 
     Returns metrics: steps, first/last/mean-of-last-10 loss, tokens trained on, wall seconds.
     Saves model and tokenizer with save_pretrained when `config.output_dir` is set.
@@ -162,6 +164,8 @@ def run_sft(
             losses.append(loss)
             n_tokens += denom
             step += 1
+            if on_step is not None:
+                on_step(step, total)
             if log and (step % config.log_every == 0 or step == total):
                 log(f"sft step {step}/{total} loss {losses[-1]:.4f} lr {optim.param_groups[0]['lr']:.2e}")
     model.eval()

@@ -50,6 +50,13 @@ CURVES = {
     "kl": ("actor/kl", "actor/reward_kl_penalty"),
 }
 
+# What the y axis of each curve group measures (a plot without it reads as unitless numbers).
+Y_LABELS = {
+    "reward": "mean reward per response",
+    "accuracy": "fraction answered correctly",
+    "kl": "KL to the reference (per token)",
+}
+
 
 def plot_curves(records: list[dict[str, Any]], out_dir: Path, curves: dict[str, Iterable[str]] = CURVES) -> list[Path]:
     """One PNG per curve group that has data (`reward.png`, `accuracy.png`, `kl.png`)."""
@@ -67,20 +74,32 @@ def plot_curves(records: list[dict[str, Any]], out_dir: Path, curves: dict[str, 
                 series[key] = pts
         if not series:
             continue
-        fig, ax = plt.subplots(figsize=(6, 3.5))
-        for key, pts in series.items():
-            xs, ys = zip(*pts)
-            ax.plot(xs, ys, marker="o" if len(pts) < 30 else None, label=key)
-        ax.set_xlabel("step")
-        ax.set_title(name)
-        ax.grid(alpha=0.3)
-        ax.legend()
-        fig.tight_layout()
+        fig = curve_figure(name, series)
         path = Path(out_dir) / f"{name}.png"
         fig.savefig(path, dpi=100)
         plt.close(fig)
         written.append(path)
     return written
+
+
+def curve_figure(name: str, series: dict[str, list[tuple[int, float]]]) -> Any:
+    """The matplotlib figure of one curve group: a line per metric, step on x, `Y_LABELS` on y."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6, 3.5))
+    for key, pts in series.items():
+        xs, ys = zip(*pts)
+        ax.plot(xs, ys, marker="o" if len(pts) < 30 else None, label=key)
+    ax.set_xlabel("step")
+    ax.set_ylabel(Y_LABELS.get(name, name))
+    ax.set_title(name)
+    ax.grid(alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    return fig
 
 
 # ---------------------------------------------------------------------- datasets

@@ -147,7 +147,8 @@ def test_failed_or_partial_builds_are_never_used(tmp_path):
 
 def _other_machine_env() -> dict[str, str]:
     """This process's environment made to look like another x86-64 machine to torch, MKL and glibc:
-    other ATen kernels than this CPU's own, MKL limited to AVX2, two threads, libm without FMA."""
+    other ATen kernels than this CPU's own, MKL limited to AVX2, two threads, libm without its
+    AVX2/FMA variants."""
     native = torch.backends.cpu.get_cpu_capability()
     other = {"AVX512": "avx2", "AVX2": "default"}.get(native)
     if other is None:
@@ -181,7 +182,6 @@ def test_pinned_build_reproduces_its_weights_under_another_machines_settings(tmp
     pinned_there = _build_elsewhere(tmp_path / "pinned-there", other, pinned=True)
     assert pinned_there.float_env == pinned_here.float_env
     assert pinned_there.weights_sha256 == pinned_here.weights_sha256 == weights_sha256(pinned_there.model_dir)
-    assert pinned_here.weights_sha256 not in (here.weights_sha256, there.weights_sha256)
 
 
 def test_default_dir_follows_rlcore_cache(monkeypatch, tmp_path):

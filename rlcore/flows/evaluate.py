@@ -9,9 +9,10 @@ from prefect import flow, task
 
 from rlcore.config import config_from_dict
 from rlcore.lifecycle import stages
+from rlcore.lifecycle.data_prep import retry_if_transient
 
 
-@task(name="evaluate", retries=1, retry_delay_seconds=2, timeout_seconds=3600, cache_policy=None)
+@task(name="evaluate", retries=1, retry_delay_seconds=2, retry_condition_fn=retry_if_transient, timeout_seconds=3600, cache_policy=None)
 def evaluate_task(config: dict[str, Any], candidate_dir: str, baseline_dir: str, baseline_name: str,
                   reference_dir: str, val_file: str, workdir: str, ctx: dict[str, Any] | None = None) -> dict[str, Any]:
     return stages.evaluate_stage(config_from_dict(config), candidate_dir, baseline_dir, baseline_name,

@@ -10,9 +10,10 @@ from prefect import flow, task
 
 from rlcore.config import config_from_dict
 from rlcore.lifecycle import stages
+from rlcore.lifecycle.data_prep import retry_if_transient
 
 
-@task(name="promote", retries=1, retry_delay_seconds=2, cache_policy=None)
+@task(name="promote", retries=1, retry_delay_seconds=2, retry_condition_fn=retry_if_transient, cache_policy=None)
 def promote_task(config: dict[str, Any], train: dict[str, Any], evaluation: dict[str, Any], prepared: dict[str, Any],
                  workdir: str, ctx: dict[str, Any]) -> dict[str, Any]:
     return stages.promote_stage(config_from_dict(config), train, evaluation, prepared, workdir, ctx)

@@ -122,13 +122,18 @@ def ensure_ray(address: str | None = None, num_cpus: float | None = None, temp_d
     os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
     if address:
         if is_loopback(address_host(address)):
-            # a loopback-only cluster (one rlcore or `ray start --node-ip-address=127.0.0.1`
-            # started): without this, Ray rewrites 127.0.0.1 to the machine's routable address
-            # and never reaches it. Only how this process connects changes, nothing of the cluster.
-            with _ray_node_ip_kept_local():
-                ray.init(address=address, log_to_driver=True, _node_ip_address=LOOPBACK)
-        else:
-            ray.init(address=address, log_to_driver=True)
+            # A cluster on a loopback address: its node is registered as 127.0.0.1 when it was
+            # started with Ray's rewrite off (by rlcore in another process), and Ray would rewrite
+            # this process's 127.0.0.1 to the routable address and never find it; a `ray start
+            # --node-ip-address=127.0.0.1` head registers the routable address (Ray rewrote it
+            # there), and a plain connection finds it. Only how this process connects changes.
+            try:
+                with _ray_node_ip_kept_local():
+                    ray.init(address=address, log_to_driver=True, _node_ip_address=LOOPBACK)
+                return True
+            except (ConnectionError, RuntimeError):
+                ray.shutdown()
+        ray.init(address=address, log_to_driver=True)
         return True
     kwargs: dict[str, Any] = dict(include_dashboard=False, dashboard_host=LOOPBACK, log_to_driver=True,
                                   _node_ip_address=LOOPBACK)

@@ -165,7 +165,11 @@ def test_failed_and_killed_runs_are_notified_by_the_server(prefect_server, recei
         killed = start_run(api, dep)
         run = wait_running(api, killed, serve)
         run_process(serve, killed).send_signal(signal.SIGKILL)
-        [crash] = _wait("the crashed notification", lambda: receiver.about(run["name"]), 120, procs=[serve])
+        # Prefect may record the Crashed state twice (seen once in a whole-suite run: two notes at once);
+        # each is the same "crashed" notification.
+        crashes = _wait("the crashed notification", lambda: receiver.about(run["name"]), 120, procs=[serve])
+        assert all(note["event"] == "crashed" for note in crashes), crashes
+        crash = crashes[0]
         assert crash["event"] == "crashed" and crash["flow_run_id"] == killed and crash["state"] == "Crashed"
         assert "-9" in crash["error"] and crash["flow"] == "rl_pipeline" and crash["detected_by"] == "prefect-server"
         assert flow_run(api, killed)["state"]["type"] == "CRASHED"

@@ -157,7 +157,10 @@ def test_failed_and_killed_runs_are_notified_by_the_server(prefect_server, recei
                        240, procs=[serve])
         bad_run = flow_run(api, bad)
         assert bad_run["state"]["type"] == "FAILED"
-        [note] = failed
+        # At-least-once, as for the crash below: under load Prefect may record the Failed state twice
+        # (seen on a fresh 2-core machine: two notes); every note is the same "failed" one, bar its time.
+        assert all({**n, "time": 0} == {**failed[0], "time": 0} for n in failed), failed
+        note = failed[0]
         assert note["event"] == "failed" and note["source"] == "rlcore" and note["pipeline_run"] == bad_run["name"]
         assert "missing.parquet" in note["error"] and note["deployment"] == "rl-pipeline"
 

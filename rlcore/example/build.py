@@ -7,10 +7,13 @@ mistaken for a finished one and a second call returns at once.
 
 The weights are trained on the machine, so by default the build runs in a child process whose
 float code paths do not depend on the CPU (`PINNED_ENV`: ATen's portable kernels, MKL's
-SSE2 code branch without approximate reciprocals, one thread): the same torch/MKL/glibc give
-bit-identical weights on any x86-64 machine, and the manifest records their sha256. Without the
-pin, ATen's AVX2 and AVX-512 kernels and MKL's per-CPU GEMM branches round differently, and the
-SFT start drifted by machine (33.5-34.5% accuracy; issue #20).
+SSE2 code branch without approximate reciprocals, one thread): rebuilds on one machine, and on
+others with the same CPU, give bit-identical weights whatever kernels the caller would pick, and
+the manifest records their sha256. Without the pin, ATen's AVX2 and AVX-512 kernels and MKL's
+per-CPU GEMM branches round differently, and the SFT start drifted with the kernels (33.5-34.5%
+accuracy; issue #20). The pin does not make CPU models agree: seed 0 gave 055fa45b... on an AMD
+EPYC and 902e5497... on an Intel Xeon (same lock, both pinned), so tests check properties of the
+machine's own build (tests/test_example_build.py) rather than another machine's hash.
 """
 
 from __future__ import annotations
@@ -316,5 +319,5 @@ def _build_into(root: Path, seed: int, recipe: Recipe, say: Callable[[str], None
     say(f"tiny example built in {example.build_time_s:.0f}s: SFT greedy val acc {greedy['accuracy']:.3f}, "
         f"pass@{recipe.eval_n} {example.sft_pass_at_n:.3f}")
     say(f"tiny example weights sha256 {example.weights_sha256} "
-        f"({'pinned: the same on any x86-64' if pinned else 'not pinned: this machine only'})")
+        f"({'pinned: the same whatever kernels this CPU offers' if pinned else 'not pinned: these kernels only'})")
     return example

@@ -14,8 +14,14 @@ from __future__ import annotations
 
 import pytest
 import torch
-from transformers import LlamaConfig, LlamaForCausalLM, LlamaForTokenClassification, Qwen2Config, Qwen2ForCausalLM
-from transformers import Qwen2ForTokenClassification
+from transformers import (
+    LlamaConfig,
+    LlamaForCausalLM,
+    LlamaForTokenClassification,
+    Qwen2Config,
+    Qwen2ForCausalLM,
+    Qwen2ForTokenClassification,
+)
 
 from rlcore.algos import get_policy_loss
 from rlcore.config import ActorConfig, CriticConfig, PreferenceConfig, load_config

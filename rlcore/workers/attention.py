@@ -8,10 +8,11 @@ causally to itself only:
 - anywhere else: causal SDPA once per sequence (grouped-query attention by `enable_gqa`).
 
 Either costs O(sum L_i^2). Transformers' own packed path (sdpa with `attention_mask=None` and
-restarting position ids) instead builds a dense block-diagonal [T, T] mask and attends over all of
-it, O(T^2) in memory and compute: at 8,192 packed tokens of ~140-token sequences that is ~60x the
-attention work and a 64 MiB mask per forward (measured in `benchmarks/bench_lengths.py`). The
-matching mask function builds no mask for such a row. Every other call (a padded batch, decoding
+restarting position ids) instead builds a dense block-diagonal [T, T] bool mask (16 MiB at 4K
+tokens, 1 GiB at 32K) and attends over all of it, O(T^2): measured by
+`benchmarks/bench_lengths.py`, a 4,068-token packed row of 13 sequences (forward + backward of a
+4.7M-parameter Llama, 1 CPU thread) took 3.3x the CPU time of this path. The matching mask
+function builds no mask for such a row. Every other call (a padded batch, decoding
 with a KV cache) goes to transformers' sdpa unchanged, so the model behaves as before there.
 
 `varlen_attention` is the hook a sequence-parallel wrapper replaces: it takes the packed

@@ -60,6 +60,12 @@ class ModelConfig(_Section):
         "master copy). Half the memory of the trained roles, but updates below bf16's resolution (~0.4% of a "
         "weight) are rounded away")
     gradient_checkpointing: bool = False
+    use_remove_padding: bool = Field(
+        True, description="actor, reference and critic run each micro-batch as its sequences packed into one row "
+        "without pad tokens (per-sequence positions, packed-sequence attention: flash-attn varlen on CUDA when "
+        "installed, causal SDPA per sequence otherwise), so the tokens computed are the real ones. false: the "
+        "padded [rows, batch-wide prompt + response] forward. A model whose outputs packing would change is "
+        "refused at load")
 
     @model_validator(mode="after")
     def _check_pure_bf16(self) -> ModelConfig:

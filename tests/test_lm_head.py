@@ -5,7 +5,8 @@ divides its hidden state by the same attribute) and Gemma 2's final_logit_softca
 Log-probs, entropies and every parameter's gradient (the head's bias included) must agree; each
 case is built so that dropping its head feature (the old `hidden @ W.T`) would miss by far more
 than the tolerance. A model whose forward makes its logits some other way (Falcon-H1 multiplies
-them by `lm_head_multiplier`) is refused at load, naming its class.
+them by `lm_head_multiplier`) is refused at load, naming its class. Each runs padded and packed
+(rlcore's packed-sequence attention; Gemma 2's soft-capped attention is refused there).
 
 Tolerances (float32 throughout): log-probs and entropies 1e-5 absolute; gradients 1e-4 of the
 largest entry of each reference gradient (the chunked path sums in a different order).
@@ -37,9 +38,11 @@ from transformers import (
 
 from rlcore.protocol import Batch
 from rlcore.triton_kernels import fused_token_logprobs
+from rlcore.workers.attention import use_packed_attention
 from rlcore.workers.modeling import (
     LMHead,
     check_lm_head,
+    check_packed_forward,
     lm_head_semantics,
     load_causal_lm,
     response_hidden_states,
@@ -127,15 +130,24 @@ def test_semantics_read_from_the_model(name):
     assert check_lm_head(model) == MODELS[name][1]
 
 
+@pytest.mark.parametrize("packed", [False, True], ids=["padded", "packed"])
 @pytest.mark.parametrize("name", list(MODELS))
-def test_log_probs_entropy_and_grads_equal_the_models_own_forward(name):
+def test_log_probs_entropy_and_grads_equal_the_models_own_forward(name, packed):
     model = _build(name)
     batch = _batch()
     temperature = 0.7
     own_lp, own_ent = _own(model, batch, temperature)
     own_grads = torch.autograd.grad(own_lp.sum() + 0.5 * own_ent.sum(), list(model.parameters()))
+    if packed:  # as `load_causal_lm` sets a model up with model.use_remove_padding (the default)
+        use_packed_attention(model)
+        if name == "gemma2":  # soft-capped attention logits: refused, naming the key that turns packing off
+            with pytest.raises(ValueError, match="softcap.*model.use_remove_padding=false"):
+                check_packed_forward(model)
+            return
+        check_packed_forward(model)
 
-    lp, ent = response_log_probs(model, batch, temperature, chunk_tokens=5, compute_entropy=True, backend="torch")
+    lp, ent = response_log_probs(model, batch, temperature, chunk_tokens=5, compute_entropy=True, backend="torch",
+                                 remove_padding=packed)
     torch.testing.assert_close(lp, own_lp, atol=1e-5, rtol=0)
     torch.testing.assert_close(ent, own_ent, atol=1e-5, rtol=0)
     grads = torch.autograd.grad(lp.sum() + 0.5 * ent.sum(), list(model.parameters()))

@@ -34,6 +34,7 @@ from rlcore.workers.loops import (
 )
 from rlcore.workers.modeling import compute_precision, load_causal_lm, resolve_device, trained_dtype
 from rlcore.workers.optim import build_optimizer, build_scheduler
+from rlcore.workers.packed import forward_token_metrics
 from rlcore.workers.policy import PolicyLogProbs
 from rlcore.workers.preference import preference_objective
 from rlcore.workers.trainable import Trainable
@@ -96,7 +97,8 @@ class ActorWorker(Worker):
 
     def setup(self, model_path: str | None = None) -> None:
         cfg = self.config
-        self.model = load_causal_lm(model_path or cfg.model.path, trained_dtype(cfg.model), self.device, cfg.model.gradient_checkpointing)
+        self.model = load_causal_lm(model_path or cfg.model.path, trained_dtype(cfg.model), self.device, cfg.model.gradient_checkpointing,
+                                    cfg.model.use_remove_padding)
         # FSDP2 when this group has a process group (or, on one rank, when bf16/offload is asked for)
         self.model = shard_model(self.model, self.device, compute_precision(cfg.model, cfg.actor.mixed_precision), cfg.actor.cpu_offload)
         self.optimizer = build_optimizer(self.model, cfg.actor.optim)
@@ -126,7 +128,8 @@ class ActorWorker(Worker):
         objective = PolicyObjective(self.config.actor, self.policy_loss, self.log_probs, self.model)
         rows = self.settings.mini_batch_rows(int(batch.info.get("n", self.config.rollout.n)), self.world_size)
         result = run_update(self.trained, batch, objective, self.settings, mini_batch_rows=rows, device=self.device)
-        return {**{f"actor/{k}": v for k, v in result.metrics.items()}, "actor/pg_loss": result.loss, **self._step_metrics(result)}
+        return {**{f"actor/{k}": v for k, v in result.metrics.items()}, "actor/pg_loss": result.loss, **self._step_metrics(result),
+                **forward_token_metrics("actor", self.model, self.device)}
 
     @register(dispatch=Dispatch.DP_COMPUTE)
     def update_preference(self, batch: Batch) -> dict[str, float]:
@@ -139,7 +142,8 @@ class ActorWorker(Worker):
         result = run_update(
             self.trained, batch, objective, self.settings, mini_batch_rows=rows, device=self.device, lengths=objective.lengths
         )
-        return {**result.metrics, "pref/loss": result.loss, **self._step_metrics(result)}
+        return {**result.metrics, "pref/loss": result.loss, **self._step_metrics(result),
+                **forward_token_metrics("actor", self.model, self.device)}
 
     def _step_metrics(self, result: UpdateResult) -> dict[str, float]:
         return {"actor/grad_norm": result.grad_norm, "actor/lr": self.trained.lr, "actor/bad_updates": float(result.skipped_steps),
@@ -191,7 +195,7 @@ class ReferenceWorker(Worker):
 
     def setup(self, model_path: str | None = None) -> None:
         cfg = self.config
-        self.model = load_causal_lm(model_path or cfg.model.path, cfg.model.dtype, self.device)
+        self.model = load_causal_lm(model_path or cfg.model.path, cfg.model.dtype, self.device, remove_padding=cfg.model.use_remove_padding)
         self.model.requires_grad_(False)
         self.model = shard_model(self.model, self.device)
 

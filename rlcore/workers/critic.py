@@ -32,6 +32,7 @@ from rlcore.workers.loops import (
 )
 from rlcore.workers.modeling import compute_precision, load_value_model, resolve_device, response_values, trained_dtype
 from rlcore.workers.optim import build_optimizer, build_scheduler
+from rlcore.workers.packed import forward_token_metrics
 from rlcore.workers.trainable import Trainable
 
 T = TypeVar("T")
@@ -58,6 +59,7 @@ class ValueObjective:
 
     config: CriticConfig
     model: nn.Module
+    remove_padding: bool = True  # packed sequences (`model.use_remove_padding`)
 
     def __call__(self, mini: Batch, counts: GlobalCounts) -> MicroLossFn:
         return partial(self.micro_loss, norm=dict(global_token_count=counts.tokens, global_seq_count=counts.rows))
@@ -65,7 +67,7 @@ class ValueObjective:
     def micro_loss(self, mb: Batch, norm: dict[str, float]) -> MicroLoss:
         mask = mb["response_mask"].float()
         loss, clipfrac = compute_value_loss(
-            response_values(self.model, mb),
+            response_values(self.model, mb, self.remove_padding),
             mb["returns"],
             mb["values"],
             mask,
@@ -91,7 +93,8 @@ class CriticWorker(Worker):
     def setup(self, model_path: str | None = None) -> None:
         cfg = self.config
         path = model_path or cfg.critic.model_path or cfg.model.path
-        self.model = load_value_model(path, trained_dtype(cfg.model), self.device, cfg.model.gradient_checkpointing)
+        self.model = load_value_model(path, trained_dtype(cfg.model), self.device, cfg.model.gradient_checkpointing,
+                                      cfg.model.use_remove_padding)
         self.model = shard_model(self.model, self.device, compute_precision(cfg.model))  # FSDP2 when this group has a process group
         self.optimizer = build_optimizer(self.model, cfg.critic.optim)
         self.scheduler = build_scheduler(self.optimizer, cfg.critic.optim, cfg.trainer.total_steps)
@@ -106,7 +109,8 @@ class CriticWorker(Worker):
 
     @register(dispatch=Dispatch.DP_BALANCED)
     def compute_values(self, batch: Batch) -> Batch:
-        out = forward_no_grad(self.model, batch, lambda mb: {"values": response_values(self.model, mb)}, self.settings.micro, self.device)
+        packed = self.config.model.use_remove_padding
+        out = forward_no_grad(self.model, batch, lambda mb: {"values": response_values(self.model, mb, packed)}, self.settings.micro, self.device)
         return Batch(tensors={"values": out["values"] * batch["response_mask"].float().cpu()})
 
     @register(dispatch=Dispatch.DP_BALANCED)
@@ -114,10 +118,11 @@ class CriticWorker(Worker):
         """One training step: `critic.ppo_epochs` passes over mini-batches of `critic.ppo_mini_batch_size`
         prompts (with their `rollout.n` responses each)."""
         rows = self.settings.mini_batch_rows(int(batch.info.get("n", self.config.rollout.n)), self.world_size)
-        objective = ValueObjective(self.config.critic, self.model)
+        objective = ValueObjective(self.config.critic, self.model, self.config.model.use_remove_padding)
         result = run_update(self.trained, batch, objective, self.settings, mini_batch_rows=rows, device=self.device)
         out = {f"critic/{k}": v for k, v in result.metrics.items()}
         out.update({"critic/vf_loss": result.loss, "critic/grad_norm": result.grad_norm, "critic/bad_updates": float(result.skipped_steps)})
+        out.update(forward_token_metrics("critic", self.model, self.device))
         return out
 
     @register(dispatch=Dispatch.ONE_TO_ALL)

@@ -2,7 +2,11 @@
 
 Log-probs are computed from the last hidden state and the LM head through
 `rlcore.triton_kernels` in token chunks, so the `[tokens, vocab]` float32 logits of a whole
-batch never exist at once. The head is applied with the model's own semantics (bias, logit
+batch never exist at once. With `remove_padding` (config `model.use_remove_padding`, on by default)
+the backbone runs on the micro-batch's real tokens packed into one row (`rlcore.workers.packed`)
+with packed-sequence attention (`rlcore.workers.attention`), and the head only on the hidden
+states that predict real response tokens; a model on which that differs from the padded forward is
+refused when it is loaded (`check_packed_forward`). The head is applied with the model's own semantics (bias, logit
 scale, final soft-cap; `lm_head_semantics`), and a model whose forward makes its logits some other
 way is refused when it is loaded (`check_lm_head`), so the log-probs are those the model defines.
 """
@@ -19,6 +23,8 @@ from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForTokenClas
 from rlcore.config import ModelConfig
 from rlcore.protocol import Batch
 from rlcore.triton_kernels import fused_token_logprobs
+from rlcore.workers.attention import use_packed_attention
+from rlcore.workers.packed import PackedRows, pack_rows, token_tally
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
@@ -41,22 +47,29 @@ def compute_precision(model_cfg: ModelConfig, mixed_precision: str = "none") -> 
     return "bf16" if model_cfg.dtype == "bfloat16" or mixed_precision == "bf16" else "none"
 
 
-def load_causal_lm(path: str | Path, dtype: str, device: torch.device, gradient_checkpointing: bool = False) -> nn.Module:
+def load_causal_lm(
+    path: str | Path, dtype: str, device: torch.device, gradient_checkpointing: bool = False, remove_padding: bool = True
+) -> nn.Module:
     """A causal LM in `dtype` on `device`; refused (ValueError) when its LM head is one the
-    log-prob path cannot reproduce (`check_lm_head`)."""
+    log-prob path cannot reproduce (`check_lm_head`), or, with `remove_padding`, when packed
+    sequences would change its outputs (`check_packed_forward`)."""
     path = Path(path)
     if not (path / "config.json").is_file():
         raise FileNotFoundError(f"model.path: {path} is not a Hugging Face model folder (no config.json)")
     model = AutoModelForCausalLM.from_pretrained(path, dtype=_DTYPES[dtype], local_files_only=True)
     model = model.to(device)
     check_lm_head(model)
+    if remove_padding:
+        check_packed_forward(use_packed_attention(model))
     if gradient_checkpointing:
         model.gradient_checkpointing_enable()
         model.config.use_cache = False
     return model
 
 
-def load_value_model(path: str | Path, dtype: str, device: torch.device, gradient_checkpointing: bool = False) -> nn.Module:
+def load_value_model(
+    path: str | Path, dtype: str, device: torch.device, gradient_checkpointing: bool = False, remove_padding: bool = True
+) -> nn.Module:
     """A causal LM backbone with a scalar head per token (verl's critic: token classification, 1 label).
 
     No dropout before the head (transformers' default for Llama-style classifiers is 10%): the
@@ -64,9 +77,12 @@ def load_value_model(path: str | Path, dtype: str, device: torch.device, gradien
     config = AutoConfig.from_pretrained(Path(path), num_labels=1, local_files_only=True)
     config.classifier_dropout = 0.0
     model = AutoModelForTokenClassification.from_pretrained(Path(path), config=config, dtype=_DTYPES[dtype], local_files_only=True)
+    model = model.to(device)
+    if remove_padding:
+        check_packed_forward(use_packed_attention(model))
     if gradient_checkpointing:
         model.gradient_checkpointing_enable()
-    return model.to(device)
+    return model
 
 
 @dataclass(frozen=True)
@@ -155,8 +171,47 @@ def check_lm_head(model: nn.Module, probe_tokens: int = 8) -> LMHead:
     return spec
 
 
+@torch.no_grad()
+def check_packed_forward(model: nn.Module, lengths: tuple[int, ...] = (5, 3)) -> None:
+    """Refuse (ValueError naming `model.use_remove_padding`) a model whose backbone gives other
+    hidden states on a packed row than on each sequence alone: an architecture whose attention or
+    positions ignore the packing would train on sequences that see each other. Checked on two
+    short probe sequences; tolerance 1e-4 (float32) or 3e-2 (bf16) of the largest hidden value."""
+    embeddings = model.get_input_embeddings().weight
+    vocab, device = embeddings.shape[0], embeddings.device
+    width = max(lengths)
+    ids = (torch.arange(len(lengths) * width, device=device).view(len(lengths), width) * 7919 + 11) % vocab
+    mask = (torch.arange(width, device=device)[None, :] >= width - torch.tensor(lengths, device=device)[:, None]).long()
+    backbone = _backbone(model)
+    was_training = model.training
+    model.eval()
+    try:
+        alone = torch.cat([backbone(input_ids=ids[i, width - n:][None], use_cache=False).last_hidden_state[0]
+                           for i, n in enumerate(lengths)])
+        packed = pack_rows(mask, 0)
+        together = backbone(input_ids=packed.pack(ids), use_cache=False, **packed.backbone_kwargs()).last_hidden_state[0]
+    finally:
+        model.train(was_training)
+    low_precision = embeddings.dtype != torch.float32
+    tol = (3e-2 if low_precision else 1e-4) * max(1.0, alone.abs().max().item())
+    diff = (alone.float() - together.float()).abs().max().item()
+    if not diff <= tol:
+        raise ValueError(
+            f"{type(model).__name__}: on packed sequences its hidden states differ from those of each sequence alone "
+            f"(max difference {diff:.3g}): its attention or position ids do not follow the packing. "
+            "Set model.use_remove_padding=false to train it on padded batches"
+        )
+
+
 def _backbone(model: nn.Module) -> nn.Module:
     return getattr(model, model.base_model_prefix)
+
+
+def _packed_hidden(model: nn.Module, input_ids: torch.Tensor, packed: PackedRows) -> torch.Tensor:
+    """Last hidden states `[1, T, H]` of the backbone on the packed row."""
+    out = _backbone(model)(input_ids=packed.pack(input_ids), use_cache=False, **packed.backbone_kwargs())
+    token_tally(model).add(packed.tokens, packed.tokens)
+    return out.last_hidden_state
 
 
 def response_hidden_states(model: nn.Module, batch: Batch) -> torch.Tensor:
@@ -173,6 +228,7 @@ def _hidden_before_responses(model: nn.Module, input_ids, attention_mask, positi
         position_ids=position_ids,
         use_cache=False,
     )
+    token_tally(model).add(input_ids.numel(), attention_mask.sum())
     hidden = out.last_hidden_state
     return hidden[:, -response_len - 1 : -1, :]
 
@@ -185,15 +241,17 @@ def response_log_probs(
     chunk_tokens: int = 1024,
     compute_entropy: bool = False,
     backend: str = "auto",
+    remove_padding: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Per-token log-probs (and entropy) of `batch["responses"]` under `model`, both [N, R].
+    """Per-token log-probs (and entropy) of `batch["responses"]` under `model`, both [N, R]
+    (0 at padded response positions when `remove_padding`).
 
     An FSDP-sharded model carries this computation as a registered forward method (see
     `rlcore.workers.fsdp.shard_model`) so its root parameters are gathered around it.
     """
     fn = getattr(model, "rlcore_response_log_probs", None)
     args = (batch["input_ids"], batch["attention_mask"], batch["position_ids"], batch["responses"], float(temperature))
-    kwargs = dict(chunk_tokens=chunk_tokens, compute_entropy=compute_entropy, backend=backend)
+    kwargs = dict(chunk_tokens=chunk_tokens, compute_entropy=compute_entropy, backend=backend, remove_padding=remove_padding)
     if fn is not None:
         return fn(*args, **kwargs)
     return forward_response_log_probs(model, *args, **kwargs)
@@ -210,22 +268,31 @@ def forward_response_log_probs(
     chunk_tokens: int = 1024,
     compute_entropy: bool = False,
     backend: str = "auto",
+    remove_padding: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """The computation behind `response_log_probs` (what FSDP registers as a forward method).
 
-    The head's weight and bias are used in the hidden state's dtype and device: under mixed
+    Packed (`remove_padding`), the head runs only on the hidden states that predict real response
+    tokens. The head's weight and bias are used in the hidden state's dtype and device: under mixed
     precision the backbone computes in bf16 and so does the head (as FSDP2 casts it), and with CPU
     offload the head's master copy lives on the host."""
-    hidden = _hidden_before_responses(model, input_ids, attention_mask, position_ids, responses.shape[1])
-    n, r, h = hidden.shape
+    n, r = responses.shape
+    packed = pack_rows(attention_mask, r) if remove_padding else None
+    if packed is not None:
+        hidden = packed.predictors(_packed_hidden(model, input_ids, packed))
+        targets = packed.targets(responses)
+    else:
+        hidden = _hidden_before_responses(model, input_ids, attention_mask, position_ids, r)
+        hidden = hidden.reshape(n * r, hidden.shape[-1])
+        targets = responses.reshape(-1)
     spec = lm_head_semantics(model)
     head = model.get_output_embeddings()
     weight = head.weight.to(device=hidden.device, dtype=hidden.dtype)
     bias = head.bias.to(device=hidden.device, dtype=hidden.dtype) if spec.has_bias else None
     out = fused_token_logprobs(
-        hidden.reshape(n * r, h),
+        hidden,
         weight,
-        responses.reshape(-1),
+        targets,
         bias=bias,
         logit_scale=spec.logit_scale,
         softcap=spec.softcap,
@@ -234,19 +301,29 @@ def forward_response_log_probs(
         chunk_tokens=chunk_tokens,
         backend=backend,
     )
+    if packed is not None:
+        entropy = packed.scatter(out.entropy) if out.entropy is not None else None
+        return packed.scatter(out.logprobs), entropy
     logprobs = out.logprobs.view(n, r)
     entropy = out.entropy.view(n, r) if out.entropy is not None else None
     return logprobs, entropy
 
 
-def response_values(model: nn.Module, batch: Batch) -> torch.Tensor:
-    """Critic values of the states before each response token, [N, R] float32."""
+def response_values(model: nn.Module, batch: Batch, remove_padding: bool = True) -> torch.Tensor:
+    """Critic values of the states before each response token, [N, R] float32 (0 at padded
+    response positions when `remove_padding`)."""
     response_len = batch["responses"].shape[1]
+    if remove_padding:
+        packed = pack_rows(batch["attention_mask"], response_len)
+        out = model(input_ids=packed.pack(batch["input_ids"]), **packed.backbone_kwargs())
+        token_tally(model).add(packed.tokens, packed.tokens)
+        return packed.scatter(packed.predictors(out.logits).squeeze(-1).float())
     out = model(
         input_ids=batch["input_ids"],
         attention_mask=batch["attention_mask"],
         position_ids=batch["position_ids"],
     )
+    token_tally(model).add(batch["input_ids"].numel(), batch["attention_mask"].sum())
     values = out.logits.squeeze(-1)[:, -response_len - 1 : -1]
     return values.float()
 

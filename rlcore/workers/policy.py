@@ -22,17 +22,19 @@ class PolicyLogProbs:
     temperature: float  # when the batch does not say (`batch.info["temperature"]`, set by the rollout)
     chunk_tokens: int
     backend: str
+    remove_padding: bool = True  # packed sequences (`model.use_remove_padding`)
 
     @classmethod
     def of(cls, config: Config) -> PolicyLogProbs:
         backend = "auto" if config.actor.fused_kernels else "torch"
-        return cls(config.rollout.temperature, config.actor.logprob_chunk_tokens, backend)
+        return cls(config.rollout.temperature, config.actor.logprob_chunk_tokens, backend, config.model.use_remove_padding)
 
     def __call__(self, model: nn.Module, batch: Batch, compute_entropy: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Log-probs (and entropy) of `batch["responses"]`, both [N, R], with gradients."""
         temperature = float(batch.info.get("temperature", self.temperature))
         return response_log_probs(
-            model, batch, temperature, chunk_tokens=self.chunk_tokens, compute_entropy=compute_entropy, backend=self.backend
+            model, batch, temperature, chunk_tokens=self.chunk_tokens, compute_entropy=compute_entropy, backend=self.backend,
+            remove_padding=self.remove_padding,
         )
 
     def no_grad(

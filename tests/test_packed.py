@@ -1,0 +1,234 @@
+"""Packed sequences (`model.use_remove_padding`, the default) against the padded forward.
+
+On tiny random models built here, a Llama (multi-head, untied head) and a Qwen2 (grouped-query
+attention, tied embeddings, attention biases), each set up as `load_causal_lm` sets it up
+(`rlcore_varlen` attention): the actor's log-probs and entropies, the policy-loss gradient, the
+critic's values and value-loss gradient and the DPO loss gradient are the padded path's within
+float32 tolerance (1e-5 absolute on log-probs, values and losses; gradients 1e-4 of each
+parameter's largest entry: sums run in another order). Also: the index maps on a hand-made batch,
+the tokens the workers report computing against the real ones on a long-tailed length mix (≤ 1.05
+packed, and the padded waste the same counter sees), and refusals that name the config key.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import (
+    LlamaConfig,
+    LlamaForCausalLM,
+    LlamaForTokenClassification,
+    Qwen2Config,
+    Qwen2ForCausalLM,
+    Qwen2ForTokenClassification,
+)
+
+from rlcore.algos import get_policy_loss
+from rlcore.config import ActorConfig, CriticConfig, PreferenceConfig, load_config
+from rlcore.data.preference import sequence_tensors
+from rlcore.protocol import Batch
+from rlcore.workers.actor import ActorWorker, PolicyObjective
+from rlcore.workers.attention import use_packed_attention
+from rlcore.workers.critic import CriticWorker, ValueObjective
+from rlcore.workers.loops import GlobalCounts
+from rlcore.workers.modeling import check_packed_forward, load_causal_lm, response_values
+from rlcore.workers.packed import pack_rows
+from rlcore.workers.policy import PolicyLogProbs
+from rlcore.workers.preference import DPOObjective
+
+VOCAB = 64
+SIZES = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2, max_position_embeddings=512,
+             pad_token_id=0)
+ARCHS = {
+    "llama": (LlamaConfig(**SIZES, num_attention_heads=4, num_key_value_heads=4, tie_word_embeddings=False),
+              LlamaForCausalLM, LlamaForTokenClassification),
+    "qwen2": (Qwen2Config(**SIZES, num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=True),
+              Qwen2ForCausalLM, Qwen2ForTokenClassification),
+}
+
+
+def _model(arch: str, head: str = "lm", seed: int = 0) -> torch.nn.Module:
+    config, lm, values = ARCHS[arch]
+    torch.manual_seed(seed)
+    if head == "lm":
+        model = lm(config)
+    else:
+        config = config.__class__(**{**config.to_dict(), "num_labels": 1, "classifier_dropout": 0.0})
+        model = values(config)
+    use_packed_attention(model)
+    check_packed_forward(model)
+    return model
+
+
+def _rows(prompt_lens: list[int], response_lens: list[int], seed: int = 0, **widths: int) -> dict[str, torch.Tensor]:
+    """The rollout layout (left-padded prompts, right-padded responses) of random tokens."""
+    g = torch.Generator().manual_seed(seed)
+    prompts = [torch.randint(1, VOCAB, (n,), generator=g).tolist() for n in prompt_lens]
+    responses = [torch.randint(1, VOCAB, (n,), generator=g).tolist() for n in response_lens]
+    return sequence_tensors(prompts, responses, pad_id=0, **widths)
+
+
+def _rl_batch(seed: int = 0) -> Batch:
+    """Rows of varied lengths: one with an empty response, one whose response mask has interior
+    zeros (tool output: attended to, not trained on), advantages, old and reference log-probs."""
+    t = _rows([7, 2, 5, 3, 6], [9, 1, 0, 4, 6], seed)
+    t["response_mask"][3, 1:3] = 0.0
+    n, r = t["responses"].shape
+    g = torch.Generator().manual_seed(seed + 1)
+    t.update(advantages=torch.randn(n, 1, generator=g).expand(n, r).contiguous(),
+             old_log_probs=-3.0 + 0.1 * torch.randn(n, r, generator=g), ref_log_probs=-3.0 + 0.1 * torch.randn(n, r, generator=g),
+             returns=torch.randn(n, r, generator=g), values=0.1 * torch.randn(n, r, generator=g))
+    return Batch(tensors=t, info={"temperature": 1.0})
+
+
+def _grads(model: torch.nn.Module, loss: torch.Tensor) -> dict[str, torch.Tensor]:
+    names, params = zip(*[(k, p) for k, p in model.named_parameters() if p.requires_grad])
+    return dict(zip(names, torch.autograd.grad(loss, params)))
+
+
+def _assert_grads_close(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor]) -> None:
+    for name, w in want.items():
+        assert (got[name] - w).abs().max() <= 1e-4 * w.abs().max().clamp_min(1e-6), name
+
+
+def test_pack_rows_maps_each_response_token_to_its_predecessor():
+    # row 0: prompt [5, 6] response [7, 8]; row 1: prompt [9] response [10] (and a padded slot); row 2: no response
+    input_ids = torch.tensor([[0, 5, 6, 7, 8], [0, 0, 9, 10, 0], [3, 4, 2, 0, 0]])
+    mask = (input_ids > 0).long()
+    packed = pack_rows(mask, response_len=2)
+    assert packed.pack(input_ids).tolist() == [[5, 6, 7, 8, 9, 10, 3, 4, 2]]
+    assert packed.position_ids.tolist() == [[0, 1, 2, 3, 0, 1, 0, 1, 2]]
+    assert packed.cu_seqlens.tolist() == [0, 4, 6, 9] and packed.seq_lens == (4, 2, 3) and packed.max_seqlen == 4
+    assert packed.predictor_index.tolist() == [1, 2, 4]  # the hidden states at 6, 7 and 9 predict 7, 8 and 10
+    assert packed.targets(input_ids[:, 3:]).tolist() == [7, 8, 10]
+    assert packed.scatter(torch.tensor([1.0, 2.0, 3.0])).tolist() == [[1.0, 2.0], [3.0, 0.0], [0.0, 0.0]]
+
+
+@pytest.mark.parametrize("arch", list(ARCHS))
+def test_packed_log_probs_entropy_and_policy_gradient_equal_padded(arch):
+    model = _model(arch)
+    batch = _rl_batch()
+    cfg = ActorConfig(entropy_coeff=0.01, use_kl_loss=True)
+    counts = GlobalCounts(tokens=float(batch["response_mask"].sum()), rows=float(len(batch)))
+    out = {}
+    for packed in (False, True):
+        log_probs = PolicyLogProbs(temperature=0.9, chunk_tokens=7, backend="torch", remove_padding=packed)
+        logp, entropy = log_probs(model, batch, compute_entropy=True)
+        loss = PolicyObjective(cfg, get_policy_loss("vanilla"), log_probs, model)(batch, counts)(batch).loss
+        out[packed] = logp, entropy, loss.detach(), _grads(model, loss)
+    real = batch["attention_mask"][:, -batch["responses"].shape[1]:].bool()
+    for padded_value, packed_value in zip(out[False][:3], out[True][:3]):
+        torch.testing.assert_close(packed_value.detach()[real] if packed_value.ndim else packed_value,
+                                   padded_value.detach()[real] if padded_value.ndim else padded_value, atol=1e-5, rtol=0)
+    assert torch.all(out[True][0][~real] == 0)  # padded response slots are left at 0, never computed
+    _assert_grads_close(out[True][3], out[False][3])
+
+
+@pytest.mark.parametrize("arch", list(ARCHS))
+def test_packed_critic_values_and_gradient_equal_padded(arch):
+    model = _model(arch, head="values")
+    batch = _rl_batch(seed=3)
+    counts = GlobalCounts(tokens=float(batch["response_mask"].sum()), rows=float(len(batch)))
+    out = {}
+    for packed in (False, True):
+        objective = ValueObjective(CriticConfig(), model, remove_padding=packed)
+        values = response_values(model, batch, remove_padding=packed)
+        loss = objective(batch, counts)(batch).loss
+        out[packed] = values.detach(), loss.detach(), _grads(model, loss)
+    real = batch["attention_mask"][:, -batch["responses"].shape[1]:].bool()
+    torch.testing.assert_close(out[True][0][real], out[False][0][real], atol=1e-5, rtol=0)
+    torch.testing.assert_close(out[True][1], out[False][1], atol=1e-5, rtol=0)
+    _assert_grads_close(out[True][2], out[False][2])
+
+
+@pytest.mark.parametrize("arch", list(ARCHS))
+def test_packed_dpo_loss_and_gradient_equal_padded(arch):
+    model = _model(arch)
+    prompt_lens, chosen_lens, rejected_lens = [6, 2, 4], [3, 8, 1], [5, 2, 7]
+    tensors: dict[str, torch.Tensor] = {}
+    for prefix, lens, seed in (("chosen_", chosen_lens, 0), ("rejected_", rejected_lens, 1)):
+        rows = _rows(prompt_lens, lens, seed, prompt_width=6, response_width=8)
+        tensors.update({prefix + k: v for k, v in rows.items()})
+    tensors.update(ref_chosen_logps=torch.tensor([-12.0, -30.0, -4.0]), ref_rejected_logps=torch.tensor([-20.0, -8.0, -25.0]))
+    batch = Batch(tensors=tensors, info={"temperature": 1.0})
+    out = {}
+    for packed in (False, True):
+        log_probs = PolicyLogProbs(temperature=1.0, chunk_tokens=1024, backend="torch", remove_padding=packed)
+        objective = DPOObjective(PreferenceConfig(), log_probs, model)
+        result = objective(batch, GlobalCounts(tokens=0.0, rows=3.0))(batch)
+        out[packed] = result.loss.detach(), result.stats, _grads(model, result.loss)
+    torch.testing.assert_close(out[True][0], out[False][0], atol=1e-5, rtol=0)
+    for name, (total, count) in out[False][1].items():
+        assert out[True][1][name][0] == pytest.approx(total, abs=1e-4) and out[True][1][name][1] == count, name
+    _assert_grads_close(out[True][2], out[False][2])
+
+
+def test_transformers_style_packing_without_cu_seqlens_is_kept_apart():
+    """A caller that packs the transformers way (restarting position ids, no mask, no cu_seqlens)
+    still gets sequences that do not see each other under `rlcore_varlen`."""
+    model = _model("qwen2").eval()
+    a, b = torch.randint(1, VOCAB, (1, 6)), torch.randint(1, VOCAB, (1, 4))
+    with torch.no_grad():
+        alone = torch.cat([model.model(input_ids=x, use_cache=False).last_hidden_state for x in (a, b)], 1)
+        together = model.model(input_ids=torch.cat([a, b], 1), position_ids=torch.tensor([[0, 1, 2, 3, 4, 5, 0, 1, 2, 3]]),
+                               use_cache=False).last_hidden_state
+    torch.testing.assert_close(together, alone, atol=1e-5, rtol=0)
+
+
+def test_sliding_window_shorter_than_a_sequence_is_refused_at_load_naming_the_key(tmp_path):
+    torch.manual_seed(0)
+    config = Qwen2Config(**SIZES, num_attention_heads=4, num_key_value_heads=2, use_sliding_window=True, sliding_window=3,
+                         max_window_layers=0)
+    Qwen2ForCausalLM(config).save_pretrained(tmp_path)
+    with pytest.raises(ValueError, match=r"sliding_window=3.*model.use_remove_padding=false"):
+        load_causal_lm(tmp_path, "float32", torch.device("cpu"))
+    assert load_causal_lm(tmp_path, "float32", torch.device("cpu"), remove_padding=False) is not None
+
+
+def _long_tailed_batch(n: int = 24, seed: int = 0) -> Batch:
+    """Responses lognormal in length (median ~12, a few ~10x that), prompts 4-16 tokens."""
+    g = torch.Generator().manual_seed(seed)
+    response_lens = torch.exp(torch.randn(n, generator=g) * 1.0 + 2.5).clamp(1, 160).long().tolist()
+    prompt_lens = torch.randint(4, 17, (n,), generator=g).tolist()
+    t = _rows(prompt_lens, response_lens, seed)
+    t["advantages"] = torch.randn(n, 1, generator=g).expand(n, t["responses"].shape[1]).contiguous()
+    return Batch(tensors=t, info={"n": 4, "temperature": 1.0})
+
+
+@pytest.mark.parametrize("packed", [True, False], ids=["packed", "padded"])
+def test_update_actor_reports_computed_against_real_tokens(tmp_path, packed):
+    """What `update_actor` puts in metrics.jsonl: the tokens its forwards ran on (old log-probs,
+    then one pass per epoch) against the real ones; packed ≤ 1.05 on a long-tailed mix."""
+    _model("llama").save_pretrained(tmp_path / "policy")
+    cfg = load_config(None, [f"model.path={tmp_path / 'policy'}", "data.train_files=[unused.parquet]", "trainer.device=cpu",
+                             "data.train_batch_size=6", "actor.ppo_mini_batch_size=3", "rollout.n=4", "actor.ppo_epochs=2",
+                             "actor.max_tokens_per_micro_batch=256", f"model.use_remove_padding={str(packed).lower()}"])
+    actor = ActorWorker(cfg)
+    actor.setup()
+    batch = _long_tailed_batch()
+    batch = batch.union(actor.compute_log_prob(batch))
+    metrics = actor.update_actor(batch)
+    real = float(batch["attention_mask"].sum()) * 3  # the old-log-prob pass and two epochs
+    assert metrics["perf/actor_real_tokens"] == real
+    ratio = metrics["perf/actor_compute_token_ratio"]
+    assert ratio == metrics["perf/actor_compute_tokens"] / real
+    if packed:
+        assert ratio <= 1.05
+    else:  # micro-batches of the batch-wide padded width
+        assert ratio > 3
+
+
+def test_critic_reports_computed_against_real_tokens(tmp_path):
+    _model("qwen2", head="values").save_pretrained(tmp_path / "critic")
+    cfg = load_config(None, [f"model.path={tmp_path / 'critic'}", "data.train_files=[unused.parquet]", "trainer.device=cpu",
+                             "algorithm.name=ppo", "algorithm.adv_estimator=gae", "data.train_batch_size=6",
+                             "actor.ppo_mini_batch_size=6", "rollout.n=4", "critic.max_tokens_per_micro_batch=200"])
+    critic = CriticWorker(cfg)
+    critic.setup()
+    batch = _long_tailed_batch(seed=1)
+    batch = batch.union(Batch(tensors={"returns": torch.randn(batch["responses"].shape)}))
+    batch = batch.union(critic.compute_values(batch))
+    metrics = critic.update_critic(batch)
+    assert metrics["perf/critic_real_tokens"] == float(batch["attention_mask"].sum()) * 2
+    assert metrics["perf/critic_compute_token_ratio"] <= 1.05
+

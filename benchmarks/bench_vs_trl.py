@@ -41,20 +41,27 @@ Workloads:
   (`rlcore.example.evaluate_accuracy`, the same code for both).
 - `longtail`: a ~5M-parameter Llama with grouped-query attention (random init, built from a config
   here), prompts of 32-256 tokens, responses whose lengths are lognormal (median 64, p99 1024,
-  max new tokens 1024). The lengths are forced, identically on both systems, by an EOS-forcing
-  logits rule inside the model's forward (`install_length_control`): the model's config carries a
+  max new tokens 1024; the 64 training prompts take the distribution's quantiles: median 64.5,
+  p90 295, max 1024, mean 126). The lengths are forced, identically on both systems, by an
+  EOS-forcing logits rule inside the model's forward (`install_length_control`): the model's config carries a
   table prompt length -> response length; during cached decoding (both systems' generation loops)
   EOS and the other special tokens are masked before that length and EOS is forced at it. Every
   step uses all 64 training prompts, so every step of both systems generates and trains on exactly
   the same number of tokens (checked after each run against the table). Reward: the fraction of
   the response's characters that are digits (`long_tail_score`); "accuracy" is its mean under
-  greedy decoding on 64 held-out prompts. The model is untrained, so the score moves little in a
-  few steps: this workload is about speed, the tiny one about learning.
+  greedy decoding on 64 held-out prompts. The model is untrained and its greedy output flips with
+  small weight changes, so that score is noisy (the untrained model's is printed beside it): this
+  workload is about speed, the tiny one about learning.
 
 Measurement: warm-up steps excluded, the same number of measured steps, each step's wall time and
 process-tree CPU seconds (utime+stime of the worker and all its children, psutil) taken between
 consecutive step ends, generation included. Runs are interleaved (per seed and thread count, one
 rlcore and one TRL run, order flipped every seed), and the ratios are printed from this one run.
+
+Duration: the tiny workload's defaults (3 seeds x threads 1,2 x 2 systems, 2 warm-up + 20 steps)
+take minutes; the long-tail one (2 seeds, 1 warm-up + 1 step) takes hours, since at 512
+completions TRL decodes every row to the longest response (1,024 tokens) and trains on rows padded
+to it. `--workloads longtail --threads 1 --seeds 1` is the shortest run that still compares them.
 """
 
 from __future__ import annotations
@@ -79,7 +86,7 @@ CACHE = Path(os.environ.get("RLCORE_CACHE", Path.home() / ".cache" / "rlcore"))
 TRL_ENV = CACHE / "trl-env"
 TRL_PYTHON = TRL_ENV / "bin" / "python"
 TRL_MARKER = TRL_ENV / ".rlcore-trl-env.json"
-LONGTAIL_VERSION = 1  # bump when the long-tail workload's model, data or lengths change
+LONGTAIL_VERSION = 2  # bump when the long-tail workload's model, data or lengths change
 LONGTAIL_SOURCE = "bench_longtail"
 N = 8  # samples per prompt
 PROMPTS = 64  # prompts per step: 512 completions
@@ -198,9 +205,11 @@ def _force_lengths(model: Any, spec: dict, logits: Any, kwargs: dict) -> None:
     logits.masked_fill_(~before & eos_only, float("-inf"))
 
 
-def lognormal_length(rng: random.Random, median: float, p99: float, low: int, high: int) -> int:
-    sigma = math.log(p99 / median) / 2.3263478740408408  # the standard normal's 99th percentile
-    return int(min(high, max(low, round(rng.lognormvariate(math.log(median), sigma)))))
+def lognormal_quantile(q: float, median: float, p99: float, low: int, high: int) -> int:
+    """The q-quantile of the lognormal with this median and 99th percentile, rounded and clamped."""
+    z = statistics.NormalDist()
+    sigma = math.log(p99 / median) / z.inv_cdf(0.99)
+    return int(min(high, max(low, round(median * math.exp(sigma * z.inv_cdf(q))))))
 
 
 def build_longtail(n_train: int) -> dict[str, Any]:
@@ -217,8 +226,16 @@ def build_longtail(n_train: int) -> dict[str, Any]:
     first, last, max_new = 32, 256, 1024
     if not (root / "done").exists():
         tokenizer = build_tokenizer()
+        # Every prompt length s in [first, last] gets one response length; the lengths are the
+        # lognormal's quantiles, dealt to the prompt lengths in a random order, and the training
+        # and validation prompts take every k-th of them by rank: 64 prompts span the distribution
+        # (tail included) instead of 64 random draws that mostly miss it.
         rng = random.Random(LONGTAIL_VERSION)
-        lengths = [lognormal_length(rng, 64, 1024, 2, max_new) for _ in range(first, last + 1)]
+        count = last - first + 1
+        by_rank = rng.sample(range(first, last + 1), count)  # the prompt length of each length rank
+        lengths = [0] * count
+        for rank, s in enumerate(by_rank):
+            lengths[s - first] = lognormal_quantile((rank + 0.5) / count, 64, 1024, 2, max_new)
         config = LlamaConfig(
             vocab_size=-(-len(tokenizer) // 8) * 8, hidden_size=256, intermediate_size=896, num_hidden_layers=6,
             num_attention_heads=8, num_key_value_heads=2, head_dim=32, max_position_embeddings=last + max_new + 256,
@@ -236,8 +253,7 @@ def build_longtail(n_train: int) -> dict[str, Any]:
         model.generation_config.eos_token_id = tokenizer.eos_token_id
         save_model(model, tokenizer, root / "model")
 
-        def row(i: int, split: str) -> dict[str, Any]:
-            s = rng.randint(first, last)
+        def row(i: int, split: str, s: int) -> dict[str, Any]:
             content = "".join(rng.choice("abcdefghijklmnopqrstuvwxyz") for _ in range(s))
             prompt = [{"role": "user", "content": content}]
             extra = len(prompt_ids(prompt, tokenizer)[1]) - s  # the chat template's tokens
@@ -247,14 +263,15 @@ def build_longtail(n_train: int) -> dict[str, Any]:
                     "reward_model": {"ground_truth": "digits", "style": "rule"},
                     "extra_info": {"split": split, "index": i, "response_length": lengths[s - first]}}
 
-        train = [row(i, "train") for i in range(PROMPTS)]
-        val = [row(i, "val") for i in range(PROMPTS)]
+        train = [row(i, "train", by_rank[round((i + 0.5) * count / PROMPTS)]) for i in range(PROMPTS)]
+        val = [row(i, "val", by_rank[round(i * count / PROMPTS)]) for i in range(PROMPTS)]
         write_rows(train, root / "train.parquet")
         write_rows(val, root / "val.parquet")
         (root / "done").write_text("ok\n")
     from rlcore.data.io import read_rows
 
-    train_rows = read_rows(root / "train.parquet")[:n_train]
+    rows = read_rows(root / "train.parquet")  # in length order: a smaller run takes every k-th
+    train_rows = [rows[int((i + 0.5) * len(rows) / n_train)] for i in range(n_train)]
     train_file = write_rows(train_rows, root / f"train_{n_train}.parquet")
     targets = [r["extra_info"]["response_length"] for r in train_rows]
     return {"name": "longtail", "model_dir": str(root / "model"), "train_file": str(train_file),
@@ -614,7 +631,7 @@ def main() -> None:
     parser.add_argument("--threads", default=None, help="torch thread counts to try for each system (default 1,2)")
     parser.add_argument("--seeds", type=int, default=None, help="runs per system and thread count (default 3; longtail 2)")
     parser.add_argument("--warmup", type=int, default=None, help="steps not measured (default 2; longtail 1)")
-    parser.add_argument("--steps", type=int, default=None, help="measured steps (default 20; longtail 2)")
+    parser.add_argument("--steps", type=int, default=None, help="measured steps (default 20; longtail 1)")
     parser.add_argument("--prompts", type=int, default=None, help=f"prompts per step (default {PROMPTS})")
     parser.add_argument("--trl-micro-batch", type=int, default=None,
                         help="TRL's per_device_train_batch_size (default: tiny 512, one micro-batch; longtail 8, "
@@ -647,7 +664,7 @@ def main() -> None:
         prompts = args.prompts or (8 if args.quick else PROMPTS)
         seeds = args.seeds or (1 if args.quick else 2 if long else 3)
         warmup = args.warmup if args.warmup is not None else (1 if args.quick or long else 2)
-        steps = args.steps or (1 if args.quick else 2 if long else 20)
+        steps = args.steps or (1 if args.quick or long else 20)
         work = build_longtail(prompts) if long else build_tiny() if name == "tiny" else None
         if work is None:
             raise SystemExit(f"unknown workload {name!r} (tiny, longtail)")

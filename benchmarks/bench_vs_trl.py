@@ -399,7 +399,7 @@ def run_rlcore(spec: dict[str, Any]) -> dict[str, Any]:
     from rlcore.workers.tokenizer import load_tokenizer
 
     prompts = spec["prompts"]
-    out_dir = tempfile.mkdtemp(prefix="bench_vs_trl_rlcore_")
+    out_dir = spec["scratch"]
     overrides = [
         f"model.path={work['model_dir']}", "model.dtype=float32",
         f"data.train_files=[{work['train_file']}]", "data.val_files=[]",
@@ -417,6 +417,7 @@ def run_rlcore(spec: dict[str, Any]) -> dict[str, Any]:
     ]
     if spec.get("rlcore_micro_tokens"):
         overrides.append(f"actor.max_tokens_per_micro_batch={spec['rlcore_micro_tokens']}")
+    overrides += spec.get("rlcore_overrides", [])
     if work["name"] == "longtail":
         overrides.append(f"reward.function={Path(__file__).resolve()}:long_tail_score")
     meter = StepMeter()
@@ -468,8 +469,8 @@ def run_trl(spec: dict[str, Any]) -> dict[str, Any]:
         return [float(scorer(data_source=ds, solution_str=c[0]["content"], ground_truth=gt))
                 for c, ds, gt in zip(completions, data_source, ground_truth)]
 
-    args = GRPOConfig(
-        output_dir=tempfile.mkdtemp(prefix="bench_vs_trl_trl_"), use_cpu=True, seed=spec["seed"],
+    settings = dict(
+        output_dir=spec["scratch"], use_cpu=True, seed=spec["seed"],
         data_seed=spec["seed"], max_steps=spec["warmup"] + spec["steps"],
         per_device_train_batch_size=micro, gradient_accumulation_steps=completions // micro,
         num_generations=N, max_completion_length=work["max_new_tokens"], temperature=1.0, top_p=1.0, top_k=0,
@@ -479,6 +480,8 @@ def run_trl(spec: dict[str, Any]) -> dict[str, Any]:
         logging_steps=1, report_to="none", save_strategy="no", disable_tqdm=True, dataloader_num_workers=0,
         remove_unused_columns=False, log_completions=False,
     )
+    settings.update((k, _value(v)) for k, v in (a.split("=", 1) for a in spec.get("trl_args", [])))
+    args = GRPOConfig(**settings)
     if args.steps_per_generation != args.gradient_accumulation_steps or args.generation_batch_size != completions:
         raise RuntimeError(f"TRL would not make one generation per optimizer step: {args.steps_per_generation=}, "
                            f"{args.gradient_accumulation_steps=}, {args.generation_batch_size=}")
@@ -530,9 +533,19 @@ def run_trl(spec: dict[str, Any]) -> dict[str, Any]:
             "vllm_imported": sys.modules.get("vllm") is not None}
 
 
+def _value(text: str) -> Any:
+    """A --trl-arg value: JSON where it parses (numbers, true/false, null, lists), else the string."""
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError:
+        return text
+
+
 def worker_main(system: str, spec_path: str, result_path: str) -> None:
     spec = json.loads(Path(spec_path).read_text())
-    result = run_rlcore(spec) if system == "rlcore" else run_trl(spec)
+    with tempfile.TemporaryDirectory(prefix=f"bench_vs_trl_{system}_") as scratch:  # run dir, checkpoints
+        spec["scratch"] = scratch
+        result = run_rlcore(spec) if system == "rlcore" else run_trl(spec)
     Path(result_path).write_text(json.dumps(result))
 
 
@@ -569,7 +582,8 @@ def run_one(system: str, spec: dict[str, Any], out_dir: Path) -> dict[str, Any]:
     expected = spec["workload"].get("expected_response_length")
     if expected is not None and abs(result["mean_length"] - expected) > 1e-3:
         raise RuntimeError(f"{tag}: mean response length {result['mean_length']:.3f}, the length table wants "
-                           f"{expected:.3f}: the two systems did not do the same work")
+                           f"{expected:.3f}: the two systems did not do the same work (the length rule is "
+                           "installed in the worker process: does this system generate in another one?)")
     print(f"  {tag:28s} step {result['wall_s']:8.3f} s wall {result['cpu_s']:8.3f} s CPU   generate "
           f"{result['generate_s']:7.3f} s   resp len {result['mean_length']:7.2f}   acc {result['accuracy']:.4f}   "
           f"(process {wall:.0f} s)", flush=True)
@@ -638,6 +652,11 @@ def main() -> None:
                              "~10k padded tokens like rlcore's 8192-token micro-batches)")
     parser.add_argument("--rlcore-micro-tokens", type=int, default=None,
                         help="rlcore's actor.max_tokens_per_micro_batch (default: tiny_grpo.yaml's)")
+    parser.add_argument("--rlcore-override", action="append", default=[], metavar="KEY=VALUE",
+                        help="an rlcore config override for every rlcore run (repeatable), e.g. a new speed setting")
+    parser.add_argument("--trl-arg", action="append", default=[], metavar="FIELD=VALUE",
+                        help="a GRPOConfig field for every TRL run (repeatable; JSON values), e.g. "
+                             "cache_implementation=static")
     parser.add_argument("--out-dir", default=None, help="per-run specs, logs and results (default: a new temp folder)")
     parser.add_argument("--worker", nargs=3, metavar=("SYSTEM", "SPEC", "RESULT"), help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -680,7 +699,8 @@ def main() -> None:
                 spec = {"workload": work, "prompts": prompts, "seed": seed, "threads": t, "warmup": warmup,
                         "steps": steps, "eval_limit": eval_limit,
                         "trl_micro_batch": args.trl_micro_batch or (8 if long else 512),
-                        "rlcore_micro_tokens": args.rlcore_micro_tokens}
+                        "rlcore_micro_tokens": args.rlcore_micro_tokens, "rlcore_overrides": args.rlcore_override,
+                        "trl_args": args.trl_arg}
                 order = ("rlcore", "trl") if seed % 2 == 0 else ("trl", "rlcore")
                 results += [run_one(system, spec, out_dir) for system in order]
         summaries.append(summarize(work, results))

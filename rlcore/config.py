@@ -77,6 +77,9 @@ class DataConfig(_Section):
     shuffle: bool = True
     apply_chat_template: bool = True
     on_bad_row: Literal["error", "skip"] = "error"
+    tokenizer_check_rows: int = Field(
+        32, ge=0, description="prompts per data file whose ids rlcore, the serving side (vLLM's tokenizer for a vLLM "
+        "rollout, else AutoTokenizer) and the folder's tokenizer.json must agree on at start-up; 0: no check")
 
 
 class OptimConfig(_Section):

@@ -189,7 +189,11 @@ class RewardConfig(_Section):
     function: str | None = Field(None, description="'module:function' or 'file.py:function'; default: by data_source")
     num_workers: int = Field(2, ge=0)
     timeout_s: float = Field(10.0, gt=0)
-    error_score: float = 0.0
+    error_score: float = Field(0.0, description="the score of a call that raised, returned no number or timed out")
+    max_error_fraction: float = Field(
+        0.1, ge=0, le=1, description="a batch (a training step's samples, or a validation batch) in which more than "
+        "this share of reward calls failed stops the run, the errors counted, instead of training on error_score; "
+        "1: never stop")
     clip: float | None = Field(
         1e4, gt=0, description="a score beyond ±clip is clipped to it and counted (reward/clipped), so one huge "
         "reward cannot overflow float32 or swamp its group's advantages; None: clip only at float32's range")

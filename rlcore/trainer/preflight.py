@@ -25,7 +25,7 @@ from pathlib import Path
 from typing import Any
 
 from rlcore.checkpoint import MANIFEST, CheckpointError, step_of
-from rlcore.config import Config
+from rlcore.config import Config, SFTRunConfig
 from rlcore.data import RL_FIELDS, DatasetError, column_values, peek_fields
 from rlcore.data.preference import PREFERENCE_FIELDS
 from rlcore.errors import RLCoreError
@@ -235,6 +235,25 @@ def resume_problems(resume: str, algorithm: str) -> list[str]:
     return []
 
 
+def sft_preflight(config: SFTRunConfig) -> None:
+    """`preflight` for an SFT run (`rlcore sft`): the model folder, the data files (a messages
+    column, or prompt and response columns), the checkpoint to resume and the output folder."""
+    problems = model_folder_problems("model.path", config.model.path, tokenizer=True)
+    data = config.data
+    problems += [] if data.train_files else ["data.train_files: empty (give at least one .parquet or .jsonl file)"]
+    needed = [(data.messages_key,), (data.prompt_key, data.response_key)]
+    for key, files in (("data.train_files", data.train_files), ("data.val_files", data.val_files)):
+        for i, file in enumerate(files):
+            problem = data_file_problem(f"{key}[{i}]", file, needed)
+            if problem is not None:
+                problems.append(problem)
+    problems += [p.replace("this run is algorithm.name=sft", "this is an SFT run")
+                 for p in resume_problems(config.trainer.resume, "sft")]
+    problems += output_dir_problems(config.trainer.output_dir)
+    if problems:
+        raise PreflightError(problems)
+
+
 def output_dir_problems(output_dir: str) -> list[str]:
     """`trainer.output_dir` is a folder, or can be made one."""
     path = Path(output_dir)
@@ -252,4 +271,4 @@ def output_dir_problems(output_dir: str) -> list[str]:
     return []
 
 
-__all__ = ["PreflightError", "preflight", "preflight_problems"]
+__all__ = ["PreflightError", "preflight", "preflight_problems", "sft_preflight"]

@@ -77,7 +77,8 @@ def test_a_folder_whose_tokenizer_json_loads_differently_is_refused_at_start_up(
     from rlcore.trainer.tokenizer_check import TokenizerMismatchError
 
     folder = build_mismatched_tokenizer_folder(tmp_path / "mismatched")
-    tree = run_config(folder, own_model.train_file, tmp_path / "run", rollout={"backend": "hf"})
+    tree = run_config(folder, own_model.train_file, tmp_path / "run", rollout={"backend": "hf"},
+                      reward={"function": own_model.reward_spec})
     monkeypatch.setattr("transformers.AutoModelForCausalLM.from_pretrained",
                         lambda *a, **k: pytest.fail("a model was loaded before the tokenizer check"))
     with pytest.raises(TokenizerMismatchError) as err:

@@ -70,7 +70,7 @@ class OwnModel:
         return f"{self.reward_file}:compute_score"
 
 
-def train_bpe(texts: list[str], vocab_size: int = 384, qwen_pretokenizer: bool = True):
+def train_bpe(texts: list[str], vocab_size: int = 512, qwen_pretokenizer: bool = True):
     """A byte-level BPE trained on `texts`, as a transformers tokenizer with ChatML.
 
     `qwen_pretokenizer`: Qwen2's split regex then byte-level, and NFC, exactly what AutoTokenizer
@@ -155,10 +155,9 @@ def sft_rows(n: int, seed: int) -> list[dict]:
 
 
 def corpus() -> list[str]:
-    """The text the BPE is trained on: every prompt, rendered as ChatML, and every answer."""
-    texts = [f"{IM_START}user\n{m[0]['content']}{IM_END}\n{IM_START}assistant\n"
-             for m in (prompt(t, p) for p in TRAIN_PHRASES + VAL_PHRASES for t in COLORS)]
-    return texts + sorted(set(COLORS.values()))
+    """The text the BPE is trained on: every prompt rendered as ChatML, followed by each color."""
+    return [f"{IM_START}user\n{prompt(t, p)[0]['content']}{IM_END}\n{IM_START}assistant\n{color}{ENDOFTEXT}"
+            for p in TRAIN_PHRASES + VAL_PHRASES for t in COLORS for color in sorted(set(COLORS.values()))]
 
 
 def build_own_model(root: Path, seed: int = 0, sft_rows_n: int = 4096) -> OwnModel:

@@ -81,12 +81,15 @@ def test_sft_then_grpo_in_the_pipeline_learns_and_is_promoted(own_model, pipelin
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from rlcore.data import RLDataset, read_rows
+    from rlcore.tracking import read_jsonl
 
     summary, _ = pipeline
     sft_model = Path(summary["sft_model"])
     assert summary["baseline"] == "base" and summary["champion"] is True, summary["reason"]
     before, after = summary["accuracy_before"], summary["accuracy_after"]  # the SFT model, then GRPO's candidate
     print(f"own model pipeline: SFT greedy val acc {before:.3f} -> GRPO (hf, {summary['steps']} steps) {after:.3f}")
+    steps = [r for r in read_jsonl(Path(summary["run_dir"]) / "metrics.jsonl") if "response_length/clip_frac" in r]
+    assert len(steps) == 12 and max(r["response_length/clip_frac"] for r in steps) < 0.05  # stopped on <|endoftext|>
     assert 0.2 <= before <= 0.65 and after >= before + 0.15, (before, after)
 
     # transformers, as a user runs the SFT model: AutoTokenizer's chat template, generate() with the
@@ -119,6 +122,9 @@ def test_grpo_with_the_vllm_rollout_learns_from_the_sft_model(own_model, pipelin
     records = read_jsonl(tmp_path / "run" / "metrics.jsonl")
     first, last = records[0]["val/acc"], records[-1]["val/acc"]
     print(f"own model GRPO (vLLM rollout, {records[-1]['step']} steps): val acc {first:.3f} -> {last:.3f}")
+    # the answers end on <|endoftext|>, the generation config's second end token, not the tokenizer's EOS:
+    # sampled responses stop there (one that did not would run to max_new_tokens)
+    assert max(r["response_length/clip_frac"] for r in records[1:]) < 0.05
     assert first == pytest.approx(summary["accuracy_before"], abs=1.5 / 48)  # vLLM's greedy = rlcore's hf evaluation
     assert last >= first + 0.1, (first, last)
 

@@ -5,13 +5,13 @@
   prompt agree between rlcore, AutoTokenizer, the folder's tokenizer.json and vLLM;
 - a folder whose tokenizer.json loads differently through AutoTokenizer (Qwen2Tokenizer swaps
   its pre-tokenizer) is refused at start-up, naming the file, the row and both id lists;
-- rollouts (hf and vLLM backends), the reward's text, evaluation and the served pyfunc model
-  stop at the first of the model's end tokens, the generation config's as well as the tokenizer's.
+- rollouts, the reward's text, evaluation and the served pyfunc model stop at the first of the
+  model's end tokens, the generation config's as well as the tokenizer's (the vLLM rollout and
+  vLLM serving do too: tests/test_own_model_e2e.py).
 """
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import shutil
 from pathlib import Path
@@ -167,15 +167,6 @@ def check_stops(out: Batch, free: torch.Tensor, ends: list[int], first_stop: int
 def test_hf_rollout_stops_on_the_generation_configs_end_token(two_end_model, own_model, tmp_path):
     folder, batch, free, ends, first_stop = two_end_model
     out = rollout(run_config(folder, own_model.train_file, tmp_path, rollout={"backend": "hf"}), batch)
-    check_stops(out, free, ends, first_stop)
-
-
-@pytest.mark.slow
-@pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="vllm is not installed")
-def test_vllm_rollout_stops_on_the_generation_configs_end_token(two_end_model, own_model, tmp_path):
-    folder, batch, free, ends, first_stop = two_end_model
-    engine = {"kv_cache_gib": 0.0625, "max_model_len": 128, "max_num_seqs": 16}
-    out = rollout(run_config(folder, own_model.train_file, tmp_path, rollout={"backend": "vllm", "vllm": engine}), batch)
     check_stops(out, free, ends, first_stop)
 
 

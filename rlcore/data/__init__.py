@@ -18,6 +18,5 @@ from rlcore.data.schema import (
 __all__ = [
     "RL_FIELDS", "DataError", "DataValidationError", "DatasetError", "PromptItem", "PromptLoader", "RLDataset",
     "UnreadableRow", "apply_policy", "check_data_file", "collate_prompts", "column_values", "peek_fields", "peek_rows",
-    "prompt_ids", "read_rows",
-    "render_prompt", "validate_row", "validate_rows", "write_rows",
+    "prompt_ids", "read_rows", "render_prompt", "validate_row", "validate_rows", "write_rows",
 ]

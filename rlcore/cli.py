@@ -172,7 +172,14 @@ def check_pipeline_inputs(inputs: dict[str, Any], data_path: str | None) -> Conf
         if sft.get(key) and not Path(sft[key]).is_file():
             raise RLCoreError(f"{flag}: no such file: {sft[key]}")
     extra = [f"data.train_files=[{data_path}]"] if data_path else []  # as stages.load_pipeline_config
-    return load_config(inputs["config_path"], [*inputs["overrides"], *extra])
+    config = load_config(inputs["config_path"], [*inputs["overrides"], *extra])
+    if sft:  # the warm start's config as its stage will load it (rlcore.lifecycle.stages.sft_stage_config)
+        sft_data = [f"data.train_files=[{sft['data_path']}]"] if sft.get("data_path") else []
+        try:
+            load_sft_config(sft.get("config_path"), [f"model.path={config.model.path}", *sft_data, *sft.get("overrides", [])])
+        except RLCoreError as err:
+            raise RLCoreError(f"--sft-config/--sft-data: {err}") from None
+    return config
 
 
 EPHEMERAL_TIMEOUT_VAR = "PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS"

@@ -167,3 +167,14 @@ def _rows(own_model) -> list[dict]:
     from rlcore.data import read_rows
 
     return read_rows(own_model.sft_file)
+
+
+def test_pipeline_refuses_a_bad_warm_start_config_before_prefect_starts(own_model, tmp_path, capsys):
+    bad = tmp_path / "sft.yaml"
+    bad.write_text("trainer: {batchsize: 3}\n")
+    args = ["pipeline", "run", "--config", str(CONFIG_DIR / "tiny_grpo.yaml"), "--sft-data", str(own_model.sft_file),
+            "--sft-config", str(bad), "--output-dir", str(tmp_path / "work"), f"model.path={own_model.model_dir}"]
+    assert main(args) == 2
+    assert "--sft-config/--sft-data: invalid config: trainer.batchsize: unknown key" in capsys.readouterr().err
+    assert main([*args[:4], "--sft-data", str(tmp_path / "nope.parquet"), *args[8:]]) == 2
+    assert "--sft-data: no such file" in capsys.readouterr().err

@@ -107,6 +107,7 @@ def test_config_keys_and_paths_are_checked_before_anything_loads(own_model, tmp_
     assert not (tmp_path / "run").exists()
 
 
+@pytest.mark.slow
 def test_rlcore_sft_learns_resumes_exactly_and_writes_a_folder_rl_starts_from(own_model, tmp_path, capsys):
     from safetensors.torch import load_file
     from transformers import AutoModelForCausalLM
@@ -147,6 +148,7 @@ def test_rlcore_sft_learns_resumes_exactly_and_writes_a_folder_rl_starts_from(ow
                                                          f"trainer.output_dir={tmp_path / 'rl'}"]))
 
 
+@pytest.mark.slow
 def test_pipeline_warm_start_stage_trains_once_per_inputs(own_model, tmp_path):
     from rlcore.config import load_config
     from rlcore.lifecycle.stages import sft_stage

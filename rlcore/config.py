@@ -83,6 +83,9 @@ class DataConfig(_Section):
     shuffle: bool = True
     apply_chat_template: bool = True
     on_bad_row: Literal["error", "skip"] = "error"
+    tokenizer_check_rows: int = Field(
+        32, ge=0, description="prompts per data file whose ids rlcore, the serving side (vLLM's tokenizer for a vLLM "
+        "rollout, else AutoTokenizer) and the folder's tokenizer.json must agree on at start-up; 0: no check")
 
 
 class OptimConfig(_Section):
@@ -192,7 +195,11 @@ class RewardConfig(_Section):
     function: str | None = Field(None, description="'module:function' or 'file.py:function'; default: by data_source")
     num_workers: int = Field(2, ge=0)
     timeout_s: float = Field(10.0, gt=0)
-    error_score: float = 0.0
+    error_score: float = Field(0.0, description="the score of a call that raised, returned no number or timed out")
+    max_error_fraction: float = Field(
+        0.1, ge=0, le=1, description="a batch (a training step's samples, or a validation batch) in which more than "
+        "this share of reward calls failed stops the run, the errors counted, instead of training on error_score; "
+        "1: never stop")
     clip: float | None = Field(
         1e4, gt=0, description="a score beyond ±clip is clipped to it and counted (reward/clipped), so one huge "
         "reward cannot overflow float32 or swamp its group's advantages; None: clip only at float32's range")
@@ -434,6 +441,54 @@ class Config(_Section):
         return self.actor.use_kl_loss or self.algorithm.use_kl_in_reward or self.algorithm.name in ("dpo", "kto")
 
 
+class SFTDataConfig(_Section):
+    """Supervised data in verl's SFT schema: a prompt column and a response column, or a column of
+    chat messages (multi-turn: every assistant turn is trained on)."""
+
+    train_files: list[str]
+    val_files: list[str] = []
+    prompt_key: str = Field("prompt", description="chat messages or a string; a string is used as is (as RL prompts are)")
+    response_key: str = Field("response", description="the text to learn; followed by the tokenizer's EOS unless it ends "
+                              "with one of the model's end tokens")
+    messages_key: str = Field("messages", description="a file with this column is multi-turn: [{role, content}, ...]")
+    max_length: int = Field(512, ge=2, description="tokens per sequence (prompt + response)")
+    truncation: Literal["error", "drop", "right"] = Field(
+        "error", description="a longer sequence: error (naming the row), drop it (counted), or cut it from the right "
+        "(its end token is lost: the model does not learn to stop there)")
+    apply_chat_template: bool = True
+    on_bad_row: Literal["error", "skip"] = "error"
+    tokenizer_check_rows: int = Field(32, ge=0, description="prompts per file whose ids rlcore, AutoTokenizer and the "
+                                      "folder's tokenizer.json must agree on at start-up (rlcore.trainer.tokenizer_check); 0: off")
+
+
+class SFTTrainerConfig(_Section):
+    epochs: int = Field(1, ge=1)
+    total_steps: int | None = Field(None, ge=1, description="optimizer steps; default: epochs x full batches per epoch")
+    batch_size: int = Field(32, ge=1, description="sequences per optimizer step")
+    max_tokens_per_micro_batch: int = Field(
+        4096, ge=1, description="micro-batches are packed to this many real tokens (a longer sequence goes alone)")
+    seed: int = 0
+    output_dir: str = "runs/sft"
+    save_every: int = Field(100, ge=1)
+    keep_last: int = Field(2, ge=1)
+    val_every: int = Field(100, ge=1)
+    val_before_train: bool = True
+    resume: str = Field("auto", description="'auto' (newest complete checkpoint), 'disable', or a checkpoint path")
+    loggers: list[Literal["console", "jsonl", "mlflow"]] = ["console", "jsonl"]
+    device: Literal["auto", "cpu", "cuda"] = "auto"
+
+
+class SFTRunConfig(_Section):
+    """`rlcore sft CONFIG`: supervised fine-tuning whose output folder (`trainer.output_dir/model`)
+    is a Hugging Face model that an RL config's `model.path` can start from."""
+
+    model: ModelConfig
+    data: SFTDataConfig
+    optim: OptimConfig = OptimConfig(lr=1e-5, warmup_steps=10, schedule="cosine", min_lr_ratio=0.1)
+    trainer: SFTTrainerConfig = SFTTrainerConfig()
+    tracking: TrackingConfig = TrackingConfig()
+
+
 def parse_override(text: str) -> tuple[list[str], Any]:
     """`a.b.c=value` -> (["a","b","c"], value) with the value typed by YAML (1e-6, true, [1,2])."""
     if "=" not in text:
@@ -476,8 +531,15 @@ def config_from_dict(tree: dict[str, Any]) -> Config:
         raise ConfigError(_format_validation_error(err)) from None
 
 
-def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str, ...] = ()) -> Config:
-    """Read a YAML file (optional), apply dotted overrides, validate."""
+def sft_config_from_dict(tree: dict[str, Any]) -> SFTRunConfig:
+    try:
+        return SFTRunConfig.model_validate(tree)
+    except ValidationError as err:
+        raise ConfigError(_format_validation_error(err)) from None
+
+
+def _config_tree(path: str | Path | None, overrides: list[str] | tuple[str, ...]) -> dict[str, Any]:
+    """A YAML file's mapping (optional) with dotted overrides applied, not yet validated."""
     tree: dict[str, Any] = {}
     if path is not None:
         path = Path(path)
@@ -490,10 +552,20 @@ def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str
     for text in overrides:
         parts, value = parse_override(text)
         _apply_override(tree, parts, value)
-    return config_from_dict(tree)
+    return tree
 
 
-def dump_config(config: Config) -> str:
+def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str, ...] = ()) -> Config:
+    """Read a YAML file (optional), apply dotted overrides, validate."""
+    return config_from_dict(_config_tree(path, overrides))
+
+
+def load_sft_config(path: str | Path | None = None, overrides: list[str] | tuple[str, ...] = ()) -> SFTRunConfig:
+    """`load_config` for an SFT run (`rlcore sft`)."""
+    return sft_config_from_dict(_config_tree(path, overrides))
+
+
+def dump_config(config: Config | SFTRunConfig) -> str:
     """The resolved config as YAML, secrets redacted (`rlcore.redact`): the run folder's
     `config.yaml` is read, shared and logged as an MLflow artifact, so it must not carry the
     webhook's credentials. A run reloaded from it gets its secrets from its overrides again."""

@@ -1,6 +1,8 @@
-"""rl_pipeline: data_prep -> train -> evaluate -> promote, one MLflow run with a nested run per
-stage. Task retries (train resumes from its newest checkpoint), timeouts, and data_prep cached by
-input fingerprint. Runs on any data file an `rlcore.data.arrived` event names (`data_path`).
+"""rl_pipeline: data_prep -> [sft] -> train -> evaluate -> promote, one MLflow run with a nested run
+per stage. With `sft` (an SFT data file and/or config), the base model is first fine-tuned on it
+(`rlcore sft`'s recipe) and RL starts from, and measures KL against, that warm start. Task
+retries (train resumes from its newest checkpoint), timeouts, and data_prep cached by input
+fingerprint. Runs on any data file an `rlcore.data.arrived` event names (`data_path`).
 
 The flow run is named after the pipeline run (`run_name`, else a fresh `pipeline-<time>-<hex>`),
 so Prefect, MLflow and every webhook notification, the server's crash/failure ones included
@@ -17,7 +19,7 @@ from rlcore.example.overrides import example_overrides
 from rlcore.flows.data_prep import prepare_data_task
 from rlcore.flows.evaluate import evaluate_task
 from rlcore.flows.promote import promote_task
-from rlcore.flows.train import champion_task, train_task
+from rlcore.flows.train import champion_task, sft_task, train_task
 from rlcore.lifecycle import stages
 from rlcore.lifecycle.automations import failures_notified_by_server
 
@@ -46,8 +48,11 @@ def rl_pipeline(
     workdir: str = "runs/pipeline",
     val_fraction: float = 0.1,
     run_name: str | None = None,
+    sft: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
-    """`example=True` points the config at the built-in tiny example (before `overrides`)."""
+    """`example=True` points the config at the built-in tiny example (before `overrides`).
+    `sft`: {"data_path", "config_path", "overrides"} of a supervised warm start (see
+    `rlcore.lifecycle.stages.sft_stage`); None: RL starts from `model.path` as given."""
     base = example_overrides() if example else []
     config = stages.load_pipeline_config(config_path, base + list(overrides or []), data_path)
     tree = config.model_dump(mode="json")
@@ -58,6 +63,9 @@ def rl_pipeline(
         prepared = prepare_data_task(tree, workdir, val_fraction, ctx)
         if not (Path(prepared["train_file"]).is_file() and Path(prepared["val_file"]).is_file()):
             prepared = prepare_data_task.with_options(refresh_cache=True)(tree, workdir, val_fraction, ctx)
+        if sft:
+            warm = sft_task(tree, sft, workdir, ctx)
+            tree = {**tree, "model": {**tree["model"], "path": warm["model_dir"]}}
         champion = champion_task(tree, workdir)
         train = train_task(tree, prepared, workdir, ctx, champion)
         evaluation = promotion = None
@@ -68,6 +76,8 @@ def rl_pipeline(
             if train["model_logged"]:  # a version's files are the train run's `model` artifact
                 promotion = promote_task(tree, train, evaluation, prepared, workdir, ctx)
         summary = stages.summarize(ctx, prepared, train, evaluation, promotion, champion, workdir)
+        if sft:
+            summary["sft_model"] = warm["model_dir"]
     except BaseException as err:
         # Served with a failure automation, the server sends `failed` for this run (and `crashed`
         # when its process dies); one notification per failure, not two.

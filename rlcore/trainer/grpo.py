@@ -101,7 +101,7 @@ class GRPOTrainer:
         else:
             gen = generate(self.groups, prompts, train_sampling(self.config, self.step), self.rollout_version, timer)
         self.rollout_sleep.after_generation(timer)
-        gen, reward_metrics = score(self.groups, gen, timer, self.config.reward.error_score)
+        gen, reward_metrics = score(self.groups, gen, timer, self.config.reward)
         gen = old_and_ref_log_probs(self.groups, gen, timer)
         token_rewards, kl_metrics = rewards_with_kl(self.config, gen, self.kl_ctrl)
 

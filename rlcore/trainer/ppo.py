@@ -94,7 +94,7 @@ class PPOTrainer:
         else:
             gen = generate(self.groups, prompts, train_sampling(self.config, self.step), self.rollout_version, timer)
         self.rollout_sleep.after_generation(timer)
-        gen, reward_metrics = score(self.groups, gen, timer, self.config.reward.error_score)
+        gen, reward_metrics = score(self.groups, gen, timer, self.config.reward)
         gen = old_and_ref_log_probs(self.groups, gen, timer)
         with timer.phase("values"):
             gen = gen.union(self.groups.critic.compute_values(gen))

@@ -9,23 +9,36 @@ import torch
 
 from rlcore.algos import apply_kl_penalty
 from rlcore.algos.kl import AdaptiveKLController, FixedKLController
-from rlcore.config import Config
+from rlcore.config import Config, RewardConfig
 from rlcore.protocol import Batch
 from rlcore.trainer.metrics import Timer
 from rlcore.trainer.roles import WorkerGroups
+from rlcore.trainer.run_state import TrainingStopped
 
 log = logging.getLogger(__name__)
 
 
-def score(groups: WorkerGroups, gen: Batch, timer: Timer, error_score: float) -> tuple[Batch, dict[str, float | str]]:
-    """Rewards for generated samples, joined to them; reward metrics and the first error (logged)."""
+class RewardFailures(TrainingStopped):
+    """More of a step's reward calls failed than `reward.max_error_fraction` allows: the run stops
+    before training on `reward.error_score` in place of rewards (its checkpoints so far are kept)."""
+
+
+def score(groups: WorkerGroups, gen: Batch, timer: Timer, reward: RewardConfig) -> tuple[Batch, dict[str, float | str]]:
+    """Rewards for generated samples, joined to them; reward metrics and the first error (logged).
+    Raises `RewardFailures` when the failed calls exceed `reward.max_error_fraction` of the batch."""
     with timer.phase("reward"):
         scored = groups.reward.compute_reward(gen)
     metrics: dict[str, float | str] = dict(scored.info.pop("reward_metrics", {}))
     first_error = scored.info.pop("reward_first_error", None)
     if first_error:
         metrics["reward/first_error"] = first_error
-        log.warning("reward function error (counted, score=%s): %s", error_score, first_error)
+        log.warning("reward function error (counted, score=%s): %s", reward.error_score, first_error)
+    errors, timeouts = int(metrics.get("reward/errors", 0)), int(metrics.get("reward/timeouts", 0))
+    if errors + timeouts > reward.max_error_fraction * len(gen):
+        raise RewardFailures(
+            f"reward: {errors + timeouts} of {len(gen)} reward calls failed in one batch ({errors} errors, {timeouts} "
+            f"timeouts), more than reward.max_error_fraction={reward.max_error_fraction:g} allows: the run would train "
+            f"on reward.error_score={reward.error_score:g} instead of rewards; first: {first_error}")
     return gen.union(scored), metrics
 
 
@@ -52,4 +65,4 @@ def rewards_with_kl(config: Config, gen: Batch, kl_ctrl: FixedKLController | Ada
     return rewards, metrics
 
 
-__all__ = ["old_and_ref_log_probs", "rewards_with_kl", "score"]
+__all__ = ["RewardFailures", "old_and_ref_log_probs", "rewards_with_kl", "score"]

@@ -116,6 +116,12 @@ class ActorConfig(_Section):
         "over float32 master weights, gradients and AdamW state, at any world size (FSDP2's policy with a process "
         "group, the same casts in one process without); reference and critic follow model.dtype. "
         "model.dtype=bfloat16 implies it")
+    recompute_old_log_prob: Literal["auto", "always"] = Field(
+        "auto", description="auto: skip the no-grad forward that recomputes old log-probs when a step is exactly "
+        "on-policy (trainer.off_policy=sync, actor.ppo_epochs=1, data.train_batch_size == actor.ppo_mini_batch_size, "
+        "algorithm.use_kl_in_reward off; GRPO and PPO): the update's own forward, detached, gives them (ratio 1, as "
+        "TRL does), and entropy, KL and rollout/logprob_diff_* are still reported from it. always: run the pass "
+        "every step (the update is the same)")
     cpu_offload: bool = Field(
         False, description="keep the actor's master weights, gradients and AdamW state in host memory and step "
         "AdamW there; parameters are copied to the GPU for each forward (FSDP2's CPUOffloadPolicy, or the same "
@@ -420,6 +426,18 @@ class Config(_Section):
             raise ValueError("actor.cpu_offload=true needs a CUDA device: with trainer.device=cpu the weights, gradients "
                              "and optimizer state already live in host memory, so there is nothing to offload")
         return self
+
+    @property
+    def old_log_probs_from_update(self) -> bool:
+        """Whether each step's old log-probs come from the actor update's own forward (detached)
+        instead of a separate no-grad pass (`actor.recompute_old_log_prob`). Only on an exactly
+        on-policy step: one epoch of one mini-batch (one optimizer step, so the weights the update
+        starts from are the ones the pass would use), synchronous generation, and nothing before
+        the update that reads them (a KL penalty in the reward does)."""
+        a = self.actor
+        return (a.recompute_old_log_prob == "auto" and self.algorithm.name in ("grpo", "ppo")
+                and self.trainer.off_policy == "sync" and a.ppo_epochs == 1
+                and self.data.train_batch_size == a.ppo_mini_batch_size and not self.algorithm.use_kl_in_reward)
 
     @property
     def needs_reference(self) -> bool:

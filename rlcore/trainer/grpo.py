@@ -2,7 +2,9 @@
 
 One step, as data flows: generate n samples per prompt, score them, recompute old log-probs (and
 reference log-probs when KL is used), compute group-relative advantages, update the actor, push
-the new weights to the rollout engine. Validation and checkpoints happen between steps.
+the new weights to the rollout engine. Validation and checkpoints happen between steps. On an
+exactly on-policy step (`Config.old_log_probs_from_update`) the old-log-prob pass is skipped: the
+update's own forward gives them.
 
 `trainer.off_policy=one_step`: step k+1's generation is launched as soon as step k's samples are
 in, so it runs (on Ray, in its own pool) while step k scores, recomputes log-probs and updates
@@ -23,8 +25,8 @@ from rlcore.protocol import Batch
 from rlcore.trainer.baselines import greedy_reward_baselines
 from rlcore.trainer.health import HealthGuard
 from rlcore.trainer.loaders import prompt_loader
-from rlcore.trainer.metrics import Timer, mean_over_ranks, rl_batch_metrics
-from rlcore.trainer.rl_steps import old_and_ref_log_probs, rewards_with_kl, score
+from rlcore.trainer.metrics import Timer, rl_batch_metrics
+from rlcore.trainer.rl_steps import old_and_ref_log_probs, rewards_with_kl, score, update_actor
 from rlcore.trainer.roles import WorkerGroups, build_worker_groups
 from rlcore.trainer.rollout_parts import (
     Prefetcher,
@@ -102,7 +104,8 @@ class GRPOTrainer:
             gen = generate(self.groups, prompts, train_sampling(self.config, self.step), self.rollout_version, timer)
         self.rollout_sleep.after_generation(timer)
         gen, reward_metrics = score(self.groups, gen, timer, self.config.reward.error_score)
-        gen = old_and_ref_log_probs(self.groups, gen, timer)
+        on_policy = self.config.old_log_probs_from_update  # then update_actor supplies the old log-probs
+        gen = old_and_ref_log_probs(self.groups, gen, timer, recompute=not on_policy)
         token_rewards, kl_metrics = rewards_with_kl(self.config, gen, self.kl_ctrl)
 
         with timer.phase("advantage"):
@@ -118,8 +121,7 @@ class GRPOTrainer:
             )
         gen = gen.union(Batch(tensors={"token_level_rewards": token_rewards, "advantages": advantages, "returns": returns}))
 
-        with timer.phase("update_actor"):
-            actor_metrics = mean_over_ranks(self.groups.actor.update_actor(gen))
+        gen, actor_metrics = update_actor(self.groups, gen, timer, on_policy=on_policy)
         sync_weights(self.groups, self.rollout_sleep, timer)
         self.rollout_version = self.step
 

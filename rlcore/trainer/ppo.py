@@ -3,7 +3,8 @@
 One step, as data flows: generate n samples per prompt, score them, recompute old log-probs (and
 reference log-probs when KL is used), let the critic value the states, compute GAE advantages
 and returns, update the critic, then the actor, and push the new weights to the rollout engine.
-Validation and checkpoints happen between steps. `trainer.off_policy=one_step` works as in GRPO
+Validation and checkpoints happen between steps; the old-log-prob pass is skipped on exactly
+on-policy steps, as in GRPO. `trainer.off_policy=one_step` works as in GRPO
 (grpo.py): samples one update old; old log-probs and values are recomputed by the current actor
 and critic, so the clipped ratio and GAE see this step's models.
 """
@@ -20,7 +21,7 @@ from rlcore.protocol import Batch
 from rlcore.trainer.health import HealthGuard
 from rlcore.trainer.loaders import prompt_loader
 from rlcore.trainer.metrics import Timer, mean_over_ranks, rl_batch_metrics
-from rlcore.trainer.rl_steps import old_and_ref_log_probs, rewards_with_kl, score
+from rlcore.trainer.rl_steps import old_and_ref_log_probs, rewards_with_kl, score, update_actor
 from rlcore.trainer.roles import WorkerGroups, build_worker_groups
 from rlcore.trainer.rollout_parts import (
     Prefetcher,
@@ -95,7 +96,8 @@ class PPOTrainer:
             gen = generate(self.groups, prompts, train_sampling(self.config, self.step), self.rollout_version, timer)
         self.rollout_sleep.after_generation(timer)
         gen, reward_metrics = score(self.groups, gen, timer, self.config.reward.error_score)
-        gen = old_and_ref_log_probs(self.groups, gen, timer)
+        on_policy = self.config.old_log_probs_from_update  # then update_actor supplies the old log-probs
+        gen = old_and_ref_log_probs(self.groups, gen, timer, recompute=not on_policy)
         with timer.phase("values"):
             gen = gen.union(self.groups.critic.compute_values(gen))
         token_rewards, kl_metrics = rewards_with_kl(self.config, gen, self.kl_ctrl)
@@ -113,8 +115,7 @@ class PPOTrainer:
 
         with timer.phase("update_critic"):
             critic_metrics = mean_over_ranks(self.groups.critic.update_critic(gen))
-        with timer.phase("update_actor"):
-            actor_metrics = mean_over_ranks(self.groups.actor.update_actor(gen))
+        gen, actor_metrics = update_actor(self.groups, gen, timer, on_policy=on_policy)
         sync_weights(self.groups, self.rollout_sleep, timer)
         self.rollout_version = self.step
 

@@ -268,6 +268,9 @@ class TrainerConfig(_Section):
         description="one_step: generate step k+1's samples (with the weights before step k's update, staleness 1) "
         "while step k's update runs; GRPO and PPO (not DPO/KTO: nothing to overlap)",
     )
+    device_peak_tflops: float | None = Field(
+        None, gt=0, description="dense peak TFLOP/s of one device at the compute dtype, for throughput/<phase>_mfu; "
+        "default: detected for known NVIDIA GPUs (bf16 tensor-core peak, rlcore.flops), none on CPU (no MFU reported)")
     trace: bool = Field(True, description="write trace.jsonl in the run dir: per step, phase timings, workers, and every sample")
 
 

@@ -33,6 +33,7 @@ from rlcore.trainer.rollout_parts import (
 )
 from rlcore.trainer.run_state import BadStepGuard, RunCheckpoints, prepare_run_dir
 from rlcore.trainer.step_log import StepHook, StepLog
+from rlcore.trainer.throughput import StepThroughput
 from rlcore.trainer.tracing import sample_records
 from rlcore.trainer.validation import RLValidator
 from rlcore.workers.tokenizer import load_tokenizer
@@ -57,6 +58,7 @@ class PPOTrainer:
             "train_loader": self.train_loader, "kl_ctrl": self.kl_ctrl, "guard": self.guard, "health": self.health})
         self.rollout_sleep = RolloutSleep(self.groups, rollout_shares_gpu(config))
         self.prefetcher = Prefetcher(config, self.groups, self.train_loader) if config.trainer.off_policy == "one_step" else None
+        self.throughput = StepThroughput.of(config)
         self.log = StepLog(config, self.run_dir, self.algorithm, self.groups, [self.health, *step_hooks])
         self.step = 0
         self.rollout_version = 0  # the rollout engine holds the weights after this many actor updates
@@ -119,8 +121,8 @@ class PPOTrainer:
         sync_weights(self.groups, self.rollout_sleep, timer)
         self.rollout_version = self.step
 
-        metrics = {**rl_batch_metrics(gen, timer, step=self.step, max_new_tokens=self.config.rollout.max_new_tokens,
-                                      ppo_epochs=self.config.actor.ppo_epochs),
+        metrics = {**rl_batch_metrics(gen, timer, step=self.step, max_new_tokens=self.config.rollout.max_new_tokens),
+                   **self.throughput.metrics(gen, timer),
                    **reward_metrics, **kl_metrics, **critic_metrics, **actor_metrics}
         return metrics, self.trace(gen, timer)
 

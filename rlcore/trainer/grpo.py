@@ -7,8 +7,9 @@ exactly on-policy step (`Config.old_log_probs_from_update`) the old-log-prob pas
 update's own forward gives them.
 
 `trainer.off_policy=one_step`: step k+1's generation is launched as soon as step k's samples are
-in, so it runs (on Ray, in its own pool) while step k scores, recomputes log-probs and updates
-(see `Prefetcher`).
+in, so it runs while step k scores, recomputes log-probs and updates (see `Prefetcher`): in
+process on the rollout group's own thread, on Ray in the rollout worker's own process; the weight
+sync waits for it.
 """
 
 from __future__ import annotations

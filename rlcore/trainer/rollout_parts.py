@@ -107,7 +107,10 @@ class PendingRollout:
 
 
 class Prefetcher:
-    """`trainer.off_policy=one_step`: step k+1's generation runs while step k scores and updates.
+    """`trainer.off_policy=one_step`: step k+1's generation runs while step k scores and updates
+    (in process the rollout group has a thread of its own for it, see `build_worker_groups`; on
+    Ray it is another process). The weight sync after step k's update is queued behind it on
+    the rollout workers, so weights never change under a running generation.
 
     Those samples come from the weights one update old (staleness 1, recorded per sample); the
     actor recomputes old log-probs, so the clipped ratio corrects for it. Nothing is prefetched

@@ -414,6 +414,10 @@ class Config(_Section):
         if self.trainer.off_policy != "sync" and self.algorithm.name not in ("grpo", "ppo"):
             raise ValueError(f"trainer.off_policy={self.trainer.off_policy!r} is not supported by the "
                              f"{self.algorithm.name!r} control flow (no generation to overlap); use trainer.off_policy=sync")
+        if self.trainer.off_policy == "one_step" and self.rollout.free_memory_when_idle:
+            raise ValueError("rollout.free_memory_when_idle=true with trainer.off_policy=one_step: the engine generates the "
+                             "next batch while the actor trains, so it cannot sleep then (each sleep would wait for that "
+                             "generation and undo the overlap); unset one of them")
         return self
 
     @model_validator(mode="after")

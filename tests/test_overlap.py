@@ -202,3 +202,13 @@ def test_one_step_in_process_generates_the_next_batch_during_the_update(tiny_exa
     assert gens[1][1] < update_1[2] and update_1[1] < gens[1][2]  # they overlapped
     assert {s[3] for s in gens} == {s[3] for s in syncs} != {update_1[3]}  # rollout thread vs this one
     assert not any(g[1] < w[2] and w[1] < g[2] for g in gens for w in syncs)  # no weights changed mid-generation
+
+
+def test_one_step_refuses_a_sleeping_engine_and_never_sleeps_it_by_default(tmp_path):
+    from rlcore.config import config_from_dict
+    from rlcore.trainer.rollout_parts import rollout_shares_gpu
+
+    tree = {"model": {"path": "m"}, "data": {"train_files": ["t"]}, "trainer": {"off_policy": "one_step", "device": "cuda"}}
+    assert rollout_shares_gpu(config_from_dict(tree)) is False  # in process on a GPU it would sleep in sync mode
+    with pytest.raises(ValueError, match=r"rollout\.free_memory_when_idle=true with trainer\.off_policy=one_step"):
+        config_from_dict({**tree, "rollout": {"free_memory_when_idle": True}})

@@ -5,9 +5,10 @@ and on Ray, with CPU seconds beside wall time.
         [--prompts 32] [--n 8] [--max-new-tokens 48] [--temperature 8] [--recompute auto|always]
         [--model tiny|5m]
 
-In process, one-step mode runs the rollout worker on a thread of its own (the cores split between
-it and the training thread, `rlcore.cpus`), so step k+1's generation overlaps step k's scoring,
-log-probs and update. On Ray the rollout and reward workers sit in a `gen` pool (1 CPU) and the
+In process, one-step mode runs the rollout worker on a thread of this one (`trainer.overlap_with:
+thread`, the default) and, as a second variant, in a child process (`process`), the cores split between it and the
+training thread (`rlcore.cpus`), so step k+1's generation overlaps step k's scoring, log-probs
+and update. On Ray the rollout and reward workers sit in a `gen` pool (1 CPU) and the
 actor and reference in `default` (1 CPU). Each run is its own process (one Ray session per
 process); the variants are interleaved `--rounds` times, so a slow spell of this shared machine
 hits them alike. Per run: wall and CPU seconds (this process and all its descendants: reward
@@ -34,6 +35,9 @@ import time
 from rlcore.cli import CONFIG_DIR, tiny_example_overrides
 from rlcore.config import load_config
 from rlcore.example import build_tiny_example
+
+# in process, one_step runs the rollout worker on a thread (the default) or in a child process
+MODES = {"inprocess": ("sync", "one_step:thread", "one_step:process"), "ray": ("sync", "one_step")}
 
 
 def tree_cpu_s() -> float:
@@ -82,7 +86,9 @@ def run_one(backend: str, mode: str, args: argparse.Namespace) -> dict:
             f"rollout.max_new_tokens={args.max_new_tokens}", f"rollout.temperature={args.temperature}",
             "rollout.backend=hf", "trainer.val_before_train=false", "trainer.val_every=1000000",
             f"trainer.save_every={args.steps}", "trainer.loggers=[jsonl]", "trainer.device=cpu",
-            f"trainer.backend={backend}", f"trainer.off_policy={mode}", f"actor.recompute_old_log_prob={args.recompute}",
+            f"trainer.backend={backend}", f"trainer.off_policy={mode.split(':')[0]}",
+            f"trainer.overlap_with={mode.split(':')[1] if ':' in mode else 'thread'}",
+            f"actor.recompute_old_log_prob={args.recompute}",
             "health.enabled=false",  # random 5M weights: their entropy and KL mean nothing
         ]
         if args.model == "5m":
@@ -137,7 +143,7 @@ def main() -> None:
     results: dict[tuple[str, str], dict[str, list[float]]] = {}
     for _ in range(args.rounds):
         for backend in backends:
-            for mode in ("sync", "one_step"):
+            for mode in MODES[backend]:
                 proc = subprocess.run([sys.executable, __file__, "--child", backend, mode, *passed], capture_output=True, text=True)
                 lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
                 if proc.returncode != 0 or not lines:
@@ -155,19 +161,21 @@ def main() -> None:
           f"old-log-prob pass: {args.recompute}; cores here: {os.cpu_count()}, OMP_NUM_THREADS={os.environ.get('OMP_NUM_THREADS', 'unset')}")
     for backend in backends:
         print(f" {backend}" + (" (rollout+reward on pool 'gen', actor+ref on 'default', 1 CPU each)" if backend == "ray" else
-                              " (one_step: rollout on its own thread)"))
+                              " (one_step: rollout on a thread, or in a child process)"))
         per = {}
-        for mode in ("sync", "one_step"):
+        for mode in MODES[backend]:
             r = results[(backend, mode)]
             wall, cpu = statistics.median(r["wall_s"]), statistics.median(r["cpu_s"])
             per[mode] = (wall, cpu)
             phases = {k: statistics.mean(p.get(k, 0.0) for p in r["phases"]) for k in r["phases"][0]}  # type: ignore[union-attr]
             shown = "  ".join(f"{k}={v:.2f}" for k, v in sorted(phases.items()) if v >= 0.005)
-            print(f"  {mode:9s} median {wall:.3f} s wall, {cpu:.3f} CPU s per step (CPU/wall {cpu / wall:.2f}); staleness "
+            print(f"  {mode:16s} median {wall:.3f} s wall, {cpu:.3f} CPU s per step (CPU/wall {cpu / wall:.2f}); staleness "
                   f"{[int(s) for s in r['staleness']]}; mean response {statistics.mean(r['resp']):.1f} tokens")  # type: ignore[arg-type]
-            print(f"            phases (s): {shown}")
-        (ws, cs), (wo, co) = per["sync"], per["one_step"]
-        print(f"  one_step vs sync: {ws / wo:.2f}x steps/s (wall), {co / cs:.2f}x CPU s per step")
+            print(f"                   phases (s): {shown}")
+        ws, cs = per["sync"]
+        for mode in MODES[backend][1:]:
+            wo, co = per[mode]
+            print(f"  {mode} vs sync: {ws / wo:.2f}x steps/s (wall), {co / cs:.2f}x CPU s per step")
     print("  (in one_step mode time/generate is only the wait the overlap did not hide)")
 
 

@@ -271,6 +271,11 @@ class TrainerConfig(_Section):
     device_peak_tflops: float | None = Field(
         None, gt=0, description="dense peak TFLOP/s of one device at the compute dtype, for throughput/<phase>_mfu; "
         "default: detected for known NVIDIA GPUs (bf16 tensor-core peak, rlcore.flops), none on CPU (no MFU reported)")
+    overlap_with: Literal["thread", "process"] = Field(
+        "thread", description="trainer.backend=inprocess with trainer.off_policy=one_step: where the rollout worker runs "
+        "while the actor trains. thread: a thread of this process (torch ops release the GIL; no start-up, no copies, a "
+        "breakpoint in the rollout stops here); process: a child process (no GIL shared with the trainer; ~4 s to start, "
+        "batches and weights pickled across). The cores are split between it and the training thread either way")
     trace: bool = Field(True, description="write trace.jsonl in the run dir: per step, phase timings, workers, and every sample")
 
 

@@ -1,7 +1,7 @@
 """Both cores busy: thread counts from the cores a process really has (`rlcore.cpus`), an
-in-process worker group on a thread of its own (calls overlap the caller's work, run one at a
-time in order), and a one-step GRPO run whose next generation really runs during this step's
-update, with the weight sync after it."""
+in-process worker group on a thread of its own and one in a child process (calls overlap the
+caller's work, run one at a time in order, errors name role and method), and one-step GRPO runs
+whose next generation really runs during this step's update, with the weight sync after it."""
 
 from __future__ import annotations
 
@@ -79,6 +79,10 @@ class _Probe(Worker):
     @register(dispatch=Dispatch.ONE_TO_ALL)
     def release(self) -> None:
         self.event.set()
+
+    @register(dispatch=Dispatch.ONE_TO_ALL)
+    def echo(self, value: torch.Tensor) -> torch.Tensor:
+        return value
 
     @register(dispatch=Dispatch.ONE_TO_ALL)
     def record(self) -> tuple[int, int]:
@@ -165,6 +169,7 @@ def test_one_step_in_process_generates_the_next_batch_during_the_update(tiny_exa
         "data.train_batch_size=4", "actor.ppo_mini_batch_size=4", "rollout.n=2", "trainer.total_steps=3",
         "trainer.save_every=100", "trainer.val_before_train=false", "trainer.val_every=100", "trainer.loggers=[jsonl]",
         "trainer.off_policy=one_step"])
+    assert cfg.trainer.overlap_with == "thread"  # the default: its worker can be watched here
     trainer = make_trainer(cfg)
     actor, rollout = trainer.groups.actor.workers[0], trainer.groups.rollout.workers[0]
     update_started = [threading.Event() for _ in range(4)]
@@ -212,3 +217,47 @@ def test_one_step_refuses_a_sleeping_engine_and_never_sleeps_it_by_default(tmp_p
     assert rollout_shares_gpu(config_from_dict(tree)) is False  # in process on a GPU it would sleep in sync mode
     with pytest.raises(ValueError, match=r"rollout\.free_memory_when_idle=true with trainer\.off_policy=one_step"):
         config_from_dict({**tree, "rollout": {"free_memory_when_idle": True}})
+
+
+@pytest.mark.slow  # a child process: ~4 s to start torch
+def test_a_group_in_a_child_process_runs_calls_in_order_and_reports_errors(monkeypatch):
+    import functools
+    import os
+
+    from rlcore.controller.subprocess_group import SubprocessWorkerGroup
+
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+    group = SubprocessWorkerGroup(functools.partial(_Probe), role="rollout", cores=1)
+    try:
+        assert group.pids()[0] != os.getpid()
+        waiting = group.call_async("wait", 0.5)  # released only by a later call: times out
+        recorded = group.call_async("record")
+        group.call("release")  # queued behind both: the child runs calls in order, so this never comes first
+        with pytest.raises(WorkerError, match=r"rollout.*wait.*TimeoutError: nobody released me"):
+            waiting.result()
+        assert recorded.result()[0][1] == 1  # its torch threads
+        big = group.call("echo", torch.arange(1_000_000))  # bigger than the pipe's buffer both ways
+        assert torch.equal(big[0], torch.arange(1_000_000))
+    finally:
+        group.shutdown()
+    assert not group._proc.is_alive()
+
+
+@pytest.mark.slow
+def test_one_step_in_process_generates_in_a_child_process(tiny_example, tmp_path):
+    import os
+
+    from rlcore.cli import CONFIG_DIR, tiny_example_overrides
+    from rlcore.config import load_config
+    from rlcore.tracking import read_jsonl
+    from rlcore.trainer.run import make_trainer
+
+    out = tmp_path / "run"
+    cfg = load_config(CONFIG_DIR / "tiny_grpo.yaml", tiny_example_overrides(tiny_example, str(out)) + [
+        "data.train_batch_size=4", "actor.ppo_mini_batch_size=4", "rollout.n=2", "trainer.total_steps=3",
+        "trainer.save_every=100", "trainer.val_before_train=false", "trainer.val_every=100", "trainer.loggers=[jsonl]",
+        "trainer.off_policy=one_step", "trainer.overlap_with=process"])
+    history = make_trainer(cfg).fit()
+    assert [m["rollout/staleness_max"] for m in history] == [0.0, 1.0, 1.0]
+    pids = {s["rollout_pid"] for rec in read_jsonl(out / "trace.jsonl") for s in rec["samples"]}
+    assert len(pids) == 1 and os.getpid() not in pids

@@ -107,3 +107,16 @@ def test_a_ppo_step_reports_tokens_per_second_and_mfu_per_phase(tiny_example, tm
         assert step[f"throughput/{phase}_tok_s"] > 0, phase
         assert 0 < step[f"throughput/{phase}_mfu"] < 1e4, phase  # CPU vs a made-up peak: any positive number
     assert "throughput/update_actor_mfu=" in capsys.readouterr().err  # on the console line too
+
+
+def test_a_config_without_the_usual_keys_gives_tokens_per_second_only(tmp_path):
+    import json
+
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "gpt2", "n_embd": 64, "n_layer": 2}))
+    from rlcore.trainer.throughput import _flops_of
+
+    assert _flops_of(str(tmp_path), "lm") is None
+    timer = Timer(device_memory=False)
+    timer.seconds.update(update_actor=2.0)
+    st = StepThroughput(actor=None, critic=None, peak_flops=1e9, devices={"update_actor": 1}, actor_epochs=1, critic_epochs=1)
+    assert st.metrics(_gen(), timer) == {"throughput/update_actor_tok_s": 18 / 2.0}

@@ -55,7 +55,7 @@ def detect_peak_flops(config: Config) -> float | None:
 class StepThroughput:
     """Built once per run: the FLOPs models of actor and critic, the device peak, ranks per role."""
 
-    actor: ModelFlops
+    actor: ModelFlops | None   # None: a config rlcore.flops cannot read (tokens/s only, no MFU)
     critic: ModelFlops | None
     peak_flops: float | None
     devices: dict[str, int]  # phase -> devices doing it (the role's world size)
@@ -65,13 +65,11 @@ class StepThroughput:
 
     @classmethod
     def of(cls, config: Config) -> StepThroughput:
-        critic = None
-        if config.algorithm.name == "ppo":
-            critic = ModelFlops.from_model_dir(config.critic.model_path or config.model.path, head="value")
+        critic_path = config.critic.model_path or config.model.path
         a, c, r = config.actor.world_size, config.critic.world_size, config.rollout.world_size
         return cls(
-            actor=ModelFlops.from_model_dir(config.model.path),
-            critic=critic,
+            actor=_flops_of(config.model.path, "lm"),
+            critic=_flops_of(critic_path, "value") if config.algorithm.name == "ppo" else None,
             peak_flops=detect_peak_flops(config),
             devices={"generate": r, "old_log_prob": a, "ref_log_prob": a, "update_actor": a, "values": c, "update_critic": c},
             actor_epochs=config.actor.ppo_epochs,
@@ -85,33 +83,45 @@ class StepThroughput:
         seq = gen["attention_mask"].sum(-1).double().numpy()
         resp = gen["response_mask"].sum(-1).double().numpy()
         tokens, head_tokens, pairs = float(seq.sum()), float(resp.sum()), causal_pairs(seq.tolist())
-        work: dict[str, tuple[float, float]] = {}  # phase -> (tokens, FLOPs)
+        actor, critic = self.actor, self.critic
+        work: dict[str, tuple[float, float | None]] = {}  # phase -> (tokens, FLOPs)
         if self.generate_timed:
-            work["generate"] = (head_tokens, self._generation_flops(gen, seq - resp, resp))
-        work["old_log_prob"] = work["ref_log_prob"] = (tokens, self.actor.forward(tokens, head_tokens, pairs))
-        work["update_actor"] = (tokens * self.actor_epochs, self.actor.training(tokens, head_tokens, pairs) * self.actor_epochs)
-        if self.critic is not None:
-            work["values"] = (tokens, self.critic.forward(tokens, tokens, pairs))
-            work["update_critic"] = (tokens * self.critic_epochs, self.critic.training(tokens, tokens, pairs) * self.critic_epochs)
+            work["generate"] = (head_tokens, self._generation_flops(actor, gen, seq - resp, resp) if actor else None)
+        work["old_log_prob"] = work["ref_log_prob"] = (tokens, actor.forward(tokens, head_tokens, pairs) if actor else None)
+        work["update_actor"] = (tokens * self.actor_epochs,
+                                actor.training(tokens, head_tokens, pairs) * self.actor_epochs if actor else None)
+        work["values"] = (tokens, critic.forward(tokens, tokens, pairs) if critic else None)
+        work["update_critic"] = (tokens * self.critic_epochs,
+                                 critic.training(tokens, tokens, pairs) * self.critic_epochs if critic else None)
         out: dict[str, float] = {}
         for phase, (n, flops) in work.items():
             secs = timer.seconds.get(phase)
             if not secs:
                 continue
             out[f"throughput/{phase}_tok_s"] = n / secs
-            util = mfu(flops, secs, self.peak_flops, self.devices[phase])
+            util = mfu(flops, secs, self.peak_flops, self.devices[phase]) if flops is not None else None
             if util is not None:
                 out[f"throughput/{phase}_mfu"] = util
         out.update(device_stats())
         return out
 
-    def _generation_flops(self, gen: Batch, prompt: np.ndarray, resp: np.ndarray) -> float:
+    @staticmethod
+    def _generation_flops(model: ModelFlops, gen: Batch, prompt: np.ndarray, resp: np.ndarray) -> float:
         """Prefill once per prompt (the cache is shared by its n samples), then one token at a time."""
         n = max(1, int(gen.info.get("n", 1)))
         unique = prompt[::n]
-        prefill = self.actor.forward(float(unique.sum()), 0.0, causal_pairs(unique.tolist()))
-        decode = self.actor.forward(float(resp.sum()), float(resp.sum()), decode_pairs(prompt.tolist(), resp.tolist()))
+        prefill = model.forward(float(unique.sum()), 0.0, causal_pairs(unique.tolist()))
+        decode = model.forward(float(resp.sum()), float(resp.sum()), decode_pairs(prompt.tolist(), resp.tolist()))
         return prefill + decode
+
+
+def _flops_of(path: str, head: str) -> ModelFlops | None:
+    """The FLOPs model of a model folder, or None (logged) for a config without the usual keys."""
+    try:
+        return ModelFlops.from_model_dir(path, head)
+    except (OSError, KeyError, TypeError, ValueError) as e:
+        log.warning("MFU: cannot count the FLOPs of %s (%s: %s); tokens/s only", path, type(e).__name__, e)
+        return None
 
 
 def device_stats() -> dict[str, float]:

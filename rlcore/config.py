@@ -125,6 +125,12 @@ class ActorConfig(_Section):
         "over float32 master weights, gradients and AdamW state, at any world size (FSDP2's policy with a process "
         "group, the same casts in one process without); reference and critic follow model.dtype. "
         "model.dtype=bfloat16 implies it")
+    recompute_old_log_prob: Literal["auto", "always"] = Field(
+        "auto", description="auto: skip the no-grad forward that recomputes old log-probs when a step is exactly "
+        "on-policy (trainer.off_policy=sync, actor.ppo_epochs=1, data.train_batch_size == actor.ppo_mini_batch_size, "
+        "algorithm.use_kl_in_reward off; GRPO and PPO): the update's own forward, detached, gives them (ratio 1, as "
+        "TRL does), and entropy, KL and rollout/logprob_diff_* are still reported from it. always: run the pass "
+        "every step (the update is the same)")
     cpu_offload: bool = Field(
         False, description="keep the actor's master weights, gradients and AdamW state in host memory and step "
         "AdamW there; parameters are copied to the GPU for each forward (FSDP2's CPUOffloadPolicy, or the same "
@@ -275,6 +281,14 @@ class TrainerConfig(_Section):
         description="one_step: generate step k+1's samples (with the weights before step k's update, staleness 1) "
         "while step k's update runs; GRPO and PPO (not DPO/KTO: nothing to overlap)",
     )
+    device_peak_tflops: float | None = Field(
+        None, gt=0, description="dense peak TFLOP/s of one device at the compute dtype, for throughput/<phase>_mfu; "
+        "default: detected for known NVIDIA GPUs (bf16 tensor-core peak, rlcore.flops), none on CPU (no MFU reported)")
+    overlap_with: Literal["thread", "process"] = Field(
+        "thread", description="trainer.backend=inprocess with trainer.off_policy=one_step: where the rollout worker runs "
+        "while the actor trains. thread: a thread of this process (torch ops release the GIL; no start-up, no copies, a "
+        "breakpoint in the rollout stops here); process: a child process (no GIL shared with the trainer; ~4 s to start, "
+        "batches and weights pickled across). The cores are split between it and the training thread either way")
     trace: bool = Field(True, description="write trace.jsonl in the run dir: per step, phase timings, workers, and every sample")
 
 
@@ -418,6 +432,10 @@ class Config(_Section):
         if self.trainer.off_policy != "sync" and self.algorithm.name not in ("grpo", "ppo"):
             raise ValueError(f"trainer.off_policy={self.trainer.off_policy!r} is not supported by the "
                              f"{self.algorithm.name!r} control flow (no generation to overlap); use trainer.off_policy=sync")
+        if self.trainer.off_policy == "one_step" and self.rollout.free_memory_when_idle:
+            raise ValueError("rollout.free_memory_when_idle=true with trainer.off_policy=one_step: the engine generates the "
+                             "next batch while the actor trains, so it cannot sleep then (each sleep would wait for that "
+                             "generation and undo the overlap); unset one of them")
         return self
 
     @model_validator(mode="after")
@@ -433,6 +451,18 @@ class Config(_Section):
             raise ValueError("actor.cpu_offload=true needs a CUDA device: with trainer.device=cpu the weights, gradients "
                              "and optimizer state already live in host memory, so there is nothing to offload")
         return self
+
+    @property
+    def old_log_probs_from_update(self) -> bool:
+        """Whether each step's old log-probs come from the actor update's own forward (detached)
+        instead of a separate no-grad pass (`actor.recompute_old_log_prob`). Only on an exactly
+        on-policy step: one epoch of one mini-batch (one optimizer step, so the weights the update
+        starts from are the ones the pass would use), synchronous generation, and nothing before
+        the update that reads them (a KL penalty in the reward does)."""
+        a = self.actor
+        return (a.recompute_old_log_prob == "auto" and self.algorithm.name in ("grpo", "ppo")
+                and self.trainer.off_policy == "sync" and a.ppo_epochs == 1
+                and self.data.train_batch_size == a.ppo_mini_batch_size and not self.algorithm.use_kl_in_reward)
 
     @property
     def needs_reference(self) -> bool:

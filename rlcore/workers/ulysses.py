@@ -80,16 +80,18 @@ class SequenceParallel:
         return funcol.wait_tensor(funcol.all_to_all_single_autograd(x.contiguous(), None, None, self.group))
 
     def _all_heads_to_all_tokens(self, x: torch.Tensor) -> torch.Tensor:
-        """`[1, H, T/size, D]` (this rank's tokens, every head) -> `[1, H/size, T, D]`."""
+        """`[1, H, T/size, D]` (this rank's tokens, every head) -> `[1, H/size, T, D]`. What is sent
+        is laid out so that what arrives is `[T, H/size, D]` in memory, returned as a view."""
         _, heads, width, dim = x.shape
-        parts = self._all_to_all(x.reshape(self.size, heads // self.size, width, dim))  # [rank i's tokens, my heads]
-        return parts.transpose(0, 1).reshape(1, heads // self.size, self.size * width, dim)
+        send = x[0].transpose(0, 1).reshape(width, self.size, heads // self.size, dim).transpose(0, 1)  # [to rank i, token, head, D]
+        parts = self._all_to_all(send)  # [from rank i (its tokens), token, my heads, D] = [T, H/size, D]
+        return parts.view(1, self.size * width, heads // self.size, dim).transpose(1, 2)
 
     def _all_tokens_to_all_heads(self, x: torch.Tensor) -> torch.Tensor:
         """`[1, T, H/size, D]` (every token, this rank's heads) -> `[1, T/size, H, D]`."""
         _, tokens, heads, dim = x.shape
         width = tokens // self.size
-        parts = self._all_to_all(x.reshape(self.size, width, heads, dim))  # [rank i's heads, my tokens]
+        parts = self._all_to_all(x[0].reshape(self.size, width, heads, dim))  # [from rank i (its heads), my token, head, D]
         return parts.transpose(0, 1).reshape(1, width, self.size * heads, dim)
 
 

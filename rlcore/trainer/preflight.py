@@ -82,6 +82,8 @@ def sequence_parallel_problems(config: Config) -> list[str]:
         roles.append(("critic", config.critic_sequence_parallel_size, config.critic.model_path or config.model.path))
     problems = []
     for role, size, path in roles:
+        if size == 1:
+            continue
         try:
             model_config = json.loads((Path(path) / "config.json").read_text(encoding="utf-8"))
             text = model_config.get("text_config", model_config)
@@ -89,7 +91,7 @@ def sequence_parallel_problems(config: Config) -> list[str]:
             kv_heads = int(text.get("num_key_value_heads") or heads)
         except (OSError, ValueError, KeyError, TypeError, AttributeError):
             continue
-        problem = head_problem(heads, kv_heads, size) if size > 1 else None
+        problem = head_problem(heads, kv_heads, size)
         if problem:
             problems.append(f"{role}.ulysses_sequence_parallel_size={size}: {problem} ({path}; Ulysses splits "
                             "attention heads over the sequence-parallel ranks)")

@@ -14,7 +14,9 @@ parameter's largest entry).
 
 from __future__ import annotations
 
+import shutil
 import socket
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -263,3 +265,106 @@ def test_two_sequence_parallel_ranks_compute_what_one_process_does(tmp_path):
             torch.testing.assert_close(got["values"], values, atol=1e-5, rtol=0, msg=what)
             assert got["loss"] == pytest.approx(loss, abs=1e-5), what
             _assert_grads_close(got["grads"], grads, what)
+
+
+# ----- through the workers: Ray, FSDP2 over both ranks, actor + reference + critic colocated ----------
+
+
+def _worker_batch(n: int = 6) -> Batch:
+    g = torch.Generator().manual_seed(3)
+    t = sequence_tensors([torch.randint(1, VOCAB, (k,), generator=g).tolist() for k in (9, 3, 6, 2, 7, 4)][:n],
+                         [torch.randint(1, VOCAB, (k,), generator=g).tolist() for k in (8, 2, 5, 7, 1, 6)][:n], pad_id=0)
+    r = t["responses"].shape[1]
+    t.update(advantages=torch.randn(n, 1, generator=g).expand(n, r).contiguous(), returns=torch.randn(n, r, generator=g),
+             values=0.1 * torch.randn(n, r, generator=g), ref_log_probs=-4.0 + 0.1 * torch.randn(n, r, generator=g))
+    return Batch(tensors=t, info={"n": 2, "temperature": 1.0})
+
+
+def _colocated(cfg):
+    """actor (with its full gradients readable), reference and critic in one process per rank."""
+    from rlcore.controller import ColocatedWorker
+    from rlcore.workers.actor import ActorWorker, ReferenceWorker
+    from rlcore.workers.critic import CriticWorker
+    from rlcore.workers.fsdp import to_full
+
+    class GradActor(ActorWorker):
+        @register(dispatch=Dispatch.COLLECTIVE)
+        def full_grads(self) -> dict[str, torch.Tensor]:
+            return {n: to_full(p.grad).clone() for n, p in self.model.named_parameters()}
+
+    def factory(rank: int, world_size: int) -> ColocatedWorker:
+        workers = {"actor": GradActor(cfg, rank, world_size), "ref": ReferenceWorker(cfg, rank, world_size),
+                   "critic": CriticWorker(cfg, rank, world_size)}
+        return ColocatedWorker(workers, rank, world_size)
+
+    return factory
+
+
+def _step(group) -> dict:
+    """One PPO-style pass of the three roles on `_worker_batch()`, and what it changed."""
+    actor, ref, critic = group.view("actor"), group.view("ref"), group.view("critic")
+    batch = _worker_batch()
+    out = {"old": actor.compute_log_prob(batch), "ref": ref.compute_ref_log_prob(batch), "values": critic.compute_values(batch)}
+    batch = batch.union(out["old"].select("old_log_probs"))
+    out["critic_metrics"] = critic.update_critic(batch)[0]
+    out["actor_metrics"] = actor.update_actor(batch)[0]
+    out["grads"] = actor.full_grads()
+    out["weights"] = {k: v.clone() for k, v in actor.weights_for_rollout().result()}
+    out["values_after"] = critic.compute_values(batch)
+    return out
+
+
+@pytest.mark.slow
+def test_sequence_parallel_workers_step_as_one_process(tmp_path):
+    """Two Ray ranks, one sequence-parallel group (actor.world_size=2, size 2, FSDP2 over both),
+    gradient checkpointing on, several micro-batches: log-probs, reference log-probs, values, the
+    critic's and the actor's update (loss, gradient norm, full gradients, new weights) are the
+    one-process ones; the tokens each rank computed add up to the real ones plus the padding to
+    an even length."""
+    import sys
+
+    ray = pytest.importorskip("ray")
+    from rlcore.controller import InProcessWorkerGroup, RayWorkerGroup
+
+    config, lm, values = ARCHS["qwen2-gqa"]
+    torch.manual_seed(0)
+    lm(config).save_pretrained(tmp_path / "policy")
+    values(config.__class__(**{**config.to_dict(), "num_labels": 1, "classifier_dropout": 0.0})).save_pretrained(tmp_path / "critic")
+    base = [f"model.path={tmp_path / 'policy'}", f"critic.model_path={tmp_path / 'critic'}", "data.train_files=[unused.parquet]",
+            "trainer.device=cpu", "algorithm.name=ppo", "algorithm.adv_estimator=gae", "data.train_batch_size=3",
+            "actor.ppo_mini_batch_size=3", "rollout.n=2", "actor.max_tokens_per_micro_batch=24", "actor.use_kl_loss=true",
+            "actor.entropy_coeff=0.01", "actor.optim.lr=1e-3", "critic.optim.lr=1e-3", "actor.logprob_chunk_tokens=5",
+            "model.gradient_checkpointing=true", "algorithm.use_reference=true"]
+    one_cfg = load_config(None, base)
+    sp_cfg = load_config(None, [*base, "trainer.backend=ray", "actor.world_size=2", "critic.world_size=2",
+                                "actor.ulysses_sequence_parallel_size=2"])
+    one = _step(InProcessWorkerGroup(_colocated(one_cfg), 1, "actor+ref+critic"))
+
+    ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])  # workers cannot import tests/
+    temp = tempfile.mkdtemp(prefix="rlray", dir="/tmp")  # short: Ray's socket paths must fit 107 bytes
+    ray.init(num_cpus=2, include_dashboard=False, _temp_dir=temp, log_to_driver=False)
+    try:
+        group = RayWorkerGroup(_colocated(sp_cfg), 2, "actor+ref+critic", call_timeout_s=300)
+        assert group.methods["actor.update_actor"].ranks_per_shard == group.methods["critic.compute_values"].ranks_per_shard == 2
+        two = _step(group)
+        group.shutdown()
+    finally:
+        ray.shutdown()
+        shutil.rmtree(temp, ignore_errors=True)
+
+    for key, name in (("old", "old_log_probs"), ("old", "entropy"), ("ref", "ref_log_probs"), ("values", "values"),
+                      ("values_after", "values")):
+        torch.testing.assert_close(two[key][name], one[key][name], atol=1e-5, rtol=0, msg=f"{key}/{name}")
+    assert not torch.allclose(one["values_after"]["values"], one["values"]["values"], atol=1e-3)  # the critic stepped
+    for role in ("critic_metrics", "actor_metrics"):
+        for name, value in one[role].items():
+            if "compute_token" in name:  # SP=2 also computes the padding to an even length
+                continue
+            assert two[role][name] == pytest.approx(value, rel=1e-4, abs=1e-6), (role, name)
+    m1, m2 = one["actor_metrics"], two["actor_metrics"]
+    assert m1["actor/kl_loss"] > 0 and m1["actor/pg_loss"] != 0
+    assert m2["perf/actor_real_tokens"] == m1["perf/actor_real_tokens"] == m1["perf/actor_compute_tokens"]
+    assert 0 <= m2["perf/actor_compute_tokens"] - m1["perf/actor_compute_tokens"] <= m2["perf/actor_real_tokens"] / 10
+    _assert_grads_close(two["grads"], one["grads"], "actor")
+    for k, w in one["weights"].items():
+        torch.testing.assert_close(two["weights"][k], w, atol=2e-6, rtol=0, msg=k)

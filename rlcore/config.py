@@ -59,7 +59,9 @@ class ModelConfig(_Section):
         False, description="with dtype bfloat16: train the bf16 weights themselves (AdamW state in bf16, no float32 "
         "master copy). Half the memory of the trained roles, but updates below bf16's resolution (~0.4% of a "
         "weight) are rounded away")
-    gradient_checkpointing: bool = False
+    gradient_checkpointing: bool = Field(
+        False, description="actor and critic keep only each decoder layer's input in the forward and recompute the "
+        "layer in the backward: activation memory of one layer instead of all, for about one more forward")
     use_remove_padding: bool = Field(
         True, description="actor, reference and critic run each micro-batch as its sequences packed into one row "
         "without pad tokens (per-sequence positions, packed-sequence attention: flash-attn varlen on CUDA when "

@@ -59,7 +59,9 @@ class ModelConfig(_Section):
         False, description="with dtype bfloat16: train the bf16 weights themselves (AdamW state in bf16, no float32 "
         "master copy). Half the memory of the trained roles, but updates below bf16's resolution (~0.4% of a "
         "weight) are rounded away")
-    gradient_checkpointing: bool = False
+    gradient_checkpointing: bool = Field(
+        False, description="actor and critic keep only each decoder layer's input in the forward and recompute the "
+        "layer in the backward: activation memory of one layer instead of all, for about one more forward")
     use_remove_padding: bool = Field(
         True, description="actor, reference and critic run each micro-batch as its sequences packed into one row "
         "without pad tokens (per-sequence positions, packed-sequence attention: flash-attn varlen on CUDA when "
@@ -119,6 +121,13 @@ class ActorConfig(_Section):
     max_consecutive_bad_steps: int = Field(3, ge=1, description="NaN/inf loss or grad steps in a row before the run stops")
     tis_cap: float | None = Field(None, gt=0, description="truncated importance sampling cap for rollout/actor mismatch")
     world_size: int = Field(1, ge=1, description="data-parallel ranks of actor (and reference); FSDP2 when > 1 (Ray backend)")
+    ulysses_sequence_parallel_size: int = Field(
+        1, ge=1, description="Ulysses sequence parallelism for actor and reference: each group of this many "
+        "consecutive ranks gets the same rows and splits every packed micro-batch along its tokens, with an "
+        "all-to-all over attention heads around attention, so a rank holds 1/size of a long sequence's "
+        "activations. Must divide actor.world_size (data-parallel ranks: world_size / size), the model's "
+        "attention heads, and its key/value heads (or be a multiple of them: they are repeated); needs "
+        "model.use_remove_padding")
     weight_sync_bucket_mb: float = Field(64.0, gt=0, description="weights go to the rollout engine in buckets of this size")
     mixed_precision: Literal["none", "bf16"] = Field(
         "none", description="bf16: the actor computes in bf16 (parameters cast per forward, fp32 gradient reduction) "
@@ -195,6 +204,9 @@ class CriticConfig(_Section):
     cliprange_value: float = Field(0.5, gt=0)
     loss_agg_mode: Literal["token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm"] = "token-mean"
     world_size: int = Field(1, ge=1, description="data-parallel ranks of the critic; FSDP2 when > 1 (Ray backend)")
+    ulysses_sequence_parallel_size: int | None = Field(
+        None, ge=1, description="the critic's Ulysses sequence-parallel size (see actor.ulysses_sequence_parallel_size); "
+        "default: the actor's. Must divide critic.world_size")
 
 
 class RewardConfig(_Section):
@@ -444,6 +456,28 @@ class Config(_Section):
             raise ValueError(f"rollout.val_greedy=true with rollout.val_n={self.rollout.val_n}: every sample would be the "
                              "same greedy answer (pass@n = accuracy); set rollout.val_greedy=false or val_n=1")
         return self
+
+    @model_validator(mode="after")
+    def _check_sequence_parallel(self) -> Config:
+        roles = [("actor", self.actor.ulysses_sequence_parallel_size, self.actor.world_size)]
+        if self.algorithm.name == "ppo":
+            roles.append(("critic", self.critic_sequence_parallel_size, self.critic.world_size))
+        for role, sp, ws in roles:
+            key = f"{role}.ulysses_sequence_parallel_size"
+            if ws % sp:
+                default = " (default: the actor's)" if role == "critic" and self.critic.ulysses_sequence_parallel_size is None else ""
+                raise ValueError(f"{key}={sp}{default} does not divide {role}.world_size={ws}: each sequence-parallel "
+                                 f"group is {sp} of the {role}'s ranks")
+            if sp > 1 and not self.model.use_remove_padding:
+                raise ValueError(f"{key}={sp} needs model.use_remove_padding=true: sequence parallelism splits the packed "
+                                 "row of a micro-batch along its tokens")
+        return self
+
+    @property
+    def critic_sequence_parallel_size(self) -> int:
+        """`critic.ulysses_sequence_parallel_size`, the actor's when unset."""
+        sp = self.critic.ulysses_sequence_parallel_size
+        return self.actor.ulysses_sequence_parallel_size if sp is None else sp
 
     @model_validator(mode="after")
     def _check_cpu_offload(self) -> Config:

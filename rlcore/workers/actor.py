@@ -38,6 +38,7 @@ from rlcore.workers.packed import forward_token_metrics
 from rlcore.workers.policy import PolicyLogProbs
 from rlcore.workers.preference import preference_objective
 from rlcore.workers.trainable import Trainable
+from rlcore.workers.ulysses import enable_sequence_parallel
 
 
 @dataclass(frozen=True)
@@ -98,6 +99,7 @@ class ActorWorker(Worker):
     def __init__(self, config: Config, rank: int = 0, world_size: int = 1) -> None:
         super().__init__(rank=rank, world_size=world_size, role="actor")
         self.config = config
+        self.ranks_per_shard = config.actor.ulysses_sequence_parallel_size  # a sequence-parallel group shares its rows
         self.device = resolve_device(config.trainer.device)
         self.model: nn.Module | None = None
         self.optimizer: torch.optim.Optimizer | None = None
@@ -107,6 +109,7 @@ class ActorWorker(Worker):
         cfg = self.config
         self.model = load_causal_lm(model_path or cfg.model.path, trained_dtype(cfg.model), self.device, cfg.model.gradient_checkpointing,
                                     cfg.model.use_remove_padding)
+        enable_sequence_parallel(self.model, self.ranks_per_shard, self.device, "actor.ulysses_sequence_parallel_size")
         # FSDP2 when this group has a process group (or, on one rank, when bf16/offload is asked for)
         self.model = shard_model(self.model, self.device, compute_precision(cfg.model, cfg.actor.mixed_precision), cfg.actor.cpu_offload)
         self.optimizer = build_optimizer(self.model, cfg.actor.optim)
@@ -134,7 +137,7 @@ class ActorWorker(Worker):
         """One training step: `actor.ppo_epochs` passes over mini-batches of `actor.ppo_mini_batch_size`
         prompts (with their `rollout.n` responses each)."""
         objective = PolicyObjective(self.config.actor, self.policy_loss, self.log_probs, self.model)
-        rows = self.settings.mini_batch_rows(int(batch.info.get("n", self.config.rollout.n)), self.world_size)
+        rows = self.settings.mini_batch_rows(int(batch.info.get("n", self.config.rollout.n)), self.data_parallel_size)
         result = run_update(self.trained, batch, objective, self.settings, mini_batch_rows=rows, device=self.device)
         return self._policy_metrics(result)
 
@@ -162,12 +165,17 @@ class ActorWorker(Worker):
         objective = preference_objective(
             batch.info["algorithm"], self.config.preference, self.log_probs, self.model, self.settings.micro, self.device
         )
-        rows = self.settings.mini_batch_rows(1, self.world_size)
+        rows = self.settings.mini_batch_rows(1, self.data_parallel_size)
         result = run_update(
             self.trained, batch, objective, self.settings, mini_batch_rows=rows, device=self.device, lengths=objective.lengths
         )
         return {**result.metrics, "pref/loss": result.loss, **self._step_metrics(result),
                 **forward_token_metrics("actor", self.model, self.device)}
+
+    @property
+    def data_parallel_size(self) -> int:
+        """Data-parallel shards: ranks over the sequence-parallel size (ranks of a group hold the same rows)."""
+        return self.world_size // self.ranks_per_shard
 
     def _step_metrics(self, result: UpdateResult) -> dict[str, float]:
         return {"actor/grad_norm": result.grad_norm, "actor/lr": self.trained.lr, "actor/bad_updates": float(result.skipped_steps),
@@ -214,6 +222,7 @@ class ReferenceWorker(Worker):
     def __init__(self, config: Config, rank: int = 0, world_size: int = 1) -> None:
         super().__init__(rank=rank, world_size=world_size, role="ref")
         self.config = config
+        self.ranks_per_shard = config.actor.ulysses_sequence_parallel_size  # the actor's, as its world size
         self.device = resolve_device(config.trainer.device)
         self.model: nn.Module | None = None
 
@@ -221,6 +230,7 @@ class ReferenceWorker(Worker):
         cfg = self.config
         self.model = load_causal_lm(model_path or cfg.model.path, cfg.model.dtype, self.device, remove_padding=cfg.model.use_remove_padding)
         self.model.requires_grad_(False)
+        enable_sequence_parallel(self.model, self.ranks_per_shard, self.device, "actor.ulysses_sequence_parallel_size")
         self.model = shard_model(self.model, self.device)
 
     @register(dispatch=Dispatch.DP_BALANCED)

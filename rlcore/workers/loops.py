@@ -82,7 +82,9 @@ class UpdateSettings:
 
 @dataclass(frozen=True)
 class GlobalCounts:
-    """Normalisers of one mini-batch, summed over ranks."""
+    """Normalisers of one mini-batch, summed over ranks. The ranks of a sequence-parallel group
+    hold the same rows and each counts them, so each one's share is 1/size of its group's loss and
+    the shares still sum to the one-process loss (`rlcore.workers.ulysses`)."""
 
     tokens: float  # response tokens (`response_mask`); 0 for a batch without one
     rows: float

@@ -92,6 +92,14 @@ class RolloutEngine(Protocol):
         ...
 
 
+def reload_group(name: str) -> str:
+    """The module group an engine reloads a weight with (its parent module's parent): a weight sync
+    sends each group whole. `model.layers.3.self_attn.q_proj.weight` -> `model.layers.3.self_attn`
+    (q, k, v, o together, which covers vLLM's fused qkv_proj); `model.layers.3.mlp.up_proj.weight`
+    -> `model.layers.3.mlp` (gate_up_proj)."""
+    return name.rsplit(".", 2)[0] if name.count(".") >= 2 else name.rsplit(".", 1)[0]
+
+
 # Backend name -> "module:attribute" of its engine class. Imported lazily so that e.g. the
 # HF backend works on machines without vLLM. A backend class is built either from a model
 # path (`path=...` -> `cls.from_pretrained(**kwargs)`) or from its constructor arguments.

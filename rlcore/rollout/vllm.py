@@ -39,6 +39,8 @@ import contextlib
 import json
 import logging
 import os
+import shutil
+import tempfile
 from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import Any
@@ -57,9 +59,10 @@ import torch  # noqa: E402
 import vllm  # noqa: E402
 from vllm.inputs import TokensPrompt  # noqa: E402
 from vllm.logprobs import FlatLogprobs  # noqa: E402
+from vllm.lora.request import LoRARequest  # noqa: E402
 
 from rlcore.protocol import Batch  # noqa: E402
-from rlcore.rollout.base import SamplingParams  # noqa: E402
+from rlcore.rollout.base import SamplingParams, reload_group  # noqa: E402
 from rlcore.rollout.output import check_left_padded, rollout_output  # noqa: E402
 
 logger = logging.getLogger(__name__)
@@ -72,14 +75,8 @@ _TIED_NAMES = ("model.embed_tokens.weight", "lm_head.weight")
 # 1.24-1.3x faster than 128 on this machine (benchmarks/bench_rollout.py, --block-size).
 CPU_BLOCK_SIZE = 32
 
-
-def _group_of(name: str) -> str:
-    """The module group a tensor must be reloaded with: its parent module's parent.
-
-    `model.layers.3.self_attn.q_proj.weight` -> `model.layers.3.self_attn` (q, k, v, o together,
-    which covers vLLM's fused qkv_proj); `model.layers.3.mlp.up_proj.weight` -> `...mlp`.
-    """
-    return name.rsplit(".", 2)[0] if name.count(".") >= 2 else name.rsplit(".", 1)[0]
+# The ranks vLLM sizes its LoRA slots for (`max_lora_rank`); an adapter of rank r takes the next one up.
+VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
 
 
 def _checkpoint_names(path: Path) -> list[str]:
@@ -233,13 +230,15 @@ class VLLMRolloutEngine:
             names.update(_TIED_NAMES)
         self._groups: dict[str, set[str]] = {}
         for name in names:
-            self._groups.setdefault(_group_of(name), set()).add(name)
+            self._groups.setdefault(reload_group(name), set()).add(name)
         self._all_names = frozenset(names)
         self._pending: dict[str, dict[str, torch.Tensor]] = {}
         self._loaded: set[str] | None = None  # names loaded by the open reload; None: none open
         self.syncs_finished = 0
         self._asleep = False
         self._warned: set[str] = set()
+        self._lora: LoRARequest | None = None  # the adapter every request runs with (`load_adapter`)
+        self._lora_root: tempfile.TemporaryDirectory | None = None
 
     @classmethod
     def from_pretrained(
@@ -261,6 +260,7 @@ class VLLMRolloutEngine:
         enable_sleep_mode: bool | None = None,
         block_size: int | None = None,
         weight_bucket_mb: float = 256.0,
+        lora_rank: int | None = None,
         extra: dict[str, Any] | None = None,
         **llm_kwargs: Any,
     ) -> VLLMRolloutEngine:
@@ -270,7 +270,8 @@ class VLLMRolloutEngine:
         (`kv_cache_gib`), KV blocks of `CPU_BLOCK_SIZE` tokens, no sleep mode; GPU -> CUDA graphs,
         `gpu_memory_utilization` of the card, vLLM's block size, sleep mode on. `seed` is the engine
         seed (use the run seed). EOS and pad ids come from the checkpoint's generation_config.json /
-        config.json when not given. `extra` and further keywords go to `vllm.LLM` verbatim.
+        config.json when not given. `lora_rank`: serve LoRA adapters up to this rank (`load_adapter`),
+        one at a time. `extra` and further keywords go to `vllm.LLM` verbatim.
         """
         root = Path(path)
         dev = torch.device(device)
@@ -315,6 +316,11 @@ class VLLMRolloutEngine:
             if kv_cache_gib is not None:
                 kwargs["kv_cache_memory_bytes"] = int(kv_cache_gib * 2**30)
             kwargs["enable_sleep_mode"] = True if enable_sleep_mode is None else enable_sleep_mode
+        if lora_rank is not None:
+            fits = [r for r in VLLM_LORA_RANKS if r >= lora_rank]
+            if not fits:
+                raise ValueError(f"actor.lora.rank={lora_rank}: vLLM serves LoRA adapters up to rank {VLLM_LORA_RANKS[-1]}")
+            kwargs.update(enable_lora=True, max_lora_rank=fits[0], max_loras=1)
         if on_cpu and enable_sleep_mode:
             logger.warning("vLLM sleep mode is GPU-only; ignoring enable_sleep_mode=True on CPU")
         kwargs.update(extra or {})
@@ -416,7 +422,7 @@ class VLLMRolloutEngine:
         with ctx:
             if reseed:
                 torch.manual_seed(params.seed)
-            return self.llm.generate(prompts, sampling, use_tqdm=False)
+            return self.llm.generate(prompts, sampling, use_tqdm=False, lora_request=self._lora)
 
     # ------------------------------------------------------------------ weights and memory
 
@@ -430,7 +436,7 @@ class VLLMRolloutEngine:
         if self._asleep:
             self.wake()
         for name, tensor in named_tensors:
-            group = _group_of(name)
+            group = reload_group(name)
             if name not in self._groups.get(group, ()):
                 raise ValueError(f"update_weights: unknown parameter {name!r} (not in the checkpoint the engine was started on)")
             pending = self._pending.setdefault(group, {})
@@ -438,7 +444,7 @@ class VLLMRolloutEngine:
             if self.tied_embeddings and name in _TIED_NAMES:
                 # One shared tensor, two names: whichever arrives stands for both.
                 for alias in _TIED_NAMES:
-                    self._pending.setdefault(_group_of(alias), {}).setdefault(alias, pending[name])
+                    self._pending.setdefault(reload_group(alias), {}).setdefault(alias, pending[name])
         ready = [g for g, got in self._pending.items() if set(got) == self._groups[g]]
         if not ready:
             return
@@ -474,6 +480,29 @@ class VLLMRolloutEngine:
         self.syncs_finished += 1
         self.llm.reset_prefix_cache()
 
+    def load_adapter(self, tensors: dict[str, torch.Tensor], config: dict[str, Any]) -> None:
+        """Generate with this LoRA adapter from now on (tensors under peft's file names, its
+        `adapter_config.json` content). vLLM loads adapters by request from a folder: it is written
+        (a few MB at most) into this engine's own temporary folder, loaded now (`add_lora`), and the
+        previous one removed; KV blocks computed under the old one are dropped."""
+        from safetensors.torch import save_file
+
+        if self.llm.llm_engine.vllm_config.lora_config is None:
+            raise RuntimeError("VLLMRolloutEngine.load_adapter: the engine was started without LoRA (lora_rank)")
+        if self._lora_root is None:
+            self._lora_root = tempfile.TemporaryDirectory(prefix="rlcore-lora-")
+        version = (self._lora.lora_int_id if self._lora is not None else 0) + 1
+        folder = Path(self._lora_root.name) / f"v{version}"
+        folder.mkdir()
+        save_file({k: v.detach().contiguous() for k, v in tensors.items()}, str(folder / "adapter_model.safetensors"))
+        (folder / "adapter_config.json").write_text(json.dumps(config))
+        if self._lora is not None:
+            self.llm.llm_engine.remove_lora(self._lora.lora_int_id)
+            shutil.rmtree(self._lora.lora_path, ignore_errors=True)
+        self._lora = LoRARequest(f"rlcore-{version}", version, str(folder))
+        self.llm.llm_engine.add_lora(self._lora)
+        self.llm.reset_prefix_cache()
+
     @property
     def pending_weights(self) -> list[str]:
         """Names received but not yet loaded (their module group is incomplete)."""
@@ -507,6 +536,8 @@ class VLLMRolloutEngine:
             return
         self.llm = None  # type: ignore[assignment]
         llm.llm_engine.engine_core.shutdown()
+        if self._lora_root is not None:
+            self._lora_root.cleanup()
 
     def _warn_once(self, key: str, message: str) -> None:
         if key not in self._warned:

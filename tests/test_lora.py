@@ -206,3 +206,18 @@ def _prompts() -> Batch:
     mask[1, :3] = 0
     ids[1, :3] = 0
     return Batch(tensors={"input_ids": ids, "attention_mask": mask}, meta={"uid": np.array(list("abcd"), dtype=object)})
+
+
+def test_adapter_init_comes_from_the_seed_not_the_process_rng():
+    """Every rank and run starts from the same A (a Ray worker's torch RNG is seeded at random);
+    the caller's RNG stream is left alone."""
+    models = [_llama() for _ in range(3)]
+    states = []
+    for model, (rng_seed, seed) in zip(models, [(123, 7), (456, 7), (456, 8)]):
+        torch.manual_seed(rng_seed)
+        before = torch.random.get_rng_state()
+        states.append(apply_lora(model, LoraConfig(rank=4), "actor.lora", seed=seed).state(keep=True))
+        assert torch.equal(torch.random.get_rng_state(), before)
+    a, b, c = states
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    assert not any(torch.equal(a[k], c[k]) for k in a if ".lora_A." in k)

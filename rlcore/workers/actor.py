@@ -108,7 +108,7 @@ class ActorWorker(Worker):
         cfg = self.config
         model = load_causal_lm(model_path or cfg.model.path, trained_dtype(cfg.model), self.device, cfg.model.gradient_checkpointing,
                                cfg.model.use_remove_padding)
-        self.adapter = apply_lora(model, cfg.actor.lora, "actor.lora") if cfg.actor.lora.enabled else None
+        self.adapter = apply_lora(model, cfg.actor.lora, "actor.lora", seed=cfg.trainer.seed) if cfg.actor.lora.enabled else None
         if self.adapter is not None and adapter_dir is not None:
             self.adapter.load(Path(adapter_dir))
         self.param_counts = parameter_counts(model)

@@ -124,10 +124,13 @@ def _load_sharded(trained: Trainable, folder: Path, name: str) -> None:
 
 
 def _dcp_options(trained: Trainable) -> Any:
-    """A distributed checkpoint holds the trained parameters only when the base is frozen (LoRA)."""
+    """A distributed checkpoint holds the trained parameters only when the base is frozen (LoRA):
+    loading it then leaves the frozen base as loaded (not strict; `load_dcp` still fails on any
+    trained parameter the checkpoint lacks, as it reads every key asked for)."""
     from torch.distributed.checkpoint.state_dict import StateDictOptions
 
-    return StateDictOptions(ignore_frozen_params=trained.adapter is not None)
+    lora = trained.adapter is not None
+    return StateDictOptions(ignore_frozen_params=lora, strict=not lora)
 
 
 def _load_full_into_sharded(trained: Trainable, path: Path) -> None:

@@ -97,7 +97,7 @@ class CriticWorker(Worker):
         path = model_path or cfg.critic.model_path or cfg.model.path
         model = load_value_model(path, trained_dtype(cfg.model), self.device, cfg.model.gradient_checkpointing,
                                  cfg.model.use_remove_padding)
-        self.adapter = apply_lora(model, cfg.critic.lora, "critic.lora", task="token_cls") if cfg.critic.lora.enabled else None
+        self.adapter = apply_lora(model, cfg.critic.lora, "critic.lora", task="token_cls", seed=cfg.trainer.seed) if cfg.critic.lora.enabled else None
         if self.adapter is not None and adapter_dir is not None:
             self.adapter.load(Path(adapter_dir))
         self.param_counts = parameter_counts(model)

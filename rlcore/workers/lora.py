@@ -50,10 +50,14 @@ def parameter_counts(model: nn.Module) -> tuple[int, int]:
     return trainable, total
 
 
-def apply_lora(model: nn.Module, cfg: LoraConfig, key: str, task: str = "causal_lm") -> Adapter:
+def apply_lora(model: nn.Module, cfg: LoraConfig, key: str, task: str = "causal_lm", seed: int = 0) -> Adapter:
     """Inject LoRA adapters (`cfg`) into `model` in place and freeze everything else but a
     classifier head. `key` is the config section (`actor.lora`), named in errors: a target module the
-    model lacks, or an adapted embedding or head."""
+    model lacks, or an adapted embedding or head.
+
+    A is drawn from `seed` (B starts at zero): every process, rank and run starts from the same
+    adapter, whatever its torch RNG did before (a Ray worker's is seeded at random), and the
+    caller's RNG stream is left as it was."""
     from peft import LoraConfig as PeftLoraConfig
     from peft import get_peft_model
     from peft.tuners.lora import Linear as LoraLinear
@@ -65,7 +69,9 @@ def apply_lora(model: nn.Module, cfg: LoraConfig, key: str, task: str = "causal_
         task_type=TASKS[task], exclude_modules=heads or None,
     )
     try:
-        wrapped = get_peft_model(model, peft_cfg)
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(seed)
+            wrapped = get_peft_model(model, peft_cfg)
     except ValueError as err:
         raise ValueError(f"{key}.target_modules={cfg.target_modules!r}: {err}") from None
     for what, module in (("input embeddings", model.get_input_embeddings()), ("output head", model.get_output_embeddings())):

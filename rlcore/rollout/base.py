@@ -75,6 +75,12 @@ class RolloutEngine(Protocol):
 
     def generate(self, batch: Batch, params: SamplingParams) -> Batch: ...
 
+    def begin_weight_sync(self, names: Iterable[str]) -> None:
+        """Announce the names the coming `update_weights` calls of one sync carry, when that is only
+        part of the model (LoRA: the adapted layers); an engine that reloads whole syncs can finish
+        this one as soon as they arrived."""
+        ...
+
     def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Load (a bucket of) named tensors into the model; may be called many times per sync.
 

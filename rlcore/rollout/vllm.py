@@ -22,9 +22,9 @@ are always sent: vLLM keeps a separate (repacked) head on CPU that otherwise sta
 
 One weight sync is one vLLM layerwise reload, however many buckets it takes: the first bucket
 opens it, each bucket's layers are loaded (and repacked) as they complete, and it is finalised
-once every checkpoint tensor has arrived (or, when a caller sent only part of the model, as a
-LoRA sync of the adapted layers does: before the engine is next used, or when a tensor this
-reload already loaded arrives again, which begins the next sync). vLLM's own `reload_weights` finalises at every call and warns
+once every checkpoint tensor has arrived, or every tensor the caller declared for this sync
+(`begin_weight_sync`: a LoRA sync of the adapted layers only), or else before the engine is next
+used, or when a tensor this sync already received arrives again (which begins the next). vLLM's own `reload_weights` finalises at every call and warns
 "<Layer>: Failed to load weights" for each layer that call did not carry -- every other layer of
 a multi-bucket sync, and at every sync the rotary embedding, whose only tensor is a cos/sin
 cache computed from the config that no checkpoint holds. Layers without parameters are marked
@@ -164,8 +164,8 @@ def _reload_load(worker: Any, weights: list[tuple[str, torch.Tensor]]) -> None:
 
 def _reload_finish(worker: Any, partial: bool = False) -> None:
     """Finalise the reload (layers that got nothing keep their tensors) and drop derived state.
-    `partial`: the caller sent only some layers on purpose (LoRA's adapted layers), so the others
-    are not reported as "Failed to load weights"."""
+    `partial`: the caller declared that it sends only some layers (LoRA's adapted layers), so the
+    others are not reported as "Failed to load weights"."""
     from vllm.config import set_current_vllm_config
     from vllm.model_executor.model_loader.reload import finalize_layerwise_reload
     from vllm.model_executor.model_loader.reload.layerwise import get_layerwise_info
@@ -247,6 +247,7 @@ class VLLMRolloutEngine:
         for name in names:
             self._groups.setdefault(reload_group(name), set()).add(name)
         self._all_names = frozenset(names)
+        self._sync_names: frozenset[str] | None = None  # what the current sync carries (`begin_weight_sync`)
         self._pending: dict[str, dict[str, torch.Tensor]] = {}
         self._loaded: set[str] | None = None  # names loaded by the open reload; None: none open
         self._received: set[str] = set()  # names sent since the last finished sync (engine-made tied aliases not counted)
@@ -480,8 +481,23 @@ class VLLMRolloutEngine:
             size += group_size
         if bucket:
             self._reload(bucket)
-        if self._loaded is not None and self._loaded >= self._all_names:
+        if self._loaded is not None and self._loaded >= (self._sync_names or self._all_names):
             self._finish_sync()
+
+    def begin_weight_sync(self, names: Iterable[str]) -> None:
+        """The names the coming `update_weights` calls carry: part of the model on purpose (LoRA's
+        adapted layers). The sync then completes once they are in, and the layers it leaves out keep
+        their weights without vLLM's "Failed to load weights" (which still names a layer a sync
+        without this declaration did not update)."""
+        self._finish_sync()
+        wanted = set(names)
+        unknown = wanted - self._all_names
+        if unknown:
+            raise ValueError(f"begin_weight_sync: unknown parameters {sorted(unknown)[:3]} (not in the engine's checkpoint)")
+        if self.tied_embeddings and wanted & set(_TIED_NAMES):
+            wanted.update(_TIED_NAMES)
+        self._received.clear()
+        self._sync_names = frozenset(wanted)
 
     def _reload(self, bucket: list[tuple[str, torch.Tensor]]) -> None:
         if self._loaded is None:
@@ -495,8 +511,10 @@ class VLLMRolloutEngine:
         """Finalise the open reload, if any, and drop KV blocks computed with the old weights."""
         if self._loaded is None or self.llm is None:
             return
-        self.llm.collective_rpc(_reload_finish, args=(not self._loaded >= self._all_names,))
+        declared = self._sync_names is not None and self._loaded >= self._sync_names
+        self.llm.collective_rpc(_reload_finish, args=(declared and not self._loaded >= self._all_names,))
         self._loaded = None
+        self._sync_names = None
         self._received.clear()
         self.syncs_finished += 1
         self.llm.reset_prefix_cache()

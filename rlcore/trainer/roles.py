@@ -53,7 +53,10 @@ class WorkerGroups:
         if self.weight_sync == "adapter":
             self.rollout.load_adapter(self.actor.call_async("adapter_for_rollout"))
             return
-        for names in self.actor.weight_bucket_plan():
+        plan = self.actor.weight_bucket_plan()
+        if self.weight_sync == "merged":  # only part of the model: the engine can finish when it is in
+            self.rollout.begin_weight_sync([name for names in plan for name in names])
+        for names in plan:
             self.rollout.update_weights(self.actor.call_async("gather_weight_bucket", names))
 
     def close(self) -> None:

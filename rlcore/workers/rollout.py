@@ -66,6 +66,10 @@ class RolloutWorker(Worker):
         return out
 
     @register(dispatch=Dispatch.ONE_TO_ALL)
+    def begin_weight_sync(self, names: list[str]) -> None:
+        self.engine.begin_weight_sync(names)
+
+    @register(dispatch=Dispatch.ONE_TO_ALL)
     def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
         self.engine.update_weights(named_tensors)
 

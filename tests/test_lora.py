@@ -221,3 +221,32 @@ def test_adapter_init_comes_from_the_seed_not_the_process_rng():
     a, b, c = states
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
     assert not any(torch.equal(a[k], c[k]) for k in a if ".lora_A." in k)
+
+
+def test_reward_model_style_classifier_gets_lora_and_its_head_and_merges(tmp_path):
+    """What a reward model (issue 17) reuses: `apply_lora` on a sequence classifier adapts the
+    backbone, trains the freshly made score head in full, saves both as one peft adapter, and
+    `merge_adapter` gives a plain classifier folder with the same scores."""
+    from transformers import LlamaForSequenceClassification
+
+    torch.manual_seed(0)
+    base = LlamaForSequenceClassification(LlamaConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                                      num_attention_heads=4, num_key_value_heads=2, num_labels=1, pad_token_id=0))
+    base.save_pretrained(tmp_path / "base")
+    model = LlamaForSequenceClassification.from_pretrained(tmp_path / "base", num_labels=1)
+    adapter = apply_lora(model, LoraConfig(rank=4, alpha=8), "reward_model.lora", task="seq_cls")
+    trained = {n for n, p in model.named_parameters() if p.requires_grad}
+    assert any(".lora_A." in n for n in trained) and {"score.modules_to_save.default.weight"} <= trained
+    assert not any("score" in n and ".lora_" in n for n in trained)  # the head itself is trained, not adapted
+    _randomize_adapter(model)
+    with torch.no_grad():
+        model.score.modules_to_save["default"].weight.normal_(0, 0.5)
+    ids = torch.randint(3, VOCAB, (3, 7))
+    model.eval()
+    with torch.no_grad():
+        want = model(input_ids=ids).logits
+    adapter.save(tmp_path / "adapter", keep=True)
+    merged = merge_adapter(tmp_path / "base", tmp_path / "adapter", tmp_path / "merged", task="seq_cls")
+    served = LlamaForSequenceClassification.from_pretrained(merged).eval()
+    with torch.no_grad():
+        torch.testing.assert_close(served(input_ids=ids).logits, want, atol=1e-5, rtol=0)

@@ -194,22 +194,22 @@ def test_ppo_with_lora_on_actor_and_critic(tiny_example, tmp_path):
 
 @pytest.mark.parametrize("algorithm", ["dpo", "kto"])
 def test_dpo_and_kto_with_lora_reference_from_the_disabled_adapter(tiny_example, tmp_path, algorithm):
-    """Step 1 at the reference exactly (B = 0); per-batch reference log-probs (the actor's base,
+    """Step 1 at the reference exactly (B = 0); DPO: per-batch reference log-probs (the actor's base,
     computed after the adapter moved) equal the table cached before training."""
     from rlcore.example.preference import build_preference_set, train_overrides
 
     files = build_preference_set(tiny_example)
     runs = {}
-    for cache in (True, False):
+    for cache in (False, True) if algorithm == "dpo" else (False,):
         overrides = train_overrides(tiny_example, files, algorithm, str(tmp_path / f"run_{cache}")) + LORA + [
             "trainer.loggers=[jsonl]", "data.train_batch_size=16", "actor.ppo_mini_batch_size=16", "trainer.val_every=100",
             "trainer.val_before_train=false", "trainer.total_steps=2", "actor.optim.lr=1e-3",
             "preference.task_val_files=[]", "data.val_files=[]", f"preference.ref_cache={str(cache).lower()}"]
         runs[cache] = make_trainer(load_config(CONFIG_DIR / f"tiny_{algorithm}.yaml", overrides)).fit()
-    first = runs[True][0]
+    first = runs[False][0]
     assert first["pref/loss"] == pytest.approx(math.log(2) if algorithm == "dpo" else 0.5, abs=1e-6)
-    assert runs[True][1]["pref/loss"] != first["pref/loss"]
-    for a, b in zip(runs[True], runs[False]):
+    assert runs[False][1]["pref/loss"] != first["pref/loss"] and runs[False][1]["actor/grad_norm"] > 0
+    for a, b in zip(runs.get(True, []), runs[False]):
         # perf/actor_*: with LoRA the actor's forwards include the reference passes (the whole table when cached)
         for k, v in _steady(a).items():
             if k.startswith("perf/"):

@@ -212,21 +212,27 @@ def no_adapter(adapter: Adapter | None) -> Iterator[None]:
         yield
 
 
-def merge_adapter(base_dir: str | Path, adapter_dir: str | Path, out_dir: str | Path, task: str = "causal_lm") -> Path:
-    """A plain Hugging Face folder of base + adapter merged (peft's `merge_and_unload`), with the
-    base's tokenizer and generation files: what transformers and vLLM serve as is."""
+def merge_adapter(base_dir: str | Path, adapter_dir: str | Path, out_dir: str | Path, task: str = "causal_lm",
+                  num_labels: int = 1) -> Path:
+    """A plain Hugging Face folder of base + adapter merged (peft's `merge_and_unload`; a classifier
+    task's trained head comes from the adapter folder), with the base's tokenizer and generation
+    files: what transformers and vLLM serve as is. `num_labels`: a classifier head's outputs."""
     from peft import PeftModel
-    from transformers import AutoModelForCausalLM
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForSequenceClassification, AutoModelForTokenClassification
 
     from rlcore.workers.checkpointing import copy_tokenizer
 
-    if task != "causal_lm":
-        raise ValueError(f"merge_adapter: task {task!r}; only causal LMs are merged here")
-    base = AutoModelForCausalLM.from_pretrained(Path(base_dir), dtype=torch.float32, local_files_only=True)
+    base_dir = Path(base_dir)
+    if task == "causal_lm":
+        base = AutoModelForCausalLM.from_pretrained(base_dir, dtype=torch.float32, local_files_only=True)
+    else:
+        auto = {"token_cls": AutoModelForTokenClassification, "seq_cls": AutoModelForSequenceClassification}[task]
+        config = AutoConfig.from_pretrained(base_dir, num_labels=num_labels, local_files_only=True)
+        base = auto.from_pretrained(base_dir, config=config, dtype=torch.float32, local_files_only=True)
     merged = PeftModel.from_pretrained(base, str(adapter_dir)).merge_and_unload()
     out = Path(out_dir)
     merged.save_pretrained(out, safe_serialization=True)
-    copy_tokenizer(Path(base_dir), out)
+    copy_tokenizer(base_dir, out)
     return out
 
 

@@ -250,3 +250,23 @@ def test_reward_model_style_classifier_gets_lora_and_its_head_and_merges(tmp_pat
     served = LlamaForSequenceClassification.from_pretrained(merged).eval()
     with torch.no_grad():
         torch.testing.assert_close(served(input_ids=ids).logits, want, atol=1e-5, rtol=0)
+
+
+@pytest.mark.parametrize("precision", [["model.dtype=bfloat16"], ["actor.mixed_precision=bf16"],
+                                       ["model.dtype=bfloat16", "model.pure_bf16=true"]])
+def test_lora_trains_under_bf16_compute(tmp_path, precision):
+    """bf16 compute over float32 masters (per-module compute copies in one process): the adapter
+    takes its bf16 input as it comes (peft would cast it to the master's float32 first and fail),
+    only the adapter moves, and the merged weights come from the masters."""
+    _llama().save_pretrained(tmp_path / "model")
+    actor = ActorWorker(_config(tmp_path / "model", tmp_path, *precision))
+    actor.setup()
+    batch = _batch()
+    batch = batch.union(actor.compute_log_prob(batch).select("old_log_probs"))
+    metrics = actor.update_actor(batch)
+    assert metrics["actor/grad_norm"] > 0 and metrics["actor/bad_updates"] == 0
+    state = actor.adapter.state(keep=True)
+    assert max(float(v.abs().max()) for k, v in state.items() if ".lora_B." in k) > 0
+    merged = dict(actor.gather_weight_bucket(actor.weight_bucket_plan()[0]))
+    master = torch.bfloat16 if "model.pure_bf16=true" in precision else torch.float32
+    assert {t.dtype for t in merged.values()} == {master}

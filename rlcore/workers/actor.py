@@ -108,12 +108,14 @@ class ActorWorker(Worker):
         cfg = self.config
         model = load_causal_lm(model_path or cfg.model.path, trained_dtype(cfg.model), self.device, cfg.model.gradient_checkpointing,
                                cfg.model.use_remove_padding)
-        self.adapter = apply_lora(model, cfg.actor.lora, "actor.lora", seed=cfg.trainer.seed) if cfg.actor.lora.enabled else None
+        precision = compute_precision(cfg.model, cfg.actor.mixed_precision)
+        self.adapter = (apply_lora(model, cfg.actor.lora, "actor.lora", seed=cfg.trainer.seed, mixed_precision=precision != "none")
+                        if cfg.actor.lora.enabled else None)
         if self.adapter is not None and adapter_dir is not None:
             self.adapter.load(Path(adapter_dir))
         self.param_counts = parameter_counts(model)
         # FSDP2 when this group has a process group (or, on one rank, when bf16/offload is asked for)
-        self.model = shard_model(model, self.device, compute_precision(cfg.model, cfg.actor.mixed_precision), cfg.actor.cpu_offload)
+        self.model = shard_model(model, self.device, precision, cfg.actor.cpu_offload)
         self.optimizer = build_optimizer(self.model, cfg.actor.optim)
         self.scheduler = build_scheduler(self.optimizer, cfg.actor.optim, cfg.trainer.total_steps)
         self.policy_loss = get_policy_loss(cfg.actor.policy_loss)

@@ -97,11 +97,13 @@ class CriticWorker(Worker):
         path = model_path or cfg.critic.model_path or cfg.model.path
         model = load_value_model(path, trained_dtype(cfg.model), self.device, cfg.model.gradient_checkpointing,
                                  cfg.model.use_remove_padding)
-        self.adapter = apply_lora(model, cfg.critic.lora, "critic.lora", task="token_cls", seed=cfg.trainer.seed) if cfg.critic.lora.enabled else None
+        precision = compute_precision(cfg.model)
+        self.adapter = (apply_lora(model, cfg.critic.lora, "critic.lora", task="token_cls", seed=cfg.trainer.seed,
+                                   mixed_precision=precision != "none") if cfg.critic.lora.enabled else None)
         if self.adapter is not None and adapter_dir is not None:
             self.adapter.load(Path(adapter_dir))
         self.param_counts = parameter_counts(model)
-        self.model = shard_model(model, self.device, compute_precision(cfg.model))  # FSDP2 when this group has a process group
+        self.model = shard_model(model, self.device, precision)  # FSDP2 when this group has a process group
         self.optimizer = build_optimizer(self.model, cfg.critic.optim)
         self.scheduler = build_scheduler(self.optimizer, cfg.critic.optim, cfg.trainer.total_steps)
 

@@ -50,14 +50,19 @@ def parameter_counts(model: nn.Module) -> tuple[int, int]:
     return trainable, total
 
 
-def apply_lora(model: nn.Module, cfg: LoraConfig, key: str, task: str = "causal_lm", seed: int = 0) -> Adapter:
+def apply_lora(model: nn.Module, cfg: LoraConfig, key: str, task: str = "causal_lm", seed: int = 0,
+               mixed_precision: bool = False) -> Adapter:
     """Inject LoRA adapters (`cfg`) into `model` in place and freeze everything else but a
     classifier head. `key` is the config section (`actor.lora`), named in errors: a target module the
     model lacks, or an adapted embedding or head.
 
     A is drawn from `seed` (B starts at zero): every process, rank and run starts from the same
     adapter, whatever its torch RNG did before (a Ray worker's is seeded at random), and the
-    caller's RNG stream is left as it was."""
+    caller's RNG stream is left as it was.
+
+    `mixed_precision`: the role computes under a precision policy (`shard_model`'s bf16: FSDP2's,
+    or `LocalPolicy`'s per-module casts), which hands every layer its compute copy: the adapter then
+    takes its input as it comes, instead of peft casting it to the float32 master's dtype first."""
     from peft import LoraConfig as PeftLoraConfig
     from peft import get_peft_model
     from peft.tuners.lora import Linear as LoraLinear
@@ -82,6 +87,10 @@ def apply_lora(model: nn.Module, cfg: LoraConfig, key: str, task: str = "causal_
         if isinstance(module, BaseTunerLayer) and not isinstance(module, LoraLinear) and name.rsplit(".", 1)[-1] not in heads:
             raise ValueError(f"{key}.target_modules: {name} is a {type(module.get_base_layer()).__name__}; "
                              "LoRA is supported on linear layers only")
+    if mixed_precision:
+        for module in model.modules():
+            if isinstance(module, LoraLinear):
+                module.cast_input_dtype_enabled = False
     return Adapter(wrapped, key, *parameter_counts(model))
 
 

@@ -100,15 +100,25 @@ def load_flow(name: str = "rl_pipeline"):
 
 
 def _pipeline_inputs(args: argparse.Namespace) -> dict:
-    """Flow parameters: the given config, or the tiny example with its embedded config."""
+    """Flow parameters: the given config, or the tiny example with its embedded config (and, with
+    `--reward model`, the embedded reward-model config on the example's preference set)."""
     example = args.config is None
     config_path = Path(args.config) if args.config else CONFIG_DIR / f"tiny_{args.algorithm}.yaml"
-    return {
+    inputs = {
         "config_path": str(config_path.resolve()),
         "overrides": list(args.overrides),
         "example": example,
         "workdir": str(Path(args.output_dir).resolve()),
     }
+    if args.reward == "model":
+        if args.reward_config is None and not example:
+            raise RLCoreError("--reward model: give the reward model's training config (--reward-config FILE, "
+                              "algorithm.name: rm); only the tiny example has an embedded one")
+        rm_path = Path(args.reward_config) if args.reward_config else CONFIG_DIR / "tiny_rm.yaml"
+        inputs.update(reward="model", reward_config_path=str(rm_path.resolve()), reward_overrides=list(args.reward_override))
+    elif args.reward_config or args.reward_override:
+        raise RLCoreError("--reward-config and --reward-override need --reward model")
+    return inputs
 
 
 def format_summary(summary: dict) -> str:
@@ -126,6 +136,12 @@ def format_summary(summary: dict) -> str:
     lines += [
         f"  accuracy         before {pct(summary['accuracy_before'])} ({summary['baseline'] or 'n/a'}) -> after {pct(summary['accuracy_after'])}",
     ]
+    if "reward_model" in summary:
+        if summary.get("reward_model_version") is not None:
+            verdict = "champion" if summary["reward_model_champion"] else "challenger"
+            lines.append(f"  reward model     version {summary['reward_model_version']} ({verdict}; held-out pairwise "
+                         f"accuracy {pct(summary['reward_model_pairwise_accuracy'])}): {summary['reward_model_reason']}")
+        lines.append(f"  trained against  {summary['reward_model']}")
     if summary.get("version") is not None:
         verdict = "yes: now the champion" if summary["champion"] else "no: challenger"
         lines += [f"  registered       version {summary['version']} ({summary['model_uri']})",
@@ -148,7 +164,15 @@ def check_pipeline_inputs(inputs: dict[str, Any], data_path: str | None) -> Conf
     if data_path is not None and not Path(data_path).is_file():
         raise RLCoreError(f"--data: no such data file: {data_path}")
     extra = [f"data.train_files=[{data_path}]"] if data_path else []  # as stages.load_pipeline_config
-    return load_config(inputs["config_path"], [*inputs["overrides"], *extra])
+    if inputs.get("reward") != "model":
+        return load_config(inputs["config_path"], [*inputs["overrides"], *extra])
+    from rlcore.lifecycle.rm_plan import champion_alias_uri, check_reward_model_config
+
+    rm_config = load_config(inputs["reward_config_path"], inputs["reward_overrides"])
+    # as the flow: the policy is trained against the reward model's champion
+    config = load_config(inputs["config_path"], [f"reward_model.path={champion_alias_uri(rm_config)}", *inputs["overrides"], *extra])
+    check_reward_model_config(rm_config, config)
+    return config
 
 
 EPHEMERAL_TIMEOUT_VAR = "PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS"
@@ -263,6 +287,13 @@ def build_parser() -> argparse.ArgumentParser:
         p.add_argument("--algorithm", choices=["grpo", "ppo"], default="grpo", help="which tiny-example config")
         p.add_argument("--output-dir", default="runs/pipeline", help="work directory: prepared data, runs, champion cache")
         p.add_argument("overrides", nargs="*", help="dotted.key=value config overrides")
+        p.add_argument("--reward", choices=["rule", "model"], default="rule",
+                       help="model: classic RLHF; train a reward model on preference pairs, register and gate it "
+                            "(its own MLflow model), then train the policy against the champion reward model")
+        p.add_argument("--reward-config", default=None, help="with --reward model: the reward model's training config "
+                       "(algorithm.name: rm; default for the tiny example: its embedded tiny_rm.yaml)")
+        p.add_argument("--reward-override", action="append", default=[], metavar="KEY=VALUE",
+                       help="with --reward model: a dotted override of the reward model's config (repeatable)")
 
     run = pipeline_sub.add_parser("run", help="run rl_pipeline once (ephemeral Prefect, SQLite MLflow here) and print a summary")
     common(run)

@@ -103,7 +103,9 @@ def _pipeline_inputs(args: argparse.Namespace) -> dict:
     """Flow parameters: the given config, or the tiny example with its embedded config (and, with
     `--reward model`, the embedded reward-model config on the example's preference set)."""
     example = args.config is None
-    config_path = Path(args.config) if args.config else CONFIG_DIR / f"tiny_{args.algorithm}.yaml"
+    # the tiny example's classic-RLHF recipes (tiny_<algorithm>_rm.yaml) keep the policy near its start with a KL term
+    recipe = f"tiny_{args.algorithm}_rm.yaml" if args.reward == "model" else f"tiny_{args.algorithm}.yaml"
+    config_path = Path(args.config) if args.config else CONFIG_DIR / recipe
     inputs = {
         "config_path": str(config_path.resolve()),
         "overrides": list(args.overrides),

@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from rlcore.checkpoint import CheckpointManager
+from rlcore.checkpoint import CheckpointManager, load_trainer_state
 from rlcore.cli import CONFIG_DIR, tiny_example_overrides
 from rlcore.config import load_config
 from rlcore.data.preference import PreferenceDataset
@@ -92,3 +92,11 @@ def test_rl_on_the_reward_models_score_alone_lifts_rule_judged_accuracy(tiny_exa
     assert [s["reward"] for s in first] == pytest.approx([min(5.0, max(-5.0, w)) for w in want], abs=1e-5)
     assert m["reward_model/rule_agreement"] > 0.8 and m["reward/rule_mean"] == pytest.approx(m["acc/mean"])
     assert all(r["reward_model/nonfinite"] == 0 for r in history)
+    if algorithm == "ppo":  # the running statistics are in the checkpoint and a resumed run goes on from them
+        samples = cfg.data.train_batch_size * cfg.rollout.n
+        manager = CheckpointManager(tmp_path / "run" / "checkpoints")
+        assert load_trainer_state(manager.latest())["reward_model"]["moments"]["count"] == 10 * samples
+        resumed = load_config(CONFIG_DIR / "tiny_ppo_rm.yaml", tiny_example_overrides(tiny_example, str(tmp_path / "run"))
+                              + QUICK + [f"reward_model.path={folder}", "trainer.total_steps=11"])
+        make_trainer(resumed).fit()
+        assert load_trainer_state(manager.latest())["reward_model"]["moments"]["count"] == 11 * samples

@@ -56,7 +56,7 @@ class PPOTrainer:
         self.reward_model = RewardModelScoring(config, self.groups)
         self.checkpoints = RunCheckpoints(config, self.run_dir, self.groups, self.algorithm, {
             "train_loader": self.train_loader, "kl_ctrl": self.kl_ctrl, "guard": self.guard, "health": self.health,
-            "reward_model": self.reward_model})
+            **({"reward_model": self.reward_model} if self.reward_model.enabled else {})})  # its running statistics
         self.rollout_sleep = RolloutSleep(self.groups, rollout_shares_gpu(config))
         self.prefetcher = Prefetcher(config, self.groups, self.train_loader) if config.trainer.off_policy == "one_step" else None
         self.log = StepLog(config, self.run_dir, self.algorithm, self.groups, [self.health, *step_hooks])

@@ -67,6 +67,8 @@ def preflight_problems(config: Config) -> list[str]:
         problems += model_folder_problems("critic.model_path", config.critic.model_path, tokenizer=False)
     if config.reward_model.path is not None:
         problems += reward_model_problems("reward_model.path", config.reward_model.path)
+    if config.algorithm.name == "rm" and not problems:  # the reward model to train renders with model.path's template
+        problems += chat_template_problems("model.path", config.model.path)
     problems += data_problems(config)
     problems += reward_problems(config.reward.function)
     problems += resume_problems(config.trainer.resume, config.algorithm.name)
@@ -130,17 +132,24 @@ def reward_model_problems(key: str, path: str) -> list[str]:
         problems.append(f"{key}: {path} is not a reward model: config.json names {model_config.get('architectures')} "
                         "with num_labels != 1 or no *ForSequenceClassification architecture; train one with "
                         "algorithm.name=rm")
+    return problems + chat_template_problems(key, path)
+
+
+def chat_template_problems(key: str, path: str) -> list[str]:
+    """A reward model renders whole conversations with its tokenizer's chat template: the folder
+    must carry one (chat_template.jinja / .json, or `chat_template` in tokenizer_config.json)."""
+    folder = Path(path)
     tok_config = folder / "tokenizer_config.json"
     templated = (folder / "chat_template.jinja").is_file() or (folder / "chat_template.json").is_file()
     if not templated and tok_config.is_file():
         try:
             templated = bool(json.loads(tok_config.read_text(encoding="utf-8")).get("chat_template"))
         except (OSError, ValueError):
-            templated = True  # reported above
-    if not templated:
-        problems.append(f"{key}: the tokenizer in {path} has no chat template (chat_template.jinja or chat_template in "
-                        "tokenizer_config.json); a reward model scores conversations rendered with its own template")
-    return problems
+            templated = True  # reported by model_folder_problems
+    if templated or not folder.is_dir():
+        return []
+    return [f"{key}: the tokenizer in {path} has no chat template (chat_template.jinja or chat_template in "
+            "tokenizer_config.json); a reward model scores conversations rendered with its own template"]
 
 
 def data_problems(config: Config) -> list[str]:

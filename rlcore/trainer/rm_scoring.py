@@ -48,13 +48,6 @@ def rule_agreement(uids: np.ndarray, rule: torch.Tensor, rm: torch.Tensor) -> tu
     return float(agree.sum()), float(rule_wins.sum())
 
 
-class PendingScores:
-    """A `compute_rm_score` call in flight."""
-
-    def __init__(self, future: GroupFuture) -> None:
-        self.future = future
-
-
 class RewardModelScoring:
     """Launch the reward model's scoring and turn its scores into the step's reward."""
 
@@ -66,32 +59,32 @@ class RewardModelScoring:
         if self.enabled and groups.reward_model is None:
             raise ValueError("reward_model.path is set but the run has no reward_model worker group")
 
-    def launch(self, gen: Batch, timer: Timer) -> PendingScores | None:
+    def launch(self, gen: Batch, timer: Timer) -> GroupFuture | None:
         """Start scoring `gen` (None when the run has no reward model). In one process the call
         runs here and now; on Ray it runs on the reward model's ranks while the caller goes on."""
         if not self.enabled:
             return None
         assert self.groups.reward_model is not None
         with timer.phase("reward_model"):
-            pending = PendingScores(self.groups.reward_model.call_async("compute_rm_score", gen))
+            pending = self.groups.reward_model.call_async("compute_rm_score", gen)
             if not self.config.overlap:
-                pending.future.result()
+                pending.result()
         return pending
 
-    def collect(self, pending: PendingScores | None, gen: Batch, timer: Timer, *, train: bool = True) -> tuple[Batch, dict[str, float]]:
+    def collect(self, pending: GroupFuture | None, gen: Batch, timer: Timer) -> tuple[Batch, dict[str, float]]:
         """Wait for the scores and make the reward: `scores` and `token_level_scores` replaced,
-        `rule_scores` and `rm_scores` beside them. `train`: the running statistics take this batch in."""
+        `rule_scores` and `rm_scores` beside them; the running statistics take this batch in."""
         if pending is None:
             return gen, {}
         with timer.phase("reward_model"):
-            out = pending.future.result()
+            out = pending.result()
         cfg = self.config
         raw = out["rm_scores"].float()
         finite = torch.isfinite(raw)
         bad = int((~finite).sum())
         if bad:
             self._refuse_or_count(gen, finite)
-        if cfg.normalize and train:
+        if cfg.normalize:
             self.moments.update(raw[finite])
         mean, std = (self.moments.mean, self.moments.std) if cfg.normalize else (0.0, 1.0)
         rule = gen["scores"].float()
@@ -147,4 +140,4 @@ class RewardModelScoring:
         self.moments.load_state_dict(state["moments"])
 
 
-__all__ = ["NonFiniteRewardModelScore", "PendingScores", "RewardModelScoring", "rule_agreement"]
+__all__ = ["NonFiniteRewardModelScore", "RewardModelScoring", "rule_agreement"]

@@ -1,4 +1,4 @@
-"""`rlcore` command line: train from a config, build the tiny example, run the pipeline.
+"""`rlcore` command line: train from a config (RL or SFT), build the tiny example, run the pipeline.
 
 rlcore's own errors (a bad config, data file, reward function, checkpoint or path, and a run
 that stopped itself) are printed as their message alone, the traceback only with -v (anywhere
@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any, TextIO
 
 import rlcore
-from rlcore.config import Config, load_config
+from rlcore.config import Config, load_config, load_sft_config
 from rlcore.errors import RLCoreError
 
 CONFIG_DIR = Path(__file__).resolve().parent / "configs"
@@ -48,6 +48,19 @@ def _cmd_train(args: argparse.Namespace) -> int:
     notify(url, "finished", {**about, "steps_run": len(history), "total_steps": config.trainer.total_steps,
                              "metrics": shown, "checkpoint": _latest_checkpoint(config)})
     print(json.dumps(shown, indent=1))
+    return 0
+
+
+def _cmd_sft(args: argparse.Namespace) -> int:
+    """Supervised fine-tuning from a config; prints the output model folder (an RL config's
+    `model.path`) and the last step's losses."""
+    config = load_sft_config(args.config, args.overrides)  # first: a typo is reported before torch loads
+    from rlcore.trainer.sft import run_sft_config
+
+    model_dir, history = run_sft_config(config)
+    last = history[-1] if history else {}
+    shown = {k: v for k, v in last.items() if k.endswith("/loss")}
+    print(json.dumps({"model": str(model_dir.resolve()), "steps": last.get("step", 0), **shown}, indent=1))
     return 0
 
 
@@ -106,11 +119,16 @@ def _pipeline_inputs(args: argparse.Namespace) -> dict:
     # the tiny example's classic-RLHF recipes (tiny_<algorithm>_rm.yaml) keep the policy near its start with a KL term
     recipe = f"tiny_{args.algorithm}_rm.yaml" if args.reward == "model" else f"tiny_{args.algorithm}.yaml"
     config_path = Path(args.config) if args.config else CONFIG_DIR / recipe
+    sft = None
+    if args.sft_data or args.sft_config:
+        sft = {"data_path": str(Path(args.sft_data).resolve()) if args.sft_data else None,
+               "config_path": str(Path(args.sft_config).resolve()) if args.sft_config else None, "overrides": []}
     inputs = {
         "config_path": str(config_path.resolve()),
         "overrides": list(args.overrides),
         "example": example,
         "workdir": str(Path(args.output_dir).resolve()),
+        "sft": sft,
     }
     if args.reward == "model":
         if args.reward_config is None and not example:
@@ -133,6 +151,8 @@ def format_summary(summary: dict) -> str:
         f"  data             fingerprint {summary['dataset_fingerprint'][:16]}",
         f"  trained from     {summary['warm_start'] or 'the base model'} ({summary['steps']} steps)",
     ]
+    if summary.get("sft_model"):
+        lines.append(f"  SFT warm start   {summary['sft_model']} (the base model and KL reference of this run)")
     if summary.get("health_stop"):
         lines.append(f"  health stop      {summary['health_stop']}")
     lines += [
@@ -165,15 +185,26 @@ def check_pipeline_inputs(inputs: dict[str, Any], data_path: str | None) -> Conf
     (The tiny example's model and data paths are not known yet: the flow builds it first.)"""
     if data_path is not None and not Path(data_path).is_file():
         raise RLCoreError(f"--data: no such data file: {data_path}")
+    sft = inputs.get("sft") or {}
+    for flag, key in (("--sft-data", "data_path"), ("--sft-config", "config_path")):
+        if sft.get(key) and not Path(sft[key]).is_file():
+            raise RLCoreError(f"{flag}: no such file: {sft[key]}")
     extra = [f"data.train_files=[{data_path}]"] if data_path else []  # as stages.load_pipeline_config
-    if inputs.get("reward") != "model":
-        return load_config(inputs["config_path"], [*inputs["overrides"], *extra])
-    from rlcore.lifecycle.rm_plan import champion_alias_uri, check_reward_model_config
+    rm_policy: list[str] = []
+    if inputs.get("reward") == "model":
+        from rlcore.lifecycle.rm_plan import champion_alias_uri, check_reward_model_config
 
-    rm_config = load_config(inputs["reward_config_path"], inputs["reward_overrides"])
-    # as the flow: the policy is trained against the reward model's champion
-    config = load_config(inputs["config_path"], [f"reward_model.path={champion_alias_uri(rm_config)}", *inputs["overrides"], *extra])
-    check_reward_model_config(rm_config, config)
+        rm_config = load_config(inputs["reward_config_path"], inputs["reward_overrides"])
+        rm_policy = [f"reward_model.path={champion_alias_uri(rm_config)}"]  # as the flow: trained against its champion
+    config = load_config(inputs["config_path"], [*rm_policy, *inputs["overrides"], *extra])
+    if rm_policy:
+        check_reward_model_config(rm_config, config)
+    if sft:  # the warm start's config as its stage will load it (rlcore.lifecycle.stages.sft_stage_config)
+        sft_data = [f"data.train_files=[{sft['data_path']}]"] if sft.get("data_path") else []
+        try:
+            load_sft_config(sft.get("config_path"), [f"model.path={config.model.path}", *sft_data, *sft.get("overrides", [])])
+        except RLCoreError as err:
+            raise RLCoreError(f"--sft-config/--sft-data: {err}") from None
     return config
 
 
@@ -274,6 +305,12 @@ def build_parser() -> argparse.ArgumentParser:
     train.add_argument("overrides", nargs="*")
     train.set_defaults(func=_cmd_train)
 
+    sft = sub.add_parser("sft", help="supervised fine-tuning on your data: rlcore sft CONFIG [dotted.key=value ...]; "
+                         "writes trainer.output_dir/model, an HF folder RL configs start from")
+    sft.add_argument("config")
+    sft.add_argument("overrides", nargs="*")
+    sft.set_defaults(func=_cmd_sft)
+
     example = sub.add_parser("example", help="the built-in tiny example")
     example_sub = example.add_subparsers(dest="example_command", required=True)
     build = example_sub.add_parser("build", help="build (or reuse) the tiny model and data; prints the model folder")
@@ -288,6 +325,10 @@ def build_parser() -> argparse.ArgumentParser:
         p.add_argument("--config", default=None, help="a training config (default: the tiny example's embedded one)")
         p.add_argument("--algorithm", choices=["grpo", "ppo"], default="grpo", help="which tiny-example config")
         p.add_argument("--output-dir", default="runs/pipeline", help="work directory: prepared data, runs, champion cache")
+        p.add_argument("--sft-data", default=None, help="first fine-tune the base model on this SFT file (verl's SFT schema): "
+                       "RL then starts from, and measures KL against, that warm start (reused while its inputs are the same)")
+        p.add_argument("--sft-config", default=None, help="the warm start's SFT config (an `rlcore sft` config; model.path "
+                       "is the RL config's, and --sft-data, when given, its data.train_files)")
         p.add_argument("overrides", nargs="*", help="dotted.key=value config overrides")
         p.add_argument("--reward", choices=["rule", "model"], default="rule",
                        help="model: classic RLHF; train a reward model on preference pairs, register and gate it "

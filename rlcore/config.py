@@ -59,7 +59,9 @@ class ModelConfig(_Section):
         False, description="with dtype bfloat16: train the bf16 weights themselves (AdamW state in bf16, no float32 "
         "master copy). Half the memory of the trained roles, but updates below bf16's resolution (~0.4% of a "
         "weight) are rounded away")
-    gradient_checkpointing: bool = False
+    gradient_checkpointing: bool = Field(
+        False, description="actor and critic keep only each decoder layer's input in the forward and recompute the "
+        "layer in the backward: activation memory of one layer instead of all, for about one more forward")
     use_remove_padding: bool = Field(
         True, description="actor, reference and critic run each micro-batch as its sequences packed into one row "
         "without pad tokens (per-sequence positions, packed-sequence attention: flash-attn varlen on CUDA when "
@@ -83,6 +85,9 @@ class DataConfig(_Section):
     shuffle: bool = True
     apply_chat_template: bool = True
     on_bad_row: Literal["error", "skip"] = "error"
+    tokenizer_check_rows: int = Field(
+        32, ge=0, description="prompts per data file whose ids rlcore, the serving side (vLLM's tokenizer for a vLLM "
+        "rollout, else AutoTokenizer) and the folder's tokenizer.json must agree on at start-up; 0: no check")
 
 
 class OptimConfig(_Section):
@@ -116,12 +121,25 @@ class ActorConfig(_Section):
     max_consecutive_bad_steps: int = Field(3, ge=1, description="NaN/inf loss or grad steps in a row before the run stops")
     tis_cap: float | None = Field(None, gt=0, description="truncated importance sampling cap for rollout/actor mismatch")
     world_size: int = Field(1, ge=1, description="data-parallel ranks of actor (and reference); FSDP2 when > 1 (Ray backend)")
+    ulysses_sequence_parallel_size: int = Field(
+        1, ge=1, description="Ulysses sequence parallelism for actor and reference: each group of this many "
+        "consecutive ranks gets the same rows and splits every packed micro-batch along its tokens, with an "
+        "all-to-all over attention heads around attention, so a rank holds 1/size of a long sequence's "
+        "activations. Must divide actor.world_size (data-parallel ranks: world_size / size), the model's "
+        "attention heads, and its key/value heads (or be a multiple of them: they are repeated); needs "
+        "model.use_remove_padding")
     weight_sync_bucket_mb: float = Field(64.0, gt=0, description="weights go to the rollout engine in buckets of this size")
     mixed_precision: Literal["none", "bf16"] = Field(
         "none", description="bf16: the actor computes in bf16 (parameters cast per forward, fp32 gradient reduction) "
         "over float32 master weights, gradients and AdamW state, at any world size (FSDP2's policy with a process "
         "group, the same casts in one process without); reference and critic follow model.dtype. "
         "model.dtype=bfloat16 implies it")
+    recompute_old_log_prob: Literal["auto", "always"] = Field(
+        "auto", description="auto: skip the no-grad forward that recomputes old log-probs when a step is exactly "
+        "on-policy (trainer.off_policy=sync, actor.ppo_epochs=1, data.train_batch_size == actor.ppo_mini_batch_size, "
+        "algorithm.use_kl_in_reward off; GRPO and PPO): the update's own forward, detached, gives them (ratio 1, as "
+        "TRL does), and entropy, KL and rollout/logprob_diff_* are still reported from it. always: run the pass "
+        "every step (the update is the same)")
     cpu_offload: bool = Field(
         False, description="keep the actor's master weights, gradients and AdamW state in host memory and step "
         "AdamW there; parameters are copied to the GPU for each forward (FSDP2's CPUOffloadPolicy, or the same "
@@ -186,13 +204,20 @@ class CriticConfig(_Section):
     cliprange_value: float = Field(0.5, gt=0)
     loss_agg_mode: Literal["token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm"] = "token-mean"
     world_size: int = Field(1, ge=1, description="data-parallel ranks of the critic; FSDP2 when > 1 (Ray backend)")
+    ulysses_sequence_parallel_size: int | None = Field(
+        None, ge=1, description="the critic's Ulysses sequence-parallel size (see actor.ulysses_sequence_parallel_size); "
+        "default: the actor's. Must divide critic.world_size")
 
 
 class RewardConfig(_Section):
     function: str | None = Field(None, description="'module:function' or 'file.py:function'; default: by data_source")
     num_workers: int = Field(2, ge=0)
     timeout_s: float = Field(10.0, gt=0)
-    error_score: float = 0.0
+    error_score: float = Field(0.0, description="the score of a call that raised, returned no number or timed out")
+    max_error_fraction: float = Field(
+        0.1, ge=0, le=1, description="a batch (a training step's samples, or a validation batch) in which more than "
+        "this share of reward calls failed stops the run, the errors counted, instead of training on error_score; "
+        "1: never stop")
     clip: float | None = Field(
         1e4, gt=0, description="a score beyond ±clip is clipped to it and counted (reward/clipped), so one huge "
         "reward cannot overflow float32 or swamp its group's advantages; None: clip only at float32's range")
@@ -315,6 +340,14 @@ class TrainerConfig(_Section):
         description="one_step: generate step k+1's samples (with the weights before step k's update, staleness 1) "
         "while step k's update runs; GRPO and PPO (not DPO/KTO: nothing to overlap)",
     )
+    device_peak_tflops: float | None = Field(
+        None, gt=0, description="dense peak TFLOP/s of one device at the compute dtype, for throughput/<phase>_mfu; "
+        "default: detected for known NVIDIA GPUs (bf16 tensor-core peak, rlcore.flops), none on CPU (no MFU reported)")
+    overlap_with: Literal["thread", "process"] = Field(
+        "thread", description="trainer.backend=inprocess with trainer.off_policy=one_step: where the rollout worker runs "
+        "while the actor trains. thread: a thread of this process (torch ops release the GIL; no start-up, no copies, a "
+        "breakpoint in the rollout stops here); process: a child process (no GIL shared with the trainer; ~4 s to start, "
+        "batches and weights pickled across). The cores are split between it and the training thread either way")
     trace: bool = Field(True, description="write trace.jsonl in the run dir: per step, phase timings, workers, and every sample")
 
 
@@ -464,6 +497,10 @@ class Config(_Section):
         if self.trainer.off_policy != "sync" and self.algorithm.name not in ("grpo", "ppo"):
             raise ValueError(f"trainer.off_policy={self.trainer.off_policy!r} is not supported by the "
                              f"{self.algorithm.name!r} control flow (no generation to overlap); use trainer.off_policy=sync")
+        if self.trainer.off_policy == "one_step" and self.rollout.free_memory_when_idle:
+            raise ValueError("rollout.free_memory_when_idle=true with trainer.off_policy=one_step: the engine generates the "
+                             "next batch while the actor trains, so it cannot sleep then (each sleep would wait for that "
+                             "generation and undo the overlap); unset one of them")
         return self
 
     @model_validator(mode="after")
@@ -472,6 +509,28 @@ class Config(_Section):
             raise ValueError(f"rollout.val_greedy=true with rollout.val_n={self.rollout.val_n}: every sample would be the "
                              "same greedy answer (pass@n = accuracy); set rollout.val_greedy=false or val_n=1")
         return self
+
+    @model_validator(mode="after")
+    def _check_sequence_parallel(self) -> Config:
+        roles = [("actor", self.actor.ulysses_sequence_parallel_size, self.actor.world_size)]
+        if self.algorithm.name == "ppo":
+            roles.append(("critic", self.critic_sequence_parallel_size, self.critic.world_size))
+        for role, sp, ws in roles:
+            key = f"{role}.ulysses_sequence_parallel_size"
+            if ws % sp:
+                default = " (default: the actor's)" if role == "critic" and self.critic.ulysses_sequence_parallel_size is None else ""
+                raise ValueError(f"{key}={sp}{default} does not divide {role}.world_size={ws}: each sequence-parallel "
+                                 f"group is {sp} of the {role}'s ranks")
+            if sp > 1 and not self.model.use_remove_padding:
+                raise ValueError(f"{key}={sp} needs model.use_remove_padding=true: sequence parallelism splits the packed "
+                                 "row of a micro-batch along its tokens")
+        return self
+
+    @property
+    def critic_sequence_parallel_size(self) -> int:
+        """`critic.ulysses_sequence_parallel_size`, the actor's when unset."""
+        sp = self.critic.ulysses_sequence_parallel_size
+        return self.actor.ulysses_sequence_parallel_size if sp is None else sp
 
     @model_validator(mode="after")
     def _check_cpu_offload(self) -> Config:
@@ -529,10 +588,70 @@ class Config(_Section):
         return roles + ["reward_model"] * (self.reward_model.path is not None)
 
     @property
+    def old_log_probs_from_update(self) -> bool:
+        """Whether each step's old log-probs come from the actor update's own forward (detached)
+        instead of a separate no-grad pass (`actor.recompute_old_log_prob`). Only on an exactly
+        on-policy step: one epoch of one mini-batch (one optimizer step, so the weights the update
+        starts from are the ones the pass would use), synchronous generation, and nothing before
+        the update that reads them (a KL penalty in the reward does)."""
+        a = self.actor
+        return (a.recompute_old_log_prob == "auto" and self.algorithm.name in ("grpo", "ppo")
+                and self.trainer.off_policy == "sync" and a.ppo_epochs == 1
+                and self.data.train_batch_size == a.ppo_mini_batch_size and not self.algorithm.use_kl_in_reward)
+
+    @property
     def needs_reference(self) -> bool:
         if self.algorithm.use_reference is not None:
             return self.algorithm.use_reference
         return self.actor.use_kl_loss or self.algorithm.use_kl_in_reward or self.algorithm.name in ("dpo", "kto")
+
+
+class SFTDataConfig(_Section):
+    """Supervised data in verl's SFT schema: a prompt column and a response column, or a column of
+    chat messages (multi-turn: every assistant turn is trained on)."""
+
+    train_files: list[str]
+    val_files: list[str] = []
+    prompt_key: str = Field("prompt", description="chat messages or a string; a string is used as is (as RL prompts are)")
+    response_key: str = Field("response", description="the text to learn; followed by the tokenizer's EOS unless it ends "
+                              "with one of the model's end tokens")
+    messages_key: str = Field("messages", description="a file with this column is multi-turn: [{role, content}, ...]")
+    max_length: int = Field(512, ge=2, description="tokens per sequence (prompt + response)")
+    truncation: Literal["error", "drop", "right"] = Field(
+        "error", description="a longer sequence: error (naming the row), drop it (counted), or cut it from the right "
+        "(its end token is lost: the model does not learn to stop there)")
+    apply_chat_template: bool = True
+    on_bad_row: Literal["error", "skip"] = "error"
+    tokenizer_check_rows: int = Field(32, ge=0, description="prompts per file whose ids rlcore, AutoTokenizer and the "
+                                      "folder's tokenizer.json must agree on at start-up (rlcore.trainer.tokenizer_check); 0: off")
+
+
+class SFTTrainerConfig(_Section):
+    epochs: int = Field(1, ge=1)
+    total_steps: int | None = Field(None, ge=1, description="optimizer steps; default: epochs x full batches per epoch")
+    batch_size: int = Field(32, ge=1, description="sequences per optimizer step")
+    max_tokens_per_micro_batch: int = Field(
+        4096, ge=1, description="micro-batches are packed to this many real tokens (a longer sequence goes alone)")
+    seed: int = 0
+    output_dir: str = "runs/sft"
+    save_every: int = Field(100, ge=1)
+    keep_last: int = Field(2, ge=1)
+    val_every: int = Field(100, ge=1)
+    val_before_train: bool = True
+    resume: str = Field("auto", description="'auto' (newest complete checkpoint), 'disable', or a checkpoint path")
+    loggers: list[Literal["console", "jsonl", "mlflow"]] = ["console", "jsonl"]
+    device: Literal["auto", "cpu", "cuda"] = "auto"
+
+
+class SFTRunConfig(_Section):
+    """`rlcore sft CONFIG`: supervised fine-tuning whose output folder (`trainer.output_dir/model`)
+    is a Hugging Face model that an RL config's `model.path` can start from."""
+
+    model: ModelConfig
+    data: SFTDataConfig
+    optim: OptimConfig = OptimConfig(lr=1e-5, warmup_steps=10, schedule="cosine", min_lr_ratio=0.1)
+    trainer: SFTTrainerConfig = SFTTrainerConfig()
+    tracking: TrackingConfig = TrackingConfig()
 
 
 def parse_override(text: str) -> tuple[list[str], Any]:
@@ -577,8 +696,15 @@ def config_from_dict(tree: dict[str, Any]) -> Config:
         raise ConfigError(_format_validation_error(err)) from None
 
 
-def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str, ...] = ()) -> Config:
-    """Read a YAML file (optional), apply dotted overrides, validate."""
+def sft_config_from_dict(tree: dict[str, Any]) -> SFTRunConfig:
+    try:
+        return SFTRunConfig.model_validate(tree)
+    except ValidationError as err:
+        raise ConfigError(_format_validation_error(err)) from None
+
+
+def _config_tree(path: str | Path | None, overrides: list[str] | tuple[str, ...]) -> dict[str, Any]:
+    """A YAML file's mapping (optional) with dotted overrides applied, not yet validated."""
     tree: dict[str, Any] = {}
     if path is not None:
         path = Path(path)
@@ -591,10 +717,20 @@ def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str
     for text in overrides:
         parts, value = parse_override(text)
         _apply_override(tree, parts, value)
-    return config_from_dict(tree)
+    return tree
 
 
-def dump_config(config: Config) -> str:
+def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str, ...] = ()) -> Config:
+    """Read a YAML file (optional), apply dotted overrides, validate."""
+    return config_from_dict(_config_tree(path, overrides))
+
+
+def load_sft_config(path: str | Path | None = None, overrides: list[str] | tuple[str, ...] = ()) -> SFTRunConfig:
+    """`load_config` for an SFT run (`rlcore sft`)."""
+    return sft_config_from_dict(_config_tree(path, overrides))
+
+
+def dump_config(config: Config | SFTRunConfig) -> str:
     """The resolved config as YAML, secrets redacted (`rlcore.redact`): the run folder's
     `config.yaml` is read, shared and logged as an MLflow artifact, so it must not carry the
     webhook's credentials. A run reloaded from it gets its secrets from its overrides again."""

@@ -18,6 +18,15 @@ def tiny_example():
     return build_tiny_example(seed=0)
 
 
+@pytest.fixture(scope="session")
+def own_model(tmp_path_factory):
+    """A user's own Qwen2 model, BPE tokenizer with ChatML, two end tokens, verl-schema data and a
+    reward file (tests/own_model.py), built once per session (about a second, no downloads)."""
+    from own_model import build_own_model  # tests/ is on sys.path (pytest rootdir conftest)
+
+    return build_own_model(tmp_path_factory.mktemp("own_model"))
+
+
 def prefect_env(home: Path) -> dict[str, str]:
     """Environment variables that keep a test's Prefect entirely under `home`. Prefect 3.7 derives
     its result storage and memo-store paths from the default home, not from PREFECT_HOME, so

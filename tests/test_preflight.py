@@ -116,6 +116,12 @@ CASES = {
                                        "reward.function", "has no attribute 'score'"),
     "reward module missing": ("grpo", lambda s: ["reward.function=no_such_module_rlcore:score"], "reward.function",
                               "cannot import module"),
+    "a data source nothing scores": ("grpo", lambda s: [f"data.train_files=[{_mine(s, 'mine.parquet')}]"],
+                                     "reward.function", "data_source 'my_task' (data.train_files[0]) has no built-in scorer"),
+    "a validation data source nothing scores": ("grpo", lambda s: [f"data.val_files=[{_mine(s, 'mine.jsonl')}]"],
+                                                "reward.function", "data_source 'my_task' (data.val_files[0])"),
+    "a task_val data source nothing scores": ("dpo", lambda s: [f"preference.task_val_files=[{_mine(s, 'mine.jsonl')}]"],
+                                              "reward.function", "data_source 'my_task' (preference.task_val_files[0])"),
     "resume path missing": ("grpo", lambda s: [f"trainer.resume={s.root / 'no' / 'such'}"], "trainer.resume",
                             "does not exist"),
     "resume not a checkpoint": ("grpo", lambda s: [f"trainer.resume={s.model}"], "trainer.resume",
@@ -129,6 +135,16 @@ CASES = {
     "output dir is a file": ("grpo", lambda s: [f"trainer.output_dir={s.train}"], "trainer.output_dir",
                              "is not a folder"),
 }
+
+
+def _mine(setup: Setup, name: str) -> Path:
+    """RL rows of a data source no built-in scorer knows."""
+    return write_rows([{**rl_row(f"{i}+2=", str(i + 2)), "data_source": "my_task"} for i in range(8)], setup.root / name)
+
+
+def test_a_data_source_with_a_scorer_of_its_own_passes(setup):
+    reward = _file(setup, "mine.py", "def compute_score(data_source, solution_str, ground_truth, extra_info=None):\n    return 0.0\n")
+    preflight(setup.config("grpo", f"data.train_files=[{_mine(setup, 'mine.parquet')}]", f"reward.function={reward}:compute_score"))
 
 
 def _step_dir(setup: Setup, files: dict[str, int] | None, algorithm: str = "grpo") -> Path:

@@ -16,8 +16,10 @@ import torch
 from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
 from transformers import (
     AutoModelForSequenceClassification,
+    AutoTokenizer,
     LlamaConfig,
     LlamaForCausalLM,
+    LlamaForSequenceClassification,
     PreTrainedTokenizerFast,
     Qwen2Config,
     Qwen2ForSequenceClassification,
@@ -54,13 +56,16 @@ def other_tokenizer(chat_template: str | None = CHATML) -> PreTrainedTokenizerFa
                                    unk_token="<|endoftext|>", chat_template=chat_template)
 
 
-def save_qwen2_rm(folder, tokenizer, seed=0):
-    """A random Qwen2 sequence classifier (GQA: 4 heads, 2 KV heads), one label, with `tokenizer`."""
+def save_rm(folder, tokenizer, seed=0, arch="llama"):
+    """A random sequence classifier with grouped-query attention (4 heads, 2 KV heads), one label,
+    with `tokenizer`. A Llama folder keeps a trained tokenizer.json under AutoTokenizer; a Qwen2
+    one is read by Qwen2Tokenizer (other ids: refused at start-up, see the last test)."""
     torch.manual_seed(seed)
-    config = Qwen2Config(vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128, num_labels=1,
-                         pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id)
-    model = Qwen2ForSequenceClassification(config)
+    sizes = dict(vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                 num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128, num_labels=1,
+                 pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id)
+    model = (LlamaForSequenceClassification(LlamaConfig(**sizes)) if arch == "llama"
+             else Qwen2ForSequenceClassification(Qwen2Config(**sizes)))
     with torch.no_grad():
         model.score.weight.normal_(0, 1.0)  # scores far apart, so a wrong reading shows
     model.save_pretrained(folder)
@@ -160,13 +165,13 @@ def _generated(policy_tok, prompts: list[str], responses: list[list[int]]) -> Ba
 
 
 def test_scoring_rerenders_each_conversation_in_the_reward_models_own_template(tmp_path):
-    """Policy: the tiny example's char tokenizer and template; reward model: a Qwen2 with another
+    """Policy: the tiny example's char tokenizer and template; reward model: a GQA Llama with another
     vocabulary (every id differs) and a ChatML template. The scores are those transformers gives
-    the conversation rendered by the reward model's template, the response cut at its first end
-    token: never the policy's ids."""
+    the conversation rendered by the reward model's template (its tokenizer as AutoTokenizer loads
+    it), the response cut at its first end token: never the policy's ids."""
     policy_tok = build_tokenizer()
     rm_tok = other_tokenizer()
-    rm_dir = save_qwen2_rm(tmp_path / "rm", rm_tok)
+    rm_dir = save_rm(tmp_path / "rm", rm_tok)
     config = rl_config(_policy_dir(tmp_path), rm_dir)
     eos = policy_tok.eos_token_id
     enc = lambda text: policy_tok(text, add_special_tokens=False)["input_ids"]  # noqa: E731
@@ -181,7 +186,7 @@ def test_scoring_rerenders_each_conversation_in_the_reward_models_own_template(t
         group.shutdown()
     assert list(out.meta["rm_response_text"]) == ["#### 46", "#### 47", "#### 5"]
     theirs = AutoModelForSequenceClassification.from_pretrained(rm_dir).eval()
-    own_tok = PreTrainedTokenizerFast.from_pretrained(rm_dir)
+    own_tok = AutoTokenizer.from_pretrained(rm_dir)
     for i, (prompt, text) in enumerate(zip(["12+34=", "12+35=", "2+3="], out.meta["rm_response_text"])):
         rendered = own_tok.apply_chat_template([{"role": "user", "content": prompt}, {"role": "assistant", "content": text}],
                                                tokenize=False)
@@ -199,7 +204,7 @@ def test_the_reward_is_the_models_score_and_nonfinite_scores_are_refused_or_skip
     out of the update (mask zeroed) and at the batch's mean reward; the others get exactly
     (score - mean) / std of the batch (the first batch: running stats = its own)."""
     rm_tok = other_tokenizer()
-    rm_dir = save_qwen2_rm(tmp_path / "rm", rm_tok)
+    rm_dir = save_rm(tmp_path / "rm", rm_tok)
     weights = AutoModelForSequenceClassification.from_pretrained(rm_dir)
     with torch.no_grad():
         weights.get_input_embeddings().weight[rm_tok.convert_tokens_to_ids("7")] = float("nan")
@@ -249,7 +254,7 @@ def test_a_folder_that_is_not_a_reward_model_is_refused_naming_the_key(tmp_path)
 
 
 def test_a_reward_model_tokenizer_without_a_chat_template_is_refused_naming_the_key(tmp_path):
-    rm_dir = save_qwen2_rm(tmp_path / "rm", other_tokenizer(chat_template=None))
+    rm_dir = save_rm(tmp_path / "rm", other_tokenizer(chat_template=None))
     config = rl_config(_policy_dir(tmp_path), rm_dir)
     problems = [p for p in preflight_problems(config) if p.startswith("reward_model.path")]
     assert len(problems) == 1 and "no chat template" in problems[0]
@@ -278,3 +283,20 @@ def test_reward_model_settings_a_run_would_ignore_are_refused_at_load(overrides,
     dumped = config_from_dict({"model": {"path": "/m"}, "data": {"train_files": ["t.parquet"]},
                                "reward_model": {"path": "/rm", "rule_weight": 0.5}}).model_dump(mode="json")
     assert config_from_dict(dumped).reward_model.rule_weight == 0.5  # a dumped config loads again
+
+
+def test_a_reward_model_whose_tokenizer_json_autotokenizer_reads_otherwise_is_refused_at_start(tmp_path):
+    """A Qwen2 reward model folder with a trained char-level tokenizer.json: AutoTokenizer builds
+    Qwen2Tokenizer from it (other ids than the file's), so which ids the reward model sees would
+    depend on who loads it; the start-up tokenizer check refuses it, naming reward_model.path."""
+    from rlcore.data.io import write_rows
+    from rlcore.trainer.tokenizer_check import TokenizerMismatchError, check_run_tokenization
+
+    rm_dir = save_rm(tmp_path / "rm", other_tokenizer(), arch="qwen2")
+    data = write_rows([{"data_source": "tiny_arith", "prompt": [{"role": "user", "content": "12+34="}],
+                        "reward_model": {"ground_truth": "46"}}], tmp_path / "train.jsonl")
+    config = config_from_dict({"model": {"path": str(_policy_dir(tmp_path))}, "data": {"train_files": [str(data)]},
+                               "rollout": {"backend": "hf"}, "reward_model": {"path": str(rm_dir)}})
+    with pytest.raises(TokenizerMismatchError, match=r"reward_model.path: .*tokenizer.json loaded as the file and through AutoTokenizer"):
+        check_run_tokenization(config)
+

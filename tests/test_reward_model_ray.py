@@ -9,7 +9,7 @@ import tempfile
 
 import pytest
 import torch
-from test_reward_model import _generated, _policy_dir, other_tokenizer, rl_config, save_qwen2_rm
+from test_reward_model import _generated, _policy_dir, other_tokenizer, rl_config, save_rm
 
 from rlcore.controller import InProcessWorkerGroup
 from rlcore.example.tokenizer import build_tokenizer
@@ -22,7 +22,7 @@ pytestmark = pytest.mark.slow
 def test_reward_model_pool_with_two_ranks_scores_as_one_process(tmp_path):
     from rlcore.controller.ray_backend import RayWorkerGroup, ResourcePool, ensure_ray
 
-    rm_dir = save_qwen2_rm(tmp_path / "rm", other_tokenizer())
+    rm_dir = save_rm(tmp_path / "rm", other_tokenizer())
     config = rl_config(_policy_dir(tmp_path), rm_dir)
     policy_tok = build_tokenizer()
     eos = policy_tok.eos_token_id

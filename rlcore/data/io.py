@@ -88,6 +88,51 @@ def peek_fields(path: str | Path) -> list[str]:
     return list(row)
 
 
+def peek_rows(path: str | Path, n: int, columns: Sequence[str] | None = None) -> list[dict[str, Any]]:
+    """The first `n` rows of a dataset file (only `columns`, when given), read without the rest of
+    it: a sample for start-up checks. Rows that cannot be decoded are left out."""
+    path = check_data_file(path)
+    if n <= 0:
+        return []
+    if path.suffix.lower() in PARQUET:
+        pf = _open_parquet(path)
+        present = None if columns is None else [c for c in columns if c in pf.schema_arrow.names]
+        rows: list[Any] = []
+        try:
+            for batch in pf.iter_batches(batch_size=n, columns=present):
+                rows = [_to_python(r) for r in batch.to_pylist()]
+                break
+        except UnicodeDecodeError:
+            rows = [r for r in _read_parquet(path)[:n] if not isinstance(r, UnreadableRow)]
+    else:
+        rows = []
+        with path.open("rb") as f:
+            for line in f:
+                if len(rows) >= n:
+                    break
+                if line.strip():
+                    rows.append(_parse_json_line(line.removeprefix(_BOM), str(path), len(rows)))
+    picked = [r for r in rows if isinstance(r, dict)]
+    return picked if columns is None else [{k: r[k] for k in columns if k in r} for r in picked]
+
+
+def column_values(path: str | Path, column: str) -> set[Any]:
+    """The distinct values of one top-level field (parquet: that column alone is read), e.g. the
+    data sources a file holds; rows without it or that cannot be decoded are left out."""
+    path = check_data_file(path)
+    if path.suffix.lower() in PARQUET:
+        pf = _open_parquet(path)
+        if column not in pf.schema_arrow.names:
+            return set()
+        try:
+            values = pf.read(columns=[column]).column(column).to_pylist()
+        except UnicodeDecodeError:
+            values = [r.get(column) for r in _read_parquet(path) if isinstance(r, dict)]
+    else:
+        values = [r.get(column) for r in _read_jsonl(path) if isinstance(r, dict)]
+    return {v for v in values if v is not None and not isinstance(v, (list, dict))}
+
+
 # ----------------------------------------------------------------------------- parquet
 def _open_parquet(path: Path) -> Any:
     import pyarrow as pa
@@ -238,4 +283,4 @@ def write_rows(rows: list[dict], path: str | Path) -> Path:
     return path
 
 
-__all__ = ["JSONL", "PARQUET", "check_data_file", "peek_fields", "read_rows", "write_rows"]
+__all__ = ["JSONL", "PARQUET", "check_data_file", "column_values", "peek_fields", "peek_rows", "read_rows", "write_rows"]

@@ -1,6 +1,8 @@
 """Accuracy of a model on a validation file, graded like GSM8K strict (`#### <answer>`).
 
 Plain `model.generate` in batches: this is a yardstick for the example, not the RL rollout path.
+It stops on every end token the model declares (the tokenizer's EOS and the generation config's
+`eos_token_id` list), as the rollout engines do.
 """
 
 from __future__ import annotations
@@ -12,6 +14,7 @@ from typing import Any
 import torch
 
 from rlcore.data.chat import prompt_ids
+from rlcore.workers.tokenizer import cut_at_end
 
 _ANSWER = re.compile(r"#### (\-?[0-9\.\,]+)")
 
@@ -27,6 +30,13 @@ def _load_rows(val_file: str | Path) -> list[dict]:
     from rlcore.data.io import read_rows
 
     return read_rows(val_file)
+
+
+def _generation_eos(model: Any) -> list[int]:
+    """The model's generation-config end tokens (an id or a list; none when unset): for a model
+    loaded from a folder, its generation_config.json's (see rlcore.workers.tokenizer)."""
+    eos = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
+    return [] if eos is None else ([int(eos)] if isinstance(eos, int) else [int(e) for e in eos])
 
 
 def _left_pad(batch_ids: list[list[int]], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -68,6 +78,7 @@ def evaluate_accuracy(
 
         tokenizer = AutoTokenizer.from_pretrained(tokenizer or model_dir_or_model)
     model.eval()
+    end_ids = list(dict.fromkeys([tokenizer.eos_token_id, *_generation_eos(model)]))
     rows = _load_rows(val_file)[:limit]
     n = 1 if greedy else n
     device = next(model.parameters()).device
@@ -87,9 +98,9 @@ def evaluate_accuracy(
             top_k=None,
             num_return_sequences=n,
             pad_token_id=tokenizer.pad_token_id,
-            eos_token_id=tokenizer.eos_token_id,
+            eos_token_id=end_ids,
         )
-        texts = tokenizer.batch_decode(out[:, ids.shape[1]:], skip_special_tokens=True)
+        texts = [tokenizer.decode(cut_at_end(row.tolist(), end_ids), skip_special_tokens=True) for row in out[:, ids.shape[1]:]]
         for i, row in enumerate(chunk):
             truth = str(row["reward_model"]["ground_truth"]).replace(",", "")
             hits = [extract_answer(t) == truth for t in texts[i * n:(i + 1) * n]]

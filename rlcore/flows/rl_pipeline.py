@@ -1,6 +1,8 @@
-"""rl_pipeline: data_prep -> train -> evaluate -> promote, one MLflow run with a nested run per
-stage. Task retries (train resumes from its newest checkpoint), timeouts, and data_prep cached by
-input fingerprint. Runs on any data file an `rlcore.data.arrived` event names (`data_path`).
+"""rl_pipeline: data_prep -> [sft] -> [reward model] -> train -> evaluate -> promote, one MLflow run with a nested run
+per stage. With `sft` (an SFT data file and/or config), the base model is first fine-tuned on it
+(`rlcore sft`'s recipe) and RL starts from, and measures KL against, that warm start. Task
+retries (train resumes from its newest checkpoint), timeouts, and data_prep cached by input
+fingerprint. Runs on any data file an `rlcore.data.arrived` event names (`data_path`).
 
 `reward="model"` is classic RLHF: after data_prep, a reward model is trained on preference pairs
 (`reward_config_path`, a config with `algorithm.name: rm`), evaluated against the champion reward
@@ -28,7 +30,7 @@ from rlcore.flows.reward_model import (
     reward_model_in_use_task,
     train_reward_model_task,
 )
-from rlcore.flows.train import champion_task, train_task
+from rlcore.flows.train import champion_task, sft_task, train_task
 from rlcore.lifecycle import rm_plan, stages
 from rlcore.lifecycle.automations import failures_notified_by_server
 
@@ -57,13 +59,17 @@ def rl_pipeline(
     workdir: str = "runs/pipeline",
     val_fraction: float = 0.1,
     run_name: str | None = None,
+    sft: dict[str, Any] | None = None,
     reward: str = "rule",
     reward_config_path: str | None = None,
     reward_overrides: list[str] | None = None,
 ) -> dict[str, Any]:
     """`example=True` points the config at the built-in tiny example (before `overrides`; and the
-    reward model's config at its preference set). `reward`: "rule" (the config's reward) or "model"
-    (train and gate a reward model first, see the module's doc)."""
+    reward model's config at its preference set).
+    `sft`: {"data_path", "config_path", "overrides"} of a supervised warm start (see
+    `rlcore.lifecycle.stages.sft_stage`); None: RL starts from `model.path` as given.
+    `reward`: "rule" (the config's reward) or "model" (train and gate a reward model first, see the
+    module's doc)."""
     base = example_overrides() if example else []
     rm_config = None
     if reward == "model":
@@ -83,6 +89,9 @@ def rl_pipeline(
         prepared = prepare_data_task(tree, workdir, val_fraction, ctx)
         if not (Path(prepared["train_file"]).is_file() and Path(prepared["val_file"]).is_file()):
             prepared = prepare_data_task.with_options(refresh_cache=True)(tree, workdir, val_fraction, ctx)
+        if sft:
+            warm = sft_task(tree, sft, workdir, ctx)
+            tree = {**tree, "model": {**tree["model"], "path": warm["model_dir"]}}
         reward_model = rm_promotion = None
         if rm_config is not None:
             rm_tree = rm_config.model_dump(mode="json")
@@ -102,6 +111,8 @@ def rl_pipeline(
             if train["model_logged"]:  # a version's files are the train run's `model` artifact
                 promotion = promote_task(tree, train, evaluation, prepared, workdir, ctx)
         summary = stages.summarize(ctx, prepared, train, evaluation, promotion, champion, workdir)
+        if sft:
+            summary["sft_model"] = warm["model_dir"]
         if rm_config is not None:
             summary.update(reward_model=reward_model["uri"] if reward_model else None,
                            reward_model_version=rm_promotion["version"] if rm_promotion else None,

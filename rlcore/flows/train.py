@@ -18,6 +18,12 @@ def train_task(config: dict[str, Any], prepared: dict[str, Any], workdir: str, c
     return stages.train_stage(config_from_dict(config), prepared, workdir, ctx, champion, reward_model)
 
 
+@task(name="sft", retries=1, retry_delay_seconds=5, retry_condition_fn=retry_if_transient, timeout_seconds=6 * 3600, cache_policy=None)
+def sft_task(config: dict[str, Any], sft: dict[str, Any], workdir: str, ctx: dict[str, Any]) -> dict[str, Any]:
+    """The supervised warm start (reused when its inputs were trained on before; a retry resumes)."""
+    return stages.sft_stage(config_from_dict(config), sft, workdir, ctx)
+
+
 @task(name="champion", retries=2, retry_delay_seconds=2, retry_condition_fn=retry_if_transient, cache_policy=None)
 def champion_task(config: dict[str, Any], workdir: str) -> dict[str, Any] | None:
     return stages.champion_stage(config_from_dict(config), workdir)

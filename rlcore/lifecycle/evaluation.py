@@ -2,7 +2,7 @@
 response length, computed the same way for a candidate and for the champion.
 
 Decoding is greedy (deterministic: two evaluations of one model agree exactly) through the same
-rollout engine, prompt rendering and reward functions as training, so an evaluation number means
+rollout engine, prompt rendering, end tokens and reward functions as training, so an evaluation number means
 what the training curves mean. KL is exact per token: the full next-token distributions of the
 evaluated model and the reference, compared along the evaluated model's own responses, averaged
 over response tokens.
@@ -22,7 +22,7 @@ from rlcore.protocol import Batch
 from rlcore.rewards import RewardScorer, ScoreItem
 from rlcore.rollout import HFRolloutEngine, SamplingParams
 from rlcore.tracking import progress
-from rlcore.workers.tokenizer import load_tokenizer
+from rlcore.workers.tokenizer import cut_at_end, end_token_ids, load_tokenizer, pad_token_id
 
 
 @dataclass
@@ -90,9 +90,8 @@ def evaluate_model(
     if limit is not None:
         dataset.items = dataset.items[:limit]
     loader = PromptLoader(dataset, batch_size=min(batch_size, len(dataset)), seed=0, shuffle=False, drop_last=False)
-    eos = tokenizer.eos_token_id
-    engine = HFRolloutEngine.from_pretrained(model_dir, pad_token_id=tokenizer.pad_token_id if tokenizer.pad_token_id is not None else eos,
-                                             eos_token_ids=[eos])
+    end_ids = end_token_ids(model_dir)  # every end token it declares, as in training and in vLLM
+    engine = HFRolloutEngine.from_pretrained(model_dir, pad_token_id=pad_token_id(model_dir), eos_token_ids=end_ids)
     reference = _load_lm(reference_dir) if reference_dir is not None else None
     params = SamplingParams(n=1, do_sample=False, max_new_tokens=max_new_tokens, seed=0)
     scores: list[float] = []
@@ -104,7 +103,8 @@ def evaluate_model(
         for batch in loader.epoch_batches():
             gen = engine.generate(batch, params)
             lengths = gen["response_mask"].sum(-1).long().tolist()
-            texts = [tokenizer.decode(row[:n].tolist(), skip_special_tokens=True) for row, n in zip(gen["responses"], lengths)]
+            texts = [tokenizer.decode(cut_at_end(row[:n].tolist(), end_ids), skip_special_tokens=True)
+                     for row, n in zip(gen["responses"], lengths)]
             items = [ScoreItem(str(ds), text, str(gt), ei if isinstance(ei, dict) else None)
                      for ds, text, gt, ei in zip(gen.meta["data_source"], texts, gen.meta["ground_truth"], gen.meta["extra_info"])]
             result = scorer.score(items)

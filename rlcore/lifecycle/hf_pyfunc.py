@@ -33,14 +33,12 @@ REQUIREMENTS = ("torch", "transformers", "tokenizers", "safetensors", "pandas")
 
 
 def _load_tokenizer(folder: Path) -> Any:
-    """A trained tokenizer.json loads as itself (AutoTokenizer may swap in the architecture's own
-    class, with other ids): the same rule as rlcore.workers.tokenizer."""
-    from transformers import AutoTokenizer, PreTrainedTokenizerFast
+    """AutoTokenizer, as vLLM and users' code load it, with a pad token: the same rule as
+    rlcore.workers.tokenizer (this file imports nothing from rlcore, so the rule is repeated here,
+    on purpose)."""
+    from transformers import AutoTokenizer
 
-    if (folder / "tokenizer.json").is_file():
-        tok = PreTrainedTokenizerFast.from_pretrained(folder, local_files_only=True)
-    else:
-        tok = AutoTokenizer.from_pretrained(folder, local_files_only=True)
+    tok = AutoTokenizer.from_pretrained(folder, local_files_only=True)
     if tok.pad_token_id is None:
         tok.pad_token = tok.eos_token
     return tok
@@ -59,6 +57,12 @@ class TextGenerator:
         tok.padding_side = "left"
         self.tokenizer = tok
         self.model = AutoModelForCausalLM.from_pretrained(folder, local_files_only=True, dtype=torch.float32).eval()
+        # Every end token the model declares (the tokenizer's EOS and generation_config's list),
+        # as rlcore.workers.tokenizer.end_token_ids: passing only the tokenizer's to `generate`
+        # would replace the generation config's list.
+        declared = self.model.generation_config.eos_token_id
+        declared = [] if declared is None else [declared] if isinstance(declared, int) else list(declared)
+        self.end_token_ids = list(dict.fromkeys([i for i in [tok.eos_token_id, *declared] if i is not None]))
 
     def render(self, prompt: str, chat_template: bool = True) -> tuple[str, bool]:
         """(text, templated): the prompt as one user message through the chat template, or as is."""
@@ -70,7 +74,8 @@ class TextGenerator:
 
     def generate(self, prompts: Sequence[str], max_new_tokens: int = DEFAULT_MAX_NEW_TOKENS,
                  chat_template: bool = True) -> list[str]:
-        """The greedy completion of each prompt (new text only, special tokens dropped)."""
+        """The greedy completion of each prompt, up to its first end token (new text only, special
+        tokens dropped)."""
         import torch
 
         tok = self.tokenizer
@@ -82,8 +87,13 @@ class TextGenerator:
         with torch.no_grad():
             out = self.model.generate(input_ids=input_ids, attention_mask=attention_mask, do_sample=False,
                                       max_new_tokens=int(max_new_tokens), pad_token_id=tok.pad_token_id,
-                                      eos_token_id=tok.eos_token_id)
-        return [tok.decode(row[width:], skip_special_tokens=True) for row in out]
+                                      eos_token_id=self.end_token_ids)
+        return [tok.decode(self._cut(row[width:].tolist()), skip_special_tokens=True) for row in out]
+
+    def _cut(self, ids: list[int]) -> list[int]:
+        """Up to the first end token (as rlcore.workers.tokenizer.cut_at_end)."""
+        ends = set(self.end_token_ids)
+        return next((ids[:i] for i, t in enumerate(ids) if t in ends), ids)
 
     def predict(self, model_input: Any, params: dict[str, Any] | None = None) -> list[str]:
         """pyfunc's entry point: a string, a list of strings, or a one-column DataFrame."""

@@ -1,4 +1,4 @@
-"""The pipeline's stages as plain functions: data prep -> train -> evaluate -> promote.
+"""The pipeline's stages as plain functions: data prep -> [SFT warm start] -> train -> evaluate -> promote.
 
 `rlcore.flows` wraps each in a Prefect task (retries, timeouts, caching) and composes them; here is
 everything they do, testable without Prefect. Stages exchange JSON-able dicts (Prefect persists
@@ -19,7 +19,7 @@ import traceback
 from pathlib import Path
 from typing import Any
 
-from rlcore.config import Config, config_from_dict, load_config
+from rlcore.config import Config, SFTRunConfig, config_from_dict, load_config, load_sft_config, sft_config_from_dict
 from rlcore.lifecycle.data_prep import prepare_dataset
 from rlcore.lifecycle.evaluation import evaluate_model
 from rlcore.lifecycle.fingerprint import files_fingerprint
@@ -202,6 +202,64 @@ def prepare_data_stage(config: Config, workdir: str | Path, val_fraction: float 
         store.end_run(run_id)
         store.set_tags(ctx["run_id"], {"dataset_fingerprint": prepared.fingerprint})
     return {**prepared.to_dict(), "input_fingerprint": key}
+
+
+# ---------------------------------------------------------------------- SFT warm start
+def sft_stage_config(config: Config, sft: dict[str, Any], workdir: str | Path) -> SFTRunConfig:
+    """The warm start's SFT config: `sft["config_path"]` (else the SFT defaults) from the RL
+    config's `model.path`, on `sft["data_path"]` when given, then `sft["overrides"]`; its output
+    folder is keyed by what decides the result (data content, settings, base model), so a later
+    pipeline run on the same inputs reuses it, and its reference model stays the same."""
+    overrides = [f"model.path={config.model.path}"]
+    if sft.get("data_path"):
+        overrides.append(f"data.train_files=[{sft['data_path']}]")
+    overrides += list(sft.get("overrides") or [])
+    first = load_sft_config(sft.get("config_path"), overrides)
+    tree = first.model_dump(mode="json")
+    tree["trainer"].pop("output_dir")
+    tree.pop("tracking")
+    key = files_fingerprint([*first.data.train_files, *first.data.val_files],
+                            extra={"sft": tree, "base_model": str(Path(first.model.path).resolve())})
+    return load_sft_config(sft.get("config_path"), [*overrides, f"trainer.output_dir={Path(workdir) / 'sft' / key[:16]}"])
+
+
+def sft_stage(config: Config, sft: dict[str, Any], workdir: str | Path, ctx: dict[str, Any] | None = None) -> dict[str, Any]:
+    """Supervised warm start of the base model (`rlcore.trainer.sft`): the RL stages then start
+    from its output, which is also the reference their KL is measured against. Done once per
+    inputs (a finished output folder is reused); a retried stage resumes from its checkpoints."""
+    from rlcore.trainer.sft import MODEL, run_sft_config
+
+    sft_config = sft_stage_config(config, sft, workdir)
+    out = Path(sft_config.trainer.output_dir)
+    done = out / MODEL
+    result: dict[str, Any] = {"model_dir": str(done.resolve()), "output_dir": str(out.resolve()),
+                              "base_model": str(Path(config.model.path).resolve()), "cached": (done / "config.json").is_file()}
+    if result["cached"]:
+        _announce(f"SFT warm start: reusing {done} (same data, settings and base model)")
+        return result
+    run_id = None
+    if ctx is not None:
+        store = open_store(config, workdir)
+        run_id = store.start_run("sft", ctx["run_id"], {**stage_tags(ctx, "sft"), "base_model": result["base_model"]})
+        loggers = list(sft_config.trainer.loggers) + ([] if "mlflow" in sft_config.trainer.loggers else ["mlflow"])
+        tree = sft_config.model_dump(mode="json")
+        tree["trainer"]["loggers"] = loggers
+        tree["tracking"].update(mlflow_uri=store.tracking_uri, run_id=run_id)
+        sft_config = sft_config_from_dict(tree)
+    try:
+        model_dir, history = run_sft_config(sft_config)
+    except BaseException as err:
+        if run_id is not None:
+            store.set_tags(run_id, {"failure": str(err)[:4000]})
+            store.end_run(run_id, "FAILED")
+        raise
+    last = history[-1] if history else {}
+    result.update(steps=last.get("step", 0), **{k.replace("/", "_"): v for k, v in last.items() if k.endswith("/loss")})
+    if run_id is not None:
+        store.set_tags(run_id, {"model_dir": result["model_dir"]})
+        store.end_run(run_id)
+        result["run_id"] = run_id
+    return result
 
 
 # ---------------------------------------------------------------------- champion
@@ -473,5 +531,5 @@ def summarize(ctx: dict[str, Any], prepared: dict[str, Any], train: dict[str, An
 __all__ = [
     "PIPELINE_TAG", "STAGE_TAG", "champion_stage", "data_prep_key", "evaluate_stage", "fail_pipeline", "finish_pipeline",
     "load_pipeline_config", "new_run_name", "open_store", "prefect_flow_run", "prepare_data_stage", "promote_stage",
-    "stage_tags", "start_pipeline", "summarize", "train_stage", "version_description",
+    "sft_stage", "sft_stage_config", "stage_tags", "start_pipeline", "summarize", "train_stage", "version_description",
 ]

@@ -207,6 +207,15 @@ def _read_json(path: Path) -> dict[str, Any]:
     return json.loads(path.read_text()) if path.is_file() else {}
 
 
+def vllm_tokenizer(path: str) -> Any:
+    """The tokenizer vLLM builds for a model folder (`vllm.tokenizers.get_tokenizer`: what its
+    engine and its OpenAI server tokenize text prompts with). The rollout engine itself takes ids
+    and starts without one; `rlcore.trainer.tokenizer_check` compares it with rlcore's."""
+    from vllm.tokenizers import get_tokenizer
+
+    return get_tokenizer(path)
+
+
 class VLLMRolloutEngine:
     """`RolloutEngine` over an in-process `vllm.LLM`. See the module docstring for the choices."""
 
@@ -394,8 +403,9 @@ class VLLMRolloutEngine:
             max_tokens=params.max_new_tokens,
             logprobs=0,
             stop_token_ids=self.eos_token_ids,
-            # Stop on exactly our EOS ids: without this vLLM adds the checkpoint's
-            # generation_config eos ids to the stop set even when we were given others.
+            # Stop on exactly `eos_token_ids`, the engine's whole stop set: the rollout worker
+            # passes every end token the model declares (tokenizer and generation_config, as the HF
+            # backend stops on them); vLLM's own EOS logic is off so that the set given is the set used.
             ignore_eos=True,
             detokenize=False,
             skip_special_tokens=False,

@@ -2,12 +2,14 @@
 
 `rlcore.config` already refuses unknown keys, bad values and unknown registry names (estimators,
 losses, KL types) at load. What it cannot know is whether the things the config *points at* are
-there and usable: the model folder, the data files, the reward function, the checkpoint to resume,
-the critic's model. Without this, each of those failed only after the models loaded and a
-generation ran, behind a traceback from the library that tripped over it ("Repo id must be in the
-form..." for a missing model folder). `preflight` checks them all in one pass, with file-level
-reads only (no model, no tokenizer, no full data read; the loaders validate every row before any
-model loads), and reports every problem at once, each naming its config key.
+there and usable: the model folder, the data files, the reward function (or a built-in scorer for
+every data source the data holds), the checkpoint to resume, the critic's model. Without this,
+each of those failed only after the models loaded and a generation ran, behind a traceback from
+the library that tripped over it ("Repo id must be in the form..." for a missing model folder),
+or, for a data source nothing scores, not at all: every sample scored 0 and the run trained on
+nothing. `preflight` checks them all in one pass, with file-level reads only (no model, no
+tokenizer; of the data, the schema and the data_source column; the loaders validate every row
+before any model loads), and reports every problem at once, each naming its config key.
 
 `rlcore.trainer.run.make_trainer` calls it first, so `rlcore train`, the pipeline and any script
 that builds a trainer get it.
@@ -23,11 +25,12 @@ from pathlib import Path
 from typing import Any
 
 from rlcore.checkpoint import MANIFEST, CheckpointError, step_of
-from rlcore.config import Config
-from rlcore.data import RL_FIELDS, DatasetError, peek_fields
+from rlcore.config import Config, SFTRunConfig
+from rlcore.data import RL_FIELDS, DatasetError, column_values, peek_fields
 from rlcore.data.preference import PREFERENCE_FIELDS
 from rlcore.errors import RLCoreError
-from rlcore.rewards.registry import load_reward_fn, resolve_spec
+from rlcore.rewards.registry import builtin_data_sources, load_reward_fn, resolve_spec
+from rlcore.workers.ulysses import head_problem
 
 log = logging.getLogger(__name__)
 
@@ -69,10 +72,36 @@ def preflight_problems(config: Config) -> list[str]:
         problems += reward_model_problems("reward_model.path", config.reward_model.path)
     if config.algorithm.name == "rm" and not problems:  # the reward model to train renders with model.path's template
         problems += chat_template_problems("model.path", config.model.path)
+    problems += sequence_parallel_problems(config)
     problems += data_problems(config)
     problems += reward_problems(config.reward.function)
+    problems += scorer_problems(config)
     problems += resume_problems(config.trainer.resume, config.algorithm.name)
     problems += output_dir_problems(config.trainer.output_dir)
+    return problems
+
+
+def sequence_parallel_problems(config: Config) -> list[str]:
+    """A sequence-parallel size the model's attention heads cannot be split by (read from its
+    config.json; an unreadable one is reported by `model_folder_problems`)."""
+    roles = [("actor", config.actor.ulysses_sequence_parallel_size, config.model.path)]
+    if config.algorithm.name == "ppo":
+        roles.append(("critic", config.critic_sequence_parallel_size, config.critic.model_path or config.model.path))
+    problems = []
+    for role, size, path in roles:
+        if size == 1:
+            continue
+        try:
+            model_config = json.loads((Path(path) / "config.json").read_text(encoding="utf-8"))
+            text = model_config.get("text_config", model_config)
+            heads = int(text["num_attention_heads"])
+            kv_heads = int(text.get("num_key_value_heads") or heads)
+        except (OSError, ValueError, KeyError, TypeError, AttributeError):
+            continue
+        problem = head_problem(heads, kv_heads, size)
+        if problem:
+            problems.append(f"{role}.ulysses_sequence_parallel_size={size}: {problem} ({path}; Ulysses splits "
+                            "attention heads over the sequence-parallel ranks)")
     return problems
 
 
@@ -206,6 +235,42 @@ def reward_problems(spec: str | None) -> list[str]:
     return []
 
 
+def scorer_problems(config: Config) -> list[str]:
+    """Without `reward.function`, every `data_source` in the run's RL-schema data must have a
+    built-in scorer: otherwise each of its samples would score `reward.error_score` and the run
+    would train on nothing. Reads the `data_source` column only; one line per unknown source."""
+    if config.reward.function is not None:
+        return []
+    keyed = rl_schema_files(config)
+    sources: dict[str, str] = {}
+    for key, file in keyed:
+        try:
+            if not all(name in peek_fields(file) for name in RL_FIELDS):
+                continue  # data_problems names what the file lacks
+            found = column_values(file, "data_source")
+        except DatasetError:
+            continue  # data_problems names the file
+        for source in sorted(map(str, found)):
+            sources.setdefault(source, key)
+    known = set(builtin_data_sources())
+    return [f"reward.function: not set, and data_source {source!r} ({key}) has no built-in scorer (built-in: "
+            f"{', '.join(sorted(known))}); give yours as reward.function: 'path/to/file.py:compute_score' or "
+            f"'module:function', called as compute_score(data_source, solution_str, ground_truth, extra_info) (verl's "
+            f"signature), returning a number or a dict with a 'score'"
+            for source, key in sources.items() if source not in known]
+
+
+def rl_schema_files(config: Config) -> list[tuple[str, str]]:
+    """(config key, file) of the data whose rows are scored by the reward: RL prompts (GRPO, PPO),
+    or the preference runs' task validation prompts."""
+    if config.algorithm.name == "rm":  # a reward model learns from pairs: no rule scorer runs
+        return []
+    if config.algorithm.name in ("dpo", "kto"):
+        return [(f"preference.task_val_files[{i}]", f) for i, f in enumerate(config.preference.task_val_files)]
+    return ([(f"data.train_files[{i}]", f) for i, f in enumerate(config.data.train_files)]
+            + [(f"data.val_files[{i}]", f) for i, f in enumerate(config.data.val_files)])
+
+
 def resume_problems(resume: str, algorithm: str) -> list[str]:
     """An explicit `trainer.resume` path: a complete checkpoint folder of this algorithm (every
     file its manifest lists, at its size; the full SHA-256 check runs at the resume itself)."""
@@ -241,6 +306,25 @@ def resume_problems(resume: str, algorithm: str) -> list[str]:
     return []
 
 
+def sft_preflight(config: SFTRunConfig) -> None:
+    """`preflight` for an SFT run (`rlcore sft`): the model folder, the data files (a messages
+    column, or prompt and response columns), the checkpoint to resume and the output folder."""
+    problems = model_folder_problems("model.path", config.model.path, tokenizer=True)
+    data = config.data
+    problems += [] if data.train_files else ["data.train_files: empty (give at least one .parquet or .jsonl file)"]
+    needed = [(data.messages_key,), (data.prompt_key, data.response_key)]
+    for key, files in (("data.train_files", data.train_files), ("data.val_files", data.val_files)):
+        for i, file in enumerate(files):
+            problem = data_file_problem(f"{key}[{i}]", file, needed)
+            if problem is not None:
+                problems.append(problem)
+    problems += [p.replace("this run is algorithm.name=sft", "this is an SFT run")
+                 for p in resume_problems(config.trainer.resume, "sft")]
+    problems += output_dir_problems(config.trainer.output_dir)
+    if problems:
+        raise PreflightError(problems)
+
+
 def output_dir_problems(output_dir: str) -> list[str]:
     """`trainer.output_dir` is a folder, or can be made one."""
     path = Path(output_dir)
@@ -258,4 +342,4 @@ def output_dir_problems(output_dir: str) -> list[str]:
     return []
 
 
-__all__ = ["PreflightError", "preflight", "preflight_problems"]
+__all__ = ["PreflightError", "preflight", "preflight_problems", "sft_preflight"]

@@ -9,10 +9,14 @@ from rlcore.config import Config
 
 def make_trainer(config: Config, **kwargs: Any) -> Any:
     """The recipe of `algorithm.name`; kwargs go to it (`groups`, `step_hooks`). Everything the
-    config names is checked first (`rlcore.trainer.preflight`), before any model loads."""
+    config names is checked first (`rlcore.trainer.preflight`), then that rlcore tokenizes the
+    data's prompts as the serving side does (`rlcore.trainer.tokenizer_check`), before any model
+    loads."""
     from rlcore.trainer.preflight import preflight
+    from rlcore.trainer.tokenizer_check import check_run_tokenization
 
     preflight(config)
+    check_run_tokenization(config)
     name = config.algorithm.name
     if name == "ppo":
         from rlcore.trainer.ppo import PPOTrainer

@@ -64,7 +64,7 @@ class RLValidator:
         scores, accs, uids, sources, answers = [], [], [], [], []
         for prompts in self.loader.epoch_batches():
             gen = generate(groups, prompts, val_sampling(self.config, step), policy_version, timer)
-            gen, _ = score(groups, gen, timer, self.config.reward.error_score)
+            gen, _ = score(groups, gen, timer, self.config.reward)
             scores.append(gen["scores"])
             accs.append(gen["acc"])
             uids.extend(str(u) for u in gen.meta["uid"])

@@ -1,4 +1,8 @@
-"""Reward worker: decode responses, score them in parallel under timeouts, place token rewards."""
+"""Reward worker: decode responses, score them in parallel under timeouts, place token rewards.
+
+A response is decoded up to its first end token (any the model declares, see
+`rlcore.workers.tokenizer`), so a scorer sees what the model said, never what follows an end token
+(rollouts stop there; a response from elsewhere may run on)."""
 
 from __future__ import annotations
 
@@ -9,7 +13,7 @@ from rlcore.config import Config
 from rlcore.controller import Dispatch, Worker, register
 from rlcore.protocol import Batch
 from rlcore.rewards import RewardScorer, ScoreItem, scores_to_token_rewards
-from rlcore.workers.tokenizer import load_tokenizer
+from rlcore.workers.tokenizer import cut_at_end, end_token_ids, load_tokenizer
 
 
 class RewardWorker(Worker):
@@ -20,13 +24,15 @@ class RewardWorker(Worker):
     def setup(self) -> None:
         cfg = self.config.reward
         self.tokenizer = load_tokenizer(self.config.model.path)
+        self.end_ids = end_token_ids(self.config.model.path)
         self.scorer = RewardScorer(cfg.function, num_workers=cfg.num_workers, timeout_s=cfg.timeout_s,
                                    error_score=cfg.error_score, clip=cfg.clip)
 
     def decode_responses(self, batch: Batch) -> list[str]:
         responses = batch["responses"]
         lengths = batch["response_mask"].sum(-1).long().tolist()
-        return [self.tokenizer.decode(row[:n].tolist(), skip_special_tokens=True) for row, n in zip(responses, lengths)]
+        return [self.tokenizer.decode(cut_at_end(row[:n].tolist(), self.end_ids), skip_special_tokens=True)
+                for row, n in zip(responses, lengths)]
 
     @register(dispatch=Dispatch.RANK_ZERO)
     def compute_reward(self, batch: Batch) -> Batch:

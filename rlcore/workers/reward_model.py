@@ -15,7 +15,6 @@ way transformers' own forward reads it: the score head on each sequence's last n
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
@@ -47,7 +46,7 @@ from rlcore.workers.modeling import compute_precision, load_sequence_classifier,
 from rlcore.workers.optim import build_optimizer, build_scheduler
 from rlcore.workers.packed import forward_token_metrics
 from rlcore.workers.ranks import global_sum
-from rlcore.workers.tokenizer import load_tokenizer
+from rlcore.workers.tokenizer import cut_at_end, end_token_ids, load_tokenizer
 from rlcore.workers.trainable import Trainable
 
 ROLE = "reward_model"
@@ -57,24 +56,12 @@ class RewardModelInputError(RLCoreError, ValueError):
     """The reward model cannot render a conversation (no chat template); names the setting."""
 
 
-def end_token_ids(tokenizer: Any, model_dir: str | Path) -> set[int]:
-    """The tokens that end a policy's response: its tokenizer's EOS and its generation config's."""
-    ids = {int(tokenizer.eos_token_id)} if tokenizer.eos_token_id is not None else set()
-    gen_file = Path(model_dir) / "generation_config.json"
-    if gen_file.is_file():
-        eos = json.loads(gen_file.read_text()).get("eos_token_id")
-        ids |= {int(e) for e in ([eos] if isinstance(eos, int) else eos or [])}
-    return ids
-
-
-def decode_responses(responses: torch.Tensor, response_mask: torch.Tensor, tokenizer: Any, end_ids: set[int]) -> list[str]:
-    """Each generated response as text, cut before its first end token (special tokens dropped)."""
-    texts = []
-    for row, n in zip(responses.tolist(), response_mask.sum(-1).long().tolist()):
-        ids = row[:n]
-        cut = next((i for i, t in enumerate(ids) if t in end_ids), len(ids))
-        texts.append(tokenizer.decode(ids[:cut], skip_special_tokens=True))
-    return texts
+def decode_responses(responses: torch.Tensor, response_mask: torch.Tensor, tokenizer: Any, end_ids: list[int]) -> list[str]:
+    """Each generated response as text, cut before its first end token (special tokens dropped),
+    as the rule scorer reads it (`rlcore.workers.reward`)."""
+    lengths = response_mask.sum(-1).long().tolist()
+    return [tokenizer.decode(cut_at_end(row[:n], end_ids), skip_special_tokens=True)
+            for row, n in zip(responses.tolist(), lengths)]
 
 
 @dataclass(frozen=True)
@@ -260,7 +247,7 @@ class RewardModelWorker(Worker):
             model.requires_grad_(False)
             model = shard_model(model, self.device)
             self.policy_tokenizer = load_tokenizer(cfg.model.path)
-            self.end_ids = end_token_ids(self.policy_tokenizer, cfg.model.path)
+            self.end_ids = end_token_ids(cfg.model.path)
         self.reader.model = model
 
     @property
@@ -318,5 +305,5 @@ class RewardModelWorker(Worker):
 
 __all__ = [
     "BradleyTerryObjective", "Encoded", "RewardModelInputError", "RewardModelReader", "RewardModelWorker",
-    "decode_responses", "encode_conversations", "end_token_ids", "open_reward_model", "pair_metrics", "rm_settings",
+    "decode_responses", "encode_conversations", "open_reward_model", "pair_metrics", "rm_settings",
 ]

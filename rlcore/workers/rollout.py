@@ -11,7 +11,7 @@ from rlcore.controller import Dispatch, Worker, register
 from rlcore.protocol import Batch
 from rlcore.rollout import SamplingParams, make_rollout_engine, resolve_backend
 from rlcore.workers.modeling import resolve_device
-from rlcore.workers.tokenizer import load_tokenizer
+from rlcore.workers.tokenizer import end_token_ids, pad_token_id
 
 
 class RolloutWorker(Worker):
@@ -24,8 +24,6 @@ class RolloutWorker(Worker):
 
     def setup(self, model_path: str | None = None) -> None:
         cfg = self.config
-        tokenizer = load_tokenizer(cfg.model.path)
-        eos = tokenizer.eos_token_id
         backend = resolve_backend(cfg.rollout.backend)
         engine_kwargs = {}
         if backend == "vllm":
@@ -36,8 +34,10 @@ class RolloutWorker(Worker):
             path=model_path or cfg.model.path,
             dtype=cfg.rollout.dtype or cfg.model.dtype,
             device=str(self.device),
-            pad_token_id=tokenizer.pad_token_id if tokenizer.pad_token_id is not None else eos,
-            eos_token_ids=[eos],
+            pad_token_id=pad_token_id(cfg.model.path),
+            # every end token the model declares (tokenizer and generation_config), as vLLM and
+            # transformers' generate stop on them; the run's model.path is the tokenizer's folder
+            eos_token_ids=end_token_ids(cfg.model.path),
             **engine_kwargs,
         )
         self.backend = backend

@@ -1,0 +1,188 @@
+"""Supervised fine-tuning data in verl's SFT schema, tokenized with the loss on the response only.
+
+Two row shapes, chosen per file by its columns (keys configurable, `data.*_key`):
+
+- prompt/response: `prompt` is chat messages or a string, rendered exactly as RL prompts are
+  (`rlcore.data.chat`: the chat template with its generation prompt; a string as is), so the
+  model learns to answer the prompt it will be sampled with; `response` is a string, followed by
+  the tokenizer's EOS unless it already ends with one of the model's end tokens. Labels cover the
+  response (and that EOS).
+- messages: a multi-turn conversation `[{role, content}, ...]` rendered through the chat template;
+  every assistant turn is trained on (its content and the template's closing tokens), the rest is
+  context. Each assistant turn's prefix is the template's generation prompt, as at sampling time.
+
+Bad rows are reported all at once, each naming file, row and field (or skipped and counted).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Literal
+
+from rlcore.data.chat import has_chat_template, prompt_ids
+from rlcore.data.io import peek_fields, read_rows
+from rlcore.data.schema import ROLES, BadRowPolicy, DataError, DatasetError, DataValidationError, UnreadableRow
+
+log = logging.getLogger(__name__)
+
+IGNORE_INDEX = -100  # the label of a token the loss skips (prompt, padding), as in transformers
+Truncation = Literal["error", "drop", "right"]
+
+
+@dataclass(frozen=True)
+class SFTExample:
+    input_ids: list[int]
+    labels: list[int]  # IGNORE_INDEX where the loss does not look
+    file: str = ""
+    row: int = -1
+
+    @property
+    def num_targets(self) -> int:
+        """Tokens the loss is taken on (a label at position t is predicted from the tokens before it)."""
+        return sum(label != IGNORE_INDEX for label in self.labels[1:])
+
+
+def tokenize_prompt_response(prompt: str | list[dict[str, str]], response: str, tokenizer: Any,
+                             apply_chat_template: bool = True, end_ids: Sequence[int] | None = None) -> tuple[list[int], list[int]]:
+    """(input ids, labels) of a prompt/response row; labels are IGNORE_INDEX on the prompt.
+
+    The response is followed by the tokenizer's EOS so the model learns to stop, unless it already
+    ends with one of `end_ids` (default: the EOS alone), e.g. "yellow<|endoftext|>".
+    """
+    _, p_ids = prompt_ids(prompt, tokenizer, apply_chat_template)
+    r_ids = list(tokenizer(response, add_special_tokens=False)["input_ids"])
+    eos = tokenizer.eos_token_id
+    ends = set(end_ids) if end_ids is not None else {eos}
+    if eos is not None and not (r_ids and r_ids[-1] in ends):
+        r_ids.append(eos)
+    return p_ids + r_ids, [IGNORE_INDEX] * len(p_ids) + r_ids
+
+
+def tokenize_messages(messages: list[dict[str, str]], tokenizer: Any) -> tuple[list[int], list[int]]:
+    """(input ids, labels) of a conversation; labels cover each assistant turn after its
+    generation prompt. Raises ValueError when there is no assistant turn, no chat template, or a
+    template that does not render a conversation as the concatenation of its turns."""
+    if not has_chat_template(tokenizer):
+        raise ValueError("a messages row needs a chat template (the tokenizer has none)")
+    msgs = [{"role": str(m["role"]), "content": str(m["content"])} for m in messages]
+    if not any(m["role"] == "assistant" for m in msgs):
+        raise ValueError("no assistant turn to learn from")
+
+    def render(upto: int, generation_prompt: bool) -> str:
+        return str(tokenizer.apply_chat_template(msgs[:upto], tokenize=False, add_generation_prompt=generation_prompt))
+
+    ids: list[int] = []
+    labels: list[int] = []
+    done = ""
+    for i, m in enumerate(msgs):
+        if m["role"] != "assistant":
+            continue
+        prefix, through = render(i, True), render(i + 1, False)
+        if not prefix.startswith(done) or not through.startswith(prefix):
+            raise ValueError(f"the chat template does not render turn {i} as a continuation of the turns before it")
+        context = tokenizer(prefix[len(done):], add_special_tokens=False)["input_ids"]
+        turn = tokenizer(through[len(prefix):], add_special_tokens=False)["input_ids"]
+        ids += [*context, *turn]
+        labels += [IGNORE_INDEX] * len(context) + list(turn)
+        done = through
+    return ids, labels
+
+
+def _messages_problem(value: Any) -> str | None:
+    if not isinstance(value, list) or not value:
+        return f"expected a non-empty list of {{role, content}} messages, got {type(value).__name__}"
+    for j, m in enumerate(value):
+        if not isinstance(m, dict) or not isinstance(m.get("role"), str) or not isinstance(m.get("content"), str):
+            return f"message {j}: expected {{'role': str, 'content': str}}, got {m!r:.80}"
+        if m["role"] not in ROLES:
+            return f"message {j}: unknown role {m['role']!r} (roles: {', '.join(ROLES)})"
+    return None
+
+
+class SFTDataset:
+    """Every usable row of `files`, tokenized: `examples` in file order, `stats` counting the rest."""
+
+    def __init__(self, files: str | Path | Sequence[str | Path], tokenizer: Any, *, max_length: int,
+                 prompt_key: str = "prompt", response_key: str = "response", messages_key: str = "messages",
+                 truncation: Truncation = "error", apply_chat_template: bool = True, on_bad_row: BadRowPolicy = "error",
+                 end_ids: Sequence[int] | None = None) -> None:
+        files = [files] if isinstance(files, (str, Path)) else list(files)
+        if not files:
+            raise ValueError("SFTDataset needs at least one file")
+        self.files = [str(f) for f in files]
+        self.examples: list[SFTExample] = []
+        self.stats = {"rows_read": 0, "bad_rows": 0, "too_long": 0, "truncated": 0, "kept": 0}
+        errors: list[DataError] = []
+        too_long: list[DataError] = []
+        for file in self.files:
+            fields = peek_fields(file)
+            multi_turn = messages_key in fields
+            if not multi_turn and not (prompt_key in fields and response_key in fields):
+                raise DatasetError(f"{file}: an SFT file needs a '{messages_key}' column, or '{prompt_key}' and "
+                                   f"'{response_key}' (it has {', '.join(fields)}; data.*_key names them)")
+            rows = read_rows(file, keep_unreadable=True)
+            self.stats["rows_read"] += len(rows)
+            for i, row in enumerate(rows):
+                if isinstance(row, UnreadableRow):
+                    errors.extend(row.errors)
+                    continue
+                try:
+                    if multi_turn:
+                        problem = _messages_problem(row.get(messages_key))
+                        if problem is not None:
+                            raise DataError(file, i, messages_key, problem)
+                        ids, labels = tokenize_messages(row[messages_key], tokenizer)
+                    else:
+                        prompt, response = row.get(prompt_key), row.get(response_key)
+                        if not isinstance(prompt, str) and _messages_problem(prompt) is not None:
+                            raise DataError(file, i, prompt_key, f"expected a string or messages: {_messages_problem(prompt)}")
+                        if not isinstance(response, str) or not response:
+                            raise DataError(file, i, response_key, f"expected a non-empty string, got {response!r:.80}")
+                        ids, labels = tokenize_prompt_response(prompt, response, tokenizer, apply_chat_template, end_ids)
+                except DataError as err:
+                    errors.append(err)
+                    continue
+                except ValueError as err:
+                    errors.append(DataError(file, i, messages_key if multi_turn else prompt_key, str(err)))
+                    continue
+                cut = len(ids) > max_length
+                if cut:
+                    if truncation != "right":
+                        too_long.append(DataError(file, i, messages_key if multi_turn else f"{prompt_key}+{response_key}",
+                                                  f"{len(ids)} tokens, longer than max_length={max_length}"))
+                        continue
+                    ids, labels = ids[:max_length], labels[:max_length]
+                example = SFTExample(ids, labels, file, i)
+                if example.num_targets == 0:
+                    errors.append(DataError(file, i, response_key, f"no response token within max_length={max_length}"))
+                    continue
+                self.stats["truncated"] += cut
+                self.examples.append(example)
+        self.stats["bad_rows"] = len({(e.file, e.row) for e in errors})
+        self.stats["too_long"] = len(too_long)
+        if errors and on_bad_row == "error":
+            raise DataValidationError(errors)
+        if too_long and truncation == "error":
+            raise DataValidationError(too_long)
+        if errors:
+            log.warning("skipped %d bad SFT row(s); first: %s", self.stats["bad_rows"], errors[0])
+        if too_long:
+            log.warning("dropped %d SFT row(s) longer than max_length=%d; first: %s", len(too_long), max_length, too_long[0])
+        if self.stats["truncated"]:
+            log.warning("cut %d SFT row(s) to max_length=%d from the right (their end token is lost)",
+                        self.stats["truncated"], max_length)
+        self.stats["kept"] = len(self.examples)
+        if not self.examples:
+            raise DatasetError(f"no usable SFT rows in {self.files} (stats: {self.stats})")
+
+    def __len__(self) -> int:
+        return len(self.examples)
+
+    def __getitem__(self, i: int) -> SFTExample:
+        return self.examples[i]
+
+
+__all__ = ["IGNORE_INDEX", "SFTDataset", "SFTExample", "tokenize_messages", "tokenize_prompt_response"]

@@ -7,7 +7,7 @@ the key instead of a silently ignored setting.
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, ClassVar, Literal
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
@@ -265,6 +265,51 @@ class RewardConfig(_Section):
         return self
 
 
+class RewardModelConfig(_Section):
+    """The reward model: a sequence classifier (transformers `AutoModelForSequenceClassification`,
+    one label) scoring each whole conversation, on its own worker group (role `reward_model`).
+
+    RL runs (GRPO, PPO) score their samples with the model at `path` when it is set: each sample's
+    prompt messages and decoded response are rendered with the reward model's own tokenizer and
+    chat template, never by re-using the policy's token ids. `algorithm.name: rm` trains one from
+    `model.path` on pairwise preference rows (the Bradley-Terry loss) and saves it as an HF folder."""
+
+    path: str | None = Field(None, description="a trained reward model folder (sequence classifier, 1 label) that RL "
+                             "runs score with; none: rewards are the rule scorer's alone")
+    weight: float = Field(1.0, ge=0, description="weight of the (normalised, clipped) reward-model score in the reward")
+    rule_weight: float = Field(0.0, ge=0, description="weight of the rule scorer's score in the reward (0: the reward is "
+                               "the reward model's alone; the rule scorer still gives acc and reward_model/rule_agreement)")
+    normalize: bool = Field(True, description="standardise scores by the running mean/std of every training score seen "
+                            "(kept in checkpoints)")
+    clip: float | None = Field(5.0, gt=0, description="the normalised score is clipped to ±clip (counted as "
+                               "reward_model/clipped); none: no clip")
+    max_length: int = Field(1024, ge=2, description="tokens of a rendered conversation; a longer one keeps its end (where "
+                            "the score is read) and is counted as reward_model/truncated")
+    on_nonfinite: Literal["error", "skip"] = Field(
+        "error", description="a NaN/inf score: stop with an error naming the sample, or skip: the sample is counted "
+        "(reward_model/nonfinite), left out of the update (its response mask zeroed) and its reward set to the "
+        "batch's mean reward, so it moves no group baseline")
+    overlap: bool = Field(True, description="launch scoring before the old log-probs and the critic's values and wait "
+                          "for it after them (on Ray with its own pool they run at once); false: score first")
+    micro_batch_size: int = Field(64, ge=1, description="sequences per forward without dynamic batching")
+    dynamic_batch_size: bool = True
+    max_tokens_per_micro_batch: int = Field(8192, ge=1)
+    world_size: int = Field(1, ge=1, description="data-parallel ranks of the reward model (Ray backend); FSDP2 when "
+                            "training with > 1")
+    # training (algorithm.name: rm)
+    optim: OptimConfig = OptimConfig(lr=1e-5)
+    margin: float = Field(0.0, ge=0, description="training: chosen must outscore rejected by this; a row's own "
+                          "`margin` field takes precedence")
+    mini_batch_size: int | None = Field(None, ge=1, description="training: pairs per optimizer step; default "
+                                        "data.train_batch_size (one step per batch)")
+    max_consecutive_bad_steps: int = Field(3, ge=1, description="training: NaN/inf loss or grad steps in a row before "
+                                           "the run stops")
+
+    # the settings that only mean something when RL runs score with a reward model
+    SCORING_KEYS: ClassVar[tuple[str, ...]] = ("weight", "rule_weight", "normalize", "clip", "on_nonfinite", "overlap")
+    TRAINING_KEYS: ClassVar[tuple[str, ...]] = ("optim", "margin", "mini_batch_size", "max_consecutive_bad_steps")
+
+
 class KLControlConfig(_Section):
     type: Literal["fixed", "adaptive"] = "fixed"
     kl_coef: float = Field(0.001, ge=0)
@@ -273,7 +318,9 @@ class KLControlConfig(_Section):
 
 
 class AlgorithmConfig(_Section):
-    name: Literal["grpo", "ppo", "dpo", "kto"] = "grpo"
+    name: Literal["grpo", "ppo", "dpo", "kto", "rm"] = Field(
+        "grpo", description="the control flow: grpo (and its critic-free relatives), ppo, dpo, kto, or rm (train a "
+        "reward model on pairwise preference rows)")
     adv_estimator: str = "grpo"
     gamma: float = Field(1.0, ge=0, le=1)
     lam: float = Field(1.0, ge=0, le=1)
@@ -340,7 +387,7 @@ class TrainerConfig(_Section):
     trace: bool = Field(True, description="write trace.jsonl in the run dir: per step, phase timings, workers, and every sample")
 
 
-ROLES = ("actor", "ref", "critic", "rollout", "reward")
+ROLES = ("actor", "ref", "critic", "rollout", "reward", "reward_model")
 
 
 class RayPoolConfig(_Section):
@@ -417,7 +464,8 @@ class RegistryConfig(_Section):
     """The MLflow registered model and the promotion gate (see rlcore.lifecycle.gate)."""
 
     model_name: str = "rlcore-tiny"
-    metric: Literal["accuracy", "mean_reward"] = "accuracy"
+    metric: Literal["accuracy", "mean_reward", "pairwise_accuracy"] = Field(
+        "accuracy", description="what the gate compares; pairwise_accuracy: a reward model's held-out preference accuracy")
     promotion_margin: float = Field(0.01, description="candidate must beat the champion by at least this (negative: may be slightly worse)")
     max_kl: float = Field(0.5, gt=0, description="KL budget: mean per-token KL of the candidate to the reference model")
     max_length_ratio: float = Field(1.5, gt=0, description="length budget: candidate mean response length / champion's")
@@ -433,6 +481,7 @@ class Config(_Section):
     rollout: RolloutConfig = RolloutConfig()
     critic: CriticConfig = CriticConfig()
     reward: RewardConfig = RewardConfig()
+    reward_model: RewardModelConfig = RewardModelConfig()
     algorithm: AlgorithmConfig = AlgorithmConfig()
     trainer: TrainerConfig = TrainerConfig()
     health: HealthConfig = HealthConfig()
@@ -455,7 +504,11 @@ class Config(_Section):
 
     @model_validator(mode="after")
     def _check_consistency(self) -> Config:
-        if self.data.train_batch_size % self.actor.ppo_mini_batch_size:
+        rm_batch = self.reward_model.mini_batch_size
+        if self.algorithm.name == "rm" and rm_batch is not None and self.data.train_batch_size % rm_batch:
+            raise ValueError(f"data.train_batch_size ({self.data.train_batch_size}) must be a multiple of "
+                             f"reward_model.mini_batch_size ({rm_batch})")
+        if self.algorithm.name != "rm" and self.data.train_batch_size % self.actor.ppo_mini_batch_size:
             raise ValueError(
                 f"data.train_batch_size ({self.data.train_batch_size}) must be a multiple of "
                 f"actor.ppo_mini_batch_size ({self.actor.ppo_mini_batch_size})"
@@ -465,12 +518,12 @@ class Config(_Section):
         if self.algorithm.name == "grpo" and self.algorithm.adv_estimator == "gae":
             raise ValueError("algorithm.adv_estimator 'gae' needs a critic: use algorithm.name=ppo")
         if self.trainer.backend == "inprocess":
-            for key, ws in (("actor", self.actor.world_size), ("critic", self.critic.world_size), ("rollout", self.rollout.world_size)):
+            for key, ws in (("actor", self.actor.world_size), ("critic", self.critic.world_size), ("rollout", self.rollout.world_size),
+                            ("reward_model", self.reward_model.world_size)):
                 if ws > 1:
                     raise ValueError(f"{key}.world_size={ws} needs trainer.backend=ray (the in-process backend runs one rank)")
         if self.trainer.backend == "ray" and "default" not in self.ray.pools:
-            present = ["actor", "rollout", "reward"] + ["ref"] * self.needs_reference + ["critic"] * (self.algorithm.name == "ppo")
-            unmapped = [r for r in present if r not in self.ray.roles]
+            unmapped = [r for r in self.present_roles if r not in self.ray.roles]
             if unmapped:
                 raise ValueError(f"ray.pools: roles {unmapped} use pool 'default', which is not defined")
         return self
@@ -539,6 +592,54 @@ class Config(_Section):
         if not self.actor.lora.enabled:
             return "full"
         return "adapter" if self.rollout.lora_sync == "adapter" else "merged"
+
+    @model_validator(mode="after")
+    def _check_reward_model(self) -> Config:
+        rm, name = self.reward_model, self.algorithm.name
+        defaults = RewardModelConfig()
+        set_keys = {k for k in (*rm.SCORING_KEYS, *rm.TRAINING_KEYS) if getattr(rm, k) != getattr(defaults, k)}
+        if name != "rm" and self.registry.metric == "pairwise_accuracy":
+            raise ValueError("registry.metric=pairwise_accuracy gates reward models (algorithm.name=rm); a policy is "
+                             "gated on accuracy or mean_reward")
+        if name == "rm":
+            if rm.path is not None:
+                raise ValueError("reward_model.path is the reward model an RL run scores with; algorithm.name=rm trains "
+                                 "a new one from model.path (unset reward_model.path)")
+            ignored = [k for k in rm.SCORING_KEYS if k in set_keys]
+            if ignored:
+                raise ValueError(f"reward_model.{ignored[0]} applies to RL runs scoring with a reward model, not to "
+                                 "algorithm.name=rm (training one)")
+            if self.registry.metric == "mean_reward":
+                raise ValueError("registry.metric=mean_reward: a reward model is gated on its held-out pairwise accuracy "
+                                 "(registry.metric=pairwise_accuracy; accuracy means the same for algorithm.name=rm)")
+            return self
+        ignored = [k for k in rm.TRAINING_KEYS if k in set_keys]
+        if ignored:
+            raise ValueError(f"reward_model.{ignored[0]} applies to training a reward model (algorithm.name=rm), "
+                             f"not to algorithm.name={name}")
+        if rm.path is None:
+            ignored = [k for k in rm.SCORING_KEYS if k in set_keys]
+            if ignored:
+                raise ValueError(f"reward_model.{ignored[0]} is set but reward_model.path is not: no reward model "
+                                 "scores this run")
+            return self
+        if name not in ("grpo", "ppo"):
+            raise ValueError(f"reward_model.path: algorithm.name={name} learns from offline preference rows and "
+                             "generates nothing to score; a reward model scores grpo and ppo runs")
+        if rm.weight == 0 and rm.rule_weight == 0:
+            raise ValueError("reward_model.weight and reward_model.rule_weight are both 0: every reward would be 0")
+        if self.algorithm.adv_estimator == "remax":
+            raise ValueError("reward_model.path with algorithm.adv_estimator=remax: ReMax's greedy baseline is scored "
+                             "by the rule scorer alone, not by the reward model")
+        return self
+
+    @property
+    def present_roles(self) -> list[str]:
+        """The worker roles this run has."""
+        if self.algorithm.name == "rm":
+            return ["reward_model"]
+        roles = ["actor", "rollout", "reward"] + ["ref"] * self.needs_reference + ["critic"] * (self.algorithm.name == "ppo")
+        return roles + ["reward_model"] * (self.reward_model.path is not None)
 
     @property
     def old_log_probs_from_update(self) -> bool:

@@ -28,6 +28,25 @@ def render_prompt(prompt: str | list[dict[str, str]], tokenizer: Any, apply_chat
     return "\n".join(m["content"] for m in messages)
 
 
+def as_messages(prompt: str | list[dict[str, str]]) -> list[dict[str, str]]:
+    """A dataset prompt as chat messages (a plain string is one user message): what a reward model
+    with its own chat template renders a conversation from."""
+    if isinstance(prompt, str):
+        return [{"role": "user", "content": prompt}]
+    return [{"role": str(m["role"]), "content": str(m["content"])} for m in prompt]
+
+
+def render_conversation(messages: list[dict[str, str]], response: str, tokenizer: Any) -> str:
+    """The whole conversation (prompt messages, then `response` as the assistant's turn) in the
+    tokenizer's chat template: what a reward model scores, the same in its training and in RL.
+    ValueError when the tokenizer has no chat template."""
+    if not has_chat_template(tokenizer):
+        raise ValueError("the tokenizer has no chat template to render a conversation with")
+    turns = [*messages, {"role": "assistant", "content": response}]
+    text: str = tokenizer.apply_chat_template(turns, tokenize=False, add_generation_prompt=False)
+    return text
+
+
 def encode_prompt(text: str, tokenizer: Any, templated: bool) -> list[int]:
     """Token ids of a rendered prompt. A chat template already wrote the special tokens it wants
     (BOS included), so the tokenizer must not add them a second time."""

@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
-from rlcore.data.chat import prompt_ids
+from rlcore.data.chat import as_messages, prompt_ids
 from rlcore.data.io import read_rows
 from rlcore.data.schema import BadRowPolicy, DataError, DatasetError, DataValidationError, apply_policy
 
@@ -31,6 +31,7 @@ class PromptItem:
     extra_info: dict[str, Any] = field(default_factory=dict)
     file: str = ""
     row: int = -1
+    messages: list[dict[str, str]] = field(default_factory=list)  # the prompt as chat messages (a reward model renders them itself)
 
 
 class RLDataset:
@@ -80,6 +81,7 @@ class RLDataset:
                     extra_info=dict(row.get("extra_info") or {}),
                     file=file,
                     row=row_idx,
+                    messages=as_messages(row["prompt"]),
                 ))
         if too_long and on_long_prompt == "error":
             raise DataValidationError(too_long)

@@ -3,11 +3,13 @@ for DPO/KTO. Shuffled training loaders keep their position in checkpoints (exact
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 from rlcore.config import Config
 from rlcore.data import PromptLoader, RLDataset
-from rlcore.data.preference import PreferenceDataset, PreferenceKind, PreferenceLoader
+from rlcore.data.preference import PreferenceDataset, PreferenceItem, PreferenceKind, PreferenceLoader
+from rlcore.protocol import Batch
 
 
 def prompt_loader(config: Config, tokenizer: Any, files: list[str], *, train: bool) -> PromptLoader:
@@ -21,14 +23,18 @@ def prompt_loader(config: Config, tokenizer: Any, files: list[str], *, train: bo
 
 
 def preference_loader(config: Config, tokenizer: Any, files: list[str], kind: PreferenceKind | None, *,
-                      train: bool) -> PreferenceLoader:
-    """Preference rows of `kind` (None: detected from the files, as validation files may be either)."""
+                      train: bool, collate: Callable[[list[PreferenceItem], list[str]], Batch] | None = None) -> PreferenceLoader:
+    """Preference rows of `kind` (None: detected from the files, as validation files may be either);
+    batches collated by the dataset, or by `collate` (`collate_rm_pairs` for a reward model)."""
     cfg = config.data
-    dataset = PreferenceDataset(files, tokenizer, kind=kind, max_prompt_length=cfg.max_prompt_length,
-                                max_response_length=config.preference.max_response_length,
+    # a reward model reads whole conversations up to reward_model.max_length tokens (longer ones keep their end)
+    rm = config.algorithm.name == "rm"
+    dataset = PreferenceDataset(files, tokenizer, kind=kind,
+                                max_prompt_length=config.reward_model.max_length if rm else cfg.max_prompt_length,
+                                max_response_length=config.reward_model.max_length if rm else config.preference.max_response_length,
                                 apply_chat_template=cfg.apply_chat_template, on_bad_row=cfg.on_bad_row)
     return PreferenceLoader(dataset, batch_size=cfg.train_batch_size if train else cfg.val_batch_size,
-                            seed=config.trainer.seed, shuffle=cfg.shuffle and train, drop_last=train)
+                            seed=config.trainer.seed, shuffle=cfg.shuffle and train, drop_last=train, collate=collate)
 
 
 __all__ = ["preference_loader", "prompt_loader"]

@@ -68,6 +68,10 @@ def preflight_problems(config: Config) -> list[str]:
     problems = model_folder_problems("model.path", config.model.path, tokenizer=True)
     if config.algorithm.name == "ppo" and config.critic.model_path is not None:
         problems += model_folder_problems("critic.model_path", config.critic.model_path, tokenizer=False)
+    if config.reward_model.path is not None:
+        problems += reward_model_problems("reward_model.path", config.reward_model.path)
+    if config.algorithm.name == "rm" and not problems:  # the reward model to train renders with model.path's template
+        problems += chat_template_problems("model.path", config.model.path)
     problems += sequence_parallel_problems(config)
     problems += data_problems(config)
     problems += reward_problems(config.reward.function)
@@ -129,7 +133,7 @@ def model_folder_problems(key: str, path: str, *, tokenizer: bool) -> list[str]:
         present = [name for name in TOKENIZER_FILES if (folder / name).is_file()]
         if not present:
             problems.append(f"{key}: {path} has no tokenizer ({' or '.join(TOKENIZER_FILES[:2])}); "
-                            "the run's tokenizer is loaded from model.path")
+                            f"the tokenizer is loaded from {key}")
         if "tokenizer_config.json" in present:
             try:
                 json.loads((folder / "tokenizer_config.json").read_text(encoding="utf-8"))
@@ -140,12 +144,51 @@ def model_folder_problems(key: str, path: str, *, tokenizer: bool) -> list[str]:
     return problems
 
 
+def reward_model_problems(key: str, path: str) -> list[str]:
+    """A trained reward model folder: a Hugging Face model folder with a tokenizer whose config
+    names a one-label sequence classifier, and a chat template to render conversations with."""
+    problems = model_folder_problems(key, path, tokenizer=True)
+    folder = Path(path)
+    if problems or not (folder / "config.json").is_file():
+        return problems
+    try:
+        model_config = json.loads((folder / "config.json").read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return problems
+    from rlcore.workers.modeling import is_sequence_classifier
+
+    if not is_sequence_classifier(model_config):
+        problems.append(f"{key}: {path} is not a reward model: config.json names {model_config.get('architectures')} "
+                        "with num_labels != 1 or no *ForSequenceClassification architecture; train one with "
+                        "algorithm.name=rm")
+    return problems + chat_template_problems(key, path)
+
+
+def chat_template_problems(key: str, path: str) -> list[str]:
+    """A reward model renders whole conversations with its tokenizer's chat template: the folder
+    must carry one (chat_template.jinja / .json, or `chat_template` in tokenizer_config.json)."""
+    folder = Path(path)
+    tok_config = folder / "tokenizer_config.json"
+    templated = (folder / "chat_template.jinja").is_file() or (folder / "chat_template.json").is_file()
+    if not templated and tok_config.is_file():
+        try:
+            templated = bool(json.loads(tok_config.read_text(encoding="utf-8")).get("chat_template"))
+        except (OSError, ValueError):
+            templated = True  # reported by model_folder_problems
+    if templated or not folder.is_dir():
+        return []
+    return [f"{key}: the tokenizer in {path} has no chat template (chat_template.jinja or chat_template in "
+            "tokenizer_config.json); a reward model scores conversations rendered with its own template"]
+
+
 def data_problems(config: Config) -> list[str]:
     """Each data file the run reads: there, readable, in a known format, with the fields its rows need."""
     algorithm = config.algorithm.name
-    preference = algorithm in ("dpo", "kto")
+    preference = algorithm in ("dpo", "kto", "rm")
     either = [PREFERENCE_FIELDS["pairwise"], PREFERENCE_FIELDS["unpaired"]]
-    if algorithm == "dpo":
+    if algorithm == "rm":  # a reward model learns from pairs and is validated on pairs
+        train = either = [PREFERENCE_FIELDS["pairwise"]]
+    elif algorithm == "dpo":
         train = [PREFERENCE_FIELDS["pairwise"]]
     elif algorithm == "kto":
         train = [PREFERENCE_FIELDS["unpaired"]]
@@ -153,7 +196,7 @@ def data_problems(config: Config) -> list[str]:
         train = [RL_FIELDS]
     lists = [("data.train_files", config.data.train_files, train),
              ("data.val_files", config.data.val_files, either if preference else [RL_FIELDS])]
-    if preference:
+    if algorithm in ("dpo", "kto"):
         lists.append(("preference.task_val_files", config.preference.task_val_files, [RL_FIELDS]))
     problems = [] if config.data.train_files else ["data.train_files: empty (give at least one .parquet or .jsonl file)"]
     for key, files, needed in lists:
@@ -220,6 +263,8 @@ def scorer_problems(config: Config) -> list[str]:
 def rl_schema_files(config: Config) -> list[tuple[str, str]]:
     """(config key, file) of the data whose rows are scored by the reward: RL prompts (GRPO, PPO),
     or the preference runs' task validation prompts."""
+    if config.algorithm.name == "rm":  # a reward model learns from pairs: no rule scorer runs
+        return []
     if config.algorithm.name in ("dpo", "kto"):
         return [(f"preference.task_val_files[{i}]", f) for i, f in enumerate(config.preference.task_val_files)]
     return ([(f"data.train_files[{i}]", f) for i, f in enumerate(config.data.train_files)]

@@ -26,27 +26,44 @@ from rlcore.cpus import available_cpus, split_cores, use_cores
 from rlcore.workers.actor import ActorWorker, ReferenceWorker
 from rlcore.workers.critic import CriticWorker
 from rlcore.workers.reward import RewardWorker
+from rlcore.workers.reward_model import RewardModelWorker
 from rlcore.workers.rollout import RolloutWorker
 
 
 @dataclass
 class WorkerGroups:
-    actor: WorkerGroup | RoleView
-    rollout: WorkerGroup | RoleView
-    reward: WorkerGroup | RoleView
+    """The groups of a run. Policy runs have actor, rollout and reward (and ref, critic,
+    reward_model as configured); a reward-model training run (`algorithm.name: rm`) has only
+    reward_model, which is then the trained role."""
+
+    actor: WorkerGroup | RoleView | None = None
+    rollout: WorkerGroup | RoleView | None = None
+    reward: WorkerGroup | RoleView | None = None
     ref: WorkerGroup | RoleView | None = None
     critic: WorkerGroup | RoleView | None = None
+    reward_model: WorkerGroup | RoleView | None = None
     on_close: list[Callable[[], None]] = field(default_factory=list)  # pools, a Ray we started
     weight_sync: str = "full"  # `Config.lora_sync`: every tensor, LoRA's merged modules, or the adapter
 
+    @property
+    def trains_reward_model(self) -> bool:
+        return self.actor is None and self.reward_model is not None
+
     def save_checkpoint(self, folder: str, tokenizer_dir: str | None = None) -> None:
+        if self.trains_reward_model:
+            self.reward_model.save_checkpoint(folder)
+            return
         self.actor.save_checkpoint(folder, tokenizer_dir=tokenizer_dir)
         if self.critic is not None:
             self.critic.save_checkpoint(folder)
 
     def load_checkpoint(self, folder: str) -> None:
-        """Actor and critic from the checkpoint; the rollout engine restarts on the saved policy
-        (with LoRA: keeps the base it started on and gets the restored adapter's weights)."""
+        """The trained roles from the checkpoint (actor and critic; or the reward model being
+        trained); the rollout engine restarts on the saved policy (with LoRA: keeps the base it
+        started on and gets the restored adapter's weights)."""
+        if self.trains_reward_model:
+            self.reward_model.load_checkpoint(folder)
+            return
         self.actor.load_checkpoint(folder)
         if self.critic is not None:
             self.critic.load_checkpoint(folder)
@@ -59,6 +76,7 @@ class WorkerGroups:
         """Actor -> rollout, one bucket at a time (`actor.weight_sync_bucket_mb`): on Ray each bucket
         goes worker to worker through the object store, never through the controller. With LoRA
         only what the adapter changes: the merged adapted modules, or the adapter itself."""
+        assert self.actor is not None and self.rollout is not None
         if self.weight_sync == "adapter":
             self.rollout.load_adapter(self.actor.call_async("adapter_for_rollout"))
             return
@@ -71,7 +89,7 @@ class WorkerGroups:
     def close(self) -> None:
         seen: set[int] = set()
         try:
-            for group in (self.actor, self.rollout, self.reward, self.ref, self.critic):
+            for group in (self.actor, self.rollout, self.reward, self.ref, self.critic, self.reward_model):
                 group = group.group if isinstance(group, RoleView) else group
                 if group is not None and id(group) not in seen:
                     seen.add(id(group))
@@ -83,7 +101,10 @@ class WorkerGroups:
 
 
 def _factories(config: Config) -> dict[str, tuple[Callable[[int, int], Worker], int]]:
-    """role -> (worker factory, world size) for the roles this run has."""
+    """role -> (worker factory, world size) for the roles this run has (`Config.present_roles`)."""
+    reward_model = (lambda rank, ws: RewardModelWorker(config, rank, ws), config.reward_model.world_size)
+    if config.algorithm.name == "rm":
+        return {"reward_model": reward_model}
     out: dict[str, tuple[Callable[[int, int], Worker], int]] = {
         "actor": (lambda rank, ws: ActorWorker(config, rank, ws), config.actor.world_size),
         "rollout": (lambda rank, ws: RolloutWorker(config, rank, ws), config.rollout.world_size),
@@ -93,6 +114,8 @@ def _factories(config: Config) -> dict[str, tuple[Callable[[int, int], Worker], 
         out["ref"] = (lambda rank, ws: ReferenceWorker(config, rank, ws), config.actor.world_size)
     if config.algorithm.name == "ppo":
         out["critic"] = (lambda rank, ws: CriticWorker(config, rank, ws), config.critic.world_size)
+    if config.reward_model.path is not None:
+        out["reward_model"] = reward_model
     return out
 
 
@@ -129,7 +152,7 @@ def _with_reference(groups: WorkerGroups, config: Config) -> WorkerGroups:
 
 # ----- Ray --------------------------------------------------------------------------------------
 
-DISTRIBUTED_ROLES = {"actor", "ref", "critic"}  # roles that shard their model over ranks (FSDP2)
+DISTRIBUTED_ROLES = {"actor", "ref", "critic", "reward_model"}  # roles that shard their model over ranks (FSDP2)
 
 
 def _units(config: Config, roles: dict[str, tuple[Callable, int]]) -> list[list[str]]:

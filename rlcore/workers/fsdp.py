@@ -79,6 +79,9 @@ def shard_model(
     # a forward method so the root's parameters are gathered (and their gradients reduced).
     model.rlcore_response_log_probs = types.MethodType(sharded_log_probs, model)
     register_fsdp_forward_method(model, "rlcore_response_log_probs")
+    if isinstance(getattr(model, "score", None), nn.Linear):  # a sequence classifier (the reward model): likewise
+        model.rlcore_sequence_scores = types.MethodType(sharded_sequence_scores, model)
+        register_fsdp_forward_method(model, "rlcore_sequence_scores")
     return model
 
 
@@ -167,6 +170,13 @@ def sharded_log_probs(model: nn.Module, *args, **kwargs):
 
     logprobs, entropy = forward_response_log_probs(model, *args, **kwargs)
     return logprobs.clone(), entropy.clone() if entropy is not None else None
+
+
+def sharded_sequence_scores(model: nn.Module, *args, **kwargs) -> torch.Tensor:
+    """`sequence_scores` as an FSDP forward method (a copy, for the reason above)."""
+    from rlcore.workers.modeling import forward_sequence_scores
+
+    return forward_sequence_scores(model, *args, **kwargs).clone()
 
 
 def max_over_ranks(value: int, device: torch.device) -> int:

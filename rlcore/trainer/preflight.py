@@ -29,7 +29,8 @@ from rlcore.config import Config, SFTRunConfig
 from rlcore.data import RL_FIELDS, DatasetError, column_values, peek_fields
 from rlcore.data.preference import PREFERENCE_FIELDS
 from rlcore.errors import RLCoreError
-from rlcore.rewards.registry import builtin_data_sources, load_reward_fn, resolve_spec
+from rlcore.rewards.registry import builtin_data_sources, load_function, load_reward_fn, resolve_spec
+from rlcore.rewards.tools import load_tools
 
 log = logging.getLogger(__name__)
 
@@ -70,6 +71,7 @@ def preflight_problems(config: Config) -> list[str]:
     problems += data_problems(config)
     problems += reward_problems(config.reward.function)
     problems += scorer_problems(config)
+    problems += agent_problems(config)
     problems += resume_problems(config.trainer.resume, config.algorithm.name)
     problems += output_dir_problems(config.trainer.output_dir)
     return problems
@@ -164,6 +166,29 @@ def reward_problems(spec: str | None) -> list[str]:
     except Exception as err:  # noqa: BLE001 - user code may raise anything while it is imported
         return [f"reward.function: {str(err).removeprefix('reward function spec ')}"]
     return []
+
+
+def agent_problems(config: Config) -> list[str]:
+    """Each `rollout.agent.tools` entry loads and has a schema, no two share a name, and the
+    interaction factory loads (user code is imported here, in the driver, as a reward file is)."""
+    agent = config.rollout.agent
+    problems = []
+    for i, spec in enumerate(agent.tools):
+        try:
+            load_tools([spec])
+        except Exception as err:  # noqa: BLE001 - user code may raise anything while it is imported
+            problems.append(f"rollout.agent.tools[{i}]: {str(err).removeprefix('tool spec ')}")
+    if not problems and len(agent.tools) > 1:
+        try:
+            load_tools(agent.tools)
+        except Exception as err:  # noqa: BLE001
+            problems.append(f"rollout.agent.tools: {str(err).removeprefix('tool spec ')}")
+    if agent.interaction is not None:
+        try:
+            load_function(str(resolve_spec(agent.interaction)), "interaction")
+        except Exception as err:  # noqa: BLE001
+            problems.append(f"rollout.agent.interaction: {str(err).removeprefix('interaction spec ')}")
+    return problems
 
 
 def scorer_problems(config: Config) -> list[str]:

@@ -103,7 +103,8 @@ def rl_batch_metrics(gen: Batch, timer: Timer, *, step: int, max_new_tokens: int
 def agent_metrics(gen: Batch) -> dict[str, float]:
     """Multi-turn rollouts (`rlcore.rollout.agent`): turns and tool calls per sample, failed and
     timed-out calls, the share of response tokens masked out of the loss (tool outputs and
-    template tokens), tool latency, and how episodes ended (`agent/finish/<reason>`, shares)."""
+    template tokens), tool latency, and how episodes ended (`agent/finish/<reason>`, shares; a
+    trajectory a token limit ended counts in `response_length/clip_frac`)."""
     meta = gen.meta
     calls = float(meta["agent_tool_calls"].sum())
     errors = float(meta["agent_tool_errors"].sum())
@@ -125,6 +126,8 @@ def agent_metrics(gen: Batch) -> dict[str, float]:
     }
     reasons, counts = np.unique(meta["agent_finish"].astype(str), return_counts=True)
     m.update({f"agent/finish/{r}": float(c) / len(gen) for r, c in zip(reasons, counts)})
+    # a trajectory is clipped when a token limit ended it (its model tokens may exceed one turn's limit)
+    m["response_length/clip_frac"] = float(np.isin(meta["agent_finish"].astype(str), ["max_new_tokens", "max_total_tokens"]).mean())
     return m
 
 

@@ -46,7 +46,7 @@ def main() -> None:
     steady = history[1:] or history
     keys = [
         "throughput/generate_tok_s",
-        "throughput/update_tok_s",
+        "throughput/update_actor_tok_s",
         "time/generate_s",
         "time/reward_s",
         "time/old_log_prob_s",

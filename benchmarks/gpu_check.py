@@ -16,7 +16,8 @@ Phases (each one's failure is recorded in the JSON and the rest still run):
            path) at 16k tokens x 152k vocab, bf16: max errors, fwd+bwd time, peak memory.
   actor    ActorWorker.update_actor under FSDP2 (1-rank process group, bf16 parameters, fp32
            gradient reduction), with the fused Triton head and with the chunked torch head:
-           tokens/s and MFU = 6 * params * tokens / time / peak bf16 dense FLOP/s.
+           tokens/s and MFU (rlcore.flops: training FLOPs of the model's matmuls and causal
+           attention / time / the H200's peak bf16 dense FLOP/s).
   rollout  HFRolloutEngine, 64 prompts x 256 new tokens, bf16: generated tokens/s.
   grpo     three GRPO steps with the in-process backend (actor, reference and rollout
            colocated on the one GPU), reward by rlcore.rewards: step metrics and peak memory
@@ -388,8 +389,12 @@ def phase_actor(s: Shapes, device, meter: Meter, model_dir: Path, train_file: Pa
         actor__ppo_mini_batch_size=s.actor_seqs, actor__max_tokens_per_micro_batch=s.actor_micro_tokens,
         rollout__n=1, actor__mixed_precision="bf16",
     )
+    from rlcore.flops import ModelFlops, causal_pairs, mfu
+
     batch = actor_batch(s, s.vocab)
     tokens = int(batch["attention_mask"].sum())
+    step_flops = ModelFlops.from_model_dir(model_dir).training(
+        tokens, float(batch["response_mask"].sum()), causal_pairs(batch["attention_mask"].sum(-1).tolist()))
     out: dict[str, Any] = {"seqs": s.actor_seqs, "tokens_per_update": tokens,
                            "seq_len": s.actor_prompt_len + s.actor_response_len,
                            "micro_batch_tokens": s.actor_micro_tokens, "params": params}
@@ -418,7 +423,7 @@ def phase_actor(s: Shapes, device, meter: Meter, model_dir: Path, train_file: Pa
                 "backend": "triton" if fused and device.type == "cuda" else "torch",
                 "step_s": secs,
                 "tokens_per_s": tok_s,
-                "mfu": 6 * params * tok_s / H200_BF16_DENSE_FLOPS if device.type == "cuda" else None,
+                "mfu": mfu(step_flops, secs, H200_BF16_DENSE_FLOPS) if device.type == "cuda" else None,
                 "peak_gib": meter.peak_gib(),
                 "grad_norm": metrics.get("actor/grad_norm"),
                 "bad_updates": metrics.get("actor/bad_updates"),
@@ -483,7 +488,7 @@ def phase_grpo(s: Shapes, device, meter: Meter, model_dir: Path, train_file: Pat
     history = trainer.fit()
     keep = ("reward/mean", "acc/mean", "response_length/mean", "actor/pg_loss", "actor/kl_loss",
             "actor/grad_norm", "actor/bad_updates", "actor/entropy", "rollout/logprob_diff_max",
-            "time/step_s", "throughput/generate_tok_s", "throughput/update_tok_s")
+            "time/step_s", "throughput/generate_tok_s", "throughput/update_actor_tok_s")
     steps = []
     for m in history:
         row = {k: m[k] for k in keep if k in m}

@@ -59,7 +59,9 @@ class ModelConfig(_Section):
         False, description="with dtype bfloat16: train the bf16 weights themselves (AdamW state in bf16, no float32 "
         "master copy). Half the memory of the trained roles, but updates below bf16's resolution (~0.4% of a "
         "weight) are rounded away")
-    gradient_checkpointing: bool = False
+    gradient_checkpointing: bool = Field(
+        False, description="actor and critic keep only each decoder layer's input in the forward and recompute the "
+        "layer in the backward: activation memory of one layer instead of all, for about one more forward")
     use_remove_padding: bool = Field(
         True, description="actor, reference and critic run each micro-batch as its sequences packed into one row "
         "without pad tokens (per-sequence positions, packed-sequence attention: flash-attn varlen on CUDA when "
@@ -119,12 +121,25 @@ class ActorConfig(_Section):
     max_consecutive_bad_steps: int = Field(3, ge=1, description="NaN/inf loss or grad steps in a row before the run stops")
     tis_cap: float | None = Field(None, gt=0, description="truncated importance sampling cap for rollout/actor mismatch")
     world_size: int = Field(1, ge=1, description="data-parallel ranks of actor (and reference); FSDP2 when > 1 (Ray backend)")
+    ulysses_sequence_parallel_size: int = Field(
+        1, ge=1, description="Ulysses sequence parallelism for actor and reference: each group of this many "
+        "consecutive ranks gets the same rows and splits every packed micro-batch along its tokens, with an "
+        "all-to-all over attention heads around attention, so a rank holds 1/size of a long sequence's "
+        "activations. Must divide actor.world_size (data-parallel ranks: world_size / size), the model's "
+        "attention heads, and its key/value heads (or be a multiple of them: they are repeated); needs "
+        "model.use_remove_padding")
     weight_sync_bucket_mb: float = Field(64.0, gt=0, description="weights go to the rollout engine in buckets of this size")
     mixed_precision: Literal["none", "bf16"] = Field(
         "none", description="bf16: the actor computes in bf16 (parameters cast per forward, fp32 gradient reduction) "
         "over float32 master weights, gradients and AdamW state, at any world size (FSDP2's policy with a process "
         "group, the same casts in one process without); reference and critic follow model.dtype. "
         "model.dtype=bfloat16 implies it")
+    recompute_old_log_prob: Literal["auto", "always"] = Field(
+        "auto", description="auto: skip the no-grad forward that recomputes old log-probs when a step is exactly "
+        "on-policy (trainer.off_policy=sync, actor.ppo_epochs=1, data.train_batch_size == actor.ppo_mini_batch_size, "
+        "algorithm.use_kl_in_reward off; GRPO and PPO): the update's own forward, detached, gives them (ratio 1, as "
+        "TRL does), and entropy, KL and rollout/logprob_diff_* are still reported from it. always: run the pass "
+        "every step (the update is the same)")
     cpu_offload: bool = Field(
         False, description="keep the actor's master weights, gradients and AdamW state in host memory and step "
         "AdamW there; parameters are copied to the GPU for each forward (FSDP2's CPUOffloadPolicy, or the same "
@@ -233,6 +248,9 @@ class CriticConfig(_Section):
     cliprange_value: float = Field(0.5, gt=0)
     loss_agg_mode: Literal["token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm"] = "token-mean"
     world_size: int = Field(1, ge=1, description="data-parallel ranks of the critic; FSDP2 when > 1 (Ray backend)")
+    ulysses_sequence_parallel_size: int | None = Field(
+        None, ge=1, description="the critic's Ulysses sequence-parallel size (see actor.ulysses_sequence_parallel_size); "
+        "default: the actor's. Must divide critic.world_size")
 
 
 class RewardConfig(_Section):
@@ -319,6 +337,14 @@ class TrainerConfig(_Section):
         description="one_step: generate step k+1's samples (with the weights before step k's update, staleness 1) "
         "while step k's update runs; GRPO and PPO (not DPO/KTO: nothing to overlap)",
     )
+    device_peak_tflops: float | None = Field(
+        None, gt=0, description="dense peak TFLOP/s of one device at the compute dtype, for throughput/<phase>_mfu; "
+        "default: detected for known NVIDIA GPUs (bf16 tensor-core peak, rlcore.flops), none on CPU (no MFU reported)")
+    overlap_with: Literal["thread", "process"] = Field(
+        "thread", description="trainer.backend=inprocess with trainer.off_policy=one_step: where the rollout worker runs "
+        "while the actor trains. thread: a thread of this process (torch ops release the GIL; no start-up, no copies, a "
+        "breakpoint in the rollout stops here); process: a child process (no GIL shared with the trainer; ~4 s to start, "
+        "batches and weights pickled across). The cores are split between it and the training thread either way")
     trace: bool = Field(True, description="write trace.jsonl in the run dir: per step, phase timings, workers, and every sample")
 
 
@@ -469,6 +495,10 @@ class Config(_Section):
         if self.trainer.off_policy != "sync" and self.algorithm.name not in ("grpo", "ppo"):
             raise ValueError(f"trainer.off_policy={self.trainer.off_policy!r} is not supported by the "
                              f"{self.algorithm.name!r} control flow (no generation to overlap); use trainer.off_policy=sync")
+        if self.trainer.off_policy == "one_step" and self.rollout.free_memory_when_idle:
+            raise ValueError("rollout.free_memory_when_idle=true with trainer.off_policy=one_step: the engine generates the "
+                             "next batch while the actor trains, so it cannot sleep then (each sleep would wait for that "
+                             "generation and undo the overlap); unset one of them")
         return self
 
     @model_validator(mode="after")
@@ -479,11 +509,45 @@ class Config(_Section):
         return self
 
     @model_validator(mode="after")
+    def _check_sequence_parallel(self) -> Config:
+        roles = [("actor", self.actor.ulysses_sequence_parallel_size, self.actor.world_size)]
+        if self.algorithm.name == "ppo":
+            roles.append(("critic", self.critic_sequence_parallel_size, self.critic.world_size))
+        for role, sp, ws in roles:
+            key = f"{role}.ulysses_sequence_parallel_size"
+            if ws % sp:
+                default = " (default: the actor's)" if role == "critic" and self.critic.ulysses_sequence_parallel_size is None else ""
+                raise ValueError(f"{key}={sp}{default} does not divide {role}.world_size={ws}: each sequence-parallel "
+                                 f"group is {sp} of the {role}'s ranks")
+            if sp > 1 and not self.model.use_remove_padding:
+                raise ValueError(f"{key}={sp} needs model.use_remove_padding=true: sequence parallelism splits the packed "
+                                 "row of a micro-batch along its tokens")
+        return self
+
+    @property
+    def critic_sequence_parallel_size(self) -> int:
+        """`critic.ulysses_sequence_parallel_size`, the actor's when unset."""
+        sp = self.critic.ulysses_sequence_parallel_size
+        return self.actor.ulysses_sequence_parallel_size if sp is None else sp
+
+    @model_validator(mode="after")
     def _check_cpu_offload(self) -> Config:
         if self.actor.cpu_offload and self.trainer.device == "cpu":
             raise ValueError("actor.cpu_offload=true needs a CUDA device: with trainer.device=cpu the weights, gradients "
                              "and optimizer state already live in host memory, so there is nothing to offload")
         return self
+
+    @property
+    def old_log_probs_from_update(self) -> bool:
+        """Whether each step's old log-probs come from the actor update's own forward (detached)
+        instead of a separate no-grad pass (`actor.recompute_old_log_prob`). Only on an exactly
+        on-policy step: one epoch of one mini-batch (one optimizer step, so the weights the update
+        starts from are the ones the pass would use), synchronous generation, and nothing before
+        the update that reads them (a KL penalty in the reward does)."""
+        a = self.actor
+        return (a.recompute_old_log_prob == "auto" and self.algorithm.name in ("grpo", "ppo")
+                and self.trainer.off_policy == "sync" and a.ppo_epochs == 1
+                and self.data.train_batch_size == a.ppo_mini_batch_size and not self.algorithm.use_kl_in_reward)
 
     @property
     def needs_reference(self) -> bool:

@@ -23,7 +23,7 @@ LAYERS: dict[str, int] = {
     "trainer": 6,
     "workers": 5,
     "controller": 4, "rollout": 4, "data": 4, "rewards": 4, "triton_kernels": 4,
-    "packing": 3, "checkpoint": 3, "tracking": 3,
+    "packing": 3, "checkpoint": 3, "tracking": 3, "flops": 3, "cpus": 3,
     "config": 2,
     "algos": 1, "protocol": 1, "redact": 1,
     "native": 0, "_native": -1,  # the Rust extension and its loader (version check)

@@ -1,7 +1,8 @@
 """Worker groups: how the single controller calls role workers.
 
 `WorkerGroup` is the interface (`wg.method(batch)`, `call`, `call_async`, `shutdown`);
-`InProcessWorkerGroup` runs workers in this process; a Ray backend implements the same interface.
+`InProcessWorkerGroup` runs workers in this process (optionally on a thread of their own),
+`SubprocessWorkerGroup` one worker in a child process; a Ray backend implements the same interface.
 Worker methods declare how their arguments are spread over ranks with `@register(dispatch=...)`.
 """
 
@@ -10,6 +11,7 @@ from rlcore.controller.errors import WorkerError
 from rlcore.controller.group import GroupFuture, RoleView, WorkerGroup
 from rlcore.controller.inprocess import InProcessWorkerGroup
 from rlcore.controller.ray_backend import RayWorkerGroup, ResourcePool, WorkerDiedError, WorkerTimeoutError
+from rlcore.controller.subprocess_group import SubprocessWorkerGroup
 from rlcore.controller.worker import ColocatedWorker, Worker
 
 __all__ = [
@@ -21,6 +23,7 @@ __all__ = [
     "RayWorkerGroup",
     "ResourcePool",
     "RoleView",
+    "SubprocessWorkerGroup",
     "Worker",
     "WorkerDiedError",
     "WorkerError",

@@ -37,6 +37,7 @@ class Dispatch(str, enum.Enum):
     RANK_ZERO = "rank_zero"      # rank 0 only -> its result
     DP_COMPUTE = "dp_compute"    # Batch args split in contiguous equal parts -> concat in order
     DP_BALANCED = "dp_balanced"  # like DP_COMPUTE, parts balanced by token count, order restored
+    # (both: one part per data-parallel shard of `ranks_per_shard` consecutive ranks, see MethodSpec)
     COLLECTIVE = "collective"    # same args to every rank (they run a collective) -> rank 0's result
 
 
@@ -46,6 +47,9 @@ class MethodSpec:
 
     dispatch: Dispatch = Dispatch.ONE_TO_ALL
     blocking: bool = True  # False: `wg.method(...)` returns a future instead of the result
+    # data-parallel modes: consecutive ranks that get the same part (a sequence-parallel group,
+    # which splits each sequence among its ranks); the worker instance sets it, see Worker
+    ranks_per_shard: int = 1
 
 
 def register(dispatch: Dispatch | Callable = Dispatch.ONE_TO_ALL, blocking: bool = True):
@@ -85,8 +89,9 @@ class Plan:
 
 
 def plan_dispatch(mode: Dispatch, world_size: int, args: tuple, kwargs: dict,
-                  method: str = "?") -> Plan:
-    """Split one call into per-rank calls according to `mode`."""
+                  method: str = "?", ranks_per_shard: int = 1) -> Plan:
+    """Split one call into per-rank calls according to `mode`; the data-parallel modes split
+    into `world_size / ranks_per_shard` parts, each sent to that many consecutive ranks."""
     mode = Dispatch(mode)
     if mode is Dispatch.ONE_TO_ALL:
         return Plan([(r, args, kwargs) for r in range(world_size)], list)
@@ -94,15 +99,21 @@ def plan_dispatch(mode: Dispatch, world_size: int, args: tuple, kwargs: dict,
         return Plan([(0, args, kwargs)], lambda results: results[0])
     if mode is Dispatch.COLLECTIVE:
         return Plan([(r, args, kwargs) for r in range(world_size)], lambda results: results[0])
-    return _plan_dp(world_size, args, kwargs, method, balanced=mode is Dispatch.DP_BALANCED)
+    return _plan_dp(world_size, args, kwargs, method, balanced=mode is Dispatch.DP_BALANCED,
+                    ranks_per_shard=ranks_per_shard)
 
 
 # ----- data-parallel dispatch -----------------------------------------------------------------
 
 
-def _plan_dp(world_size: int, args: tuple, kwargs: dict, method: str, balanced: bool) -> Plan:
-    """Pad every Batch argument to a multiple of world_size, give rank r its part, and undo
-    both the reordering and the padding on the way back."""
+def _plan_dp(world_size: int, args: tuple, kwargs: dict, method: str, balanced: bool,
+             ranks_per_shard: int = 1) -> Plan:
+    """Pad every Batch argument to a multiple of the shard count, give each shard its part (every
+    rank of a shard the same part), and undo both the reordering and the padding on the way back,
+    from the first rank of each shard."""
+    if ranks_per_shard < 1 or world_size % ranks_per_shard:
+        raise ValueError(f"{method}: {ranks_per_shard} ranks per shard do not divide world size {world_size}")
+    shards = world_size // ranks_per_shard
     where = [(i, None) for i, a in enumerate(args) if isinstance(a, Batch)]
     where += [(None, k) for k, v in kwargs.items() if isinstance(v, Batch)]
     if not where:
@@ -116,23 +127,24 @@ def _plan_dp(world_size: int, args: tuple, kwargs: dict, method: str, balanced: 
     if n == 0:
         raise ValueError(f"{method}: cannot dispatch an empty Batch")
 
-    padded = [b.pad_to_multiple(world_size)[0] for b in batches]
+    padded = [b.pad_to_multiple(shards)[0] for b in batches]
     n_pad = len(padded[0]) - n
     if balanced:
         with_mask = [b for b in padded if "attention_mask" in b.tensors]
         if not with_mask:
             raise KeyError(f"{method}: DP_BALANCED needs an 'attention_mask' tensor in the Batch")
         lengths = with_mask[0]["attention_mask"].sum(-1).cpu().numpy().astype(np.int64)
-        parts = balanced_partitions(lengths, world_size)
-        per_rank = [[b.take(p) for b in padded] for p in parts]
+        parts = balanced_partitions(lengths, shards)
+        per_shard = [[b.take(p) for b in padded] for p in parts]
     else:
-        per = len(padded[0]) // world_size
-        parts = [np.arange(r * per, (r + 1) * per) for r in range(world_size)]
-        chunks = [b.chunk(world_size) for b in padded]  # equal parts: len is a multiple
-        per_rank = [[c[r] for c in chunks] for r in range(world_size)]
+        per = len(padded[0]) // shards
+        parts = [np.arange(r * per, (r + 1) * per) for r in range(shards)]
+        chunks = [b.chunk(shards) for b in padded]  # equal parts: len is a multiple
+        per_shard = [[c[r] for c in chunks] for r in range(shards)]
 
     calls = []
-    for rank, pieces in enumerate(per_rank):
+    for rank in range(world_size):
+        pieces = per_shard[rank // ranks_per_shard]  # the same objects for a shard's ranks (Ray sends them once)
         a, kw = list(args), dict(kwargs)
         for (i, k), piece in zip(where, pieces):
             if k is None:
@@ -142,7 +154,7 @@ def _plan_dp(world_size: int, args: tuple, kwargs: dict, method: str, balanced: 
         calls.append((rank, tuple(a), kw))
 
     def collect(results: list[Any]) -> Any:
-        return _collect_dp(results, parts, n, n_pad, method)
+        return _collect_dp(results[::ranks_per_shard], parts, n, n_pad, method)
 
     return Plan(calls, collect)
 

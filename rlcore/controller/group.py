@@ -90,7 +90,8 @@ class WorkerGroup(abc.ABC):
         """Dispatch per the method's registration; returns a future."""
         spec = self._spec(method)
         args, kwargs = self._prepare_args(spec.dispatch, args, kwargs)
-        plan = plan_dispatch(spec.dispatch, self._world_size, args, kwargs, method=method)
+        plan = plan_dispatch(spec.dispatch, self._world_size, args, kwargs, method=method,
+                             ranks_per_shard=spec.ranks_per_shard)
         wait = self._launch(method, plan.calls)
         return self._make_future(spec.dispatch, lambda: plan.collect(wait()))
 

@@ -3,6 +3,12 @@
 For debugging and tests: ranks run one after another, a breakpoint in a worker method stops in
 this process, and futures are resolved by the time `call_async` returns. Arguments are passed
 by reference (a Ray backend copies them), so a worker must not mutate a Batch it is given.
+
+`own_thread=True`: the group's workers live on a thread of their own (built, set up, called and
+shut down there, one call at a time in the order they were made), so `call_async` returns at
+once and the work overlaps the caller's (torch ops release the GIL). A call waits behind the
+ones before it, as on a Ray actor: a weight update made while a generation is in flight runs
+after it. The thread's torch intra-op threads are sized for `cores` (`rlcore.cpus.use_cores`).
 A failure is raised as `WorkerError` with the original exception as `__cause__`
 (`pdb.post_mortem(err.__cause__.__traceback__)` lands in the worker frame).
 """
@@ -10,12 +16,14 @@ A failure is raised as `WorkerError` with the original exception as `__cause__`
 from __future__ import annotations
 
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from rlcore.controller.dispatch import MethodSpec
 from rlcore.controller.errors import WorkerError
 from rlcore.controller.group import WorkerGroup
 from rlcore.controller.worker import Worker
+from rlcore.cpus import use_cores
 
 __all__ = ["InProcessWorkerGroup"]
 
@@ -24,8 +32,22 @@ class InProcessWorkerGroup(WorkerGroup):
     """Builds `worker_factory(rank, world_size)` for each rank, then calls `setup()` on each."""
 
     def __init__(self, worker_factory: Callable[[int, int], Worker], world_size: int = 1,
-                 role: str = "worker"):
+                 role: str = "worker", *, own_thread: bool = False, cores: float | None = None):
         super().__init__(role, world_size)
+        self._thread = (ThreadPoolExecutor(1, thread_name_prefix=f"rlcore-{role}", initializer=use_cores, initargs=(cores,))
+                        if own_thread else None)
+        try:
+            self._on_thread(lambda: self._build(worker_factory, world_size, role))
+        except BaseException:
+            if self._thread is not None:
+                self._thread.shutdown(wait=True)
+            raise
+
+    def _on_thread(self, fn: Callable[[], Any]) -> Any:
+        """Run `fn` where this group's workers live (its thread, or here), and wait for it."""
+        return fn() if self._thread is None else self._thread.submit(fn).result()
+
+    def _build(self, worker_factory: Callable[[int, int], Worker], world_size: int, role: str) -> None:
         self.workers: list[Worker] = []
         for rank in range(world_size):
             try:
@@ -56,12 +78,16 @@ class InProcessWorkerGroup(WorkerGroup):
             raise WorkerError.from_exception(self.role, rank, method, e) from e
 
     def _launch(self, method: str, calls: list[tuple[int, tuple, dict]]) -> Callable[[], list[Any]]:
+        def run_all() -> list[Any]:  # stops at the first failing rank, like the gather would
+            return [self._run(rank, method, args, kwargs) for rank, args, kwargs in calls]
+
+        if self._thread is not None:
+            return self._thread.submit(run_all).result
         results: list[Any] = []
         error: WorkerError | None = None
         try:
-            for rank, args, kwargs in calls:
-                results.append(self._run(rank, method, args, kwargs))
-        except WorkerError as e:  # stop at the first failing rank, like the gather would
+            results = run_all()
+        except WorkerError as e:
             error = e
 
         def wait() -> list[Any]:
@@ -72,6 +98,13 @@ class InProcessWorkerGroup(WorkerGroup):
         return wait
 
     def _shutdown_workers(self) -> None:
+        try:
+            self._on_thread(self._shutdown_each)
+        finally:
+            if self._thread is not None:
+                self._thread.shutdown(wait=True)
+
+    def _shutdown_each(self) -> None:
         errors = []
         for rank, w in enumerate(self.workers):
             try:

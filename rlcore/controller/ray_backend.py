@@ -20,6 +20,7 @@ from __future__ import annotations
 import gc
 import ipaddress
 import logging
+import math
 import os
 import socket
 import time
@@ -32,6 +33,7 @@ from rlcore.controller.dispatch import Dispatch, MethodSpec
 from rlcore.controller.errors import WorkerError
 from rlcore.controller.group import GroupFuture, WorkerGroup
 from rlcore.controller.worker import Worker
+from rlcore.cpus import explicit_threads, sized_threads, use_cores
 
 __all__ = [
     "RayGroupFuture",
@@ -47,8 +49,17 @@ __all__ = [
 
 log = logging.getLogger(__name__)
 
-# One thread per worker: 2 shared cores and several processes; oversubscription costs 10-60x.
-WORKER_ENV = {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
+WORKER_ENV = {"TOKENIZERS_PARALLELISM": "false"}
+
+
+def worker_threads(cpus: float) -> tuple[int | None, dict[str, str]]:
+    """A worker's torch threads: the driver's explicit `OMP_NUM_THREADS` (None when unset: the
+    worker sizes them from `cpus`, its share of the bundle, capped by the cores it has), and the
+    OpenMP/MKL environment it starts with (the same number, so libraries read no other default;
+    oversubscribed threads cost 10-60x on shared cores)."""
+    explicit = explicit_threads()
+    n = explicit if explicit is not None else max(1, math.floor(cpus))
+    return explicit, {"OMP_NUM_THREADS": str(n), "MKL_NUM_THREADS": str(n)}
 
 
 class WorkerDiedError(WorkerError):
@@ -204,11 +215,10 @@ class ResourcePool:
 class _WorkerHost:
     """The Ray actor around one rank's Worker. Every worker call goes through `execute`."""
 
-    def __init__(self, role: str, rank: int, world_size: int, env: dict[str, str]):
+    def __init__(self, role: str, rank: int, world_size: int, env: dict[str, str], cpus: float = 1.0,
+                 threads: int | None = None):
         os.environ.update(env)
-        import torch
-
-        torch.set_num_threads(int(env.get("OMP_NUM_THREADS", "1")))
+        use_cores(threads=threads if threads is not None else sized_threads(cpus))
         self.role, self.rank, self.world_size = role, rank, world_size
         self.worker: Worker | None = None
         self.store_listener: socket.socket | None = None  # rank 0: the TCP store's socket
@@ -314,9 +324,10 @@ class RayWorkerGroup(WorkerGroup):
         self._failed: WorkerError | None = None
         self._distributed = False
         self._actors: list[Any] = []
-        env = {**WORKER_ENV, **(env_vars or {})}
         gpus = pool.gpus_per_bundle * share if pool is not None else 0.0
         cpus = _floor4(pool.cpus_per_bundle * share) if pool is not None else 1.0
+        threads, thread_env = worker_threads(cpus)
+        env = {**WORKER_ENV, **thread_env, **(env_vars or {})}
         host_cls = ray.remote(_WorkerHost)
         try:
             for rank in range(world_size):
@@ -327,7 +338,7 @@ class RayWorkerGroup(WorkerGroup):
 
                     options["scheduling_strategy"] = PlacementGroupSchedulingStrategy(
                         placement_group=pool.pg, placement_group_bundle_index=rank)
-                self._actors.append(host_cls.options(**options).remote(role, rank, world_size, env))
+                self._actors.append(host_cls.options(**options).remote(role, rank, world_size, env, cpus, threads))
             self._build_refs = [(r, a.build.remote(worker_factory)) for r, a in enumerate(self._actors)]
         except BaseException:
             self._kill_actors()

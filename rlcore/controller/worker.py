@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Mapping
 from typing import Any
 
@@ -15,7 +16,12 @@ class Worker:
 
     Construction must be cheap; heavy work (process groups, loading a model) goes in `setup()`,
     which the group calls on every rank once all ranks exist, so ranks can rendezvous there.
+
+    `ranks_per_shard`: how many consecutive ranks receive the same part of a data-parallel call
+    (a sequence-parallel group); set at construction, it is what `registered_methods` reports.
     """
+
+    ranks_per_shard: int = 1
 
     def __init__(self, rank: int = 0, world_size: int = 1, role: str = ""):
         self.rank = rank
@@ -29,8 +35,11 @@ class Worker:
         """Release resources; called by `WorkerGroup.shutdown()`."""
 
     def registered_methods(self) -> dict[str, MethodSpec]:
-        """Methods the group may call, with their dispatch specs."""
-        return collect_methods(type(self))
+        """Methods the group may call, with their dispatch specs (and this worker's ranks per shard)."""
+        specs = collect_methods(type(self))
+        if self.ranks_per_shard == 1:
+            return specs
+        return {name: dataclasses.replace(spec, ranks_per_shard=self.ranks_per_shard) for name, spec in specs.items()}
 
     def execute(self, method: str, *args: Any, **kwargs: Any) -> Any:
         """The single entry point a backend uses to run a method on this rank."""

@@ -2,11 +2,14 @@
 
 One step, as data flows: generate n samples per prompt, score them, recompute old log-probs (and
 reference log-probs when KL is used), compute group-relative advantages, update the actor, push
-the new weights to the rollout engine. Validation and checkpoints happen between steps.
+the new weights to the rollout engine. Validation and checkpoints happen between steps. On an
+exactly on-policy step (`Config.old_log_probs_from_update`) the old-log-prob pass is skipped: the
+update's own forward gives them.
 
 `trainer.off_policy=one_step`: step k+1's generation is launched as soon as step k's samples are
-in, so it runs (on Ray, in its own pool) while step k scores, recomputes log-probs and updates
-(see `Prefetcher`).
+in, so it runs while step k scores, recomputes log-probs and updates (see `Prefetcher`): in
+process on the rollout group's own thread, on Ray in the rollout worker's own process; the weight
+sync waits for it.
 """
 
 from __future__ import annotations
@@ -23,8 +26,8 @@ from rlcore.protocol import Batch
 from rlcore.trainer.baselines import greedy_reward_baselines
 from rlcore.trainer.health import HealthGuard
 from rlcore.trainer.loaders import prompt_loader
-from rlcore.trainer.metrics import Timer, mean_over_ranks, rl_batch_metrics
-from rlcore.trainer.rl_steps import old_and_ref_log_probs, rewards_with_kl, score
+from rlcore.trainer.metrics import Timer, rl_batch_metrics
+from rlcore.trainer.rl_steps import old_and_ref_log_probs, rewards_with_kl, score, update_actor
 from rlcore.trainer.roles import WorkerGroups, build_worker_groups
 from rlcore.trainer.rollout_parts import (
     Prefetcher,
@@ -36,6 +39,7 @@ from rlcore.trainer.rollout_parts import (
 )
 from rlcore.trainer.run_state import BadStepGuard, RunCheckpoints, prepare_run_dir
 from rlcore.trainer.step_log import StepHook, StepLog
+from rlcore.trainer.throughput import StepThroughput
 from rlcore.trainer.tracing import sample_records
 from rlcore.trainer.validation import RLValidator
 from rlcore.workers.tokenizer import load_tokenizer
@@ -60,6 +64,7 @@ class GRPOTrainer:
             "train_loader": self.train_loader, "kl_ctrl": self.kl_ctrl, "guard": self.guard, "health": self.health})
         self.rollout_sleep = RolloutSleep(self.groups, rollout_shares_gpu(config))
         self.prefetcher = Prefetcher(config, self.groups, self.train_loader) if config.trainer.off_policy == "one_step" else None
+        self.throughput = StepThroughput.of(config)
         self.log = StepLog(config, self.run_dir, self.algorithm, self.groups, [self.health, *step_hooks])
         self.step = 0
         self.rollout_version = 0  # the rollout engine holds the weights after this many actor updates
@@ -102,7 +107,8 @@ class GRPOTrainer:
             gen = generate(self.groups, prompts, train_sampling(self.config, self.step), self.rollout_version, timer)
         self.rollout_sleep.after_generation(timer)
         gen, reward_metrics = score(self.groups, gen, timer, self.config.reward)
-        gen = old_and_ref_log_probs(self.groups, gen, timer)
+        on_policy = self.config.old_log_probs_from_update  # then update_actor supplies the old log-probs
+        gen = old_and_ref_log_probs(self.groups, gen, timer, recompute=not on_policy)
         token_rewards, kl_metrics = rewards_with_kl(self.config, gen, self.kl_ctrl)
 
         with timer.phase("advantage"):
@@ -118,13 +124,12 @@ class GRPOTrainer:
             )
         gen = gen.union(Batch(tensors={"token_level_rewards": token_rewards, "advantages": advantages, "returns": returns}))
 
-        with timer.phase("update_actor"):
-            actor_metrics = mean_over_ranks(self.groups.actor.update_actor(gen))
+        gen, actor_metrics = update_actor(self.groups, gen, timer, on_policy=on_policy)
         sync_weights(self.groups, self.rollout_sleep, timer)
         self.rollout_version = self.step
 
-        metrics = {**rl_batch_metrics(gen, timer, step=self.step, max_new_tokens=self.config.rollout.max_new_tokens,
-                                      ppo_epochs=self.config.actor.ppo_epochs),
+        metrics = {**rl_batch_metrics(gen, timer, step=self.step, max_new_tokens=self.config.rollout.max_new_tokens),
+                   **self.throughput.metrics(gen, timer),
                    **reward_metrics, **kl_metrics, **actor_metrics, **(baselines.metrics() if baselines is not None else {})}
         return metrics, self.trace(gen, timer)
 

@@ -57,9 +57,9 @@ def mean_over_ranks(per_rank: dict[str, float] | list[dict[str, float]]) -> dict
     return {k: float(np.mean([m[k] for m in per_rank])) for k in keys}
 
 
-def rl_batch_metrics(gen: Batch, timer: Timer, *, step: int, max_new_tokens: int, ppo_epochs: int) -> dict[str, float]:
+def rl_batch_metrics(gen: Batch, timer: Timer, *, step: int, max_new_tokens: int) -> dict[str, float]:
     """Reward, accuracy, lengths, advantages, entropy, KL to the reference, rollout/actor log-prob
-    gap, staleness, phase times and throughput of one RL step's scored samples."""
+    gap, staleness and phase times of one RL step's scored samples."""
     mask = gen["response_mask"].float()
     valid = mask.bool()
     lengths = mask.sum(-1)
@@ -91,12 +91,7 @@ def rl_batch_metrics(gen: Batch, timer: Timer, *, step: int, max_new_tokens: int
         m["rollout/staleness_mean"] = float(staleness.mean())
     if "agent_turns" in gen.meta:
         m.update(agent_metrics(gen))
-    m.update(timer.metrics())
-    if timer.seconds.get("generate"):
-        m["throughput/generate_tok_s"] = float(mask.sum()) / timer.seconds["generate"]
-    if timer.seconds.get("update_actor"):
-        total_tokens = float(gen["attention_mask"].sum())
-        m["throughput/update_tok_s"] = total_tokens * ppo_epochs / timer.seconds["update_actor"]
+    m.update(timer.metrics())  # tokens/s and MFU per phase: rlcore.trainer.throughput
     return m
 
 

@@ -173,7 +173,7 @@ def preference_step_metrics(batch: Batch, timer: Timer, ppo_epochs: int) -> dict
     m = timer.metrics()
     tokens = sum(float(batch[k].sum()) for k in batch.keys() if k.endswith("attention_mask") and not k.startswith("kl_"))
     if timer.seconds.get("update_actor"):
-        m["throughput/update_tok_s"] = tokens * ppo_epochs / timer.seconds["update_actor"]
+        m["throughput/update_actor_tok_s"] = tokens * ppo_epochs / timer.seconds["update_actor"]
     return m
 
 

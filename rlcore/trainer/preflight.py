@@ -31,6 +31,7 @@ from rlcore.data.preference import PREFERENCE_FIELDS
 from rlcore.errors import RLCoreError
 from rlcore.rewards.registry import builtin_data_sources, load_function, load_reward_fn, resolve_spec
 from rlcore.rewards.tools import load_tools
+from rlcore.workers.ulysses import head_problem
 
 log = logging.getLogger(__name__)
 
@@ -68,12 +69,37 @@ def preflight_problems(config: Config) -> list[str]:
     problems = model_folder_problems("model.path", config.model.path, tokenizer=True)
     if config.algorithm.name == "ppo" and config.critic.model_path is not None:
         problems += model_folder_problems("critic.model_path", config.critic.model_path, tokenizer=False)
+    problems += sequence_parallel_problems(config)
     problems += data_problems(config)
     problems += reward_problems(config.reward.function)
     problems += scorer_problems(config)
     problems += agent_problems(config)
     problems += resume_problems(config.trainer.resume, config.algorithm.name)
     problems += output_dir_problems(config.trainer.output_dir)
+    return problems
+
+
+def sequence_parallel_problems(config: Config) -> list[str]:
+    """A sequence-parallel size the model's attention heads cannot be split by (read from its
+    config.json; an unreadable one is reported by `model_folder_problems`)."""
+    roles = [("actor", config.actor.ulysses_sequence_parallel_size, config.model.path)]
+    if config.algorithm.name == "ppo":
+        roles.append(("critic", config.critic_sequence_parallel_size, config.critic.model_path or config.model.path))
+    problems = []
+    for role, size, path in roles:
+        if size == 1:
+            continue
+        try:
+            model_config = json.loads((Path(path) / "config.json").read_text(encoding="utf-8"))
+            text = model_config.get("text_config", model_config)
+            heads = int(text["num_attention_heads"])
+            kv_heads = int(text.get("num_key_value_heads") or heads)
+        except (OSError, ValueError, KeyError, TypeError, AttributeError):
+            continue
+        problem = head_problem(heads, kv_heads, size)
+        if problem:
+            problems.append(f"{role}.ulysses_sequence_parallel_size={size}: {problem} ({path}; Ulysses splits "
+                            "attention heads over the sequence-parallel ranks)")
     return problems
 
 

@@ -1,5 +1,5 @@
 """Step pieces that RL recipes share between generation and the update: scoring, the no-grad
-log-prob passes of actor and reference, and the KL penalty in the reward."""
+log-prob passes of actor and reference, the KL penalty in the reward, and the actor update."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ from rlcore.algos import apply_kl_penalty
 from rlcore.algos.kl import AdaptiveKLController, FixedKLController
 from rlcore.config import Config, RewardConfig
 from rlcore.protocol import Batch
-from rlcore.trainer.metrics import Timer
+from rlcore.trainer.metrics import Timer, mean_over_ranks
 from rlcore.trainer.roles import WorkerGroups
 from rlcore.trainer.run_state import TrainingStopped
 
@@ -42,11 +42,13 @@ def score(groups: WorkerGroups, gen: Batch, timer: Timer, reward: RewardConfig) 
     return gen.union(scored), metrics
 
 
-def old_and_ref_log_probs(groups: WorkerGroups, gen: Batch, timer: Timer) -> Batch:
+def old_and_ref_log_probs(groups: WorkerGroups, gen: Batch, timer: Timer, *, recompute: bool = True) -> Batch:
     """The actor's log-probs of the samples before the update (and its entropy), and the
-    reference model's when the run has one."""
-    with timer.phase("old_log_prob"):
-        gen = gen.union(groups.actor.compute_log_prob(gen))
+    reference model's when the run has one. `recompute=False` (an exactly on-policy step,
+    `Config.old_log_probs_from_update`): no old-log-prob pass; `update_actor` supplies them."""
+    if recompute:
+        with timer.phase("old_log_prob"):
+            gen = gen.union(groups.actor.compute_log_prob(gen))
     if groups.ref is not None:
         with timer.phase("ref_log_prob"):
             gen = gen.union(groups.ref.compute_ref_log_prob(gen))
@@ -65,4 +67,16 @@ def rewards_with_kl(config: Config, gen: Batch, kl_ctrl: FixedKLController | Ada
     return rewards, metrics
 
 
-__all__ = ["RewardFailures", "old_and_ref_log_probs", "rewards_with_kl", "score"]
+def update_actor(groups: WorkerGroups, gen: Batch, timer: Timer, *, on_policy: bool) -> tuple[Batch, dict[str, float]]:
+    """The actor's update; its metrics. `on_policy`: the batch has no old log-probs, the update's
+    forward gives them (and the entropy), joined to the batch as if the pass had run, so the
+    step reports the same entropy, KL and rollout/actor gap."""
+    with timer.phase("update_actor"):
+        if not on_policy:
+            return gen, mean_over_ranks(groups.actor.update_actor(gen))
+        out = groups.actor.update_actor_on_policy(gen)
+    metrics: dict[str, float] = out.info.pop("metrics")
+    return gen.union(out), metrics
+
+
+__all__ = ["RewardFailures", "old_and_ref_log_probs", "rewards_with_kl", "score", "update_actor"]

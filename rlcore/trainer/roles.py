@@ -6,11 +6,20 @@ from __future__ import annotations
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
+from functools import partial
 from pathlib import Path
 from typing import Any
 
 from rlcore.config import Config
-from rlcore.controller import ColocatedWorker, InProcessWorkerGroup, RoleView, Worker, WorkerGroup
+from rlcore.controller import (
+    ColocatedWorker,
+    InProcessWorkerGroup,
+    RoleView,
+    SubprocessWorkerGroup,
+    Worker,
+    WorkerGroup,
+)
+from rlcore.cpus import available_cpus, split_cores, use_cores
 from rlcore.workers.actor import ActorWorker, ReferenceWorker
 from rlcore.workers.critic import CriticWorker
 from rlcore.workers.reward import RewardWorker
@@ -73,10 +82,26 @@ def _factories(config: Config) -> dict[str, tuple[Callable[[int, int], Worker], 
 
 
 def build_worker_groups(config: Config) -> WorkerGroups:
+    """The run's worker groups, and this (controller) thread's torch threads.
+
+    In process, `trainer.off_policy=one_step` gives the rollout worker a thread of its own, or a
+    child process (`trainer.overlap_with`), so the next batch's generation overlaps this step's scoring
+    and update; the cores are split between it and this thread, this one taking an odd core
+    (`rlcore.cpus.split_cores`). Otherwise this thread has all the cores, or one on Ray, where
+    the workers compute in their own processes."""
     if config.trainer.backend == "ray":
+        use_cores(1)
         return build_ray_worker_groups(config)
-    groups = {role: InProcessWorkerGroup(factory, world_size=1, role=role)
-              for role, (factory, _) in _factories(config).items()}
+    overlap = config.trainer.off_policy == "one_step"
+    train_cores, rollout_cores = split_cores(2) if overlap else (available_cpus(), 0.0)
+    use_cores(train_cores)
+    groups: dict[str, WorkerGroup] = {}
+    for role, (factory, _) in _factories(config).items():
+        if overlap and role == "rollout" and config.trainer.overlap_with == "process":
+            groups[role] = SubprocessWorkerGroup(partial(RolloutWorker, config), role=role, cores=rollout_cores)
+        else:
+            groups[role] = InProcessWorkerGroup(factory, world_size=1, role=role, own_thread=overlap and role == "rollout",
+                                                cores=rollout_cores)
     return WorkerGroups(**groups)
 
 

@@ -57,9 +57,12 @@ def generate(groups: WorkerGroups, prompts: Batch, sampling: dict[str, Any], pol
 def rollout_shares_gpu(config: Config) -> bool:
     """Whether the rollout engine should sleep while the actor trains: `rollout.free_memory_when_idle`,
     or by default when actor and rollout share GPUs (in-process on CUDA; on Ray, placed on one
-    GPU pool, which includes colocating them in one process)."""
+    GPU pool, which includes colocating them in one process). Never in one-step mode: the engine
+    generates the next batch while the actor trains."""
     if config.rollout.free_memory_when_idle is not None:
         return config.rollout.free_memory_when_idle
+    if config.trainer.off_policy == "one_step":
+        return False
     if config.trainer.backend == "inprocess":
         return config.trainer.device == "cuda" or (config.trainer.device == "auto" and torch.cuda.is_available())
     pool = config.ray.pool_of("actor")
@@ -107,7 +110,10 @@ class PendingRollout:
 
 
 class Prefetcher:
-    """`trainer.off_policy=one_step`: step k+1's generation runs while step k scores and updates.
+    """`trainer.off_policy=one_step`: step k+1's generation runs while step k scores and updates
+    (in process the rollout group has a thread of its own for it, see `build_worker_groups`; on
+    Ray it is another process). The weight sync after step k's update is queued behind it on
+    the rollout workers, so weights never change under a running generation.
 
     Those samples come from the weights one update old (staleness 1, recorded per sample); the
     actor recomputes old log-probs, so the clipped ratio corrects for it. Nothing is prefetched

@@ -108,14 +108,16 @@ def dp_ranks(group: Any, method: str, rows: int, batch: Batch | None) -> np.ndar
         ws = group.group.world_size if isinstance(group, RoleView) else group.world_size
     except (AttributeError, KeyError):
         return None
+    per_shard = spec.ranks_per_shard  # a sequence-parallel group's ranks share their rows: name its first
+    ws //= per_shard
     padded = -(-rows // ws) * ws
     if spec.dispatch is Dispatch.DP_COMPUTE or (spec.dispatch is Dispatch.DP_BALANCED and ws == 1):
-        return np.arange(padded)[:rows] // (padded // ws)
+        return np.arange(padded)[:rows] // (padded // ws) * per_shard
     if spec.dispatch is Dispatch.DP_BALANCED and batch is not None and "attention_mask" in batch.tensors:
         lengths = batch["attention_mask"].sum(-1).cpu().numpy().astype(np.int64)
         lengths = np.concatenate([lengths, lengths[np.arange(padded - rows) % rows]])  # as pad_to_multiple
         ranks = np.empty(padded, dtype=np.int64)
         for r, part in enumerate(balanced_partitions(lengths, ws)):
             ranks[part] = r
-        return ranks[:rows]
+        return ranks[:rows] * per_shard
     return None

@@ -38,18 +38,25 @@ from rlcore.workers.packed import forward_token_metrics
 from rlcore.workers.policy import PolicyLogProbs
 from rlcore.workers.preference import preference_objective
 from rlcore.workers.trainable import Trainable
+from rlcore.workers.ulysses import enable_sequence_parallel
 
 
 @dataclass(frozen=True)
 class PolicyObjective:
     """The actor's loss on one micro-batch: the policy loss (clipped surrogate, optionally with
     truncated importance weights against the rollout engine), minus the entropy bonus, plus the
-    KL loss to the reference."""
+    KL loss to the reference.
+
+    `old_from_current`: an exactly on-policy step, whose batch carries no old log-probs: this
+    forward's log-probs, detached, stand in for them (ratio 1 at the one optimizer step) and come
+    back with their entropy as per-row outputs, in place of the no-grad pass that would have
+    computed the same numbers."""
 
     config: ActorConfig
     policy_loss: PolicyLoss
     log_probs: PolicyLogProbs
     model: nn.Module
+    old_from_current: bool = False
 
     def __call__(self, mini: Batch, counts: GlobalCounts) -> MicroLossFn:
         return partial(self.micro_loss, norm=dict(global_token_count=counts.tokens, global_seq_count=counts.rows))
@@ -57,12 +64,13 @@ class PolicyObjective:
     def micro_loss(self, mb: Batch, norm: dict[str, float]) -> MicroLoss:
         cfg = self.config
         mask = mb["response_mask"].float()
-        logp, entropy = self.log_probs(self.model, mb, compute_entropy=cfg.entropy_coeff != 0)
+        logp, entropy = self.log_probs(self.model, mb, compute_entropy=cfg.entropy_coeff != 0 or self.old_from_current)
+        old = logp.detach() if self.old_from_current else mb["old_log_probs"]
         is_weights = None
         if cfg.tis_cap is not None and "rollout_log_probs" in mb:
-            is_weights = torch.exp(mb["old_log_probs"] - mb["rollout_log_probs"]).clamp(max=cfg.tis_cap).detach()
+            is_weights = torch.exp(old - mb["rollout_log_probs"]).clamp(max=cfg.tis_cap).detach()
         loss, pg_metrics = self.policy_loss(
-            mb["old_log_probs"],
+            old,
             logp,
             mb["advantages"],
             mask,
@@ -80,7 +88,8 @@ class PolicyObjective:
             kl = kl_loss(logp, mb["ref_log_probs"], mask, cfg.kl_loss_type, cfg.loss_agg_mode, **norm)
             loss = loss + cfg.kl_loss_coef * kl
             terms["kl_loss"] = float(kl.detach())
-        return MicroLoss(loss, terms, mean_stats(pg_metrics, float(mask.sum())))
+        outputs = {"old_log_probs": old, "entropy": entropy.detach()} if self.old_from_current and entropy is not None else {}
+        return MicroLoss(loss, terms, mean_stats(pg_metrics, float(mask.sum())), outputs)
 
 
 class ActorWorker(Worker):
@@ -90,6 +99,7 @@ class ActorWorker(Worker):
     def __init__(self, config: Config, rank: int = 0, world_size: int = 1) -> None:
         super().__init__(rank=rank, world_size=world_size, role="actor")
         self.config = config
+        self.ranks_per_shard = config.actor.ulysses_sequence_parallel_size  # a sequence-parallel group shares its rows
         self.device = resolve_device(config.trainer.device)
         self.model: nn.Module | None = None
         self.optimizer: torch.optim.Optimizer | None = None
@@ -99,6 +109,7 @@ class ActorWorker(Worker):
         cfg = self.config
         self.model = load_causal_lm(model_path or cfg.model.path, trained_dtype(cfg.model), self.device, cfg.model.gradient_checkpointing,
                                     cfg.model.use_remove_padding)
+        enable_sequence_parallel(self.model, self.ranks_per_shard, self.device, "actor.ulysses_sequence_parallel_size")
         # FSDP2 when this group has a process group (or, on one rank, when bf16/offload is asked for)
         self.model = shard_model(self.model, self.device, compute_precision(cfg.model, cfg.actor.mixed_precision), cfg.actor.cpu_offload)
         self.optimizer = build_optimizer(self.model, cfg.actor.optim)
@@ -126,8 +137,24 @@ class ActorWorker(Worker):
         """One training step: `actor.ppo_epochs` passes over mini-batches of `actor.ppo_mini_batch_size`
         prompts (with their `rollout.n` responses each)."""
         objective = PolicyObjective(self.config.actor, self.policy_loss, self.log_probs, self.model)
-        rows = self.settings.mini_batch_rows(int(batch.info.get("n", self.config.rollout.n)), self.world_size)
+        rows = self.settings.mini_batch_rows(int(batch.info.get("n", self.config.rollout.n)), self.data_parallel_size)
         result = run_update(self.trained, batch, objective, self.settings, mini_batch_rows=rows, device=self.device)
+        return self._policy_metrics(result)
+
+    @register(dispatch=Dispatch.DP_BALANCED)
+    def update_actor_on_policy(self, batch: Batch) -> Batch:
+        """`update_actor` on an exactly on-policy step (`Config.old_log_probs_from_update`), without
+        old log-probs in the batch: one optimizer step on this rank's whole share, whose forward,
+        detached, gives the old log-probs (ratio 1). Returns them with their entropy, as
+        `compute_log_prob` would have, and the update's metrics in `info["metrics"]`."""
+        if self.settings.epochs != 1:
+            raise ValueError(f"update_actor_on_policy: actor.ppo_epochs={self.settings.epochs}; a second pass would "
+                             "need the old log-probs of before the first step (actor.recompute_old_log_prob=always)")
+        objective = PolicyObjective(self.config.actor, self.policy_loss, self.log_probs, self.model, old_from_current=True)
+        result = run_update(self.trained, batch, objective, self.settings, mini_batch_rows=len(batch), device=self.device)
+        return Batch(tensors=result.outputs, info={"metrics": self._policy_metrics(result)})
+
+    def _policy_metrics(self, result: UpdateResult) -> dict[str, float]:
         return {**{f"actor/{k}": v for k, v in result.metrics.items()}, "actor/pg_loss": result.loss, **self._step_metrics(result),
                 **forward_token_metrics("actor", self.model, self.device)}
 
@@ -138,12 +165,17 @@ class ActorWorker(Worker):
         objective = preference_objective(
             batch.info["algorithm"], self.config.preference, self.log_probs, self.model, self.settings.micro, self.device
         )
-        rows = self.settings.mini_batch_rows(1, self.world_size)
+        rows = self.settings.mini_batch_rows(1, self.data_parallel_size)
         result = run_update(
             self.trained, batch, objective, self.settings, mini_batch_rows=rows, device=self.device, lengths=objective.lengths
         )
         return {**result.metrics, "pref/loss": result.loss, **self._step_metrics(result),
                 **forward_token_metrics("actor", self.model, self.device)}
+
+    @property
+    def data_parallel_size(self) -> int:
+        """Data-parallel shards: ranks over the sequence-parallel size (ranks of a group hold the same rows)."""
+        return self.world_size // self.ranks_per_shard
 
     def _step_metrics(self, result: UpdateResult) -> dict[str, float]:
         return {"actor/grad_norm": result.grad_norm, "actor/lr": self.trained.lr, "actor/bad_updates": float(result.skipped_steps),
@@ -190,6 +222,7 @@ class ReferenceWorker(Worker):
     def __init__(self, config: Config, rank: int = 0, world_size: int = 1) -> None:
         super().__init__(rank=rank, world_size=world_size, role="ref")
         self.config = config
+        self.ranks_per_shard = config.actor.ulysses_sequence_parallel_size  # the actor's, as its world size
         self.device = resolve_device(config.trainer.device)
         self.model: nn.Module | None = None
 
@@ -197,6 +230,7 @@ class ReferenceWorker(Worker):
         cfg = self.config
         self.model = load_causal_lm(model_path or cfg.model.path, cfg.model.dtype, self.device, remove_padding=cfg.model.use_remove_padding)
         self.model.requires_grad_(False)
+        enable_sequence_parallel(self.model, self.ranks_per_shard, self.device, "actor.ulysses_sequence_parallel_size")
         self.model = shard_model(self.model, self.device)
 
     @register(dispatch=Dispatch.DP_BALANCED)

@@ -15,8 +15,11 @@ tokens, 1 GiB at 32K) and attends over all of it, O(T^2): measured by
 function builds no mask for such a row. Every other call (a padded batch, decoding
 with a KV cache) goes to transformers' sdpa unchanged, so the model behaves as before there.
 
-`varlen_attention` is the hook a sequence-parallel wrapper replaces: it takes the packed
-`[1, heads, T, head_dim]` query/key/value of one packed row and its `cu_seqlens`.
+`varlen_attention` takes the packed `[1, heads, T, head_dim]` query/key/value of one packed row
+and its `cu_seqlens`. A sequence-parallel forward (`rlcore.workers.ulysses`) passes its group as
+the keyword `rlcore_sequence_parallel`, which transformers hands through every layer to this
+function: the rank then holds a slice of the row, and the group's `attention` trades it for all
+tokens of a subset of heads around `varlen_attention`.
 """
 
 from __future__ import annotations
@@ -29,6 +32,7 @@ import torch.nn.functional as F
 from torch import nn
 
 VARLEN = "rlcore_varlen"
+SEQUENCE_PARALLEL_KWARG = "rlcore_sequence_parallel"  # a `ulysses.SequenceParallel`, passed through the backbone
 
 
 def varlen_attention(
@@ -102,6 +106,9 @@ def _attention(
         what = ", ".join(unsupported) or "non-causal attention"
         raise ValueError(f"{type(module).__name__}: rlcore's packed-sequence attention does not support {what}; "
                          "set model.use_remove_padding=false for this model")
+    sequence_parallel = kwargs.get(SEQUENCE_PARALLEL_KWARG)
+    if sequence_parallel is not None:
+        return sequence_parallel.attention(query, key, value, cu_seqlens, max_seqlen, scale=scaling, dropout=dropout), None
     out = varlen_attention(query, key, value, cu_seqlens, max_seqlen, scale=scaling, dropout=dropout)
     return out, None
 
@@ -150,4 +157,4 @@ def use_packed_attention(model: nn.Module) -> nn.Module:
     return model
 
 
-__all__ = ["VARLEN", "register", "use_packed_attention", "varlen_attention"]
+__all__ = ["SEQUENCE_PARALLEL_KWARG", "VARLEN", "register", "use_packed_attention", "varlen_attention"]

@@ -34,6 +34,7 @@ from rlcore.workers.modeling import compute_precision, load_value_model, resolve
 from rlcore.workers.optim import build_optimizer, build_scheduler
 from rlcore.workers.packed import forward_token_metrics
 from rlcore.workers.trainable import Trainable
+from rlcore.workers.ulysses import enable_sequence_parallel
 
 T = TypeVar("T")
 
@@ -85,6 +86,7 @@ class CriticWorker(Worker):
     def __init__(self, config: Config, rank: int = 0, world_size: int = 1) -> None:
         super().__init__(rank=rank, world_size=world_size, role="critic")
         self.config = config
+        self.ranks_per_shard = config.critic_sequence_parallel_size  # a sequence-parallel group shares its rows
         self.device = resolve_device(config.trainer.device)
         self.model: nn.Module | None = None
         self.optimizer: torch.optim.Optimizer | None = None
@@ -95,6 +97,7 @@ class CriticWorker(Worker):
         path = model_path or cfg.critic.model_path or cfg.model.path
         self.model = load_value_model(path, trained_dtype(cfg.model), self.device, cfg.model.gradient_checkpointing,
                                       cfg.model.use_remove_padding)
+        enable_sequence_parallel(self.model, self.ranks_per_shard, self.device, "critic.ulysses_sequence_parallel_size")
         self.model = shard_model(self.model, self.device, compute_precision(cfg.model))  # FSDP2 when this group has a process group
         self.optimizer = build_optimizer(self.model, cfg.critic.optim)
         self.scheduler = build_scheduler(self.optimizer, cfg.critic.optim, cfg.trainer.total_steps)
@@ -117,7 +120,7 @@ class CriticWorker(Worker):
     def update_critic(self, batch: Batch) -> dict[str, float]:
         """One training step: `critic.ppo_epochs` passes over mini-batches of `critic.ppo_mini_batch_size`
         prompts (with their `rollout.n` responses each)."""
-        rows = self.settings.mini_batch_rows(int(batch.info.get("n", self.config.rollout.n)), self.world_size)
+        rows = self.settings.mini_batch_rows(int(batch.info.get("n", self.config.rollout.n)), self.world_size // self.ranks_per_shard)
         objective = ValueObjective(self.config.critic, self.model, self.config.model.use_remove_padding)
         result = run_update(self.trained, batch, objective, self.settings, mini_batch_rows=rows, device=self.device)
         out = {f"critic/{k}": v for k, v in result.metrics.items()}

@@ -82,7 +82,9 @@ class UpdateSettings:
 
 @dataclass(frozen=True)
 class GlobalCounts:
-    """Normalisers of one mini-batch, summed over ranks."""
+    """Normalisers of one mini-batch, summed over ranks. The ranks of a sequence-parallel group
+    hold the same rows and each counts them, so each one's share is 1/size of its group's loss and
+    the shares still sum to the one-process loss (`rlcore.workers.ulysses`)."""
 
     tokens: float  # response tokens (`response_mask`); 0 for a batch without one
     rows: float
@@ -95,6 +97,7 @@ class MicroLoss:
     loss: torch.Tensor  # this micro-batch's share: shares sum to the mini-batch loss over micro-batches and ranks
     terms: dict[str, float] = field(default_factory=dict)  # further detached shares (a KL term), summed alike
     stats: dict[str, tuple[float, float]] = field(default_factory=dict)  # name -> (sum, count), reported as means
+    outputs: dict[str, torch.Tensor] = field(default_factory=dict)  # detached per-row results, returned by the update
 
 
 MicroLossFn = Callable[[Batch], MicroLoss]
@@ -127,6 +130,7 @@ class UpdateResult:
     param_norm: float = math.nan   # L2 norm of all parameters after the update (over ranks)
     param_norm_growth: float = 1.0  # that norm after / before this update
     nonfinite_state: float = 0.0   # non-finite elements in parameters and optimizer state (over ranks)
+    outputs: dict[str, torch.Tensor] = field(default_factory=dict)  # `MicroLoss.outputs` by batch row (last epoch's)
 
 
 def run_update(
@@ -145,11 +149,14 @@ def run_update(
     batch = batch.to(device)
     norm_before, _ = weight_health(trained, device)
     stats = RankSummedMeans()
+    outputs: dict[str, torch.Tensor] = {}
     taken: list[dict[str, float]] = []
     skipped = 0
     for _ in range(settings.epochs):
+        first = 0
         for mini in batch.split(mini_batch_rows):
-            step = _step_on(trained, mini, objective, settings, device, lengths, stats)
+            step = _step_on(trained, mini, objective, settings, device, lengths, stats, RowSink(outputs, first, len(batch)))
+            first += len(mini)
             if step is None:
                 skipped += 1
             else:
@@ -165,6 +172,7 @@ def run_update(
         param_norm=param_norm,
         param_norm_growth=param_norm / norm_before if norm_before > 0 else 1.0,
         nonfinite_state=nonfinite,
+        outputs=outputs,
     )
 
 
@@ -176,6 +184,7 @@ def _step_on(
     device: torch.device,
     lengths: Callable[[Batch], torch.Tensor],
     stats: RankSummedMeans,
+    sink: RowSink,
 ) -> dict[str, float] | None:
     """Accumulate the gradient of one mini-batch, clip, step. Returns its rank-summed loss, terms
     and gradient norm, or None when the step was skipped (every rank decides alike)."""
@@ -195,6 +204,7 @@ def _step_on(
             totals[name] += value
         for name, (total, count) in out.stats.items():
             stats.add(name, total, count)
+        sink.write(out.outputs, idx)
     names = sorted(totals)
     summed = dict(zip(names, global_sums([totals[n] for n in names], device)))
     grad_norm = to_full(torch.nn.utils.clip_grad_norm_(trained.model.parameters(), settings.grad_clip))
@@ -203,6 +213,23 @@ def _step_on(
         return None
     trained.optimizer.step()
     return {**summed, "grad_norm": float(grad_norm)}
+
+
+@dataclass(frozen=True)
+class RowSink:
+    """Where per-row results of micro-batches go: float32 CPU tensors of `total` rows, a
+    micro-batch's row i landing at row `first + idx[i]` (`first`: its mini-batch's first row)."""
+
+    out: dict[str, torch.Tensor]
+    first: int
+    total: int
+
+    def write(self, values: dict[str, torch.Tensor], idx: list[int]) -> None:
+        rows = [self.first + i for i in idx]
+        for key, value in values.items():
+            if key not in self.out:
+                self.out[key] = torch.zeros((self.total, *value.shape[1:]), dtype=torch.float32)
+            self.out[key][rows] = value.detach().float().cpu()
 
 
 @torch.no_grad()
@@ -219,15 +246,13 @@ def forward_no_grad(
     model.eval()
     batch = batch.to(device)
     out: dict[str, torch.Tensor] = {}
+    sink = RowSink(out, 0, len(batch))
     try:
         for idx in micro.split(attention_lengths(batch), model, device):
             if not idx:  # keeps FSDP ranks in step; result unused
                 forward(batch.take([0]))
                 continue
-            for key, value in forward(batch.take(idx)).items():
-                if key not in out:
-                    out[key] = torch.zeros((len(batch), *value.shape[1:]), dtype=torch.float32)
-                out[key][idx] = value.float().cpu()
+            sink.write(forward(batch.take(idx)), idx)
     finally:
         model.train(was_training)
     return out

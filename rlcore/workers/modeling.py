@@ -23,8 +23,9 @@ from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForTokenClas
 from rlcore.config import ModelConfig
 from rlcore.protocol import Batch
 from rlcore.triton_kernels import fused_token_logprobs
-from rlcore.workers.attention import use_packed_attention
+from rlcore.workers.attention import SEQUENCE_PARALLEL_KWARG, use_packed_attention
 from rlcore.workers.packed import PackedRows, pack_rows, token_tally
+from rlcore.workers.ulysses import SequenceParallel, sequence_parallel_of
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
@@ -207,11 +208,22 @@ def _backbone(model: nn.Module) -> nn.Module:
     return getattr(model, model.base_model_prefix)
 
 
-def _packed_hidden(model: nn.Module, input_ids: torch.Tensor, packed: PackedRows) -> torch.Tensor:
-    """Last hidden states `[1, T, H]` of the backbone on the packed row."""
-    out = _backbone(model)(input_ids=packed.pack(input_ids), use_cache=False, **packed.backbone_kwargs())
-    token_tally(model).add(packed.tokens, packed.tokens)
-    return out.last_hidden_state
+def _packing(model: nn.Module, attention_mask: torch.Tensor, response_len: int) -> tuple[PackedRows, SequenceParallel | None]:
+    """The packed row of a micro-batch, or with sequence parallelism this rank's slice of it, and
+    the group (whose `gather` then completes the per-response-token results)."""
+    packed = pack_rows(attention_mask, response_len)
+    sp = sequence_parallel_of(model)
+    return (packed, None) if sp is None else (packed.shard(sp.rank, sp.size), sp)
+
+
+def _packed_forward(module: nn.Module, model: nn.Module, input_ids: torch.Tensor, packed: PackedRows, sp: SequenceParallel | None):
+    """`module` (the backbone, or the whole value model) on the packed row or slice, tallied on `model`."""
+    kwargs = packed.backbone_kwargs()
+    if sp is not None:
+        kwargs[SEQUENCE_PARALLEL_KWARG] = sp
+    out = module(input_ids=packed.pack(input_ids), use_cache=False, **kwargs)
+    token_tally(model).add(packed.tokens, packed.real_tokens)
+    return out
 
 
 def response_hidden_states(model: nn.Module, batch: Batch) -> torch.Tensor:
@@ -277,9 +289,9 @@ def forward_response_log_probs(
     precision the backbone computes in bf16 and so does the head (as FSDP2 casts it), and with CPU
     offload the head's master copy lives on the host."""
     n, r = responses.shape
-    packed = pack_rows(attention_mask, r) if remove_padding else None
+    packed, sp = _packing(model, attention_mask, r) if remove_padding else (None, None)
     if packed is not None:
-        hidden = packed.predictors(_packed_hidden(model, input_ids, packed))
+        hidden = packed.predictors(_packed_forward(_backbone(model), model, input_ids, packed, sp).last_hidden_state)
         targets = packed.targets(responses)
     else:
         hidden = _hidden_before_responses(model, input_ids, attention_mask, position_ids, r)
@@ -302,8 +314,12 @@ def forward_response_log_probs(
         backend=backend,
     )
     if packed is not None:
+        logprobs = packed.scatter(out.logprobs)
         entropy = packed.scatter(out.entropy) if out.entropy is not None else None
-        return packed.scatter(out.logprobs), entropy
+        if sp is not None:  # each entry was computed on one rank of the group
+            logprobs = sp.gather(logprobs)
+            entropy = sp.gather(entropy) if entropy is not None else None
+        return logprobs, entropy
     logprobs = out.logprobs.view(n, r)
     entropy = out.entropy.view(n, r) if out.entropy is not None else None
     return logprobs, entropy
@@ -314,10 +330,10 @@ def response_values(model: nn.Module, batch: Batch, remove_padding: bool = True)
     response positions when `remove_padding`)."""
     response_len = batch["responses"].shape[1]
     if remove_padding:
-        packed = pack_rows(batch["attention_mask"], response_len)
-        out = model(input_ids=packed.pack(batch["input_ids"]), **packed.backbone_kwargs())
-        token_tally(model).add(packed.tokens, packed.tokens)
-        return packed.scatter(packed.predictors(out.logits).squeeze(-1).float())
+        packed, sp = _packing(model, batch["attention_mask"], response_len)
+        out = _packed_forward(model, model, batch["input_ids"], packed, sp)
+        values = packed.scatter(packed.predictors(out.logits).squeeze(-1).float())
+        return values if sp is None else sp.gather(values)
     out = model(
         input_ids=batch["input_ids"],
         attention_mask=batch["attention_mask"],

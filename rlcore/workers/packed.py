@@ -13,6 +13,13 @@ Each response token is predicted by the hidden state of its predecessor in the p
 sequence-parallel rank that holds the packed positions `[a, b)` keeps the entries whose predictor
 falls in its range, and every target is known there without talking to its neighbours.
 
+For sequence parallelism, `PackedRows.shard` is one rank's slice of that row: the row padded to a
+multiple of the group size (the pad tokens a sequence of their own at the end, never scored), its
+tokens and position ids `[a, b)` (the global ones, so RoPE sees each token's own position), the
+entries whose predictor lies in `[a, b)`, and the whole row's `cu_seqlens`, which attention needs
+once the all-to-all has given each rank every token of a subset of heads
+(`rlcore.workers.ulysses`).
+
 Also here: `TokenTally`, the tokens each model's backbone actually computed against the real
 tokens among them, read from the shapes of the forwards that ran (reported per step as
 `perf/*_compute_token_ratio`).
@@ -43,15 +50,42 @@ class PackedRows:
     response_index: torch.Tensor   # [M] flat index into [N * R] of that response token
     rows: int
     response_len: int
+    pad_tokens: int = 0            # tokens at the end that are no real token's (a shard's part of the padding)
 
     @property
     def tokens(self) -> int:
-        """T: tokens in the packed row, all of them real."""
+        """Tokens in the packed row: T, all real, for a whole row; T / size for a shard."""
         return int(self.token_index.numel())
+
+    @property
+    def real_tokens(self) -> int:
+        return self.tokens - self.pad_tokens
 
     @property
     def max_seqlen(self) -> int:
         return max(self.seq_lens, default=0)
+
+    def shard(self, rank: int, size: int) -> PackedRows:
+        """Rank `rank`'s slice `[a, b)` of this row padded to a multiple of `size` tokens. Its
+        predictor indices are local (`hidden` of the slice), `cu_seqlens`/`seq_lens` the whole
+        padded row's (a pad sequence appended when there is padding)."""
+        if not 0 <= rank < size:
+            raise ValueError(f"sequence-parallel rank {rank} is not in 0..{size - 1}")
+        total = self.tokens
+        width = -(-total // size)
+        pad = width * size - total
+        a, b = rank * width, (rank + 1) * width
+        token_index = torch.cat([self.token_index, self.token_index[:1].expand(pad)])  # any real id: never scored
+        positions = torch.cat([self.position_ids[0], torch.arange(pad, device=self.position_ids.device)])
+        cu_seqlens, seq_lens = self.cu_seqlens, self.seq_lens
+        if pad:
+            cu_seqlens = torch.cat([cu_seqlens, cu_seqlens.new_tensor([total + pad])])
+            seq_lens = (*seq_lens, pad)
+        keep = (self.predictor_index >= a) & (self.predictor_index < b)
+        return PackedRows(
+            token_index[a:b], positions[a:b].unsqueeze(0), cu_seqlens, seq_lens, self.predictor_index[keep] - a,
+            self.response_index[keep], self.rows, self.response_len, pad_tokens=max(0, b - max(a, total)),
+        )
 
     def pack(self, padded: torch.Tensor) -> torch.Tensor:
         """A padded `[N, S, ...]` tensor (input ids, say) as the packed `[1, T, ...]` row."""

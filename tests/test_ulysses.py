@@ -1,0 +1,370 @@
+"""Ulysses sequence parallelism (`actor.ulysses_sequence_parallel_size`) and gradient checkpointing.
+
+Two gloo ranks that split every packed row along its tokens (all-to-all over attention heads
+around attention) compute what one process computes: log-probs, entropies, critic values, the
+policy loss and its gradients, on a Llama (multi-head), a Qwen2 with grouped-query attention (2
+key/value heads for 4 query heads) and a Qwen2 with one key/value head (repeated for each rank),
+with and without gradient checkpointing; through the real workers (Ray, FSDP2 over both ranks,
+actor + reference + critic colocated) an update step equals the one-process step. Also: the
+slices cover the row, the dispatch gives every rank of a group the same rows, refusals name the
+config key; gradient checkpointing changes neither loss nor gradients on the packed path.
+Tolerances: float32 sums in another order (1e-5 on log-probs and losses, gradients 1e-4 of each
+parameter's largest entry).
+"""
+
+from __future__ import annotations
+
+import shutil
+import socket
+import tempfile
+from pathlib import Path
+
+import pytest
+import torch
+from transformers import (
+    LlamaConfig,
+    LlamaForCausalLM,
+    LlamaForTokenClassification,
+    Qwen2Config,
+    Qwen2ForCausalLM,
+    Qwen2ForTokenClassification,
+)
+
+from rlcore.algos import get_policy_loss
+from rlcore.config import ActorConfig, ConfigError, load_config
+from rlcore.controller import Dispatch, Worker, register
+from rlcore.controller.dispatch import plan_dispatch
+from rlcore.data.preference import sequence_tensors
+from rlcore.protocol import Batch
+from rlcore.workers.actor import PolicyObjective
+from rlcore.workers.attention import use_packed_attention
+from rlcore.workers.loops import GlobalCounts
+from rlcore.workers.modeling import response_values
+from rlcore.workers.packed import pack_rows
+from rlcore.workers.policy import PolicyLogProbs
+from rlcore.workers.ulysses import enable_sequence_parallel, head_problem
+
+VOCAB = 64
+SIZES = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2, max_position_embeddings=512,
+             pad_token_id=0)
+ARCHS = {
+    "llama": (LlamaConfig(**SIZES, num_attention_heads=4, num_key_value_heads=4, tie_word_embeddings=False),
+              LlamaForCausalLM, LlamaForTokenClassification),
+    "qwen2-gqa": (Qwen2Config(**SIZES, num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=True),
+                  Qwen2ForCausalLM, Qwen2ForTokenClassification),
+    "qwen2-1kv": (Qwen2Config(**SIZES, num_attention_heads=4, num_key_value_heads=1, tie_word_embeddings=True),
+                  Qwen2ForCausalLM, Qwen2ForTokenClassification),
+}
+
+
+def _model(arch: str, head: str = "lm", seed: int = 0, checkpointing: bool = False) -> torch.nn.Module:
+    config, lm, values = ARCHS[arch]
+    torch.manual_seed(seed)
+    if head == "lm":
+        model = lm(config)
+    else:
+        model = values(config.__class__(**{**config.to_dict(), "num_labels": 1, "classifier_dropout": 0.0}))
+    use_packed_attention(model)
+    if checkpointing:
+        model.gradient_checkpointing_enable()
+    return model
+
+
+def _batch(seed: int = 0) -> Batch:
+    """Rows of varied lengths (one response empty, one with interior mask zeros): 40 real tokens,
+    so the two slices cut through a sequence."""
+    g = torch.Generator().manual_seed(seed)
+    prompt_lens, response_lens = [7, 2, 5, 3, 6], [9, 1, 0, 4, 3]
+    prompts = [torch.randint(1, VOCAB, (n,), generator=g).tolist() for n in prompt_lens]
+    responses = [torch.randint(1, VOCAB, (n,), generator=g).tolist() for n in response_lens]
+    t = sequence_tensors(prompts, responses, pad_id=0)
+    t["response_mask"][3, 1:3] = 0.0
+    n, r = t["responses"].shape
+    t.update(advantages=torch.randn(n, 1, generator=g).expand(n, r).contiguous(),
+             old_log_probs=-3.0 + 0.1 * torch.randn(n, r, generator=g), ref_log_probs=-3.0 + 0.1 * torch.randn(n, r, generator=g))
+    return Batch(tensors=t, info={"temperature": 0.9})
+
+
+ACTOR = ActorConfig(entropy_coeff=0.01, use_kl_loss=True, loss_agg_mode="seq-mean-token-mean", logprob_chunk_tokens=7)
+LOG_PROBS = PolicyLogProbs(1.0, chunk_tokens=7, backend="torch")
+
+
+def _loss_and_grads(model: torch.nn.Module, batch: Batch, counts: GlobalCounts) -> tuple[float, dict[str, torch.Tensor]]:
+    """The actor's loss on `batch` normalised by `counts`, and its gradients."""
+    model.zero_grad(set_to_none=True)
+    objective = PolicyObjective(ACTOR, get_policy_loss("vanilla"), LOG_PROBS, model)
+    out = objective(batch, counts)(batch)
+    out.loss.backward()
+    return float(out.loss.detach()), {n: p.grad.clone() for n, p in model.named_parameters()}
+
+
+def _counts(batch: Batch, ranks: int = 1) -> GlobalCounts:
+    """What the update loop sums over ranks: each of `ranks` ranks holding `batch`."""
+    return GlobalCounts(ranks * float(batch["response_mask"].sum()), ranks * float(len(batch)))
+
+
+def _assert_grads_close(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor], what: str) -> None:
+    for name, g in want.items():
+        torch.testing.assert_close(got[name], g, atol=1e-4 * max(float(g.abs().max()), 1e-6), rtol=1e-4, msg=f"{what}: {name}")
+
+
+# ----- the slices, the dispatch, the refusals (one process) ----------------------------------------
+
+
+@pytest.mark.parametrize("size", [1, 2, 3])
+def test_slices_cover_the_packed_row_and_every_scored_token_once(size):
+    batch = _batch()
+    packed = pack_rows(batch["attention_mask"], batch["responses"].shape[1])
+    shards = [packed.shard(rank, size) for rank in range(size)]
+    width = -(-packed.tokens // size)
+    assert all(s.tokens == width for s in shards)
+    assert sum(s.real_tokens for s in shards) == packed.tokens == 40
+    torch.testing.assert_close(torch.cat([s.token_index[: s.real_tokens] for s in shards]), packed.token_index)
+    torch.testing.assert_close(torch.cat([s.position_ids[0, : s.real_tokens] for s in shards]), packed.position_ids[0])
+    assert all(int(s.cu_seqlens[-1]) == width * size and sum(s.seq_lens) == width * size for s in shards)
+    # every scored response token is scored on exactly one rank, from the same hidden state
+    owners = torch.cat([s.response_index for s in shards])
+    assert sorted(owners.tolist()) == packed.response_index.tolist()
+    global_pred = torch.cat([s.predictor_index + r * width for r, s in enumerate(shards)])
+    order = torch.argsort(owners)
+    torch.testing.assert_close(global_pred[order], packed.predictor_index)
+
+
+def test_dispatch_sends_a_shard_to_every_rank_of_its_group():
+    batch = Batch(tensors={"x": torch.arange(6.0), "attention_mask": torch.ones(6, 3, dtype=torch.long)})
+    for mode in (Dispatch.DP_COMPUTE, Dispatch.DP_BALANCED):
+        plan = plan_dispatch(mode, 4, (batch,), {}, ranks_per_shard=2)
+        parts = [call[1][0]["x"].tolist() for call in plan.calls]
+        assert [c[0] for c in plan.calls] == [0, 1, 2, 3]
+        assert parts[0] == parts[1] and parts[2] == parts[3] and len(parts[0]) == 3
+        assert sorted(parts[0] + parts[2]) == list(range(6))
+        # collected from each group's first rank: the others' results are not looked at
+        results = [Batch(tensors={"y": call[1][0]["x"] * (10 if r % 2 == 0 else -1)}) for r, call in enumerate(plan.calls)]
+        assert plan.collect(results)["y"].tolist() == [10.0 * i for i in range(6)]
+
+    class Grouped(Worker):
+        ranks_per_shard = 2
+
+        @register(dispatch=Dispatch.DP_COMPUTE)
+        def f(self, batch: Batch) -> Batch:
+            return batch
+
+    assert Grouped(0, 2).registered_methods()["f"].ranks_per_shard == 2
+    assert Worker(0, 1).registered_methods() == {}
+
+
+def test_sizes_that_do_not_fit_are_refused_naming_the_key(tmp_path):
+    base = ["model.path=m", "data.train_files=[t.parquet]", "trainer.backend=ray", "actor.world_size=2"]
+    with pytest.raises(ConfigError, match=r"actor.ulysses_sequence_parallel_size=3 does not divide actor.world_size=2"):
+        load_config(None, [*base, "actor.ulysses_sequence_parallel_size=3"])
+    with pytest.raises(ConfigError, match="needs model.use_remove_padding=true"):
+        load_config(None, [*base, "actor.ulysses_sequence_parallel_size=2", "model.use_remove_padding=false"])
+    ppo = [*base, "algorithm.name=ppo", "algorithm.adv_estimator=gae", "actor.ulysses_sequence_parallel_size=2"]
+    with pytest.raises(ConfigError, match=r"critic.ulysses_sequence_parallel_size=2 \(default: the actor's\) does not divide critic.world_size=1"):
+        load_config(None, ppo)
+    assert load_config(None, [*ppo, "critic.ulysses_sequence_parallel_size=1"]).critic_sequence_parallel_size == 1
+    assert head_problem(4, 2, 2) is None and head_problem(4, 1, 2) is None and head_problem(8, 2, 4) is None
+    assert "3 attention heads" in head_problem(3, 3, 2) and "3 key/value heads" in head_problem(6, 3, 2)
+    with pytest.raises(ValueError, match=r"actor.ulysses_sequence_parallel_size=2 does not divide the 1 ranks"):
+        enable_sequence_parallel(_model("llama"), 2, torch.device("cpu"), "actor.ulysses_sequence_parallel_size")
+    # the heads, from config.json, before any model loads (preflight)
+    from rlcore.trainer.preflight import sequence_parallel_problems
+
+    Qwen2Config(**SIZES, num_attention_heads=6, num_key_value_heads=3).save_pretrained(tmp_path / "m")
+    cfg = load_config(None, [*ppo, f"model.path={tmp_path / 'm'}", "critic.ulysses_sequence_parallel_size=1"])
+    assert sequence_parallel_problems(cfg) == [
+        f"actor.ulysses_sequence_parallel_size=2: the model's 3 key/value heads neither divide by 2 nor divide 2 "
+        f"({tmp_path / 'm'}; Ulysses splits attention heads over the sequence-parallel ranks)"]
+
+
+# ----- gradient checkpointing ------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2-gqa"])
+def test_gradient_checkpointing_gives_the_same_loss_and_gradients(arch):
+    """`model.gradient_checkpointing`: the packed forward recomputed layer by layer in backward
+    gives the loss and gradients of the stored-activation forward, actor and critic (the check
+    that checkpointing is really on: the model says so, and is in train mode)."""
+    batch = _batch()
+    plain, ckpt = _model(arch), _model(arch, checkpointing=True)
+    ckpt.train(), plain.train()
+    assert ckpt.is_gradient_checkpointing and not plain.is_gradient_checkpointing
+    want_loss, want = _loss_and_grads(plain, batch, _counts(batch))
+    got_loss, got = _loss_and_grads(ckpt, batch, _counts(batch))
+    assert got_loss == pytest.approx(want_loss, abs=1e-6)
+    _assert_grads_close(got, want, "actor")
+    values = {}
+    for name, model in (("plain", _model(arch, "value")), ("ckpt", _model(arch, "value", checkpointing=True))):
+        model.train()
+        v = response_values(model, batch)
+        (v * batch["response_mask"]).pow(2).sum().backward()
+        values[name] = (v.detach(), {n: p.grad for n, p in model.named_parameters()})
+    torch.testing.assert_close(values["ckpt"][0], values["plain"][0], atol=1e-6, rtol=0)
+    _assert_grads_close(values["ckpt"][1], values["plain"][1], "critic")
+
+
+# ----- two gloo ranks against one process --------------------------------------------------------------
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _sp_rank(rank: int, world_size: int, port: int, work: Path) -> None:
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size)
+    try:
+        out = {}
+        batch = _batch()
+        for arch in ARCHS:
+            for checkpointing in ((False, True) if arch == "llama" else (False,)):
+                model = _model(arch, checkpointing=checkpointing)
+                enable_sequence_parallel(model, world_size, torch.device("cpu"), "actor.ulysses_sequence_parallel_size")
+                model.train()
+                with torch.no_grad():
+                    logp, entropy = LOG_PROBS(model, batch, compute_entropy=True)
+                # both ranks hold the batch: the counts summed over ranks are twice its own
+                loss_share, grads = _loss_and_grads(model, batch, _counts(batch, world_size))
+                for g in grads.values():
+                    dist.all_reduce(g)  # what FSDP's reduction sums
+                loss = torch.tensor([loss_share])
+                dist.all_reduce(loss)
+                critic = _model(arch, "value", seed=1, checkpointing=checkpointing)
+                enable_sequence_parallel(critic, world_size, torch.device("cpu"), "critic.ulysses_sequence_parallel_size")
+                values = response_values(critic, batch)
+                out[arch, checkpointing] = dict(logp=logp, entropy=entropy, loss=float(loss), grads=grads, values=values.detach())
+        torch.save(out, work / f"sp_rank{rank}.pt")
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.slow
+def test_two_sequence_parallel_ranks_compute_what_one_process_does(tmp_path):
+    import torch.multiprocessing as mp
+
+    mp.spawn(_sp_rank, args=(2, _free_port(), tmp_path), nprocs=2)
+    ranks = [torch.load(tmp_path / f"sp_rank{r}.pt", weights_only=False) for r in range(2)]
+    batch = _batch()
+    for arch, checkpointing in ranks[0]:
+        what = f"{arch}{' + checkpointing' if checkpointing else ''}"
+        model = _model(arch)
+        model.train()
+        with torch.no_grad():
+            logp, entropy = LOG_PROBS(model, batch, compute_entropy=True)
+        loss, grads = _loss_and_grads(model, batch, _counts(batch))
+        values = response_values(_model(arch, "value", seed=1), batch).detach()
+        assert float(logp.abs().sum()) > 1.0 and float(values.abs().sum()) > 0.1
+        for r in ranks:
+            got = r[arch, checkpointing]
+            torch.testing.assert_close(got["logp"], logp, atol=1e-5, rtol=0, msg=what)
+            torch.testing.assert_close(got["entropy"], entropy, atol=1e-5, rtol=0, msg=what)
+            torch.testing.assert_close(got["values"], values, atol=1e-5, rtol=0, msg=what)
+            assert got["loss"] == pytest.approx(loss, abs=1e-5), what
+            _assert_grads_close(got["grads"], grads, what)
+
+
+# ----- through the workers: Ray, FSDP2 over both ranks, actor + reference + critic colocated ----------
+
+
+def _worker_batch(n: int = 6) -> Batch:
+    g = torch.Generator().manual_seed(3)
+    t = sequence_tensors([torch.randint(1, VOCAB, (k,), generator=g).tolist() for k in (9, 3, 6, 2, 7, 4)][:n],
+                         [torch.randint(1, VOCAB, (k,), generator=g).tolist() for k in (8, 2, 5, 7, 1, 6)][:n], pad_id=0)
+    r = t["responses"].shape[1]
+    t.update(advantages=torch.randn(n, 1, generator=g).expand(n, r).contiguous(), returns=torch.randn(n, r, generator=g),
+             values=0.1 * torch.randn(n, r, generator=g), ref_log_probs=-4.0 + 0.1 * torch.randn(n, r, generator=g))
+    return Batch(tensors=t, info={"n": 2, "temperature": 1.0})
+
+
+def _colocated(cfg):
+    """actor (with its full gradients readable), reference and critic in one process per rank."""
+    from rlcore.controller import ColocatedWorker
+    from rlcore.workers.actor import ActorWorker, ReferenceWorker
+    from rlcore.workers.critic import CriticWorker
+    from rlcore.workers.fsdp import to_full
+
+    class GradActor(ActorWorker):
+        @register(dispatch=Dispatch.COLLECTIVE)
+        def full_grads(self) -> dict[str, torch.Tensor]:
+            return {n: to_full(p.grad).clone() for n, p in self.model.named_parameters()}
+
+    def factory(rank: int, world_size: int) -> ColocatedWorker:
+        workers = {"actor": GradActor(cfg, rank, world_size), "ref": ReferenceWorker(cfg, rank, world_size),
+                   "critic": CriticWorker(cfg, rank, world_size)}
+        return ColocatedWorker(workers, rank, world_size)
+
+    return factory
+
+
+def _step(group) -> dict:
+    """One PPO-style pass of the three roles on `_worker_batch()`, and what it changed."""
+    actor, ref, critic = group.view("actor"), group.view("ref"), group.view("critic")
+    batch = _worker_batch()
+    out = {"old": actor.compute_log_prob(batch), "ref": ref.compute_ref_log_prob(batch), "values": critic.compute_values(batch)}
+    batch = batch.union(out["old"].select("old_log_probs"))
+    out["critic_metrics"] = critic.update_critic(batch)[0]
+    out["actor_metrics"] = actor.update_actor(batch)[0]
+    out["grads"] = actor.full_grads()
+    out["weights"] = {k: v.clone() for k, v in actor.weights_for_rollout().result()}
+    out["values_after"] = critic.compute_values(batch)
+    return out
+
+
+@pytest.mark.slow
+def test_sequence_parallel_workers_step_as_one_process(tmp_path):
+    """Two Ray ranks, one sequence-parallel group (actor.world_size=2, size 2, FSDP2 over both),
+    gradient checkpointing on, several micro-batches: log-probs, reference log-probs, values, the
+    critic's and the actor's update (loss, gradient norm, full gradients, new weights) are the
+    one-process ones; the tokens each rank computed add up to the real ones plus the padding to
+    an even length."""
+    import sys
+
+    ray = pytest.importorskip("ray")
+    from rlcore.controller import InProcessWorkerGroup, RayWorkerGroup
+
+    config, lm, values = ARCHS["qwen2-gqa"]
+    torch.manual_seed(0)
+    lm(config).save_pretrained(tmp_path / "policy")
+    values(config.__class__(**{**config.to_dict(), "num_labels": 1, "classifier_dropout": 0.0})).save_pretrained(tmp_path / "critic")
+    base = [f"model.path={tmp_path / 'policy'}", f"critic.model_path={tmp_path / 'critic'}", "data.train_files=[unused.parquet]",
+            "trainer.device=cpu", "algorithm.name=ppo", "algorithm.adv_estimator=gae", "data.train_batch_size=3",
+            "actor.ppo_mini_batch_size=3", "rollout.n=2", "actor.max_tokens_per_micro_batch=24", "actor.use_kl_loss=true",
+            "actor.entropy_coeff=0.01", "actor.optim.lr=1e-3", "critic.optim.lr=1e-3", "actor.logprob_chunk_tokens=5",
+            "model.gradient_checkpointing=true", "algorithm.use_reference=true"]
+    one_cfg = load_config(None, base)
+    sp_cfg = load_config(None, [*base, "trainer.backend=ray", "actor.world_size=2", "critic.world_size=2",
+                                "actor.ulysses_sequence_parallel_size=2"])
+    one = _step(InProcessWorkerGroup(_colocated(one_cfg), 1, "actor+ref+critic"))
+
+    ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])  # workers cannot import tests/
+    temp = tempfile.mkdtemp(prefix="rlray", dir="/tmp")  # short: Ray's socket paths must fit 107 bytes
+    ray.init(num_cpus=2, include_dashboard=False, _temp_dir=temp, log_to_driver=False)
+    try:
+        group = RayWorkerGroup(_colocated(sp_cfg), 2, "actor+ref+critic", call_timeout_s=300)
+        assert group.methods["actor.update_actor"].ranks_per_shard == group.methods["critic.compute_values"].ranks_per_shard == 2
+        two = _step(group)
+        group.shutdown()
+    finally:
+        ray.shutdown()
+        shutil.rmtree(temp, ignore_errors=True)
+
+    for key, name in (("old", "old_log_probs"), ("old", "entropy"), ("ref", "ref_log_probs"), ("values", "values"),
+                      ("values_after", "values")):
+        torch.testing.assert_close(two[key][name], one[key][name], atol=1e-5, rtol=0, msg=f"{key}/{name}")
+    assert not torch.allclose(one["values_after"]["values"], one["values"]["values"], atol=1e-3)  # the critic stepped
+    for role in ("critic_metrics", "actor_metrics"):
+        for name, value in one[role].items():
+            if "compute_token" in name:  # SP=2 also computes the padding to an even length
+                continue
+            assert two[role][name] == pytest.approx(value, rel=1e-4, abs=1e-6), (role, name)
+    m1, m2 = one["actor_metrics"], two["actor_metrics"]
+    assert m1["actor/kl_loss"] > 0 and m1["actor/pg_loss"] != 0
+    assert m2["perf/actor_real_tokens"] == m1["perf/actor_real_tokens"] == m1["perf/actor_compute_tokens"]
+    assert 0 <= m2["perf/actor_compute_tokens"] - m1["perf/actor_compute_tokens"] <= m2["perf/actor_real_tokens"] / 10
+    _assert_grads_close(two["grads"], one["grads"], "actor")
+    for k, w in one["weights"].items():
+        torch.testing.assert_close(two["weights"][k], w, atol=2e-6, rtol=0, msg=k)

@@ -462,6 +462,13 @@ def test_agent_config_keys_are_refused_at_load_naming_the_key(tmp_path):
     problems = [p for p in preflight_problems(cfg) if p.startswith("rollout.agent")]
     assert len(problems) == 2 and problems[0].startswith("rollout.agent.tools[1]: ") and "does not exist" in problems[0]
     assert problems[1].startswith("rollout.agent.interaction: ") and "cannot import module 'nope'" in problems[1]
+    (tmp_path / "model").mkdir()
+    (tmp_path / "model" / "config.json").write_text('{"model_type": "llama", "max_position_embeddings": 128}')
+    cfg = load_config(None, [f"model.path={tmp_path / 'model'}", "data.train_files=[t.parquet]", f"rollout.agent.tools=[{CALC}]",
+                             "data.max_prompt_length=32", "rollout.agent.max_total_tokens=100", "rollout.backend=hf"])
+    assert [p for p in preflight_problems(cfg) if p.startswith("rollout.agent")] == [
+        "rollout.agent.max_total_tokens: data.max_prompt_length (32) + rollout.agent.max_total_tokens (100) = 132 tokens "
+        "exceeds the model's max_position_embeddings (128)"]
 
 
 def test_keyed_draws_do_not_depend_on_the_batch():

@@ -189,13 +189,18 @@ class ChatTurns:
             raise ValueError("agent rollouts need a chat template (the tokenizer has none)")
         self.tokenizer = tokenizer
         self._base = [{"role": "user", "content": "?"}, {"role": "assistant", "content": _MARK}]
-        base = self._render(self._base, False)
+        try:
+            base = self._render(self._base, False)
+        except Exception as e:  # a template that cannot render a user/assistant exchange
+            raise ValueError(f"the chat template cannot render a conversation ({type(e).__name__}: {e})") from e
         if _MARK not in base:
             raise ValueError("the chat template does not render assistant turns' content")
         self._after_content = base[base.rindex(_MARK) + len(_MARK):]
         self._base_text = base
-        self._closing: dict[int, list[int] | None] = {}
-        probe = self._render([*self._base, {"role": "tool", "content": _MARK}], True)
+        try:  # templates without a tool role render nothing for it, or raise
+            probe = self._render([*self._base, {"role": "tool", "content": _MARK}], True)
+        except Exception:  # noqa: BLE001
+            probe = ""
         self.renders_tools = probe.startswith(base) and _MARK in probe[len(base):]
 
     def _render(self, messages: list[dict[str, Any]], generation_prompt: bool) -> str:

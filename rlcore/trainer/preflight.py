@@ -214,7 +214,26 @@ def agent_problems(config: Config) -> list[str]:
             load_function(str(resolve_spec(agent.interaction)), "interaction")
         except Exception as err:  # noqa: BLE001
             problems.append(f"rollout.agent.interaction: {str(err).removeprefix('interaction spec ')}")
+    if agent.enabled:
+        problems += agent_length_problems(config)
     return problems
+
+
+def agent_length_problems(config: Config) -> list[str]:
+    """A trajectory must fit the model: the longest prompt plus `max_total_tokens` within its
+    positions (and the vLLM engine's `max_model_len`), else the run would fail mid-rollout."""
+    try:
+        model_config = json.loads((Path(config.model.path) / "config.json").read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return []  # model_folder_problems names the folder
+    text = model_config.get("text_config", model_config) if isinstance(model_config, dict) else {}
+    limits = [("the model's max_position_embeddings", text.get("max_position_embeddings"))]
+    if config.rollout.backend in ("vllm", "auto"):
+        limits.append(("rollout.vllm.max_model_len", config.rollout.vllm.max_model_len))
+    need = config.data.max_prompt_length + config.rollout.agent.max_total_tokens
+    return [f"rollout.agent.max_total_tokens: data.max_prompt_length ({config.data.max_prompt_length}) + "
+            f"rollout.agent.max_total_tokens ({config.rollout.agent.max_total_tokens}) = {need} tokens exceeds {what} ({limit})"
+            for what, limit in limits if isinstance(limit, int) and need > limit]
 
 
 def scorer_problems(config: Config) -> list[str]:

@@ -100,6 +100,35 @@ class OptimConfig(_Section):
     grad_clip: float = Field(1.0, gt=0)
 
 
+class LoraConfig(_Section):
+    """LoRA adapters (the `peft` library) on a trained role's model: the base weights stay frozen and
+    only the low-rank adapters train (with a value or reward head, the head too). Like verl's
+    `lora_rank`, `lora_alpha` and `target_modules`."""
+
+    rank: int = Field(0, ge=0, description="adapter rank r; 0: LoRA off (full fine-tuning)")
+    alpha: float = Field(16.0, gt=0, description="the adapter's update is scaled by alpha / rank")
+    dropout: float = Field(0.0, ge=0, lt=1, description="dropout on the adapter's input while training")
+    target_modules: str | list[str] = Field(
+        "all-linear", description="'all-linear' (every linear layer except the output head) or the names of the "
+        "modules to adapt (e.g. [q_proj, v_proj]); a name the model lacks is an error when it is loaded")
+
+    @field_validator("target_modules")
+    @classmethod
+    def _check_targets(cls, value: str | list[str]) -> str | list[str]:
+        if isinstance(value, str) and value != "all-linear":
+            raise ValueError(f"{value!r}: expected 'all-linear' or a list of module names")
+        if isinstance(value, list) and not (value and all(isinstance(v, str) and v for v in value)):
+            raise ValueError("expected a non-empty list of module names")
+        if isinstance(value, list) and {"lm_head", "embed_tokens"} & set(value):
+            raise ValueError("LoRA on the input embeddings or the output head is not supported: the log-prob "
+                             "path reads the head's weight directly (and a tied head would come untied)")
+        return value
+
+    @property
+    def enabled(self) -> bool:
+        return self.rank > 0
+
+
 class ActorConfig(_Section):
     optim: OptimConfig = OptimConfig()
     ppo_epochs: int = Field(1, ge=1)
@@ -144,6 +173,8 @@ class ActorConfig(_Section):
         False, description="keep the actor's master weights, gradients and AdamW state in host memory and step "
         "AdamW there; parameters are copied to the GPU for each forward (FSDP2's CPUOffloadPolicy, or the same "
         "per-module copies in one process). Needs a CUDA device: refused with trainer.device=cpu")
+    lora: LoraConfig = Field(LoraConfig(), description="LoRA on the actor; the reference is then the actor's own "
+                             "base model with the adapter disabled (no second copy)")
 
     @field_validator("policy_loss")
     @classmethod
@@ -232,6 +263,10 @@ class RolloutConfig(_Section):
     val_greedy: bool | None = Field(None, description="default: greedy when val_n is 1, sampled when val_n > 1")
     vllm: VLLMEngineConfig = VLLMEngineConfig()
     agent: AgentConfig = AgentConfig()
+    lora_sync: Literal["auto", "merged", "adapter"] = Field(
+        "auto", description="with actor.lora: how the trained weights reach the engine. merged: the merged weights "
+        "of the adapted modules only (the rest never changes); adapter: the adapter itself, which vLLM applies per "
+        "request (vllm backend only). auto: merged")
     free_memory_when_idle: bool | None = Field(
         None, description="sleep the engine from after generation until the weight sync; "
         "default: on when actor and rollout share a GPU (in-process on CUDA, or one GPU pool on Ray)")
@@ -251,6 +286,7 @@ class CriticConfig(_Section):
     ulysses_sequence_parallel_size: int | None = Field(
         None, ge=1, description="the critic's Ulysses sequence-parallel size (see actor.ulysses_sequence_parallel_size); "
         "default: the actor's. Must divide critic.world_size")
+    lora: LoraConfig = Field(LoraConfig(), description="LoRA on the critic (its value head trains in full)")
 
 
 class RewardConfig(_Section):
@@ -536,6 +572,24 @@ class Config(_Section):
             raise ValueError("actor.cpu_offload=true needs a CUDA device: with trainer.device=cpu the weights, gradients "
                              "and optimizer state already live in host memory, so there is nothing to offload")
         return self
+
+    @model_validator(mode="after")
+    def _check_lora_sync(self) -> Config:
+        sync = self.rollout.lora_sync
+        if sync != "auto" and not self.actor.lora.enabled:
+            raise ValueError(f"rollout.lora_sync={sync} needs LoRA on the actor (actor.lora.rank > 0)")
+        if sync == "adapter" and self.rollout.backend == "hf":
+            raise ValueError("rollout.lora_sync=adapter needs rollout.backend=vllm (vLLM applies the adapter per request); "
+                             "the hf backend takes the merged weights (rollout.lora_sync=merged)")
+        return self
+
+    @property
+    def lora_sync(self) -> Literal["full", "merged", "adapter"]:
+        """How the actor's weights reach the rollout engine: every tensor (no LoRA), the merged weights of
+        the adapted modules, or the adapter (`rollout.lora_sync`)."""
+        if not self.actor.lora.enabled:
+            return "full"
+        return "adapter" if self.rollout.lora_sync == "adapter" else "merged"
 
     @property
     def old_log_probs_from_update(self) -> bool:

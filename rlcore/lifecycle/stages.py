@@ -14,6 +14,7 @@ from __future__ import annotations
 import logging
 import os
 import secrets
+import shutil
 import time
 import traceback
 from pathlib import Path
@@ -286,6 +287,7 @@ def train_stage(config: Config, prepared: dict[str, Any], workdir: str | Path, c
     from rlcore.checkpoint import CheckpointManager
     from rlcore.trainer.run import run_training
     from rlcore.trainer.run_state import TrainingStopped
+    from rlcore.workers.checkpointing import adapter_folder
 
     reference_model = str(Path(config.model.path).resolve())
     start_model, parent = reference_model, reference_model
@@ -320,9 +322,11 @@ def train_stage(config: Config, prepared: dict[str, Any], workdir: str | Path, c
         raise
     records = log_training(store, run_id, output_dir, run_config.model_dump(mode="json"))
     checkpoint = CheckpointManager(output_dir / "checkpoints").latest()
-    candidate = checkpoint / "actor" if checkpoint is not None else None
+    candidate = candidate_folder(run_config, checkpoint, output_dir) if checkpoint is not None else None
     if candidate is not None and config.tracking.log_model:
         log_model_folder(store, run_id, candidate, "model")  # an MLflow model that is an HF folder too
+        if run_config.actor.lora.enabled:  # the small adapter beside the servable merged model
+            store.log_artifact(run_id, checkpoint / adapter_folder("actor"), "adapter")
     if stopped is not None:
         store.set_tags(run_id, {"health.stopped": "true", "health.reason": stopped["reason"],
                                 "health.candidate": str(checkpoint) if checkpoint else "none"})
@@ -348,6 +352,24 @@ def train_stage(config: Config, prepared: dict[str, Any], workdir: str | Path, c
         # for lineage.json and the model version's tags (and Prefect's stored task result): redacted
         "config": redact_tree(run_config.model_dump(mode="json")),
     }
+
+
+def candidate_folder(config: Config, checkpoint: Path, output_dir: Path) -> Path:
+    """The checkpoint's policy as a plain HF folder, servable as is: its `actor/`, or with LoRA the
+    base (`model.path`) merged with its adapter, written once under `output_dir/merged/`."""
+    from rlcore.workers.checkpointing import adapter_folder
+    from rlcore.workers.lora import merge_adapter
+
+    if not config.actor.lora.enabled:
+        return checkpoint / "actor"
+    merged = output_dir / "merged" / checkpoint.name
+    if not (merged / "config.json").is_file():
+        tmp = merged.with_name(f".tmp-{merged.name}-{secrets.token_hex(3)}")
+        merge_adapter(config.model.path, checkpoint / adapter_folder("actor"), tmp)
+        if merged.exists():
+            shutil.rmtree(merged)
+        tmp.rename(merged)
+    return merged
 
 
 def _log_datasets(store: MlflowStore, run_id: str, prepared: dict[str, Any], contexts: dict[str, str]) -> None:

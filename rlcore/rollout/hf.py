@@ -209,6 +209,9 @@ class HFRolloutEngine:
 
     # ------------------------------------------------------------------ weights and memory
 
+    def begin_weight_sync(self, names: Iterable[str]) -> None:
+        """Nothing to prepare: every tensor is copied in place as it arrives."""
+
     def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Copy named tensors into the model in place (any dtype/device; cast on copy).
 

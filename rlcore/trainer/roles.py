@@ -1,5 +1,8 @@
 """Which worker groups a run has, and how they are built: in this process, or as Ray actors
-placed on resource pools (`trainer.backend`). The control flow sees the same `WorkerGroups`."""
+placed on resource pools (`trainer.backend`). The control flow sees the same `WorkerGroups`.
+
+With LoRA on the actor there is no reference worker: `ref` is the actor group itself, whose
+`compute_ref_log_prob` runs the base with the adapter disabled."""
 
 from __future__ import annotations
 
@@ -34,6 +37,7 @@ class WorkerGroups:
     ref: WorkerGroup | RoleView | None = None
     critic: WorkerGroup | RoleView | None = None
     on_close: list[Callable[[], None]] = field(default_factory=list)  # pools, a Ray we started
+    weight_sync: str = "full"  # `Config.lora_sync`: every tensor, LoRA's merged modules, or the adapter
 
     def save_checkpoint(self, folder: str, tokenizer_dir: str | None = None) -> None:
         self.actor.save_checkpoint(folder, tokenizer_dir=tokenizer_dir)
@@ -41,16 +45,27 @@ class WorkerGroups:
             self.critic.save_checkpoint(folder)
 
     def load_checkpoint(self, folder: str) -> None:
-        """Actor and critic from the checkpoint; the rollout engine restarts on the saved policy."""
+        """Actor and critic from the checkpoint; the rollout engine restarts on the saved policy
+        (with LoRA: keeps the base it started on and gets the restored adapter's weights)."""
         self.actor.load_checkpoint(folder)
         if self.critic is not None:
             self.critic.load_checkpoint(folder)
-        self.rollout.load_model(str(Path(folder) / "actor"))
+        if self.weight_sync == "full":
+            self.rollout.load_model(str(Path(folder) / "actor"))
+        else:
+            self.sync_weights()
 
     def sync_weights(self) -> None:
         """Actor -> rollout, one bucket at a time (`actor.weight_sync_bucket_mb`): on Ray each bucket
-        goes worker to worker through the object store, never through the controller."""
-        for names in self.actor.weight_bucket_plan():
+        goes worker to worker through the object store, never through the controller. With LoRA
+        only what the adapter changes: the merged adapted modules, or the adapter itself."""
+        if self.weight_sync == "adapter":
+            self.rollout.load_adapter(self.actor.call_async("adapter_for_rollout"))
+            return
+        plan = self.actor.weight_bucket_plan()
+        if self.weight_sync == "merged":  # only part of the model: the engine can finish when it is in
+            self.rollout.begin_weight_sync([name for names in plan for name in names])
+        for names in plan:
             self.rollout.update_weights(self.actor.call_async("gather_weight_bucket", names))
 
     def close(self) -> None:
@@ -74,7 +89,7 @@ def _factories(config: Config) -> dict[str, tuple[Callable[[int, int], Worker], 
         "rollout": (lambda rank, ws: RolloutWorker(config, rank, ws), config.rollout.world_size),
         "reward": (lambda rank, ws: RewardWorker(config, rank, ws), 1),
     }
-    if config.needs_reference:
+    if config.needs_reference and not config.actor.lora.enabled:  # with LoRA the actor serves it
         out["ref"] = (lambda rank, ws: ReferenceWorker(config, rank, ws), config.actor.world_size)
     if config.algorithm.name == "ppo":
         out["critic"] = (lambda rank, ws: CriticWorker(config, rank, ws), config.critic.world_size)
@@ -102,7 +117,14 @@ def build_worker_groups(config: Config) -> WorkerGroups:
         else:
             groups[role] = InProcessWorkerGroup(factory, world_size=1, role=role, own_thread=overlap and role == "rollout",
                                                 cores=rollout_cores)
-    return WorkerGroups(**groups)
+    return _with_reference(WorkerGroups(**groups, weight_sync=config.lora_sync), config)
+
+
+def _with_reference(groups: WorkerGroups, config: Config) -> WorkerGroups:
+    """With LoRA the actor's group is also the reference group (its base, adapter disabled)."""
+    if config.needs_reference and config.actor.lora.enabled:
+        groups.ref = groups.actor
+    return groups
 
 
 # ----- Ray --------------------------------------------------------------------------------------
@@ -182,7 +204,7 @@ def build_ray_worker_groups(config: Config) -> WorkerGroups:
         for unit, group in made.items():
             for role in unit:
                 views[role] = group if len(unit) == 1 else group.view(role)
-        return WorkerGroups(**views, on_close=on_close)
+        return _with_reference(WorkerGroups(**views, on_close=on_close, weight_sync=config.lora_sync), config)
     except BaseException:
         for group in made.values():
             group.shutdown()

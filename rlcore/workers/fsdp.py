@@ -217,14 +217,19 @@ def plan_buckets(model: nn.Module, bucket_bytes: int) -> list[list[str]]:
     """Parameter names grouped into buckets of about `bucket_bytes` of full (unsharded) size.
 
     Sizes come from global shapes, so every rank computes the same plan."""
+    return bucket_by_bytes([(name, t.numel() * t.element_size()) for name, t in _sync_state(model).items()], bucket_bytes)
+
+
+def bucket_by_bytes(sizes: list[tuple[str, int]], bucket_bytes: int) -> list[list[str]]:
+    """Names in order, cut into buckets of at most `bucket_bytes` (a larger tensor alone)."""
     buckets: list[list[str]] = [[]]
     size = 0
-    for name, t in _sync_state(model).items():
-        if buckets[-1] and size + t.numel() * t.element_size() > bucket_bytes:
+    for name, nbytes in sizes:
+        if buckets[-1] and size + nbytes > bucket_bytes:
             buckets.append([])
             size = 0
         buckets[-1].append(name)
-        size += t.numel() * t.element_size()
+        size += nbytes
     return buckets
 
 

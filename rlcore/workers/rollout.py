@@ -35,6 +35,11 @@ class RolloutWorker(Worker):
         engine_kwargs = {}
         if backend == "vllm":
             engine_kwargs = dict(seed=cfg.trainer.seed, **cfg.rollout.vllm.model_dump())
+        if cfg.lora_sync == "adapter":
+            if backend != "vllm":
+                raise ValueError(f"rollout.lora_sync=adapter needs the vllm backend (rollout.backend={cfg.rollout.backend} "
+                                 f"resolved to {backend}); use rollout.lora_sync=merged")
+            engine_kwargs["lora_rank"] = cfg.actor.lora.rank
         self._close_engine()  # vLLM allows one engine per process: close the old one first
         self.engine = make_rollout_engine(
             backend,
@@ -84,8 +89,18 @@ class RolloutWorker(Worker):
         return out
 
     @register(dispatch=Dispatch.ONE_TO_ALL)
+    def begin_weight_sync(self, names: list[str]) -> None:
+        self.engine.begin_weight_sync(names)
+
+    @register(dispatch=Dispatch.ONE_TO_ALL)
     def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
         self.engine.update_weights(named_tensors)
+
+    @register(dispatch=Dispatch.ONE_TO_ALL)
+    def load_adapter(self, adapter: tuple[dict[str, torch.Tensor], dict]) -> None:
+        """Generate with this LoRA adapter (tensors under peft's file names, its config) from now on."""
+        tensors, config = adapter
+        self.engine.load_adapter(tensors, config)
 
     @register(dispatch=Dispatch.ONE_TO_ALL)
     def sleep(self) -> None:

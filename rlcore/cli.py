@@ -77,10 +77,15 @@ def _latest_checkpoint(config: Config) -> str | None:
 
 
 def _cmd_example_build(args: argparse.Namespace) -> int:
-    from rlcore.example import build_tiny_example
+    out = Path(args.out) if args.out else None
+    if args.task == "tool":
+        from rlcore.example.tool_build import build_tool_example
 
-    example = build_tiny_example(Path(args.out) if args.out else None, seed=args.seed, force=args.force,
-                                 log_fn=_say)
+        example = build_tool_example(out, seed=args.seed, force=args.force, log_fn=_say)
+    else:
+        from rlcore.example import build_tiny_example
+
+        example = build_tiny_example(out, seed=args.seed, force=args.force, log_fn=_say)
     print(example.model_dir)
     return 0
 
@@ -113,20 +118,32 @@ def load_flow(name: str = "rl_pipeline"):
 
 
 def _pipeline_inputs(args: argparse.Namespace) -> dict:
-    """Flow parameters: the given config, or the tiny example with its embedded config."""
+    """Flow parameters: the given config, or the tiny example with its embedded config (and, with
+    `--reward model`, the embedded reward-model config on the example's preference set)."""
     example = args.config is None
-    config_path = Path(args.config) if args.config else CONFIG_DIR / f"tiny_{args.algorithm}.yaml"
+    # the tiny example's classic-RLHF recipes (tiny_<algorithm>_rm.yaml) keep the policy near its start with a KL term
+    recipe = f"tiny_{args.algorithm}_rm.yaml" if args.reward == "model" else f"tiny_{args.algorithm}.yaml"
+    config_path = Path(args.config) if args.config else CONFIG_DIR / recipe
     sft = None
     if args.sft_data or args.sft_config:
         sft = {"data_path": str(Path(args.sft_data).resolve()) if args.sft_data else None,
                "config_path": str(Path(args.sft_config).resolve()) if args.sft_config else None, "overrides": []}
-    return {
+    inputs = {
         "config_path": str(config_path.resolve()),
         "overrides": list(args.overrides),
         "example": example,
         "workdir": str(Path(args.output_dir).resolve()),
         "sft": sft,
     }
+    if args.reward == "model":
+        if args.reward_config is None and not example:
+            raise RLCoreError("--reward model: give the reward model's training config (--reward-config FILE, "
+                              "algorithm.name: rm); only the tiny example has an embedded one")
+        rm_path = Path(args.reward_config) if args.reward_config else CONFIG_DIR / "tiny_rm.yaml"
+        inputs.update(reward="model", reward_config_path=str(rm_path.resolve()), reward_overrides=list(args.reward_override))
+    elif args.reward_config or args.reward_override:
+        raise RLCoreError("--reward-config and --reward-override need --reward model")
+    return inputs
 
 
 def format_summary(summary: dict) -> str:
@@ -146,6 +163,12 @@ def format_summary(summary: dict) -> str:
     lines += [
         f"  accuracy         before {pct(summary['accuracy_before'])} ({summary['baseline'] or 'n/a'}) -> after {pct(summary['accuracy_after'])}",
     ]
+    if "reward_model" in summary:
+        if summary.get("reward_model_version") is not None:
+            verdict = "champion" if summary["reward_model_champion"] else "challenger"
+            lines.append(f"  reward model     version {summary['reward_model_version']} ({verdict}; held-out pairwise "
+                         f"accuracy {pct(summary['reward_model_pairwise_accuracy'])}): {summary['reward_model_reason']}")
+        lines.append(f"  trained against  {summary['reward_model']}")
     if summary.get("version") is not None:
         verdict = "yes: now the champion" if summary["champion"] else "no: challenger"
         lines += [f"  registered       version {summary['version']} ({summary['model_uri']})",
@@ -172,7 +195,15 @@ def check_pipeline_inputs(inputs: dict[str, Any], data_path: str | None) -> Conf
         if sft.get(key) and not Path(sft[key]).is_file():
             raise RLCoreError(f"{flag}: no such file: {sft[key]}")
     extra = [f"data.train_files=[{data_path}]"] if data_path else []  # as stages.load_pipeline_config
-    config = load_config(inputs["config_path"], [*inputs["overrides"], *extra])
+    rm_policy: list[str] = []
+    if inputs.get("reward") == "model":
+        from rlcore.lifecycle.rm_plan import champion_alias_uri, check_reward_model_config
+
+        rm_config = load_config(inputs["reward_config_path"], inputs["reward_overrides"])
+        rm_policy = [f"reward_model.path={champion_alias_uri(rm_config)}"]  # as the flow: trained against its champion
+    config = load_config(inputs["config_path"], [*rm_policy, *inputs["overrides"], *extra])
+    if rm_policy:
+        check_reward_model_config(rm_config, config)
     if sft:  # the warm start's config as its stage will load it (rlcore.lifecycle.stages.sft_stage_config)
         sft_data = [f"data.train_files=[{sft['data_path']}]"] if sft.get("data_path") else []
         try:
@@ -288,6 +319,9 @@ def build_parser() -> argparse.ArgumentParser:
     example = sub.add_parser("example", help="the built-in tiny example")
     example_sub = example.add_subparsers(dest="example_command", required=True)
     build = example_sub.add_parser("build", help="build (or reuse) the tiny model and data; prints the model folder")
+    build.add_argument("--task", choices=["arith", "tool"], default="arith",
+                       help="arith: two-digit additions (default); tool: four-digit additions with a calculator tool "
+                       "(rlcore/configs/tiny_tool_grpo.yaml)")
     build.add_argument("--out", default=None)
     build.add_argument("--seed", type=int, default=0)
     build.add_argument("--force", action="store_true")
@@ -304,6 +338,13 @@ def build_parser() -> argparse.ArgumentParser:
         p.add_argument("--sft-config", default=None, help="the warm start's SFT config (an `rlcore sft` config; model.path "
                        "is the RL config's, and --sft-data, when given, its data.train_files)")
         p.add_argument("overrides", nargs="*", help="dotted.key=value config overrides")
+        p.add_argument("--reward", choices=["rule", "model"], default="rule",
+                       help="model: classic RLHF; train a reward model on preference pairs, register and gate it "
+                            "(its own MLflow model), then train the policy against the champion reward model")
+        p.add_argument("--reward-config", default=None, help="with --reward model: the reward model's training config "
+                       "(algorithm.name: rm; default for the tiny example: its embedded tiny_rm.yaml)")
+        p.add_argument("--reward-override", action="append", default=[], metavar="KEY=VALUE",
+                       help="with --reward model: a dotted override of the reward model's config (repeatable)")
 
     run = pipeline_sub.add_parser("run", help="run rl_pipeline once (ephemeral Prefect, SQLite MLflow here) and print a summary")
     common(run)

@@ -7,7 +7,7 @@ the key instead of a silently ignored setting.
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, ClassVar, Literal
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
@@ -114,6 +114,35 @@ class OptimConfig(_Section):
     grad_clip: float = Field(1.0, gt=0)
 
 
+class LoraConfig(_Section):
+    """LoRA adapters (the `peft` library) on a trained role's model: the base weights stay frozen and
+    only the low-rank adapters train (with a value or reward head, the head too). Like verl's
+    `lora_rank`, `lora_alpha` and `target_modules`."""
+
+    rank: int = Field(0, ge=0, description="adapter rank r; 0: LoRA off (full fine-tuning)")
+    alpha: float = Field(16.0, gt=0, description="the adapter's update is scaled by alpha / rank")
+    dropout: float = Field(0.0, ge=0, lt=1, description="dropout on the adapter's input while training")
+    target_modules: str | list[str] = Field(
+        "all-linear", description="'all-linear' (every linear layer except the output head) or the names of the "
+        "modules to adapt (e.g. [q_proj, v_proj]); a name the model lacks is an error when it is loaded")
+
+    @field_validator("target_modules")
+    @classmethod
+    def _check_targets(cls, value: str | list[str]) -> str | list[str]:
+        if isinstance(value, str) and value != "all-linear":
+            raise ValueError(f"{value!r}: expected 'all-linear' or a list of module names")
+        if isinstance(value, list) and not (value and all(isinstance(v, str) and v for v in value)):
+            raise ValueError("expected a non-empty list of module names")
+        if isinstance(value, list) and {"lm_head", "embed_tokens"} & set(value):
+            raise ValueError("LoRA on the input embeddings or the output head is not supported: the log-prob "
+                             "path reads the head's weight directly (and a tied head would come untied)")
+        return value
+
+    @property
+    def enabled(self) -> bool:
+        return self.rank > 0
+
+
 class ActorConfig(_Section):
     optim: OptimConfig = OptimConfig()
     ppo_epochs: int = Field(1, ge=1)
@@ -158,6 +187,8 @@ class ActorConfig(_Section):
         False, description="keep the actor's master weights, gradients and AdamW state in host memory and step "
         "AdamW there; parameters are copied to the GPU for each forward (FSDP2's CPUOffloadPolicy, or the same "
         "per-module copies in one process). Needs a CUDA device: refused with trainer.device=cpu")
+    lora: LoraConfig = Field(LoraConfig(), description="LoRA on the actor; the reference is then the actor's own "
+                             "base model with the adapter disabled (no second copy)")
 
     @field_validator("policy_loss")
     @classmethod
@@ -186,6 +217,49 @@ class VLLMEngineConfig(_Section):
     extra: dict[str, Any] = Field(default_factory=dict, description="passed verbatim to vllm.LLM(...)")
 
 
+class AgentConfig(_Section):
+    """Multi-turn agent rollouts (`rlcore.rollout.agent`): on when `tools` or `interaction` is set.
+    The model calls tools in the hermes format (`<tool_call>{"name": ..., "arguments": {...}}</tool_call>`)
+    and reads their results as `tool` messages rendered by the chat template; tool outputs and
+    template tokens are attended to but masked out of the loss. `rollout.max_new_tokens` caps each
+    assistant turn."""
+
+    tools: list[str] = Field([], description="tool functions, 'module:function' or 'path/to/file.py:function', each "
+                             "with an OpenAI-style JSON schema (its tool_schema attribute, or read from its type hints "
+                             "and docstring); run in sandboxed worker processes")
+    interaction: str | None = Field(None, description="'module:Factory' or 'file.py:Factory': called per sample with "
+                                    "data_source, ground_truth, extra_info; its respond(messages) answers each assistant "
+                                    "turn without a tool call (InteractionReply: content, done, reward)")
+    max_turns: int = Field(4, ge=1, description="assistant turns per sample")
+    max_total_tokens: int = Field(256, ge=2, description="a sample's whole response: every assistant turn, tool output "
+                                  "and template token after the prompt")
+    tool_timeout_s: float = Field(10.0, gt=0, description="longest a tool call may run; then it is killed and the model "
+                                  "reads a timeout error")
+    tool_memory_mb: float | None = Field(1024.0, gt=0, description="memory a tool call may allocate (RLIMIT_AS over what "
+                                         "the loaded tools use); beyond it the call fails with MemoryError. None: no limit")
+    tool_workers: int = Field(2, ge=1, description="tool worker processes per rollout rank (calls run in parallel)")
+    tool_max_chars: int = Field(2000, ge=1, description="a longer tool result is cut to this many characters")
+
+    @property
+    def enabled(self) -> bool:
+        return bool(self.tools) or self.interaction is not None
+
+    @model_validator(mode="after")
+    def _check_used(self) -> AgentConfig:
+        """A setting that would change nothing is refused (compared with the defaults, so a dumped
+        config.yaml of a run without agent loads again)."""
+        changed = sorted(k for k, f in type(self).model_fields.items() if getattr(self, k) != f.get_default(call_default_factory=True))
+        if not self.enabled:
+            if changed:
+                raise ValueError(f"{changed[0]} is set, but the agent loop is off: set rollout.agent.tools or "
+                                 "rollout.agent.interaction")
+        elif not self.tools:
+            tool_keys = [k for k in changed if k.startswith("tool_")]
+            if tool_keys:
+                raise ValueError(f"{tool_keys[0]} is set, but rollout.agent.tools is empty")
+        return self
+
+
 class RolloutConfig(_Section):
     backend: Literal["auto", "hf", "vllm"] = Field("auto", description="auto: vllm where installed, else hf")
     dtype: Literal["float32", "bfloat16"] | None = Field(
@@ -202,6 +276,11 @@ class RolloutConfig(_Section):
     val_temperature: float = Field(1.0, gt=0)
     val_greedy: bool | None = Field(None, description="default: greedy when val_n is 1, sampled when val_n > 1")
     vllm: VLLMEngineConfig = VLLMEngineConfig()
+    agent: AgentConfig = AgentConfig()
+    lora_sync: Literal["auto", "merged", "adapter"] = Field(
+        "auto", description="with actor.lora: how the trained weights reach the engine. merged: the merged weights "
+        "of the adapted modules only (the rest never changes); adapter: the adapter itself, which vLLM applies per "
+        "request (vllm backend only). auto: merged")
     free_memory_when_idle: bool | None = Field(
         None, description="sleep the engine from after generation until the weight sync; "
         "default: on when actor and rollout share a GPU (in-process on CUDA, or one GPU pool on Ray)")
@@ -221,6 +300,7 @@ class CriticConfig(_Section):
     ulysses_sequence_parallel_size: int | None = Field(
         None, ge=1, description="the critic's Ulysses sequence-parallel size (see actor.ulysses_sequence_parallel_size); "
         "default: the actor's. Must divide critic.world_size")
+    lora: LoraConfig = Field(LoraConfig(), description="LoRA on the critic (its value head trains in full)")
 
 
 class RewardConfig(_Section):
@@ -243,6 +323,51 @@ class RewardConfig(_Section):
         return self
 
 
+class RewardModelConfig(_Section):
+    """The reward model: a sequence classifier (transformers `AutoModelForSequenceClassification`,
+    one label) scoring each whole conversation, on its own worker group (role `reward_model`).
+
+    RL runs (GRPO, PPO) score their samples with the model at `path` when it is set: each sample's
+    prompt messages and decoded response are rendered with the reward model's own tokenizer and
+    chat template, never by re-using the policy's token ids. `algorithm.name: rm` trains one from
+    `model.path` on pairwise preference rows (the Bradley-Terry loss) and saves it as an HF folder."""
+
+    path: str | None = Field(None, description="a trained reward model folder (sequence classifier, 1 label) that RL "
+                             "runs score with; none: rewards are the rule scorer's alone")
+    weight: float = Field(1.0, ge=0, description="weight of the (normalised, clipped) reward-model score in the reward")
+    rule_weight: float = Field(0.0, ge=0, description="weight of the rule scorer's score in the reward (0: the reward is "
+                               "the reward model's alone; the rule scorer still gives acc and reward_model/rule_agreement)")
+    normalize: bool = Field(True, description="standardise scores by the running mean/std of every training score seen "
+                            "(kept in checkpoints)")
+    clip: float | None = Field(5.0, gt=0, description="the normalised score is clipped to ±clip (counted as "
+                               "reward_model/clipped); none: no clip")
+    max_length: int = Field(1024, ge=2, description="tokens of a rendered conversation; a longer one keeps its end (where "
+                            "the score is read) and is counted as reward_model/truncated")
+    on_nonfinite: Literal["error", "skip"] = Field(
+        "error", description="a NaN/inf score: stop with an error naming the sample, or skip: the sample is counted "
+        "(reward_model/nonfinite), left out of the update (its response mask zeroed) and its reward set to the "
+        "batch's mean reward, so it moves no group baseline")
+    overlap: bool = Field(True, description="launch scoring before the old log-probs and the critic's values and wait "
+                          "for it after them (on Ray with its own pool they run at once); false: score first")
+    micro_batch_size: int = Field(64, ge=1, description="sequences per forward without dynamic batching")
+    dynamic_batch_size: bool = True
+    max_tokens_per_micro_batch: int = Field(8192, ge=1)
+    world_size: int = Field(1, ge=1, description="data-parallel ranks of the reward model (Ray backend); FSDP2 when "
+                            "training with > 1")
+    # training (algorithm.name: rm)
+    optim: OptimConfig = OptimConfig(lr=1e-5)
+    margin: float = Field(0.0, ge=0, description="training: chosen must outscore rejected by this; a row's own "
+                          "`margin` field takes precedence")
+    mini_batch_size: int | None = Field(None, ge=1, description="training: pairs per optimizer step; default "
+                                        "data.train_batch_size (one step per batch)")
+    max_consecutive_bad_steps: int = Field(3, ge=1, description="training: NaN/inf loss or grad steps in a row before "
+                                           "the run stops")
+
+    # the settings that only mean something when RL runs score with a reward model
+    SCORING_KEYS: ClassVar[tuple[str, ...]] = ("weight", "rule_weight", "normalize", "clip", "on_nonfinite", "overlap")
+    TRAINING_KEYS: ClassVar[tuple[str, ...]] = ("optim", "margin", "mini_batch_size", "max_consecutive_bad_steps")
+
+
 class KLControlConfig(_Section):
     type: Literal["fixed", "adaptive"] = "fixed"
     kl_coef: float = Field(0.001, ge=0)
@@ -251,7 +376,9 @@ class KLControlConfig(_Section):
 
 
 class AlgorithmConfig(_Section):
-    name: Literal["grpo", "ppo", "dpo", "kto"] = "grpo"
+    name: Literal["grpo", "ppo", "dpo", "kto", "rm"] = Field(
+        "grpo", description="the control flow: grpo (and its critic-free relatives), ppo, dpo, kto, or rm (train a "
+        "reward model on pairwise preference rows)")
     adv_estimator: str = "grpo"
     gamma: float = Field(1.0, ge=0, le=1)
     lam: float = Field(1.0, ge=0, le=1)
@@ -318,7 +445,7 @@ class TrainerConfig(_Section):
     trace: bool = Field(True, description="write trace.jsonl in the run dir: per step, phase timings, workers, and every sample")
 
 
-ROLES = ("actor", "ref", "critic", "rollout", "reward")
+ROLES = ("actor", "ref", "critic", "rollout", "reward", "reward_model")
 
 
 class RayPoolConfig(_Section):
@@ -395,7 +522,8 @@ class RegistryConfig(_Section):
     """The MLflow registered model and the promotion gate (see rlcore.lifecycle.gate)."""
 
     model_name: str = "rlcore-tiny"
-    metric: Literal["accuracy", "mean_reward"] = "accuracy"
+    metric: Literal["accuracy", "mean_reward", "pairwise_accuracy"] = Field(
+        "accuracy", description="what the gate compares; pairwise_accuracy: a reward model's held-out preference accuracy")
     promotion_margin: float = Field(0.01, description="candidate must beat the champion by at least this (negative: may be slightly worse)")
     max_kl: float = Field(0.5, gt=0, description="KL budget: mean per-token KL of the candidate to the reference model")
     max_length_ratio: float = Field(1.5, gt=0, description="length budget: candidate mean response length / champion's")
@@ -411,6 +539,7 @@ class Config(_Section):
     rollout: RolloutConfig = RolloutConfig()
     critic: CriticConfig = CriticConfig()
     reward: RewardConfig = RewardConfig()
+    reward_model: RewardModelConfig = RewardModelConfig()
     algorithm: AlgorithmConfig = AlgorithmConfig()
     trainer: TrainerConfig = TrainerConfig()
     health: HealthConfig = HealthConfig()
@@ -433,7 +562,11 @@ class Config(_Section):
 
     @model_validator(mode="after")
     def _check_consistency(self) -> Config:
-        if self.data.train_batch_size % self.actor.ppo_mini_batch_size:
+        rm_batch = self.reward_model.mini_batch_size
+        if self.algorithm.name == "rm" and rm_batch is not None and self.data.train_batch_size % rm_batch:
+            raise ValueError(f"data.train_batch_size ({self.data.train_batch_size}) must be a multiple of "
+                             f"reward_model.mini_batch_size ({rm_batch})")
+        if self.algorithm.name != "rm" and self.data.train_batch_size % self.actor.ppo_mini_batch_size:
             raise ValueError(
                 f"data.train_batch_size ({self.data.train_batch_size}) must be a multiple of "
                 f"actor.ppo_mini_batch_size ({self.actor.ppo_mini_batch_size})"
@@ -443,14 +576,21 @@ class Config(_Section):
         if self.algorithm.name == "grpo" and self.algorithm.adv_estimator == "gae":
             raise ValueError("algorithm.adv_estimator 'gae' needs a critic: use algorithm.name=ppo")
         if self.trainer.backend == "inprocess":
-            for key, ws in (("actor", self.actor.world_size), ("critic", self.critic.world_size), ("rollout", self.rollout.world_size)):
+            for key, ws in (("actor", self.actor.world_size), ("critic", self.critic.world_size), ("rollout", self.rollout.world_size),
+                            ("reward_model", self.reward_model.world_size)):
                 if ws > 1:
                     raise ValueError(f"{key}.world_size={ws} needs trainer.backend=ray (the in-process backend runs one rank)")
         if self.trainer.backend == "ray" and "default" not in self.ray.pools:
-            present = ["actor", "rollout", "reward"] + ["ref"] * self.needs_reference + ["critic"] * (self.algorithm.name == "ppo")
-            unmapped = [r for r in present if r not in self.ray.roles]
+            unmapped = [r for r in self.present_roles if r not in self.ray.roles]
             if unmapped:
                 raise ValueError(f"ray.pools: roles {unmapped} use pool 'default', which is not defined")
+        return self
+
+    @model_validator(mode="after")
+    def _check_agent(self) -> Config:
+        if self.rollout.agent.enabled and self.algorithm.name not in ("grpo", "ppo"):
+            raise ValueError(f"rollout.agent: the {self.algorithm.name!r} control flow generates nothing (agent rollouts "
+                             "need algorithm.name grpo or ppo)")
         return self
 
     @model_validator(mode="after")
@@ -499,6 +639,72 @@ class Config(_Section):
             raise ValueError("actor.cpu_offload=true needs a CUDA device: with trainer.device=cpu the weights, gradients "
                              "and optimizer state already live in host memory, so there is nothing to offload")
         return self
+
+    @model_validator(mode="after")
+    def _check_lora_sync(self) -> Config:
+        sync = self.rollout.lora_sync
+        if sync != "auto" and not self.actor.lora.enabled:
+            raise ValueError(f"rollout.lora_sync={sync} needs LoRA on the actor (actor.lora.rank > 0)")
+        if sync == "adapter" and self.rollout.backend == "hf":
+            raise ValueError("rollout.lora_sync=adapter needs rollout.backend=vllm (vLLM applies the adapter per request); "
+                             "the hf backend takes the merged weights (rollout.lora_sync=merged)")
+        return self
+
+    @property
+    def lora_sync(self) -> Literal["full", "merged", "adapter"]:
+        """How the actor's weights reach the rollout engine: every tensor (no LoRA), the merged weights of
+        the adapted modules, or the adapter (`rollout.lora_sync`)."""
+        if not self.actor.lora.enabled:
+            return "full"
+        return "adapter" if self.rollout.lora_sync == "adapter" else "merged"
+
+    @model_validator(mode="after")
+    def _check_reward_model(self) -> Config:
+        rm, name = self.reward_model, self.algorithm.name
+        defaults = RewardModelConfig()
+        set_keys = {k for k in (*rm.SCORING_KEYS, *rm.TRAINING_KEYS) if getattr(rm, k) != getattr(defaults, k)}
+        if name != "rm" and self.registry.metric == "pairwise_accuracy":
+            raise ValueError("registry.metric=pairwise_accuracy gates reward models (algorithm.name=rm); a policy is "
+                             "gated on accuracy or mean_reward")
+        if name == "rm":
+            if rm.path is not None:
+                raise ValueError("reward_model.path is the reward model an RL run scores with; algorithm.name=rm trains "
+                                 "a new one from model.path (unset reward_model.path)")
+            ignored = [k for k in rm.SCORING_KEYS if k in set_keys]
+            if ignored:
+                raise ValueError(f"reward_model.{ignored[0]} applies to RL runs scoring with a reward model, not to "
+                                 "algorithm.name=rm (training one)")
+            if self.registry.metric == "mean_reward":
+                raise ValueError("registry.metric=mean_reward: a reward model is gated on its held-out pairwise accuracy "
+                                 "(registry.metric=pairwise_accuracy; accuracy means the same for algorithm.name=rm)")
+            return self
+        ignored = [k for k in rm.TRAINING_KEYS if k in set_keys]
+        if ignored:
+            raise ValueError(f"reward_model.{ignored[0]} applies to training a reward model (algorithm.name=rm), "
+                             f"not to algorithm.name={name}")
+        if rm.path is None:
+            ignored = [k for k in rm.SCORING_KEYS if k in set_keys]
+            if ignored:
+                raise ValueError(f"reward_model.{ignored[0]} is set but reward_model.path is not: no reward model "
+                                 "scores this run")
+            return self
+        if name not in ("grpo", "ppo"):
+            raise ValueError(f"reward_model.path: algorithm.name={name} learns from offline preference rows and "
+                             "generates nothing to score; a reward model scores grpo and ppo runs")
+        if rm.weight == 0 and rm.rule_weight == 0:
+            raise ValueError("reward_model.weight and reward_model.rule_weight are both 0: every reward would be 0")
+        if self.algorithm.adv_estimator == "remax":
+            raise ValueError("reward_model.path with algorithm.adv_estimator=remax: ReMax's greedy baseline is scored "
+                             "by the rule scorer alone, not by the reward model")
+        return self
+
+    @property
+    def present_roles(self) -> list[str]:
+        """The worker roles this run has."""
+        if self.algorithm.name == "rm":
+            return ["reward_model"]
+        roles = ["actor", "rollout", "reward"] + ["ref"] * self.needs_reference + ["critic"] * (self.algorithm.name == "ppo")
+        return roles + ["reward_model"] * (self.reward_model.path is not None)
 
     @property
     def old_log_probs_from_update(self) -> bool:

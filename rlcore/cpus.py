@@ -130,7 +130,10 @@ def use_cores(cores: float | None = None, threads: int | None = None) -> int:
 
     n = threads if threads is not None else intra_op_threads(cores)
     torch.get_num_threads()  # make torch initialise this thread's count now, not later from the global one
-    torch.set_num_threads(n)
+    # torch's own binding (torch._C), not the `torch.set_num_threads` attribute: an in-process vLLM CPU engine replaces that
+    # with a no-op for the whole process once it starts (vllm/v1/worker/cpu_worker.py), which would
+    # leave this thread's count silently unchanged. The count is per thread: the engine's keeps its own.
+    torch._C.set_num_threads(n)
     return n
 
 

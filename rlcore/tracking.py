@@ -95,6 +95,7 @@ class ConsoleSink:
     time (the remaining from this process's mean step time, resumed steps not counted)."""
 
     KEYS = ("reward/mean", "acc/mean", "val/acc", "actor/kl", "actor/entropy", "actor/pg_clipfrac", "train/loss", "val/loss",
+            "reward_model/loss", "reward_model/accuracy", "val/pairwise_acc",
             "time/step_s", "throughput/update_actor_tok_s", "throughput/update_actor_mfu", "gpu/util_pct", "memory/allocated_gib")
 
     def __init__(self, total_steps: int, stream: TextIO | None = None) -> None:

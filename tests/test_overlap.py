@@ -121,7 +121,19 @@ def test_the_groups_thread_keeps_its_own_torch_threads(monkeypatch):
         assert group.call("record")[0][1] == 1 and torch.get_num_threads() == 2
     finally:
         group.shutdown()
-        torch.set_num_threads(before)
+        torch._C.set_num_threads(before)
+
+
+def test_thread_sizing_survives_vllms_patch(monkeypatch):
+    """An in-process vLLM CPU engine replaces `torch.set_num_threads` with a no-op for the whole
+    process once it starts (seen in a whole-suite run: the sizing was silently lost); the sizing
+    still sets the thread's count."""
+    before = torch.get_num_threads()
+    monkeypatch.setattr(torch, "set_num_threads", lambda n: None)  # what vLLM's cpu_worker does
+    try:
+        assert cpus.use_cores(threads=2) == 2 and torch.get_num_threads() == 2
+    finally:
+        torch._C.set_num_threads(before)
 
 
 @pytest.mark.slow

@@ -162,7 +162,7 @@ def _grad_actor():
 
         @register(dispatch=Dispatch.COLLECTIVE)
         def full_grads(self) -> dict[str, torch.Tensor]:
-            return {n: to_full(p.grad).clone() for n, p in self.model.named_parameters()}
+            return {n: to_full(p.grad).clone() for n, p in self.model.named_parameters() if p.grad is not None}
 
     return GradActor
 
@@ -238,5 +238,74 @@ def test_fsdp2_two_ranks_update_equals_one_process(cluster, tmp_path):
         plan = two.weight_bucket_plan()
         streamed = dict(item for names in plan for item in two.gather_weight_bucket(names))
         assert all(torch.equal(streamed[k], w2[k]) for k in w2)
+    finally:
+        one.shutdown(), two.shutdown()
+
+
+def test_fsdp2_lora_two_ranks_update_equals_one_process(cluster, tmp_path):
+    """LoRA under FSDP2 (frozen sharded base, sharded adapter): 2 gloo ranks take the 1-process step
+    (loss, grad norm, adapter gradients and Adam's step), serve the same reference log-probs with the
+    adapter disabled and send the same merged weights; a sharded checkpoint (adapter + DCP of the
+    trained parameters only) resumes in one process with the same adapter."""
+    from rlcore.cli import CONFIG_DIR
+    from rlcore.config import load_config
+    from rlcore.controller import InProcessWorkerGroup
+    from rlcore.example.build import save_untrained_model
+    from rlcore.workers.optim import build_optimizer
+
+    model_dir = save_untrained_model(tmp_path / "model", seed=0)
+    ActorWorker = _grad_actor()
+    base = [
+        f"model.path={model_dir}", f"data.train_files=[{tmp_path / 'unused.parquet'}]", f"trainer.output_dir={tmp_path / 'run'}",
+        "data.train_batch_size=4", "actor.ppo_mini_batch_size=4", "rollout.n=2", "trainer.device=cpu",
+        "actor.optim.lr=1e-3", "actor.optim.warmup_steps=0", "actor.optim.weight_decay=0", "actor.max_tokens_per_micro_batch=24",
+        "actor.lora.rank=4", "actor.lora.alpha=8", "algorithm.use_reference=true",
+    ]
+    one_cfg = load_config(CONFIG_DIR / "tiny_grpo.yaml", base)
+    two_cfg = load_config(CONFIG_DIR / "tiny_grpo.yaml", base + ["trainer.backend=ray", "actor.world_size=2"])
+    lr = one_cfg.actor.optim.lr
+    eps = build_optimizer(torch.nn.Linear(1, 1), one_cfg.actor.optim).defaults["eps"]
+    one = InProcessWorkerGroup(lambda r, ws: ActorWorker(one_cfg, r, ws), 1, "actor")
+    two = RayWorkerGroup(lambda r, ws: ActorWorker(two_cfg, r, ws), 2, "actor", call_timeout_s=120)
+    try:
+        start = {k: v.clone() for k, v in one.adapter_for_rollout().result()[0].items()}
+        batch = _update_batch(int(one.workers[0].model.get_output_embeddings().weight.shape[0]))
+        batch = batch.union(one.compute_log_prob(batch).select("old_log_probs"))
+        m1, m2 = one.update_actor(batch), two.update_actor(batch)
+        for rank_metrics in m2:
+            assert rank_metrics["actor/grad_norm"] == pytest.approx(m1[0]["actor/grad_norm"], rel=1e-4)
+            assert rank_metrics["actor/pg_loss"] == pytest.approx(m1[0]["actor/pg_loss"], rel=1e-4, abs=1e-7)
+            assert rank_metrics["actor/trainable_params"] == m1[0]["actor/trainable_params"] < m1[0]["actor/total_params"]
+        g1, g2 = one.full_grads(), two.full_grads()
+        assert g1.keys() == g2.keys() and all(".lora_" in k for k in g1)  # only the adapter trains
+        a1, a2 = one.adapter_for_rollout().result()[0], two.adapter_for_rollout().result()[0]
+        assert a1.keys() == a2.keys() == start.keys()
+        for k in a1:  # peft's file name of each adapter tensor -> its parameter name
+            param = k.removeprefix("base_model.model.").replace(".lora_A.", ".lora_A.default.").replace(".lora_B.", ".lora_B.default.")
+            torch.testing.assert_close(g2[param], g1[param], atol=2e-7, rtol=1e-4, msg=k)
+            step1, step2 = a1[k] - start[k], a2[k] - start[k]  # Adam's first step, sign-like: see the test above
+            predicted = -lr * (_adam_first_step(g2[param], eps) - _adam_first_step(g1[param], eps))
+            torch.testing.assert_close(step2 - step1, predicted, atol=1e-6, rtol=0, msg=k)
+        assert any(float((a1[k] - start[k]).abs().max()) > 0.5 * lr for k in a1 if ".lora_B." in k)  # B moved
+        torch.testing.assert_close(two.compute_ref_log_prob(batch)["ref_log_probs"],
+                                   one.compute_ref_log_prob(batch)["ref_log_probs"], atol=1e-5, rtol=0)
+        w1 = dict(one.weights_for_rollout().result())
+        w2 = dict(two.weights_for_rollout().result())
+        assert w1.keys() == w2.keys()
+        for k in w1:
+            torch.testing.assert_close(w2[k], w1[k], atol=1e-6, rtol=0, msg=k)
+        ckpt = tmp_path / "ckpt"
+        ckpt.mkdir()
+        two.save_checkpoint(str(ckpt))
+        assert sorted(p.name for p in ckpt.iterdir()) == ["actor_adapter", "actor_dcp", "actor_scheduler.pt"]
+        dcp_bytes = sum(p.stat().st_size for p in (ckpt / "actor_dcp").iterdir())
+        assert dcp_bytes < 0.5 * (model_dir / "model.safetensors").stat().st_size  # adapter + its Adam state only
+        back = InProcessWorkerGroup(lambda r, ws: ActorWorker(one_cfg, r, ws), 1, "actor")
+        back.load_checkpoint(str(ckpt))
+        restored = back.adapter_for_rollout().result()[0]
+        assert all(torch.equal(restored[k], a2[k]) for k in a2)
+        opt = back.workers[0].optimizer
+        assert all(int(opt.state[p]["step"]) == 1 for g in opt.param_groups for p in g["params"])
+        back.shutdown()
     finally:
         one.shutdown(), two.shutdown()

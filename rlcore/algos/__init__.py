@@ -76,11 +76,17 @@ __all__ = [
 from rlcore.algos.preference import (  # noqa: E402
     DPO_LOSS_TYPES,
     PreferenceLossOutput,
+    bradley_terry_loss,
     dpo_loss,
     kto_loss,
     kto_reference_point,
     kto_reference_point_from_sums,
 )
 
-__all__ += ["DPO_LOSS_TYPES", "PreferenceLossOutput", "dpo_loss", "kto_loss", "kto_reference_point",
-            "kto_reference_point_from_sums"]
+__all__ += ["DPO_LOSS_TYPES", "PreferenceLossOutput", "bradley_terry_loss", "dpo_loss", "kto_loss",
+            "kto_reference_point", "kto_reference_point_from_sums"]
+
+# A reward model's scores in the RL reward (normalisation, clipping, weights).
+from rlcore.algos.reward_model import RunningMoments, combine_reward_scores  # noqa: E402
+
+__all__ += ["RunningMoments", "combine_reward_scores"]

@@ -1,4 +1,4 @@
-"""Offline preference losses: DPO (sigmoid, IPO, robust) and KTO.
+"""Offline preference losses: DPO (sigmoid, IPO, robust), KTO, and the reward model's Bradley-Terry loss.
 
 All take *sequence* log-probs (one number per completion: the sum, or for IPO the mean, of its
 token log-probs) under the policy and the frozen reference, and return per-example losses plus
@@ -13,6 +13,9 @@ Semantics follow the papers (and TRL's reading of them):
 - robust DPO (rDPO, Chowdhury et al. 2024): the unbiased loss under label noise eps,
   `((1-eps) * -log s(beta h) - eps * -log s(-beta h)) / (1 - 2 eps)`.
 - IPO, Azar et al. 2023: `(h - 1/(2 beta))^2`, a squared loss that does not push h to infinity.
+- Bradley-Terry (reward-model training; Ouyang et al. 2022, with Llama 2's margin, Touvron et al.
+  2023): `-log sigmoid(r_chosen - r_rejected - m)` on the reward model's scalar scores, m >= 0 a
+  margin by which chosen must win (0: the plain pairwise loss).
 - KTO, Ethayarajh et al. 2024: desirable `w_d * (1 - s(beta (r - z0)))`, undesirable
   `w_u * (1 - s(beta (z0 - r)))`, with the reference point z0 = max(0, mean log-ratio of
   mismatched (prompt, completion) pairs of the batch), detached.
@@ -98,9 +101,20 @@ def kto_loss(
     return PreferenceLossOutput(losses, beta * ratio.detach(), None)
 
 
+def bradley_terry_loss(chosen_scores: torch.Tensor, rejected_scores: torch.Tensor,
+                       margin: torch.Tensor | float = 0.0) -> torch.Tensor:
+    """Per-pair reward-model loss `-log sigmoid(r_c - r_r - m)` ([B]; mean it over the global batch).
+
+    `margin` is a number or a [B] tensor (per-pair margins from the data); logsigmoid keeps it
+    finite for any score gap."""
+    m = torch.as_tensor(margin, dtype=chosen_scores.dtype, device=chosen_scores.device)
+    return -F.logsigmoid(chosen_scores - rejected_scores - m)
+
+
 __all__ = [
     "DPO_LOSS_TYPES",
     "PreferenceLossOutput",
+    "bradley_terry_loss",
     "dpo_loss",
     "kto_loss",
     "kto_reference_point",

@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
-from rlcore.data.chat import prompt_ids
+from rlcore.data.chat import as_messages, prompt_ids
 from rlcore.data.io import read_rows
 from rlcore.data.schema import BadRowPolicy, DataError, DatasetError, DataValidationError, apply_policy
 
@@ -31,6 +31,7 @@ class PromptItem:
     extra_info: dict[str, Any] = field(default_factory=dict)
     file: str = ""
     row: int = -1
+    messages: list[dict[str, str]] = field(default_factory=list)  # the prompt as chat messages (a reward model renders them itself)
 
 
 class RLDataset:
@@ -44,6 +45,7 @@ class RLDataset:
         apply_chat_template: bool = True,
         on_bad_row: BadRowPolicy = "error",
         on_long_prompt: Literal["drop", "error"] = "drop",
+        tools: list[dict[str, Any]] | None = None,
     ) -> None:
         if isinstance(files, (str, Path)):
             files = [files]
@@ -66,7 +68,7 @@ class RLDataset:
             self.bad_rows.extend(errors)
             self.stats["bad_rows"] += len({e.row for e in errors})
             for row_idx, row in good:
-                text, ids = prompt_ids(row["prompt"], tokenizer, apply_chat_template)
+                text, ids = prompt_ids(row["prompt"], tokenizer, apply_chat_template, tools)
                 if len(ids) > max_prompt_length:
                     too_long.append(DataError(file, row_idx, "prompt",
                                               f"{len(ids)} tokens, longer than max_prompt_length={max_prompt_length}"))
@@ -80,6 +82,7 @@ class RLDataset:
                     extra_info=dict(row.get("extra_info") or {}),
                     file=file,
                     row=row_idx,
+                    messages=as_messages(row["prompt"]),
                 ))
         if too_long and on_long_prompt == "error":
             raise DataValidationError(too_long)

@@ -36,6 +36,7 @@ def collate_prompts(items: list[PromptItem], pad_id: int, uids: list[str]) -> Ba
             "ground_truth": [it.ground_truth for it in items],
             "extra_info": [dict(it.extra_info) for it in items],
             "raw_prompt": [it.raw_prompt for it in items],
+            "prompt_messages": [list(it.messages) for it in items],
         },
     )
 

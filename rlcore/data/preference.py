@@ -4,7 +4,8 @@ Rows (parquet or JSON lines):
 - pairwise: `{"prompt": str | [messages], "chosen": completion, "rejected": completion}`
 - unpaired: `{"prompt": str | [messages], "completion": completion, "label": bool}` (true: desirable)
 A completion is a string or a list of assistant messages (their contents are concatenated).
-Optional `data_source` (str) and `extra_info` (object) are kept as metadata.
+Optional `data_source` (str) and `extra_info` (object) are kept as metadata; a pairwise row may
+carry a `margin` (a number >= 0: by how much a reward model must score chosen above rejected).
 
 A completion is tokenized without special tokens and closed with EOS, the same shape as an RL
 response (`responses`/`response_mask` with EOS inside the mask), so sequence log-probs go through
@@ -15,7 +16,7 @@ from __future__ import annotations
 
 import hashlib
 import logging
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
@@ -23,7 +24,7 @@ from typing import Any, Literal
 import numpy as np
 import torch
 
-from rlcore.data.chat import prompt_ids
+from rlcore.data.chat import as_messages, prompt_ids
 from rlcore.data.io import read_rows
 from rlcore.data.loader import PromptLoader
 from rlcore.data.schema import (
@@ -95,6 +96,10 @@ def validate_preference_row(row: Any, file: str, index: int, kind: PreferenceKin
         errors += _validate_completion(row.get("rejected"), file, index, "rejected")
         if not errors and _completion_text(row["chosen"]) == _completion_text(row["rejected"]):
             errors.append(DataError(file, index, "rejected", "identical to 'chosen' (the pair carries no preference)"))
+        margin = row.get("margin")
+        if margin is not None and (isinstance(margin, (bool, np.bool_)) or not isinstance(margin, (int, float, np.number))
+                                   or not np.isfinite(margin) or margin < 0):
+            errors.append(DataError(file, index, "margin", f"expected a finite number >= 0, got {type_name(margin)} {margin!r}"))
     else:
         errors += _validate_completion(row.get("completion"), file, index, "completion")
         label = row.get("label")
@@ -133,6 +138,9 @@ class PreferenceItem:
     extra_info: dict[str, Any] = field(default_factory=dict)
     file: str = ""
     row: int = -1
+    messages: list[dict[str, str]] = field(default_factory=list)  # the prompt as chat messages
+    completions: tuple[str, ...] = ()  # the texts of `responses` (a reward model renders them with its own template)
+    margin: float | None = None  # pairwise: the row's own margin, if it has one
 
 
 class PreferenceDataset:
@@ -195,7 +203,9 @@ class PreferenceDataset:
                     index=len(self.items), prompt_ids=p_ids, responses=responses,
                     label=bool(row["label"]) if file_kind == "unpaired" else None, raw_prompt=text,
                     data_source=row.get("data_source") or "preference", extra_info=dict(row.get("extra_info") or {}),
-                    file=file, row=i,
+                    file=file, row=i, messages=as_messages(row["prompt"]),
+                    completions=tuple(_completion_text(row[n]) for n in names),
+                    margin=float(row["margin"]) if row.get("margin") is not None else None,
                 ))
         if errors and on_bad_row == "error":
             raise DataValidationError(errors)
@@ -293,6 +303,20 @@ def collate_unpaired(items: list[PreferenceItem], pad_id: int, uids: list[str]) 
     return Batch(tensors=tensors, meta=_meta(items, uids))
 
 
+def collate_rm_pairs(items: list[PreferenceItem], uids: list[str]) -> Batch:
+    """Pairs for a reward model, as text: the prompt messages and both completions (the reward
+    model renders and tokenizes them with its own template, as it does in RL), and each pair's
+    margin (`margin_given` 0 where the row has none, so the configured one applies)."""
+    if any(len(it.completions) != 2 for it in items):
+        raise ValueError("collate_rm_pairs needs pairwise rows (chosen, rejected)")
+    meta = _meta(items, uids)
+    meta.update(prompt_messages=[list(it.messages) for it in items], chosen_text=[it.completions[0] for it in items],
+                rejected_text=[it.completions[1] for it in items])
+    tensors = {"margin": torch.tensor([it.margin or 0.0 for it in items], dtype=torch.float32),
+               "margin_given": torch.tensor([float(it.margin is not None) for it in items])}
+    return Batch(tensors=tensors, meta=meta)
+
+
 def sequence_view(batch: Batch, prefix: str = "") -> Batch:
     """The `prefix`ed sequence tensors of a preference batch under the standard names, ready for
     `response_log_probs` / `compute_log_prob` (e.g. prefix "chosen_", "rejected_", "kl_", "")."""
@@ -306,20 +330,23 @@ def sequence_log_prob_sums(token_log_probs: torch.Tensor, response_mask: torch.T
 
 
 class PreferenceLoader(PromptLoader):
-    """`PromptLoader`'s deterministic, resumable order over a `PreferenceDataset`."""
+    """`PromptLoader`'s deterministic, resumable order over a `PreferenceDataset`; batches are the
+    dataset's own collation, or `collate(items, uids)` (`collate_rm_pairs` for a reward model)."""
 
     def __init__(self, dataset: PreferenceDataset, batch_size: int, seed: int, shuffle: bool = True,
-                 drop_last: bool = True) -> None:
+                 drop_last: bool = True, collate: Callable[[list[PreferenceItem], list[str]], Batch] | None = None) -> None:
         super().__init__(dataset, batch_size, seed, shuffle=shuffle, drop_last=drop_last)  # type: ignore[arg-type]
+        self.collate = collate or dataset.collate
 
     def batch_at(self, epoch: int, position: int) -> Batch:
         idx = self.order(epoch)[position * self.batch_size:(position + 1) * self.batch_size]
         items = [self.dataset[int(i)] for i in idx]
-        return self.dataset.collate(items, [f"{epoch}-{it.index}" for it in items])  # type: ignore[attr-defined]
+        return self.collate(items, [f"{epoch}-{it.index}" for it in items])
 
 
 __all__ = [
     "KINDS", "PREFERENCE_FIELDS", "PreferenceDataset", "PreferenceItem", "PreferenceKind", "PreferenceLoader", "collate_pairs",
+    "collate_rm_pairs",
     "collate_unpaired", "detect_kind", "sequence_log_prob_sums", "sequence_tensors", "sequence_view",
     "validate_preference_row",
 ]

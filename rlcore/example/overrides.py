@@ -20,4 +20,14 @@ def example_overrides(seed: int = 0) -> list[str]:
     return tiny_example_overrides(build_tiny_example(seed=seed))
 
 
-__all__ = ["example_overrides", "tiny_example_overrides"]
+def example_rm_overrides(seed: int = 0) -> list[str]:
+    """A reward model's config (`rlcore/configs/tiny_rm.yaml`) pointed at the tiny example's
+    preference set (built on first use): the SFT model as backbone, pairs to train and hold out."""
+    from rlcore.example.preference import build_preference_set
+
+    example = build_tiny_example(seed=seed)
+    files = build_preference_set(example)
+    return [f"model.path={example.model_dir}", f"data.train_files=[{files.dpo_train}]", f"data.val_files=[{files.dpo_val}]"]
+
+
+__all__ = ["example_overrides", "example_rm_overrides", "tiny_example_overrides"]

@@ -2,8 +2,8 @@
 
 Chosen is the correct answer; rejected is the plausible wrong answer of the flawed teacher's
 kind: the carry-dropped sum when the units carry (57+68 -> 115, what the SFT model tends to say),
-otherwise a spurious carry (+10). DPO rows pair them; KTO rows list each completion on its own
-with a label. Train rows come from the example's train problems, the held-out pairs from its
+otherwise a spurious carry (+10). DPO rows (and a reward model's training pairs) pair them; KTO rows
+list each completion on its own with a label. Train rows come from the example's train problems, the held-out pairs from its
 validation problems, so held-out preference accuracy and task accuracy measure the same prompts.
 
 Written next to the example as `<example>-preference-v<VERSION>/` (atomic, cached like the
@@ -106,14 +106,16 @@ def build_preference_set(example: TinyExample | None = None, seed: int = 0, forc
 
 
 def train_overrides(example: TinyExample, files: PreferenceFiles, algorithm: str, output_dir: str) -> list[str]:
-    """`rlcore train rlcore/configs/tiny_<algorithm>.yaml <these>`: the held-out pairs validate both
-    algorithms (preference accuracy needs pairs); the example's RL validation file gives task accuracy."""
-    train = files.dpo_train if algorithm == "dpo" else files.kto_train
+    """`rlcore train rlcore/configs/tiny_<algorithm>.yaml <these>`: the held-out pairs validate every
+    algorithm (preference accuracy needs pairs); for DPO and KTO the example's RL validation file
+    gives task accuracy. `rm` (a reward model) trains on the pairs."""
+    train = files.kto_train if algorithm == "kto" else files.dpo_train
+    task = [] if algorithm == "rm" else [f"preference.task_val_files=[{example.val_file}]"]
     return [
         f"model.path={example.model_dir}",
         f"data.train_files=[{train}]",
         f"data.val_files=[{files.dpo_val}]",
-        f"preference.task_val_files=[{example.val_file}]",
+        *task,
         f"trainer.output_dir={output_dir}",
     ]
 
@@ -121,7 +123,7 @@ def train_overrides(example: TinyExample, files: PreferenceFiles, algorithm: str
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m rlcore.example.preference", description=__doc__.splitlines()[0])
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--algorithm", choices=["dpo", "kto"], default="dpo")
+    parser.add_argument("--algorithm", choices=["dpo", "kto", "rm"], default="dpo")
     parser.add_argument("--output-dir", default="runs/tiny_pref")
     parser.add_argument("--force", action="store_true")
     args = parser.parse_args(argv)

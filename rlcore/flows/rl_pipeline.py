@@ -1,8 +1,13 @@
-"""rl_pipeline: data_prep -> [sft] -> train -> evaluate -> promote, one MLflow run with a nested run
+"""rl_pipeline: data_prep -> [sft] -> [reward model] -> train -> evaluate -> promote, one MLflow run with a nested run
 per stage. With `sft` (an SFT data file and/or config), the base model is first fine-tuned on it
 (`rlcore sft`'s recipe) and RL starts from, and measures KL against, that warm start. Task
 retries (train resumes from its newest checkpoint), timeouts, and data_prep cached by input
 fingerprint. Runs on any data file an `rlcore.data.arrived` event names (`data_path`).
+
+`reward="model"` is classic RLHF: after data_prep, a reward model is trained on preference pairs
+(`reward_config_path`, a config with `algorithm.name: rm`), evaluated against the champion reward
+model, registered as its own MLflow model and gated on pairwise accuracy; the policy is then
+trained against the champion reward model (`reward_model.path`), and its version's lineage names it.
 
 The flow run is named after the pipeline run (`run_name`, else a fresh `pipeline-<time>-<hex>`),
 so Prefect, MLflow and every webhook notification, the server's crash/failure ones included
@@ -15,12 +20,18 @@ from typing import Any
 
 from prefect import flow
 
-from rlcore.example.overrides import example_overrides
+from rlcore.example.overrides import example_overrides, example_rm_overrides
 from rlcore.flows.data_prep import prepare_data_task
 from rlcore.flows.evaluate import evaluate_task
 from rlcore.flows.promote import promote_task
+from rlcore.flows.reward_model import (
+    evaluate_reward_model_task,
+    promote_reward_model_task,
+    reward_model_in_use_task,
+    train_reward_model_task,
+)
 from rlcore.flows.train import champion_task, sft_task, train_task
-from rlcore.lifecycle import stages
+from rlcore.lifecycle import rm_plan, stages
 from rlcore.lifecycle.automations import failures_notified_by_server
 
 
@@ -49,12 +60,27 @@ def rl_pipeline(
     val_fraction: float = 0.1,
     run_name: str | None = None,
     sft: dict[str, Any] | None = None,
+    reward: str = "rule",
+    reward_config_path: str | None = None,
+    reward_overrides: list[str] | None = None,
 ) -> dict[str, Any]:
-    """`example=True` points the config at the built-in tiny example (before `overrides`).
+    """`example=True` points the config at the built-in tiny example (before `overrides`; and the
+    reward model's config at its preference set).
     `sft`: {"data_path", "config_path", "overrides"} of a supervised warm start (see
-    `rlcore.lifecycle.stages.sft_stage`); None: RL starts from `model.path` as given."""
+    `rlcore.lifecycle.stages.sft_stage`); None: RL starts from `model.path` as given.
+    `reward`: "rule" (the config's reward) or "model" (train and gate a reward model first, see the
+    module's doc)."""
     base = example_overrides() if example else []
+    rm_config = None
+    if reward == "model":
+        rm_config = stages.load_pipeline_config(reward_config_path, (example_rm_overrides() if example else [])
+                                                + list(reward_overrides or []))
+        base.append(f"reward_model.path={rm_plan.champion_alias_uri(rm_config)}")  # resolved below
+    elif reward != "rule":
+        raise ValueError(f"reward={reward!r}: expected 'rule' or 'model'")
     config = stages.load_pipeline_config(config_path, base + list(overrides or []), data_path)
+    if rm_config is not None:
+        rm_plan.check_reward_model_config(rm_config, config)
     tree = config.model_dump(mode="json")
     workdir = str(Path(workdir).resolve())
     ctx = stages.start_pipeline(config, workdir, run_name or _current_run_name(),
@@ -66,8 +92,17 @@ def rl_pipeline(
         if sft:
             warm = sft_task(tree, sft, workdir, ctx)
             tree = {**tree, "model": {**tree["model"], "path": warm["model_dir"]}}
+        reward_model = rm_promotion = None
+        if rm_config is not None:
+            rm_tree = rm_config.model_dump(mode="json")
+            rm_champion = champion_task(rm_tree, workdir)
+            rm_train = train_reward_model_task(rm_tree, workdir, ctx, rm_champion)
+            if rm_train["candidate_dir"] and rm_train["model_logged"]:
+                rm_eval = evaluate_reward_model_task(rm_tree, rm_train["candidate_dir"], rm_champion, workdir, ctx)
+                rm_promotion = promote_reward_model_task(rm_tree, rm_train, rm_eval, workdir, ctx)
+            reward_model = reward_model_in_use_task(rm_tree, workdir)  # the champion, this run's or an earlier one
         champion = champion_task(tree, workdir)
-        train = train_task(tree, prepared, workdir, ctx, champion)
+        train = train_task(tree, prepared, workdir, ctx, champion, reward_model)
         evaluation = promotion = None
         if train["candidate_dir"]:  # None: stopped by the health guard before any checkpoint
             baseline_dir, baseline_name = (champion["path"], "champion") if champion else (train["reference_model"], "base")
@@ -78,6 +113,12 @@ def rl_pipeline(
         summary = stages.summarize(ctx, prepared, train, evaluation, promotion, champion, workdir)
         if sft:
             summary["sft_model"] = warm["model_dir"]
+        if rm_config is not None:
+            summary.update(reward_model=reward_model["uri"] if reward_model else None,
+                           reward_model_version=rm_promotion["version"] if rm_promotion else None,
+                           reward_model_champion=rm_promotion["promoted"] if rm_promotion else False,
+                           reward_model_pairwise_accuracy=rm_promotion["pairwise_accuracy"] if rm_promotion else None,
+                           reward_model_reason=rm_promotion["reason"] if rm_promotion else None)
     except BaseException as err:
         # Served with a failure automation, the server sends `failed` for this run (and `crashed`
         # when its process dies); one notification per failure, not two.

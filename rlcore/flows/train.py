@@ -14,8 +14,8 @@ from rlcore.lifecycle.data_prep import retry_if_transient
 
 @task(name="train", retries=1, retry_delay_seconds=5, retry_condition_fn=retry_if_transient, timeout_seconds=6 * 3600, cache_policy=None)
 def train_task(config: dict[str, Any], prepared: dict[str, Any], workdir: str, ctx: dict[str, Any],
-               champion: dict[str, Any] | None = None) -> dict[str, Any]:
-    return stages.train_stage(config_from_dict(config), prepared, workdir, ctx, champion)
+               champion: dict[str, Any] | None = None, reward_model: dict[str, Any] | None = None) -> dict[str, Any]:
+    return stages.train_stage(config_from_dict(config), prepared, workdir, ctx, champion, reward_model)
 
 
 @task(name="sft", retries=1, retry_delay_seconds=5, retry_condition_fn=retry_if_transient, timeout_seconds=6 * 3600, cache_policy=None)

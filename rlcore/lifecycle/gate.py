@@ -6,6 +6,10 @@ reward-hacking budget: mean per-token KL to the reference model at most `max_kl`
 response length at most `max_length_ratio` times the champion's. Budgets are checked first: a
 candidate that games the reward by drifting far or padding its answers is rejected however well
 it scores. Without a champion, the baseline is the reference (base) model itself.
+
+A reward model goes through the same gate on its held-out pairwise accuracy (`pairwise_accuracy`,
+metrics without KL or length: those budgets do not apply); without a champion its baseline is
+chance (0.5).
 """
 
 from __future__ import annotations
@@ -45,16 +49,17 @@ def decide(candidate: dict[str, float], baseline: dict[str, float], policy: Gate
     """`candidate` / `baseline`: evaluation metrics (`EvalResult.metrics()`) on the same data."""
     metric = policy.metric
     cand, base = float(candidate[metric]), float(baseline[metric])
-    kl = float(candidate["kl_to_reference"])
+    kl = float(candidate.get("kl_to_reference", 0.0))  # a reward model generates nothing: no KL or length budget
     if kl > policy.max_kl:
         return Decision(False, f"KL to the reference {kl:.4g} exceeds the budget {policy.max_kl:.4g}", cand, base, "kl_budget")
-    base_len = float(baseline["response_length"])
-    cand_len = float(candidate["response_length"])
+    base_len = float(baseline.get("response_length", 0.0))
+    cand_len = float(candidate.get("response_length", 0.0))
     if base_len > 0 and cand_len > policy.max_length_ratio * base_len:
         return Decision(False, f"mean response length {cand_len:.4g} exceeds {policy.max_length_ratio:.4g} x the "
                                f"{baseline_name}'s {base_len:.4g}", cand, base, "length_budget")
     if cand < base + policy.margin:
         return Decision(False, f"{metric} {cand:.4f} does not beat the {baseline_name}'s {base:.4f} by the margin "
                                f"{policy.margin:.4g}", cand, base, "margin")
+    budget = f"; KL {kl:.4g} <= {policy.max_kl:.4g}" if "kl_to_reference" in candidate else ""
     return Decision(True, f"{metric} {cand:.4f} beats the {baseline_name}'s {base:.4f} by {cand - base:.4f} "
-                          f"(margin {policy.margin:.4g}); KL {kl:.4g} <= {policy.max_kl:.4g}", cand, base, "promoted")
+                          f"(margin {policy.margin:.4g}){budget}", cand, base, "promoted")

@@ -1,9 +1,10 @@
 """Lineage records: everything needed to say where a model version came from.
 
 Recorded in full as `lineage.json` on the run of every registered model version: the dataset
-fingerprint, the reward functions used with a version (a hash of their source), the resolved
-config, the code version (git commit, dirty flag), package versions and the parent model; the
-version itself carries a few `rlcore.*` tags drawn from it (`lineage_tags`).
+fingerprint, the reward functions used with a version (a hash of their source), the registered
+reward model version a policy was trained against (`reward_model`: name, version, `models:/` uri),
+the resolved config, the code version (git commit, dirty flag), package versions and the parent
+model; the version itself carries a few `rlcore.*` tags drawn from it (`lineage_tags`).
 """
 
 from __future__ import annotations
@@ -102,10 +103,13 @@ def lineage_tags(lineage: dict[str, Any]) -> dict[str, str]:
     code_tag = f"{commit[:12]}{'-dirty' if code.get('dirty') else ''}" if commit else f"rlcore {code.get('version')}"
     rewards = sorted({f"{r['name']}@{r['version']}" for r in lineage.get("reward_functions", {}).values()})
     algorithm = lineage.get("config", {}).get("algorithm", {})
-    return {
+    tags = {
         "rlcore.parent_model": str(lineage.get("parent_model")),
         "rlcore.dataset_fingerprint": lineage["dataset_fingerprint"],
         "rlcore.algorithm": str(algorithm.get("name", "unknown")),
         "rlcore.reward": ",".join(rewards),
         "rlcore.code": code_tag,
     }
+    if lineage.get("reward_model"):  # the registered reward model version a policy was trained against
+        tags["rlcore.reward_model"] = str(lineage["reward_model"]["uri"])
+    return tags

@@ -14,6 +14,7 @@ from __future__ import annotations
 import logging
 import os
 import secrets
+import shutil
 import time
 import traceback
 from pathlib import Path
@@ -280,30 +281,42 @@ def champion_stage(config: Config, workdir: str | Path) -> dict[str, Any] | None
 
 # ---------------------------------------------------------------------- train
 def train_stage(config: Config, prepared: dict[str, Any], workdir: str | Path, ctx: dict[str, Any],
-                champion: dict[str, Any] | None = None) -> dict[str, Any]:
+                champion: dict[str, Any] | None = None, reward_model: dict[str, Any] | None = None, *,
+                stage: str = "train", role: str = "actor", keep_data: bool = False) -> dict[str, Any]:
     """Train from the config (warm-started from the champion when configured), under the health
-    guard; resumes from the newest complete checkpoint of this pipeline run when retried."""
+    guard; resumes from the newest complete checkpoint of this pipeline run when retried.
+
+    `reward_model` (the registered reward model version the policy is trained against: `path`,
+    `name`, `version`, `uri`) becomes the run's `reward_model.path` and is named in its tags and
+    result, so the policy version's lineage names it. `stage`, `role` and `keep_data` train
+    another role the same way: the reward model (`train_reward_model_stage`) is stage
+    `train_reward_model`, its candidate the checkpoint's `reward_model/` folder, its data the
+    config's own preference files."""
     from rlcore.checkpoint import CheckpointManager
     from rlcore.trainer.run import run_training
     from rlcore.trainer.run_state import TrainingStopped
+    from rlcore.workers.checkpointing import adapter_folder
 
     reference_model = str(Path(config.model.path).resolve())
     start_model, parent = reference_model, reference_model
     if champion is not None and config.registry.warm_start:
         start_model, parent = champion["path"], f"models:/{config.registry.model_name}/{champion['version']}"
-    output_dir = Path(ctx["workdir"]) / ctx["run_name"] / "train"
+    output_dir = Path(ctx["workdir"]) / ctx["run_name"] / stage
     store = open_store(config, workdir)
-    run_id = store.start_run("train", ctx["run_id"], {**stage_tags(ctx, "train"), "parent_model": parent,
-                                                      "dataset_fingerprint": prepared["fingerprint"]})
+    rm_tags = {"reward_model": reward_model["uri"]} if reward_model else {}
+    run_id = store.start_run(stage, ctx["run_id"], {**stage_tags(ctx, stage), "parent_model": parent,
+                                                    "dataset_fingerprint": prepared["fingerprint"], **rm_tags})
     loggers = list(config.trainer.loggers) + ([] if "mlflow" in config.trainer.loggers else ["mlflow"])
+    data = {} if keep_data else {"train_files": [prepared["train_file"]], "val_files": [prepared["val_file"]]}
     run_config = _with(
         config,
         model={"path": start_model},
-        data={"train_files": [prepared["train_file"]], "val_files": [prepared["val_file"]]},
+        data=data,
         trainer={"output_dir": str(output_dir), "loggers": loggers},
         # each step goes live into this stage's run (no run of its own; a retry's run also gets
         # the steps it resumes after, from metrics.jsonl)
         tracking={"mlflow_uri": store.tracking_uri, "run_id": run_id},
+        reward_model={"path": reward_model["path"]} if reward_model else {},
     )
     _log_datasets(store, run_id, prepared, {"train": "training", "val": "validation"})
     stopped: dict[str, Any] | None = None
@@ -320,9 +333,14 @@ def train_stage(config: Config, prepared: dict[str, Any], workdir: str | Path, c
         raise
     records = log_training(store, run_id, output_dir, run_config.model_dump(mode="json"))
     checkpoint = CheckpointManager(output_dir / "checkpoints").latest()
-    candidate = checkpoint / "actor" if checkpoint is not None else None
+    if checkpoint is None:
+        candidate = None
+    else:  # the trained policy (with LoRA: merged with its base), or the reward model's folder
+        candidate = candidate_folder(run_config, checkpoint, output_dir) if role == "actor" else checkpoint / role
     if candidate is not None and config.tracking.log_model:
         log_model_folder(store, run_id, candidate, "model")  # an MLflow model that is an HF folder too
+        if role == "actor" and run_config.actor.lora.enabled:  # the small adapter beside the servable merged model
+            store.log_artifact(run_id, checkpoint / adapter_folder("actor"), "adapter")
     if stopped is not None:
         store.set_tags(run_id, {"health.stopped": "true", "health.reason": stopped["reason"],
                                 "health.candidate": str(checkpoint) if checkpoint else "none"})
@@ -331,7 +349,8 @@ def train_stage(config: Config, prepared: dict[str, Any], workdir: str | Path, c
             "pipeline_run": ctx["run_name"], "reason": stopped["reason"], "health": stopped,
             "candidate_checkpoint": str(checkpoint) if checkpoint else None})
     store.end_run(run_id)
-    vals = [r for r in records if "val/acc" in r]
+    val_key = "val/pairwise_acc" if role == "reward_model" else "val/acc"
+    vals = [r for r in records if val_key in r]
     return {
         "run_id": run_id,
         "output_dir": str(output_dir),
@@ -343,11 +362,30 @@ def train_stage(config: Config, prepared: dict[str, Any], workdir: str | Path, c
         "parent_model": parent,
         "reference_model": reference_model,
         "steps": max((r["step"] for r in records), default=0),
-        "train_val_acc_first": vals[0]["val/acc"] if vals else None,
-        "train_val_acc_last": vals[-1]["val/acc"] if vals else None,
+        "train_val_acc_first": vals[0][val_key] if vals else None,
+        "train_val_acc_last": vals[-1][val_key] if vals else None,
+        "reward_model": {k: reward_model[k] for k in ("name", "version", "uri")} if reward_model else None,
         # for lineage.json and the model version's tags (and Prefect's stored task result): redacted
         "config": redact_tree(run_config.model_dump(mode="json")),
     }
+
+
+def candidate_folder(config: Config, checkpoint: Path, output_dir: Path) -> Path:
+    """The checkpoint's policy as a plain HF folder, servable as is: its `actor/`, or with LoRA the
+    base (`model.path`) merged with its adapter, written once under `output_dir/merged/`."""
+    from rlcore.workers.checkpointing import adapter_folder
+    from rlcore.workers.lora import merge_adapter
+
+    if not config.actor.lora.enabled:
+        return checkpoint / "actor"
+    merged = output_dir / "merged" / checkpoint.name
+    if not (merged / "config.json").is_file():
+        tmp = merged.with_name(f".tmp-{merged.name}-{secrets.token_hex(3)}")
+        merge_adapter(config.model.path, checkpoint / adapter_folder("actor"), tmp)
+        if merged.exists():
+            shutil.rmtree(merged)
+        tmp.rename(merged)
+    return merged
 
 
 def _log_datasets(store: MlflowStore, run_id: str, prepared: dict[str, Any], contexts: dict[str, str]) -> None:
@@ -365,7 +403,8 @@ def evaluate_stage(config: Config, candidate_dir: str, baseline_dir: str, baseli
     """Candidate and baseline (champion, or the base model when there is none) on the same data."""
     kwargs = dict(reference_dir=reference_dir, max_prompt_length=config.data.max_prompt_length,
                   max_new_tokens=config.rollout.max_new_tokens, batch_size=config.data.val_batch_size,
-                  reward_function=config.reward.function, apply_chat_template=config.data.apply_chat_template, limit=limit)
+                  reward_function=config.reward.function, apply_chat_template=config.data.apply_chat_template, limit=limit,
+                  agent=config.rollout.agent)
     candidate = evaluate_model(candidate_dir, val_file, **kwargs)
     baseline = evaluate_model(baseline_dir, val_file, **kwargs)
     out = {"candidate": candidate.metrics(), "baseline": baseline.metrics(), "baseline_name": baseline_name,
@@ -412,7 +451,9 @@ def promote_stage(config: Config, train: dict[str, Any], evaluation: dict[str, A
                             parent_model=train["parent_model"], reward_function=config.reward.function,
                             extra={"pipeline_run": ctx["run_name"], "reference_model": train["reference_model"],
                                    "evaluation": {"candidate": evaluation["candidate"], "baseline": evaluation["baseline"],
-                                                  "baseline_name": evaluation["baseline_name"]}})
+                                                  "baseline_name": evaluation["baseline_name"]},
+                                   # the registered reward model version the policy was trained against
+                                   **({"reward_model": train["reward_model"]} if train.get("reward_model") else {})})
     store.log_json(train["run_id"], lineage, "lineage.json")
     run_id = store.start_run("promote", ctx["run_id"], stage_tags(ctx, "promote"))
     store.log_json(run_id, lineage, "lineage.json")

@@ -75,6 +75,12 @@ class RolloutEngine(Protocol):
 
     def generate(self, batch: Batch, params: SamplingParams) -> Batch: ...
 
+    def begin_weight_sync(self, names: Iterable[str]) -> None:
+        """Announce the names the coming `update_weights` calls of one sync carry, when that is only
+        part of the model (LoRA: the adapted layers); an engine that reloads whole syncs can finish
+        this one as soon as they arrived."""
+        ...
+
     def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Load (a bucket of) named tensors into the model; may be called many times per sync.
 
@@ -90,6 +96,14 @@ class RolloutEngine(Protocol):
     def wake(self) -> None:
         """Bring the engine back onto its device after `sleep`."""
         ...
+
+
+def reload_group(name: str) -> str:
+    """The module group an engine reloads a weight with (its parent module's parent): a weight sync
+    sends each group whole. `model.layers.3.self_attn.q_proj.weight` -> `model.layers.3.self_attn`
+    (q, k, v, o together, which covers vLLM's fused qkv_proj); `model.layers.3.mlp.up_proj.weight`
+    -> `model.layers.3.mlp` (gate_up_proj)."""
+    return name.rsplit(".", 2)[0] if name.count(".") >= 2 else name.rsplit(".", 1)[0]
 
 
 # Backend name -> "module:attribute" of its engine class. Imported lazily so that e.g. the

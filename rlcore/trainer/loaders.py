@@ -3,32 +3,41 @@ for DPO/KTO. Shuffled training loaders keep their position in checkpoints (exact
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 from rlcore.config import Config
 from rlcore.data import PromptLoader, RLDataset
-from rlcore.data.preference import PreferenceDataset, PreferenceKind, PreferenceLoader
+from rlcore.data.preference import PreferenceDataset, PreferenceItem, PreferenceKind, PreferenceLoader
+from rlcore.protocol import Batch
+from rlcore.rewards.tools import load_tools
 
 
 def prompt_loader(config: Config, tokenizer: Any, files: list[str], *, train: bool) -> PromptLoader:
     """RL prompts: training batches of `data.train_batch_size` (shuffled, full batches only), or
-    validation batches of `data.val_batch_size` in file order."""
+    validation batches of `data.val_batch_size` in file order. An agent run's tool schemas go to
+    the chat template with every prompt (`rlcore.data.chat.render_prompt`)."""
     cfg = config.data
+    tools = [t.schema for t in load_tools(config.rollout.agent.tools).values()] or None
     dataset = RLDataset(files, tokenizer, max_prompt_length=cfg.max_prompt_length,
-                        apply_chat_template=cfg.apply_chat_template, on_bad_row=cfg.on_bad_row)
+                        apply_chat_template=cfg.apply_chat_template, on_bad_row=cfg.on_bad_row, tools=tools)
     return PromptLoader(dataset, batch_size=cfg.train_batch_size if train else cfg.val_batch_size,
                         seed=config.trainer.seed, shuffle=cfg.shuffle and train, drop_last=train)
 
 
 def preference_loader(config: Config, tokenizer: Any, files: list[str], kind: PreferenceKind | None, *,
-                      train: bool) -> PreferenceLoader:
-    """Preference rows of `kind` (None: detected from the files, as validation files may be either)."""
+                      train: bool, collate: Callable[[list[PreferenceItem], list[str]], Batch] | None = None) -> PreferenceLoader:
+    """Preference rows of `kind` (None: detected from the files, as validation files may be either);
+    batches collated by the dataset, or by `collate` (`collate_rm_pairs` for a reward model)."""
     cfg = config.data
-    dataset = PreferenceDataset(files, tokenizer, kind=kind, max_prompt_length=cfg.max_prompt_length,
-                                max_response_length=config.preference.max_response_length,
+    # a reward model reads whole conversations up to reward_model.max_length tokens (longer ones keep their end)
+    rm = config.algorithm.name == "rm"
+    dataset = PreferenceDataset(files, tokenizer, kind=kind,
+                                max_prompt_length=config.reward_model.max_length if rm else cfg.max_prompt_length,
+                                max_response_length=config.reward_model.max_length if rm else config.preference.max_response_length,
                                 apply_chat_template=cfg.apply_chat_template, on_bad_row=cfg.on_bad_row)
     return PreferenceLoader(dataset, batch_size=cfg.train_batch_size if train else cfg.val_batch_size,
-                            seed=config.trainer.seed, shuffle=cfg.shuffle and train, drop_last=train)
+                            seed=config.trainer.seed, shuffle=cfg.shuffle and train, drop_last=train, collate=collate)
 
 
 __all__ = ["preference_loader", "prompt_loader"]

@@ -22,6 +22,7 @@ from rlcore.trainer.health import HealthGuard
 from rlcore.trainer.loaders import prompt_loader
 from rlcore.trainer.metrics import Timer, mean_over_ranks, rl_batch_metrics
 from rlcore.trainer.rl_steps import old_and_ref_log_probs, rewards_with_kl, score, update_actor
+from rlcore.trainer.rm_scoring import RewardModelScoring
 from rlcore.trainer.roles import WorkerGroups, build_worker_groups
 from rlcore.trainer.rollout_parts import (
     Prefetcher,
@@ -54,8 +55,10 @@ class PPOTrainer:
         self.kl_ctrl = make_kl_controller(kl.type, kl_coef=kl.kl_coef, target_kl=kl.target_kl, horizon=kl.horizon)
         self.guard = BadStepGuard(config.actor.max_consecutive_bad_steps, self.run_dir / "checkpoints")
         self.health = HealthGuard.from_config(config.health)
+        self.reward_model = RewardModelScoring(config, self.groups)
         self.checkpoints = RunCheckpoints(config, self.run_dir, self.groups, self.algorithm, {
-            "train_loader": self.train_loader, "kl_ctrl": self.kl_ctrl, "guard": self.guard, "health": self.health})
+            "train_loader": self.train_loader, "kl_ctrl": self.kl_ctrl, "guard": self.guard, "health": self.health,
+            **({"reward_model": self.reward_model} if self.reward_model.enabled else {})})  # its running statistics
         self.rollout_sleep = RolloutSleep(self.groups, rollout_shares_gpu(config))
         self.prefetcher = Prefetcher(config, self.groups, self.train_loader) if config.trainer.off_policy == "one_step" else None
         self.throughput = StepThroughput.of(config)
@@ -97,11 +100,13 @@ class PPOTrainer:
         else:
             gen = generate(self.groups, prompts, train_sampling(self.config, self.step), self.rollout_version, timer)
         self.rollout_sleep.after_generation(timer)
+        rm_pending = self.reward_model.launch(gen, timer)  # runs beside the steps below (its own pool on Ray)
         gen, reward_metrics = score(self.groups, gen, timer, self.config.reward)
         on_policy = self.config.old_log_probs_from_update  # then update_actor supplies the old log-probs
         gen = old_and_ref_log_probs(self.groups, gen, timer, recompute=not on_policy)
         with timer.phase("values"):
             gen = gen.union(self.groups.critic.compute_values(gen))
+        gen, rm_metrics = self.reward_model.collect(rm_pending, gen, timer)
         token_rewards, kl_metrics = rewards_with_kl(self.config, gen, self.kl_ctrl)
 
         with timer.phase("advantage"):
@@ -123,7 +128,7 @@ class PPOTrainer:
 
         metrics = {**rl_batch_metrics(gen, timer, step=self.step, max_new_tokens=self.config.rollout.max_new_tokens),
                    **self.throughput.metrics(gen, timer),
-                   **reward_metrics, **kl_metrics, **critic_metrics, **actor_metrics}
+                   **reward_metrics, **rm_metrics, **kl_metrics, **critic_metrics, **actor_metrics}
         return metrics, self.trace(gen, timer)
 
     def next_prompts(self) -> Batch:

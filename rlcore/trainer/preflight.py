@@ -29,7 +29,8 @@ from rlcore.config import Config, SFTRunConfig
 from rlcore.data import RL_FIELDS, DatasetError, column_values, peek_fields
 from rlcore.data.preference import PREFERENCE_FIELDS
 from rlcore.errors import RLCoreError
-from rlcore.rewards.registry import builtin_data_sources, load_reward_fn, resolve_spec
+from rlcore.rewards.registry import builtin_data_sources, load_function, load_reward_fn, resolve_spec
+from rlcore.rewards.tools import load_tools
 from rlcore.workers.ulysses import head_problem
 
 log = logging.getLogger(__name__)
@@ -68,10 +69,15 @@ def preflight_problems(config: Config) -> list[str]:
     problems = model_folder_problems("model.path", config.model.path, tokenizer=True)
     if config.algorithm.name == "ppo" and config.critic.model_path is not None:
         problems += model_folder_problems("critic.model_path", config.critic.model_path, tokenizer=False)
+    if config.reward_model.path is not None:
+        problems += reward_model_problems("reward_model.path", config.reward_model.path)
+    if config.algorithm.name == "rm" and not problems:  # the reward model to train renders with model.path's template
+        problems += chat_template_problems("model.path", config.model.path)
     problems += sequence_parallel_problems(config)
     problems += data_problems(config)
     problems += reward_problems(config.reward.function)
     problems += scorer_problems(config)
+    problems += agent_problems(config)
     problems += resume_problems(config.trainer.resume, config.algorithm.name)
     problems += output_dir_problems(config.trainer.output_dir)
     return problems
@@ -129,7 +135,7 @@ def model_folder_problems(key: str, path: str, *, tokenizer: bool) -> list[str]:
         present = [name for name in TOKENIZER_FILES if (folder / name).is_file()]
         if not present:
             problems.append(f"{key}: {path} has no tokenizer ({' or '.join(TOKENIZER_FILES[:2])}); "
-                            "the run's tokenizer is loaded from model.path")
+                            f"the tokenizer is loaded from {key}")
         if "tokenizer_config.json" in present:
             try:
                 json.loads((folder / "tokenizer_config.json").read_text(encoding="utf-8"))
@@ -140,12 +146,51 @@ def model_folder_problems(key: str, path: str, *, tokenizer: bool) -> list[str]:
     return problems
 
 
+def reward_model_problems(key: str, path: str) -> list[str]:
+    """A trained reward model folder: a Hugging Face model folder with a tokenizer whose config
+    names a one-label sequence classifier, and a chat template to render conversations with."""
+    problems = model_folder_problems(key, path, tokenizer=True)
+    folder = Path(path)
+    if problems or not (folder / "config.json").is_file():
+        return problems
+    try:
+        model_config = json.loads((folder / "config.json").read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return problems
+    from rlcore.workers.modeling import is_sequence_classifier
+
+    if not is_sequence_classifier(model_config):
+        problems.append(f"{key}: {path} is not a reward model: config.json names {model_config.get('architectures')} "
+                        "with num_labels != 1 or no *ForSequenceClassification architecture; train one with "
+                        "algorithm.name=rm")
+    return problems + chat_template_problems(key, path)
+
+
+def chat_template_problems(key: str, path: str) -> list[str]:
+    """A reward model renders whole conversations with its tokenizer's chat template: the folder
+    must carry one (chat_template.jinja / .json, or `chat_template` in tokenizer_config.json)."""
+    folder = Path(path)
+    tok_config = folder / "tokenizer_config.json"
+    templated = (folder / "chat_template.jinja").is_file() or (folder / "chat_template.json").is_file()
+    if not templated and tok_config.is_file():
+        try:
+            templated = bool(json.loads(tok_config.read_text(encoding="utf-8")).get("chat_template"))
+        except (OSError, ValueError):
+            templated = True  # reported by model_folder_problems
+    if templated or not folder.is_dir():
+        return []
+    return [f"{key}: the tokenizer in {path} has no chat template (chat_template.jinja or chat_template in "
+            "tokenizer_config.json); a reward model scores conversations rendered with its own template"]
+
+
 def data_problems(config: Config) -> list[str]:
     """Each data file the run reads: there, readable, in a known format, with the fields its rows need."""
     algorithm = config.algorithm.name
-    preference = algorithm in ("dpo", "kto")
+    preference = algorithm in ("dpo", "kto", "rm")
     either = [PREFERENCE_FIELDS["pairwise"], PREFERENCE_FIELDS["unpaired"]]
-    if algorithm == "dpo":
+    if algorithm == "rm":  # a reward model learns from pairs and is validated on pairs
+        train = either = [PREFERENCE_FIELDS["pairwise"]]
+    elif algorithm == "dpo":
         train = [PREFERENCE_FIELDS["pairwise"]]
     elif algorithm == "kto":
         train = [PREFERENCE_FIELDS["unpaired"]]
@@ -153,7 +198,7 @@ def data_problems(config: Config) -> list[str]:
         train = [RL_FIELDS]
     lists = [("data.train_files", config.data.train_files, train),
              ("data.val_files", config.data.val_files, either if preference else [RL_FIELDS])]
-    if preference:
+    if algorithm in ("dpo", "kto"):
         lists.append(("preference.task_val_files", config.preference.task_val_files, [RL_FIELDS]))
     problems = [] if config.data.train_files else ["data.train_files: empty (give at least one .parquet or .jsonl file)"]
     for key, files, needed in lists:
@@ -192,6 +237,48 @@ def reward_problems(spec: str | None) -> list[str]:
     return []
 
 
+def agent_problems(config: Config) -> list[str]:
+    """Each `rollout.agent.tools` entry loads and has a schema, no two share a name, and the
+    interaction factory loads (user code is imported here, in the driver, as a reward file is)."""
+    agent = config.rollout.agent
+    problems = []
+    for i, spec in enumerate(agent.tools):
+        try:
+            load_tools([spec])
+        except Exception as err:  # noqa: BLE001 - user code may raise anything while it is imported
+            problems.append(f"rollout.agent.tools[{i}]: {str(err).removeprefix('tool spec ')}")
+    if not problems and len(agent.tools) > 1:
+        try:
+            load_tools(agent.tools)
+        except Exception as err:  # noqa: BLE001
+            problems.append(f"rollout.agent.tools: {str(err).removeprefix('tool spec ')}")
+    if agent.interaction is not None:
+        try:
+            load_function(str(resolve_spec(agent.interaction)), "interaction")
+        except Exception as err:  # noqa: BLE001
+            problems.append(f"rollout.agent.interaction: {str(err).removeprefix('interaction spec ')}")
+    if agent.enabled:
+        problems += agent_length_problems(config)
+    return problems
+
+
+def agent_length_problems(config: Config) -> list[str]:
+    """A trajectory must fit the model: the longest prompt plus `max_total_tokens` within its
+    positions (and the vLLM engine's `max_model_len`), else the run would fail mid-rollout."""
+    try:
+        model_config = json.loads((Path(config.model.path) / "config.json").read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return []  # model_folder_problems names the folder
+    text = model_config.get("text_config", model_config) if isinstance(model_config, dict) else {}
+    limits = [("the model's max_position_embeddings", text.get("max_position_embeddings"))]
+    if config.rollout.backend in ("vllm", "auto"):
+        limits.append(("rollout.vllm.max_model_len", config.rollout.vllm.max_model_len))
+    need = config.data.max_prompt_length + config.rollout.agent.max_total_tokens
+    return [f"rollout.agent.max_total_tokens: data.max_prompt_length ({config.data.max_prompt_length}) + "
+            f"rollout.agent.max_total_tokens ({config.rollout.agent.max_total_tokens}) = {need} tokens exceeds {what} ({limit})"
+            for what, limit in limits if isinstance(limit, int) and need > limit]
+
+
 def scorer_problems(config: Config) -> list[str]:
     """Without `reward.function`, every `data_source` in the run's RL-schema data must have a
     built-in scorer: otherwise each of its samples would score `reward.error_score` and the run
@@ -220,6 +307,8 @@ def scorer_problems(config: Config) -> list[str]:
 def rl_schema_files(config: Config) -> list[tuple[str, str]]:
     """(config key, file) of the data whose rows are scored by the reward: RL prompts (GRPO, PPO),
     or the preference runs' task validation prompts."""
+    if config.algorithm.name == "rm":  # a reward model learns from pairs: no rule scorer runs
+        return []
     if config.algorithm.name in ("dpo", "kto"):
         return [(f"preference.task_val_files[{i}]", f) for i, f in enumerate(config.preference.task_val_files)]
     return ([(f"data.train_files[{i}]", f) for i, f in enumerate(config.data.train_files)]

@@ -1,5 +1,8 @@
 """Which worker groups a run has, and how they are built: in this process, or as Ray actors
-placed on resource pools (`trainer.backend`). The control flow sees the same `WorkerGroups`."""
+placed on resource pools (`trainer.backend`). The control flow sees the same `WorkerGroups`.
+
+With LoRA on the actor there is no reference worker: `ref` is the actor group itself, whose
+`compute_ref_log_prob` runs the base with the adapter disabled."""
 
 from __future__ import annotations
 
@@ -23,40 +26,70 @@ from rlcore.cpus import available_cpus, split_cores, use_cores
 from rlcore.workers.actor import ActorWorker, ReferenceWorker
 from rlcore.workers.critic import CriticWorker
 from rlcore.workers.reward import RewardWorker
+from rlcore.workers.reward_model import RewardModelWorker
 from rlcore.workers.rollout import RolloutWorker
 
 
 @dataclass
 class WorkerGroups:
-    actor: WorkerGroup | RoleView
-    rollout: WorkerGroup | RoleView
-    reward: WorkerGroup | RoleView
+    """The groups of a run. Policy runs have actor, rollout and reward (and ref, critic,
+    reward_model as configured); a reward-model training run (`algorithm.name: rm`) has only
+    reward_model, which is then the trained role."""
+
+    actor: WorkerGroup | RoleView | None = None
+    rollout: WorkerGroup | RoleView | None = None
+    reward: WorkerGroup | RoleView | None = None
     ref: WorkerGroup | RoleView | None = None
     critic: WorkerGroup | RoleView | None = None
+    reward_model: WorkerGroup | RoleView | None = None
     on_close: list[Callable[[], None]] = field(default_factory=list)  # pools, a Ray we started
+    weight_sync: str = "full"  # `Config.lora_sync`: every tensor, LoRA's merged modules, or the adapter
+
+    @property
+    def trains_reward_model(self) -> bool:
+        return self.actor is None and self.reward_model is not None
 
     def save_checkpoint(self, folder: str, tokenizer_dir: str | None = None) -> None:
+        if self.trains_reward_model:
+            self.reward_model.save_checkpoint(folder)
+            return
         self.actor.save_checkpoint(folder, tokenizer_dir=tokenizer_dir)
         if self.critic is not None:
             self.critic.save_checkpoint(folder)
 
     def load_checkpoint(self, folder: str) -> None:
-        """Actor and critic from the checkpoint; the rollout engine restarts on the saved policy."""
+        """The trained roles from the checkpoint (actor and critic; or the reward model being
+        trained); the rollout engine restarts on the saved policy (with LoRA: keeps the base it
+        started on and gets the restored adapter's weights)."""
+        if self.trains_reward_model:
+            self.reward_model.load_checkpoint(folder)
+            return
         self.actor.load_checkpoint(folder)
         if self.critic is not None:
             self.critic.load_checkpoint(folder)
-        self.rollout.load_model(str(Path(folder) / "actor"))
+        if self.weight_sync == "full":
+            self.rollout.load_model(str(Path(folder) / "actor"))
+        else:
+            self.sync_weights()
 
     def sync_weights(self) -> None:
         """Actor -> rollout, one bucket at a time (`actor.weight_sync_bucket_mb`): on Ray each bucket
-        goes worker to worker through the object store, never through the controller."""
-        for names in self.actor.weight_bucket_plan():
+        goes worker to worker through the object store, never through the controller. With LoRA
+        only what the adapter changes: the merged adapted modules, or the adapter itself."""
+        assert self.actor is not None and self.rollout is not None
+        if self.weight_sync == "adapter":
+            self.rollout.load_adapter(self.actor.call_async("adapter_for_rollout"))
+            return
+        plan = self.actor.weight_bucket_plan()
+        if self.weight_sync == "merged":  # only part of the model: the engine can finish when it is in
+            self.rollout.begin_weight_sync([name for names in plan for name in names])
+        for names in plan:
             self.rollout.update_weights(self.actor.call_async("gather_weight_bucket", names))
 
     def close(self) -> None:
         seen: set[int] = set()
         try:
-            for group in (self.actor, self.rollout, self.reward, self.ref, self.critic):
+            for group in (self.actor, self.rollout, self.reward, self.ref, self.critic, self.reward_model):
                 group = group.group if isinstance(group, RoleView) else group
                 if group is not None and id(group) not in seen:
                     seen.add(id(group))
@@ -68,16 +101,21 @@ class WorkerGroups:
 
 
 def _factories(config: Config) -> dict[str, tuple[Callable[[int, int], Worker], int]]:
-    """role -> (worker factory, world size) for the roles this run has."""
+    """role -> (worker factory, world size) for the roles this run has (`Config.present_roles`)."""
+    reward_model = (lambda rank, ws: RewardModelWorker(config, rank, ws), config.reward_model.world_size)
+    if config.algorithm.name == "rm":
+        return {"reward_model": reward_model}
     out: dict[str, tuple[Callable[[int, int], Worker], int]] = {
         "actor": (lambda rank, ws: ActorWorker(config, rank, ws), config.actor.world_size),
         "rollout": (lambda rank, ws: RolloutWorker(config, rank, ws), config.rollout.world_size),
         "reward": (lambda rank, ws: RewardWorker(config, rank, ws), 1),
     }
-    if config.needs_reference:
+    if config.needs_reference and not config.actor.lora.enabled:  # with LoRA the actor serves it
         out["ref"] = (lambda rank, ws: ReferenceWorker(config, rank, ws), config.actor.world_size)
     if config.algorithm.name == "ppo":
         out["critic"] = (lambda rank, ws: CriticWorker(config, rank, ws), config.critic.world_size)
+    if config.reward_model.path is not None:
+        out["reward_model"] = reward_model
     return out
 
 
@@ -102,12 +140,19 @@ def build_worker_groups(config: Config) -> WorkerGroups:
         else:
             groups[role] = InProcessWorkerGroup(factory, world_size=1, role=role, own_thread=overlap and role == "rollout",
                                                 cores=rollout_cores)
-    return WorkerGroups(**groups)
+    return _with_reference(WorkerGroups(**groups, weight_sync=config.lora_sync), config)
+
+
+def _with_reference(groups: WorkerGroups, config: Config) -> WorkerGroups:
+    """With LoRA the actor's group is also the reference group (its base, adapter disabled)."""
+    if config.needs_reference and config.actor.lora.enabled:
+        groups.ref = groups.actor
+    return groups
 
 
 # ----- Ray --------------------------------------------------------------------------------------
 
-DISTRIBUTED_ROLES = {"actor", "ref", "critic"}  # roles that shard their model over ranks (FSDP2)
+DISTRIBUTED_ROLES = {"actor", "ref", "critic", "reward_model"}  # roles that shard their model over ranks (FSDP2)
 
 
 def _units(config: Config, roles: dict[str, tuple[Callable, int]]) -> list[list[str]]:
@@ -182,7 +227,7 @@ def build_ray_worker_groups(config: Config) -> WorkerGroups:
         for unit, group in made.items():
             for role in unit:
                 views[role] = group if len(unit) == 1 else group.view(role)
-        return WorkerGroups(**views, on_close=on_close)
+        return _with_reference(WorkerGroups(**views, on_close=on_close, weight_sync=config.lora_sync), config)
     except BaseException:
         for group in made.values():
             group.shutdown()

@@ -26,6 +26,10 @@ def make_trainer(config: Config, **kwargs: Any) -> Any:
         from rlcore.trainer.dpo import DPOTrainer
 
         return DPOTrainer(config, **kwargs)
+    if name == "rm":
+        from rlcore.trainer.reward_model import RewardModelTrainer
+
+        return RewardModelTrainer(config, **kwargs)
     if name == "kto":
         from rlcore.trainer.kto import KTOTrainer
 

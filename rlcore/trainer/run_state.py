@@ -41,24 +41,29 @@ def prepare_run_dir(config: Config) -> Path:
 
 class BadStepGuard:
     """Counts steps whose update was skipped for a non-finite loss or gradient; stops the run
-    after `limit` in a row (`actor.max_consecutive_bad_steps`)."""
+    after `limit` in a row (`actor.max_consecutive_bad_steps`, or for the reward model trained by
+    `algorithm.name: rm`, `reward_model.max_consecutive_bad_steps`: `role="reward_model"`)."""
 
-    def __init__(self, limit: int, checkpoint_root: Path) -> None:
+    LOSS_KEYS = {"actor": "actor/pg_loss", "reward_model": "reward_model/loss"}
+
+    def __init__(self, limit: int, checkpoint_root: Path, role: str = "actor") -> None:
         self.limit = limit
         self.checkpoint_root = checkpoint_root
+        self.role = role
         self.in_a_row = 0
         self.total = 0
 
     def check(self, metrics: dict[str, Any]) -> None:
         """Adds `train/bad_steps_total`; raises `TrainingStopped` at the limit."""
-        bad = metrics.get("actor/bad_updates", 0.0) > 0 or not math.isfinite(metrics.get("actor/pg_loss", 0.0))
+        loss = metrics.get(self.LOSS_KEYS[self.role], 0.0)
+        bad = metrics.get(f"{self.role}/bad_updates", 0.0) > 0 or not math.isfinite(loss)
         self.in_a_row = self.in_a_row + 1 if bad else 0
         self.total += int(bad)
         metrics["train/bad_steps_total"] = float(self.total)
         if self.in_a_row >= self.limit:
             raise TrainingStopped(
                 f"{self.in_a_row} steps in a row had a non-finite loss or gradient (limit "
-                f"actor.max_consecutive_bad_steps={self.limit}); the last good checkpoint is kept in {self.checkpoint_root}"
+                f"{self.role}.max_consecutive_bad_steps={self.limit}); the last good checkpoint is kept in {self.checkpoint_root}"
             )
 
     def state_dict(self) -> dict[str, Any]:

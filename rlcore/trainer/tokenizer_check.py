@@ -88,9 +88,10 @@ def _show(ids: list[int], limit: int = 24) -> str:
 
 
 def tokenization_problems(path: str, samples: Sequence[PromptSample], apply_chat_template: bool,
-                          backend: str = "hf") -> list[str]:
+                          backend: str = "hf", key: str = "model.path") -> list[str]:
     """One line per disagreement found (rlcore vs serving, rlcore vs tokenizer.json), each with
-    its count, the first prompt it was seen on and what to do; empty when all agree."""
+    its count, the first prompt it was seen on and what to do; empty when all agree. `key`: the
+    setting that names the folder (`reward_model.path` for the reward model's tokenizer)."""
     if not samples:
         return []
     ours = load_tokenizer(path)
@@ -120,13 +121,13 @@ def tokenization_problems(path: str, samples: Sequence[PromptSample], apply_chat
     problems = []
     if "serving" in counts:
         problems.append(
-            f"model.path: rlcore and {serving_name} tokenize {counts['serving']} of {n} sampled prompts differently, "
+            f"{key}: rlcore and {serving_name} tokenize {counts['serving']} of {n} sampled prompts differently, "
             f"e.g. {first['serving']}. The model would be trained on other ids than it is served with: make the folder "
             f"load as one tokenizer in both (its tokenizer_config.json's tokenizer_class, its chat template) "
             f"(data.tokenizer_check_rows=0 skips this check)")
     if "file" in counts:
         problems.append(
-            f"model.path: {Path(path) / 'tokenizer.json'} loaded as the file and through AutoTokenizer "
+            f"{key}: {Path(path) / 'tokenizer.json'} loaded as the file and through AutoTokenizer "
             f"({type(ours).__name__}, what vLLM and transformers users load) tokenize {counts['file']} of {n} sampled "
             f"prompts differently, e.g. {first['file']}. transformers builds the architecture's own tokenizer class for "
             f"some model types (Qwen2Tokenizer for every qwen2 folder, with Qwen's pre-tokenizer), so which ids the model "
@@ -138,10 +139,11 @@ def tokenization_problems(path: str, samples: Sequence[PromptSample], apply_chat
     return problems
 
 
-def check_tokenization(path: str, samples: Sequence[PromptSample], apply_chat_template: bool, backend: str = "hf") -> None:
+def check_tokenization(path: str, samples: Sequence[PromptSample], apply_chat_template: bool, backend: str = "hf",
+                       key: str = "model.path") -> None:
     """Raise `TokenizerMismatchError` listing each disagreement `tokenization_problems` finds."""
     start = time.perf_counter()
-    problems = tokenization_problems(path, samples, apply_chat_template, backend)
+    problems = tokenization_problems(path, samples, apply_chat_template, backend, key)
     log.info("tokenizer check: %d prompts, %d problem(s), %.2f s", len(samples), len(problems), time.perf_counter() - start)
     if problems:
         raise TokenizerMismatchError("\n  ".join(problems))
@@ -164,6 +166,8 @@ def check_run_tokenization(config: Config) -> None:
     samples = sample_prompts(rl_prompt_files(config), rows)
     backend = resolve_backend(config.rollout.backend)
     check_tokenization(config.model.path, samples, config.data.apply_chat_template, backend)
+    if config.reward_model.path is not None:  # it tokenizes the same conversations with its own tokenizer
+        check_tokenization(config.reward_model.path, samples, True, "hf", key="reward_model.path")
 
 
 __all__ = ["PromptSample", "TokenizerMismatchError", "check_run_tokenization", "check_tokenization", "sample_prompts",

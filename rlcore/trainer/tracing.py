@@ -24,7 +24,7 @@ PHASE_ROLES = {
     "generate": "rollout", "rollout_sleep": "rollout", "rollout_wake": "rollout", "reward": "reward",
     "old_log_prob": "actor", "ref_log_prob": "ref", "values": "critic", "advantage": "controller",
     "update_critic": "critic", "update_actor": "actor", "weight_sync": "actor+rollout",
-    "baseline_generate": "rollout", "baseline_reward": "reward",
+    "baseline_generate": "rollout", "baseline_reward": "reward", "reward_model": "reward_model",
 }
 
 
@@ -33,7 +33,7 @@ def worker_identities(groups: Any) -> dict[str, list[dict[str, Any]]]:
     their own; in-process roles run here)."""
     out: dict[str, list[dict[str, Any]]] = {}
     here = {"pid": os.getpid(), "host": socket.gethostname()}
-    for role in ("actor", "rollout", "reward", "ref", "critic"):
+    for role in ("actor", "rollout", "reward", "ref", "critic", "reward_model"):
         group = getattr(groups, role, None)
         if group is None:
             continue
@@ -51,11 +51,13 @@ def worker_identities(groups: Any) -> dict[str, list[dict[str, Any]]]:
 
 def sample_records(gen: Batch, groups: Any, n: int) -> list[dict[str, Any]]:
     """Per-sample records of a step: ids from prompt to loss, reward, length, and which
-    rollout/actor rank handled the sample (the dispatch is a pure function of the batch)."""
+    rollout/actor rank handled the sample (the dispatch is a pure function of the batch); for an
+    agent rollout, how it ended and every turn (kind, tool, tokens, latency)."""
     rollout_rank = dp_ranks(groups.rollout, "generate_sequences", len(gen) // max(n, 1), None)
     actor_rank = dp_ranks(groups.actor, "update_actor", len(gen), gen)
     lengths = gen["response_mask"].sum(-1).long().tolist()
     scores = gen["scores"].tolist() if "scores" in gen.tensors else [None] * len(gen)
+    rm_scores = gen["rm_scores"].tolist() if "rm_scores" in gen.tensors else None
     meta = gen.meta
     samples = []
     for j in range(len(gen)):
@@ -65,6 +67,8 @@ def sample_records(gen: Batch, groups: Any, n: int) -> list[dict[str, Any]]:
             "reward": scores[j],
             "response_length": lengths[j],
         }
+        if rm_scores is not None:  # the reward model's raw score (before normalisation and weights)
+            rec["rm_score"] = rm_scores[j]
         if rollout_rank is not None:
             rec["rollout_rank"] = int(rollout_rank[j // n])
         for key in ("rollout_pid", "rollout_host", "policy_version"):
@@ -72,6 +76,9 @@ def sample_records(gen: Batch, groups: Any, n: int) -> list[dict[str, Any]]:
                 rec[key] = _plain(meta[key][j])
         if actor_rank is not None:
             rec["actor_rank"] = int(actor_rank[j])
+        if "agent_trace" in meta:  # every turn: assistant turns (tokens, round latency), tool calls, rendered turns
+            rec["finish"] = str(meta["agent_finish"][j])
+            rec["turns"] = [{k: _plain(v) for k, v in t.items()} for t in meta["agent_trace"][j]]
         samples.append(rec)
     return samples
 

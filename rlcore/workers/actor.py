@@ -20,7 +20,7 @@ from rlcore.algos.policy_loss import PolicyLoss
 from rlcore.config import ActorConfig, Config
 from rlcore.controller import Dispatch, Worker, register
 from rlcore.protocol import Batch
-from rlcore.workers.checkpointing import load_training_state, save_trained
+from rlcore.workers.checkpointing import adapter_folder, load_training_state, save_trained
 from rlcore.workers.fsdp import gather_bucket, iter_full_state, plan_buckets, shard_model
 from rlcore.workers.loops import (
     GlobalCounts,
@@ -32,6 +32,7 @@ from rlcore.workers.loops import (
     mean_stats,
     run_update,
 )
+from rlcore.workers.lora import Adapter, apply_lora, parameter_counts
 from rlcore.workers.modeling import compute_precision, load_causal_lm, resolve_device, trained_dtype
 from rlcore.workers.optim import build_optimizer, build_scheduler
 from rlcore.workers.packed import forward_token_metrics
@@ -94,7 +95,12 @@ class PolicyObjective:
 
 class ActorWorker(Worker):
     """The trained policy: log-probs under the current weights, the policy and preference updates,
-    its weights for the rollout engine, checkpoints. FSDP2 when its group has a process group."""
+    its weights for the rollout engine, checkpoints. FSDP2 when its group has a process group.
+
+    With LoRA (`actor.lora`) only the adapter trains, and this worker also serves the reference
+    role: `compute_ref_log_prob` runs its own model with the adapter disabled, the base weights
+    it already holds (no second copy). The rollout engine then gets the merged weights of the
+    adapted modules only, or the adapter itself (`rollout.lora_sync`)."""
 
     def __init__(self, config: Config, rank: int = 0, world_size: int = 1) -> None:
         super().__init__(rank=rank, world_size=world_size, role="actor")
@@ -104,21 +110,30 @@ class ActorWorker(Worker):
         self.model: nn.Module | None = None
         self.optimizer: torch.optim.Optimizer | None = None
         self.scheduler: torch.optim.lr_scheduler.LRScheduler | None = None
+        self.adapter: Adapter | None = None
 
-    def setup(self, model_path: str | None = None) -> None:
+    def setup(self, model_path: str | None = None, adapter_dir: str | None = None) -> None:
+        """Load the model (`model.path`, or a checkpoint's); with `actor.lora`, add the adapter
+        (restored from `adapter_dir` on resume) before sharding."""
         cfg = self.config
-        self.model = load_causal_lm(model_path or cfg.model.path, trained_dtype(cfg.model), self.device, cfg.model.gradient_checkpointing,
-                                    cfg.model.use_remove_padding)
-        enable_sequence_parallel(self.model, self.ranks_per_shard, self.device, "actor.ulysses_sequence_parallel_size")
+        model = load_causal_lm(model_path or cfg.model.path, trained_dtype(cfg.model), self.device, cfg.model.gradient_checkpointing,
+                               cfg.model.use_remove_padding)
+        precision = compute_precision(cfg.model, cfg.actor.mixed_precision)
+        self.adapter = (apply_lora(model, cfg.actor.lora, "actor.lora", seed=cfg.trainer.seed, mixed_precision=precision != "none")
+                        if cfg.actor.lora.enabled else None)
+        if self.adapter is not None and adapter_dir is not None:
+            self.adapter.load(Path(adapter_dir))
+        self.param_counts = parameter_counts(model)
+        enable_sequence_parallel(model, self.ranks_per_shard, self.device, "actor.ulysses_sequence_parallel_size")
         # FSDP2 when this group has a process group (or, on one rank, when bf16/offload is asked for)
-        self.model = shard_model(self.model, self.device, compute_precision(cfg.model, cfg.actor.mixed_precision), cfg.actor.cpu_offload)
+        self.model = shard_model(model, self.device, precision, cfg.actor.cpu_offload)
         self.optimizer = build_optimizer(self.model, cfg.actor.optim)
         self.scheduler = build_scheduler(self.optimizer, cfg.actor.optim, cfg.trainer.total_steps)
         self.policy_loss = get_policy_loss(cfg.actor.policy_loss)
 
     @property
     def trained(self) -> Trainable:
-        return Trainable(self.model, self.optimizer, self.scheduler)
+        return Trainable(self.model, self.optimizer, self.scheduler, self.adapter)
 
     @property
     def log_probs(self) -> PolicyLogProbs:
@@ -131,6 +146,15 @@ class ActorWorker(Worker):
     @register(dispatch=Dispatch.DP_BALANCED)
     def compute_log_prob(self, batch: Batch) -> Batch:
         return self.log_probs.no_grad(self.model, batch, "old_log_probs", self.settings.micro, self.device, compute_entropy=True)
+
+    @register(dispatch=Dispatch.DP_BALANCED)
+    def compute_ref_log_prob(self, batch: Batch) -> Batch:
+        """The reference log-probs under LoRA: this worker's model with the adapter disabled, i.e.
+        the base it was loaded from (as `ReferenceWorker` computes them, micro-batched alike)."""
+        if self.adapter is None:
+            raise RuntimeError("ActorWorker.compute_ref_log_prob needs actor.lora (without it the reference is its own worker)")
+        with self.adapter.disabled():
+            return self.log_probs.no_grad(self.model, batch, "ref_log_probs", self.settings.micro, self.device)
 
     @register(dispatch=Dispatch.DP_BALANCED)
     def update_actor(self, batch: Batch) -> dict[str, float]:
@@ -180,7 +204,8 @@ class ActorWorker(Worker):
     def _step_metrics(self, result: UpdateResult) -> dict[str, float]:
         return {"actor/grad_norm": result.grad_norm, "actor/lr": self.trained.lr, "actor/bad_updates": float(result.skipped_steps),
                 "actor/param_norm": result.param_norm, "actor/param_norm_growth": result.param_norm_growth,
-                "actor/nonfinite_state": result.nonfinite_state}
+                "actor/nonfinite_state": result.nonfinite_state,
+                "actor/trainable_params": float(self.param_counts[0]), "actor/total_params": float(self.param_counts[1])}
 
     @register(dispatch=Dispatch.COLLECTIVE, blocking=False)
     def weights_for_rollout(self) -> list[tuple[str, torch.Tensor]]:
@@ -190,17 +215,32 @@ class ActorWorker(Worker):
         it is (on Ray: straight from this worker to the rollout workers, not via the controller).
         `WorkerGroups.sync_weights` streams bucket by bucket instead."""
         keep = self.rank == 0
+        if self.adapter is not None:  # the merged model, every tensor
+            return self.adapter.merged_weights(list(self.adapter.base_state()), keep)
         return [item for bucket in iter_full_state(self.model, self._bucket_bytes, keep) for item in bucket]
 
     @register(dispatch=Dispatch.RANK_ZERO)
     def weight_bucket_plan(self) -> list[list[str]]:
-        """Parameter names per weight-sync bucket (the same on every rank)."""
+        """Parameter names per weight-sync bucket (the same on every rank). With LoRA: only the
+        tensors the adapter changes (`Adapter.sync_plan`)."""
+        if self.adapter is not None:
+            return self.adapter.sync_plan(self._bucket_bytes)
         return plan_buckets(self.model, self._bucket_bytes)
 
     @register(dispatch=Dispatch.COLLECTIVE)
     def gather_weight_bucket(self, names: list[str]) -> list[tuple[str, torch.Tensor]]:
-        """One bucket of full weights, for streaming them to the rollout engine."""
+        """One bucket of full weights, for streaming them to the rollout engine (merged with LoRA)."""
+        if self.adapter is not None:
+            return self.adapter.merged_weights(names, keep=self.rank == 0)
         return gather_bucket(self.model, names, keep=self.rank == 0)
+
+    @register(dispatch=Dispatch.COLLECTIVE, blocking=False)
+    def adapter_for_rollout(self) -> tuple[dict[str, torch.Tensor], dict]:
+        """The LoRA adapter's full tensors (peft's file names) and its config, for an engine that
+        applies adapters itself (`rollout.lora_sync=adapter`); rank 0's result."""
+        if self.adapter is None:
+            raise RuntimeError("ActorWorker.adapter_for_rollout needs actor.lora")
+        return self.adapter.state(keep=self.rank == 0), self.adapter.config_dict()
 
     @property
     def _bucket_bytes(self) -> int:
@@ -212,12 +252,16 @@ class ActorWorker(Worker):
 
     @register(dispatch=Dispatch.ONE_TO_ALL)
     def load_checkpoint(self, folder: str) -> None:
-        self.setup(model_path=str(Path(folder) / "actor"))
+        if self.config.actor.lora.enabled:  # the base from model.path, the adapter from the checkpoint
+            self.setup(adapter_dir=str(Path(folder) / adapter_folder("actor")))
+        else:
+            self.setup(model_path=str(Path(folder) / "actor"))
         load_training_state(self.trained, Path(folder), "actor", self.device)
 
 
 class ReferenceWorker(Worker):
-    """A frozen copy of the starting policy, for KL and the preference losses."""
+    """A frozen copy of the starting policy, for KL and the preference losses (not started with
+    LoRA: the actor serves the reference role from its own base weights)."""
 
     def __init__(self, config: Config, rank: int = 0, world_size: int = 1) -> None:
         super().__init__(rank=rank, world_size=world_size, role="ref")

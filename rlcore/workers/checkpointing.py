@@ -9,6 +9,12 @@ Files, for name `actor`:
 - FSDP-sharded ranks: `actor_dcp/`, a torch distributed checkpoint of the sharded model and
   optimizer (a run with another number of ranks can load it), and `actor_scheduler.pt`.
 
+With LoRA (`Trainable.adapter`) the frozen base is not saved (the run's `model.path` holds it):
+`actor_adapter/` replaces `actor/`, the adapter as peft saves one (`adapter_config.json`,
+`adapter_model.safetensors`; `PeftModel.from_pretrained` and vLLM load it), and the optimizer
+state and `actor_dcp/` cover the trained parameters only; `rlcore.workers.lora.merge_adapter`
+makes the servable merged folder.
+
 A one-process checkpoint also resumes on several ranks (its optimizer state is re-keyed and
 sharded). `.pt` files are read with `weights_only=True`: a checkpoint carries tensors and plain
 values, never code that unpickling would run. The distributed checkpoint is held to the same
@@ -39,12 +45,20 @@ from rlcore.workers.trainable import Trainable
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja", "generation_config.json")
 
 
+def adapter_folder(name: str) -> str:
+    """The checkpoint folder of role `name`'s LoRA adapter."""
+    return f"{name}_adapter"
+
+
 def save_trained(trained: Trainable, folder: Path, name: str, rank: int, tokenizer_dir: Path | None = None) -> None:
     """Write `trained` under `name` in `folder`; every rank calls it (sharded saves are collective)."""
     if is_sharded(trained.model):
         _save_sharded(trained, folder, name, rank, tokenizer_dir)
     elif rank == 0:
-        _save_pretrained(trained.model, folder / name, tokenizer_dir)
+        if trained.adapter is not None:
+            trained.adapter.save(folder / adapter_folder(name), keep=True)
+        else:
+            _save_pretrained(trained.model, folder / name, tokenizer_dir)
         state = {"optimizer": trained.optimizer.state_dict(), "scheduler": trained.scheduler.state_dict()}
         torch.save(state, folder / f"{name}_optim.pt")
 
@@ -76,30 +90,47 @@ def _save_pretrained(model: torch.nn.Module, dst: Path, tokenizer_dir: Path | No
 
 
 def _save_sharded(trained: Trainable, folder: Path, name: str, rank: int, tokenizer_dir: Path | None) -> None:
-    """HF safetensors of the full model (rank 0) plus a distributed checkpoint of the shards."""
+    """HF safetensors of the full model, or the LoRA adapter (rank 0), plus a distributed checkpoint
+    of the shards (of the trained parameters only, with LoRA)."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, get_state_dict
 
-    full = get_model_state_dict(trained.model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
-    for alias in _tied_aliases(trained.model):  # as save_pretrained of an unsharded model writes it
-        full.pop(alias, None)
+    if trained.adapter is not None:
+        trained.adapter.save(folder / adapter_folder(name), keep=rank == 0)
+    else:
+        full = get_model_state_dict(trained.model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+        for alias in _tied_aliases(trained.model):  # as save_pretrained of an unsharded model writes it
+            full.pop(alias, None)
+        if rank == 0:
+            _save_pretrained(trained.model, folder / name, tokenizer_dir, state_dict=full)
+        del full
     if rank == 0:
-        _save_pretrained(trained.model, folder / name, tokenizer_dir, state_dict=full)
         torch.save({"scheduler": trained.scheduler.state_dict()}, folder / f"{name}_scheduler.pt")
-    del full
-    model_sd, optim_sd = get_state_dict(trained.model, trained.optimizer)
+    model_sd, optim_sd = get_state_dict(trained.model, trained.optimizer, options=_dcp_options(trained))
     dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=str(folder / f"{name}_dcp"))
 
 
 def _load_sharded(trained: Trainable, folder: Path, name: str) -> None:
     from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
-    model_sd, optim_sd = get_state_dict(trained.model, trained.optimizer)
+    options = _dcp_options(trained)
+    model_sd, optim_sd = get_state_dict(trained.model, trained.optimizer, options=options)
     state = {"model": model_sd, "optim": optim_sd}
     load_dcp(state, folder / f"{name}_dcp")
-    set_state_dict(trained.model, trained.optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
+    set_state_dict(trained.model, trained.optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"],
+                   options=options)
     sched = torch.load(folder / f"{name}_scheduler.pt", map_location="cpu", weights_only=True)
     trained.scheduler.load_state_dict(sched["scheduler"])
+
+
+def _dcp_options(trained: Trainable) -> Any:
+    """A distributed checkpoint holds the trained parameters only when the base is frozen (LoRA):
+    loading it then leaves the frozen base as loaded (not strict; `load_dcp` still fails on any
+    trained parameter the checkpoint lacks, as it reads every key asked for)."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions
+
+    lora = trained.adapter is not None
+    return StateDictOptions(ignore_frozen_params=lora, strict=not lora)
 
 
 def _load_full_into_sharded(trained: Trainable, path: Path) -> None:

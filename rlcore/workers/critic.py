@@ -18,7 +18,7 @@ from rlcore.algos import compute_value_loss
 from rlcore.config import Config, CriticConfig
 from rlcore.controller import Dispatch, Worker, register
 from rlcore.protocol import Batch
-from rlcore.workers.checkpointing import load_training_state, save_trained
+from rlcore.workers.checkpointing import adapter_folder, load_training_state, save_trained
 from rlcore.workers.fsdp import shard_model
 from rlcore.workers.loops import (
     GlobalCounts,
@@ -30,6 +30,7 @@ from rlcore.workers.loops import (
     mean_stats,
     run_update,
 )
+from rlcore.workers.lora import Adapter, apply_lora, parameter_counts
 from rlcore.workers.modeling import compute_precision, load_value_model, resolve_device, response_values, trained_dtype
 from rlcore.workers.optim import build_optimizer, build_scheduler
 from rlcore.workers.packed import forward_token_metrics
@@ -83,7 +84,7 @@ class ValueObjective:
 
 class CriticWorker(Worker):
     """The value model (PPO): values for GAE, the clipped value update, checkpoints. FSDP2 when
-    its group has a process group."""
+    its group has a process group. With `critic.lora`, the backbone's adapter and the value head train."""
 
     def __init__(self, config: Config, rank: int = 0, world_size: int = 1) -> None:
         super().__init__(rank=rank, world_size=world_size, role="critic")
@@ -93,20 +94,27 @@ class CriticWorker(Worker):
         self.model: nn.Module | None = None
         self.optimizer: torch.optim.Optimizer | None = None
         self.scheduler: torch.optim.lr_scheduler.LRScheduler | None = None
+        self.adapter: Adapter | None = None
 
-    def setup(self, model_path: str | None = None) -> None:
+    def setup(self, model_path: str | None = None, adapter_dir: str | None = None) -> None:
         cfg = self.config
         path = model_path or cfg.critic.model_path or cfg.model.path
-        self.model = load_value_model(path, trained_dtype(cfg.model), self.device, cfg.model.gradient_checkpointing,
-                                      cfg.model.use_remove_padding)
-        enable_sequence_parallel(self.model, self.ranks_per_shard, self.device, "critic.ulysses_sequence_parallel_size")
-        self.model = shard_model(self.model, self.device, compute_precision(cfg.model))  # FSDP2 when this group has a process group
+        model = load_value_model(path, trained_dtype(cfg.model), self.device, cfg.model.gradient_checkpointing,
+                                 cfg.model.use_remove_padding)
+        precision = compute_precision(cfg.model)
+        self.adapter = (apply_lora(model, cfg.critic.lora, "critic.lora", task="token_cls", seed=cfg.trainer.seed,
+                                   mixed_precision=precision != "none") if cfg.critic.lora.enabled else None)
+        if self.adapter is not None and adapter_dir is not None:
+            self.adapter.load(Path(adapter_dir))
+        self.param_counts = parameter_counts(model)
+        enable_sequence_parallel(model, self.ranks_per_shard, self.device, "critic.ulysses_sequence_parallel_size")
+        self.model = shard_model(model, self.device, precision)  # FSDP2 when this group has a process group
         self.optimizer = build_optimizer(self.model, cfg.critic.optim)
         self.scheduler = build_scheduler(self.optimizer, cfg.critic.optim, cfg.trainer.total_steps)
 
     @property
     def trained(self) -> Trainable:
-        return Trainable(self.model, self.optimizer, self.scheduler)
+        return Trainable(self.model, self.optimizer, self.scheduler, self.adapter)
 
     @property
     def settings(self) -> UpdateSettings:
@@ -128,7 +136,8 @@ class CriticWorker(Worker):
                                    self.config.model.shares_prompts)
         result = run_update(self.trained, batch, objective, self.settings, mini_batch_rows=rows, device=self.device)
         out = {f"critic/{k}": v for k, v in result.metrics.items()}
-        out.update({"critic/vf_loss": result.loss, "critic/grad_norm": result.grad_norm, "critic/bad_updates": float(result.skipped_steps)})
+        out.update({"critic/vf_loss": result.loss, "critic/grad_norm": result.grad_norm, "critic/bad_updates": float(result.skipped_steps),
+                    "critic/trainable_params": float(self.param_counts[0]), "critic/total_params": float(self.param_counts[1])})
         out.update(forward_token_metrics("critic", self.model, self.device))
         return out
 
@@ -138,5 +147,8 @@ class CriticWorker(Worker):
 
     @register(dispatch=Dispatch.ONE_TO_ALL)
     def load_checkpoint(self, folder: str) -> None:
-        self.setup(model_path=str(Path(folder) / "critic"))
+        if self.config.critic.lora.enabled:  # the base as at the start, the adapter and head from the checkpoint
+            self.setup(adapter_dir=str(Path(folder) / adapter_folder("critic")))
+        else:
+            self.setup(model_path=str(Path(folder) / "critic"))
         load_training_state(self.trained, Path(folder), "critic", self.device)

@@ -79,6 +79,9 @@ def shard_model(
     # a forward method so the root's parameters are gathered (and their gradients reduced).
     model.rlcore_response_log_probs = types.MethodType(sharded_log_probs, model)
     register_fsdp_forward_method(model, "rlcore_response_log_probs")
+    if isinstance(getattr(model, "score", None), nn.Linear):  # a sequence classifier (the reward model): likewise
+        model.rlcore_sequence_scores = types.MethodType(sharded_sequence_scores, model)
+        register_fsdp_forward_method(model, "rlcore_sequence_scores")
     return model
 
 
@@ -169,6 +172,13 @@ def sharded_log_probs(model: nn.Module, *args, **kwargs):
     return logprobs.clone(), entropy.clone() if entropy is not None else None
 
 
+def sharded_sequence_scores(model: nn.Module, *args, **kwargs) -> torch.Tensor:
+    """`sequence_scores` as an FSDP forward method (a copy, for the reason above)."""
+    from rlcore.workers.modeling import forward_sequence_scores
+
+    return forward_sequence_scores(model, *args, **kwargs).clone()
+
+
 def max_over_ranks(value: int, device: torch.device) -> int:
     if distributed_world() <= 1:
         return value
@@ -217,14 +227,19 @@ def plan_buckets(model: nn.Module, bucket_bytes: int) -> list[list[str]]:
     """Parameter names grouped into buckets of about `bucket_bytes` of full (unsharded) size.
 
     Sizes come from global shapes, so every rank computes the same plan."""
+    return bucket_by_bytes([(name, t.numel() * t.element_size()) for name, t in _sync_state(model).items()], bucket_bytes)
+
+
+def bucket_by_bytes(sizes: list[tuple[str, int]], bucket_bytes: int) -> list[list[str]]:
+    """Names in order, cut into buckets of at most `bucket_bytes` (a larger tensor alone)."""
     buckets: list[list[str]] = [[]]
     size = 0
-    for name, t in _sync_state(model).items():
-        if buckets[-1] and size + t.numel() * t.element_size() > bucket_bytes:
+    for name, nbytes in sizes:
+        if buckets[-1] and size + nbytes > bucket_bytes:
             buckets.append([])
             size = 0
         buckets[-1].append(name)
-        size += t.numel() * t.element_size()
+        size += nbytes
     return buckets
 
 

@@ -1,4 +1,4 @@
-"""Model loading and the per-token forward passes shared by actor, reference and critic.
+"""Model loading and the forward passes shared by actor, reference, critic and reward model.
 
 Log-probs are computed from the last hidden state and the LM head through
 `rlcore.triton_kernels` in token chunks, so the `[tokens, vocab]` float32 logits of a whole
@@ -9,6 +9,9 @@ states that predict real response tokens; a model on which that differs from the
 refused when it is loaded (`check_packed_forward`). The head is applied with the model's own semantics (bias, logit
 scale, final soft-cap; `lm_head_semantics`), and a model whose forward makes its logits some other
 way is refused when it is loaded (`check_lm_head`), so the log-probs are those the model defines.
+The reward model (a sequence classifier) is read the same way: its score head on the hidden state
+of each sequence's last non-pad token, packed, checked at load against the model's own forward
+(`check_sequence_scores`).
 """
 
 from __future__ import annotations
@@ -17,8 +20,10 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+import torch.nn.functional as F
 from torch import nn
-from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForTokenClassification
+from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForSequenceClassification, AutoModelForTokenClassification
+from transformers.utils import logging as hf_logging
 
 from rlcore.config import ModelConfig
 from rlcore.protocol import Batch
@@ -84,6 +89,175 @@ def load_value_model(
     if gradient_checkpointing:
         model.gradient_checkpointing_enable()
     return model
+
+
+class NotASequenceClassifier(ValueError):
+    """A reward model folder that is not a trained one-label sequence classifier; names the key."""
+
+
+def is_sequence_classifier(config: dict) -> bool:
+    """A transformers config (as JSON) of a one-label sequence classifier."""
+    architectures = config.get("architectures") or []
+    labels = config.get("id2label")
+    one_label = (len(labels) == 1) if isinstance(labels, dict) else config.get("num_labels", 1) == 1
+    return any(str(a).endswith("ForSequenceClassification") for a in architectures) and one_label
+
+
+def load_sequence_classifier(
+    path: str | Path,
+    dtype: str,
+    device: torch.device,
+    *,
+    key: str,
+    new_head_ok: bool = False,
+    pad_token_id: int | None = None,
+    seed: int = 0,
+    gradient_checkpointing: bool = False,
+    remove_padding: bool = True,
+) -> nn.Module:
+    """A reward model: transformers' `AutoModelForSequenceClassification` with one label, in
+    `dtype` on `device`; the one place its model is built, for training and for scoring.
+
+    A one-label sequence classifier at `path` keeps its trained score head. Anything else is
+    refused (`NotASequenceClassifier`, naming `key`) unless `new_head_ok` (training with
+    `algorithm.name: rm`): then `path` is a backbone (a causal LM, say) under a fresh score head
+    (normal, std `initializer_range`, drawn from `seed`), and `pad_token_id` is written into its
+    config so transformers' own forward reads the score where rlcore does. A model whose own
+    forward scores otherwise than `sequence_scores` is refused too (`check_sequence_scores`)."""
+    folder = Path(path)
+    if not (folder / "config.json").is_file():
+        raise FileNotFoundError(f"{key}: {folder} is not a Hugging Face model folder (no config.json)")
+    config = AutoConfig.from_pretrained(folder, local_files_only=True)
+    trained_head = is_sequence_classifier(config.to_dict())
+    if not trained_head and not new_head_ok:
+        raise NotASequenceClassifier(
+            f"{key}: {folder} is not a reward model: its config names {config.architectures or 'no architectures'} "
+            f"with {config.num_labels} label(s), not a one-label *ForSequenceClassification model. Train one with "
+            "algorithm.name=rm (it saves an HF folder AutoModelForSequenceClassification loads)")
+    if not trained_head:
+        config = AutoConfig.from_pretrained(folder, num_labels=1, local_files_only=True)
+        config.pad_token_id = pad_token_id
+    verbosity = hf_logging.get_verbosity()
+    if not trained_head:  # transformers' report of the missing head, which is the point here
+        hf_logging.set_verbosity_error()
+    try:
+        model, info = AutoModelForSequenceClassification.from_pretrained(
+            folder, config=config, dtype=_DTYPES[dtype], local_files_only=True, output_loading_info=True)
+    finally:
+        hf_logging.set_verbosity(verbosity)
+    head = score_head(model)
+    missing = [k for k in info.get("missing_keys", []) if "score" in k.split(".")]
+    if trained_head and missing:
+        raise NotASequenceClassifier(f"{key}: {folder} has no trained score head (missing {missing}); "
+                                     "it is not a reward model")
+    if not trained_head:
+        std = float(getattr(_text_config(model), "initializer_range", 0.02))
+        with torch.no_grad():
+            head.weight.copy_(torch.randn(head.weight.shape, generator=torch.Generator().manual_seed(seed)) * std)
+    model = model.to(device)
+    check_sequence_scores(model, key=key)
+    if remove_padding:
+        check_packed_forward(use_packed_attention(model))
+    if gradient_checkpointing:
+        model.gradient_checkpointing_enable()
+    return model
+
+
+def score_head(model: nn.Module) -> nn.Linear:
+    """The one-output linear score head of a sequence classifier (transformers' `score`)."""
+    head = getattr(model, "score", None)
+    if not isinstance(head, nn.Linear) or head.out_features != 1:
+        raise NotASequenceClassifier(f"{type(model).__name__}: no one-output linear `score` head (got "
+                                     f"{type(head).__name__}); rlcore reads reward models with transformers' "
+                                     "generic sequence-classification head")
+    return head
+
+
+def _pad_id(model: nn.Module) -> int | None:
+    pad = _text_config(model).pad_token_id
+    return None if pad is None else int(pad)
+
+
+def last_scored_index(ids: torch.Tensor, starts: torch.Tensor, lens: torch.Tensor, pad_token_id: int | None) -> torch.Tensor:
+    """Per sequence of the packed row `ids` [T] (sequence i at `starts[i]`, `lens[i]` tokens), the
+    position whose hidden state scores it: its last token that is not `pad_token_id` (the rule of
+    transformers' sequence classifiers; its first token if every one is), or its last token when
+    the model has no pad token."""
+    ends = starts + lens - 1
+    if pad_token_id is None:
+        return ends
+    seq_of = torch.repeat_interleave(torch.arange(len(lens), device=ids.device), lens)
+    positions = torch.arange(ids.numel(), device=ids.device)
+    candidates = torch.where(ids != pad_token_id, positions, starts[seq_of])
+    return starts.clone().scatter_reduce(0, seq_of, candidates, reduce="amax", include_self=True)
+
+
+def sequence_scores(model: nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor,
+                    remove_padding: bool = True) -> torch.Tensor:
+    """The reward model's score of each right-padded row, [N] float32 (FSDP-sharded: through the
+    forward method `shard_model` registers, so the root's parameters are gathered around it)."""
+    fn = getattr(model, "rlcore_sequence_scores", None)
+    if fn is not None:
+        return fn(input_ids, attention_mask, remove_padding=remove_padding)
+    return forward_sequence_scores(model, input_ids, attention_mask, remove_padding=remove_padding)
+
+
+def forward_sequence_scores(model: nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor, *,
+                            remove_padding: bool = True) -> torch.Tensor:
+    """The computation behind `sequence_scores`: the backbone on the real tokens (packed into one
+    row, or the padded batch), the score head only on each sequence's scored hidden state."""
+    pad = _pad_id(model)
+    lens = attention_mask.sum(-1)
+    if remove_padding:
+        packed = pack_rows(attention_mask, 0)
+        hidden = _packed_forward(_backbone(model), model, input_ids, packed, None).last_hidden_state[0]  # no sequence parallelism
+        starts = packed.cu_seqlens[:-1].long()
+        picked = hidden.index_select(0, last_scored_index(packed.pack(input_ids)[0], starts, lens, pad))
+    else:
+        n, width = input_ids.shape
+        out = _backbone(model)(input_ids=input_ids, attention_mask=attention_mask, use_cache=False)
+        token_tally(model).add(input_ids.numel(), lens.sum())
+        starts = torch.arange(n, device=input_ids.device) * width
+        whole_rows = torch.full_like(lens, width)  # transformers' rule looks at every position of a row
+        flat = last_scored_index(input_ids.reshape(-1), starts, whole_rows if pad is not None else lens, pad)
+        picked = out.last_hidden_state.reshape(n * width, -1).index_select(0, flat)
+    head = score_head(model)
+    bias = head.bias.to(picked.dtype) if head.bias is not None else None
+    return F.linear(picked, head.weight.to(device=picked.device, dtype=picked.dtype), bias).squeeze(-1).float()
+
+
+@torch.no_grad()
+def check_sequence_scores(model: nn.Module, *, key: str, lengths: tuple[int, ...] = (5, 3)) -> None:
+    """Refuse (ValueError naming `key`) a sequence classifier whose own forward scores two
+    right-padded probe sequences otherwise than `sequence_scores` reads them (packed and padded):
+    the scores rlcore trains with and rewards by must be the ones `from_pretrained` users get.
+    Tolerance: 1e-4 (float32) or 3e-2 (bf16) of the largest score."""
+    embeddings = model.get_input_embeddings().weight
+    vocab, device = embeddings.shape[0], embeddings.device
+    pad = _pad_id(model)
+    width = max(lengths)
+    ids = (torch.arange(len(lengths) * width, device=device).view(len(lengths), width) * 7919 + 11) % vocab
+    if pad is not None:
+        ids = torch.where(ids == pad, (ids + 1) % vocab, ids)
+    mask = (torch.arange(width, device=device)[None, :] < torch.tensor(lengths, device=device)[:, None]).long()
+    if pad is not None:
+        ids = torch.where(mask.bool(), ids, torch.full_like(ids, pad))
+    was_training = model.training
+    model.eval()
+    try:
+        own = model(input_ids=ids, attention_mask=mask, use_cache=False).logits.float().reshape(-1)
+        ours = [forward_sequence_scores(model, ids, mask, remove_padding=packed) for packed in (False, True)]
+    finally:
+        model.train(was_training)
+        token_tally(model).take()  # the probe is not a step's work
+    low_precision = embeddings.dtype != torch.float32
+    tol = (3e-2 if low_precision else 1e-4) * max(1.0, own.abs().max().item())
+    diff = max((own - o).abs().max().item() for o in ours)
+    if not diff <= tol:
+        raise ValueError(
+            f"{key}: {type(model).__name__}'s forward scores differently from rlcore's reading of a reward model "
+            f"(the score head on the last non-pad token; max difference {diff:.3g} on two probe sequences): "
+            "this architecture is not supported as a reward model")
 
 
 @dataclass(frozen=True)

@@ -1,4 +1,5 @@
-"""`Trainable`: a model with its optimizer and learning-rate schedule.
+"""`Trainable`: a model with its optimizer and learning-rate schedule (and its LoRA adapter, when
+only that trains).
 
 It is what the update loop steps and what a checkpoint saves and restores, for every trained
 role (actor, critic) alike.
@@ -11,12 +12,15 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from rlcore.workers.lora import Adapter
+
 
 @dataclass(frozen=True)
 class Trainable:
     model: nn.Module
     optimizer: torch.optim.Optimizer
     scheduler: torch.optim.lr_scheduler.LRScheduler
+    adapter: Adapter | None = None  # LoRA: only the adapter (and a trained head) is optimized and saved
 
     @property
     def lr(self) -> float:

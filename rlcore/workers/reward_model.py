@@ -1,0 +1,309 @@
+"""Reward-model worker (role `reward_model`): a sequence classifier on its own ranks that scores
+[prompt, response] conversations for RL, and is trained on preference pairs (`algorithm.name: rm`).
+
+Scoring never re-uses the policy's token ids. Each sample's response is decoded with the policy's
+tokenizer up to its first end token, and the conversation (the prompt's messages, then the
+response as the assistant's turn) is rendered with the reward model's own tokenizer and chat
+template (`rlcore.data.chat.render_conversation`), exactly as its training pairs were. A reward
+model with another vocabulary or template than the policy's therefore scores what it learned to.
+
+The model is built in one place (`rlcore.workers.modeling.load_sequence_classifier`) and read the
+way transformers' own forward reads it: the score head on each sequence's last non-pad token
+(`sequence_scores`, packed without padding by default). Training runs the shared update loop
+(`rlcore.workers.loops.run_update`) on the Bradley-Terry loss (`rlcore.algos.bradley_terry_loss`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import partial
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from torch import nn
+
+from rlcore.algos import bradley_terry_loss
+from rlcore.config import Config, RewardModelConfig
+from rlcore.controller import Dispatch, Worker, register
+from rlcore.data.chat import has_chat_template, render_conversation
+from rlcore.errors import RLCoreError
+from rlcore.protocol import Batch
+from rlcore.workers.checkpointing import load_training_state, save_trained
+from rlcore.workers.fsdp import shard_model
+from rlcore.workers.loops import (
+    GlobalCounts,
+    MicroBatching,
+    MicroLoss,
+    MicroLossFn,
+    UpdateSettings,
+    forward_no_grad,
+    run_update,
+    value_stats,
+)
+from rlcore.workers.modeling import compute_precision, load_sequence_classifier, resolve_device, sequence_scores, trained_dtype
+from rlcore.workers.optim import build_optimizer, build_scheduler
+from rlcore.workers.packed import forward_token_metrics
+from rlcore.workers.ranks import global_sum
+from rlcore.workers.tokenizer import cut_at_end, end_token_ids, load_tokenizer
+from rlcore.workers.trainable import Trainable
+
+ROLE = "reward_model"
+
+
+class RewardModelInputError(RLCoreError, ValueError):
+    """The reward model cannot render a conversation (no chat template); names the setting."""
+
+
+def decode_responses(responses: torch.Tensor, response_mask: torch.Tensor, tokenizer: Any, end_ids: list[int]) -> list[str]:
+    """Each generated response as text, cut before its first end token (special tokens dropped),
+    as the rule scorer reads it (`rlcore.workers.reward`)."""
+    lengths = response_mask.sum(-1).long().tolist()
+    return [tokenizer.decode(cut_at_end(row[:n], end_ids), skip_special_tokens=True)
+            for row, n in zip(responses.tolist(), lengths)]
+
+
+@dataclass(frozen=True)
+class Encoded:
+    input_ids: torch.Tensor       # [N, W] right-padded
+    attention_mask: torch.Tensor  # [N, W]
+    truncated: torch.Tensor       # [N] 1.0 where the conversation lost its start to `max_length`
+
+
+def encode_conversations(messages: list[list[dict[str, str]]], responses: list[str], tokenizer: Any, max_length: int,
+                         pad_token_id: int) -> Encoded:
+    """The reward model's own tokens of each conversation, right-padded. A conversation longer
+    than `max_length` keeps its last `max_length` tokens: the end, where the score is read."""
+    rows, truncated = [], []
+    for msgs, response in zip(messages, responses):
+        ids = list(tokenizer(render_conversation(list(msgs), response, tokenizer), add_special_tokens=False)["input_ids"])
+        truncated.append(float(len(ids) > max_length))
+        rows.append(ids[-max_length:])
+    w = max(len(r) for r in rows)
+    input_ids = torch.full((len(rows), w), pad_token_id, dtype=torch.long)
+    attention_mask = torch.zeros((len(rows), w), dtype=torch.long)
+    for i, ids in enumerate(rows):
+        input_ids[i, :len(ids)] = torch.tensor(ids, dtype=torch.long)
+        attention_mask[i, :len(ids)] = 1
+    return Encoded(input_ids, attention_mask, torch.tensor(truncated))
+
+
+def pair_lengths(mini: Batch) -> torch.Tensor:
+    """Tokens per pair (chosen and rejected run in one forward), for micro-batch packing."""
+    return mini["chosen_attention_mask"].sum(-1) + mini["rejected_attention_mask"].sum(-1)
+
+
+@dataclass(frozen=True)
+class BradleyTerryObjective:
+    """The pairwise loss of one micro-batch: chosen and rejected scored in one (packed) forward,
+    `-log sigmoid(r_c - r_r - margin)`, divided by the global number of pairs."""
+
+    model: nn.Module
+    margin: float  # `reward_model.margin`, where a row has none of its own
+    remove_padding: bool = True
+
+    lengths = staticmethod(pair_lengths)
+
+    def __call__(self, mini: Batch, counts: GlobalCounts) -> MicroLossFn:
+        return partial(self.micro_loss, global_pairs=counts.rows)
+
+    def micro_loss(self, mb: Batch, global_pairs: float) -> MicroLoss:
+        chosen, rejected = score_pair_sides(self.model, mb, self.remove_padding)
+        margin = torch.where(mb["margin_given"] > 0, mb["margin"], torch.full_like(mb["margin"], self.margin))
+        losses = bradley_terry_loss(chosen, rejected, margin)
+        stats = value_stats({
+            "reward_model/accuracy": (chosen > rejected).float().detach(),
+            "reward_model/margin": (chosen - rejected).detach(),
+            "reward_model/chosen_score": chosen.detach(),
+            "reward_model/rejected_score": rejected.detach(),
+        })
+        return MicroLoss(losses.sum() / global_pairs, stats=stats)
+
+
+def score_pair_sides(model: nn.Module, mb: Batch, remove_padding: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """(chosen, rejected) scores [B] of encoded pairs (both sides one width), in one forward."""
+    ids = torch.cat([mb["chosen_input_ids"], mb["rejected_input_ids"]])
+    mask = torch.cat([mb["chosen_attention_mask"], mb["rejected_attention_mask"]])
+    scores = sequence_scores(model, ids, mask, remove_padding)
+    return scores[:len(mb)], scores[len(mb):]
+
+
+def rm_settings(config: Config) -> UpdateSettings:
+    """The reward model's update: one pass, `reward_model.mini_batch_size` pairs per optimizer step."""
+    rm = config.reward_model
+    return UpdateSettings(1, rm.mini_batch_size or config.data.train_batch_size, rm_micro_batching(rm), rm.optim.grad_clip)
+
+
+def rm_micro_batching(rm: RewardModelConfig) -> MicroBatching:
+    return MicroBatching(rm.micro_batch_size, rm.dynamic_batch_size, rm.max_tokens_per_micro_batch)
+
+
+def pair_metrics(chosen: torch.Tensor, rejected: torch.Tensor, margin: torch.Tensor | float = 0.0,
+                 prefix: str = "val/") -> dict[str, float]:
+    """Held-out numbers of a reward model on pairs: pairwise accuracy (chosen scored strictly
+    above rejected), the Bradley-Terry loss, the mean score gap and the mean scores."""
+    return {
+        f"{prefix}pairwise_acc": float((chosen > rejected).float().mean()),
+        f"{prefix}rm_loss": float(bradley_terry_loss(chosen, rejected, margin).mean()),
+        f"{prefix}score_margin": float((chosen - rejected).mean()),
+        f"{prefix}chosen_score": float(chosen.mean()),
+        f"{prefix}rejected_score": float(rejected.mean()),
+    }
+
+
+@dataclass
+class RewardModelReader:
+    """A loaded reward model and how to feed it: its own tokenizer and chat template, its pad
+    token, the length limit and the micro-batching of its no-grad forwards."""
+
+    model: nn.Module
+    tokenizer: Any
+    pad_token_id: int
+    max_length: int
+    micro: MicroBatching
+    device: torch.device
+    remove_padding: bool = True
+
+    def encode(self, messages: list[list[dict[str, str]]], responses: list[str]) -> Encoded:
+        return encode_conversations(messages, responses, self.tokenizer, self.max_length, self.pad_token_id)
+
+    def scores(self, enc: Encoded) -> torch.Tensor:
+        """[N] float32 scores of encoded conversations, no gradient, micro-batch by micro-batch."""
+        batch = Batch(tensors={"input_ids": enc.input_ids, "attention_mask": enc.attention_mask})
+
+        def forward(mb: Batch) -> dict[str, torch.Tensor]:
+            return {"score": sequence_scores(self.model, mb["input_ids"], mb["attention_mask"], self.remove_padding)}
+
+        return forward_no_grad(self.model, batch, forward, self.micro, self.device)["score"]
+
+    def encode_pairs(self, batch: Batch) -> tuple[Batch, Encoded]:
+        """A batch of `collate_rm_pairs` with this model's tokens of both sides (one width), and
+        those tokens as one encoding (chosen rows, then rejected)."""
+        messages = list(batch.meta["prompt_messages"])
+        enc = self.encode(messages + messages, list(batch.meta["chosen_text"]) + list(batch.meta["rejected_text"]))
+        n = len(batch)
+        pairs = Batch(tensors={
+            "chosen_input_ids": enc.input_ids[:n], "chosen_attention_mask": enc.attention_mask[:n],
+            "rejected_input_ids": enc.input_ids[n:], "rejected_attention_mask": enc.attention_mask[n:],
+            "margin": batch["margin"], "margin_given": batch["margin_given"],
+            "truncated": torch.maximum(enc.truncated[:n], enc.truncated[n:])})
+        return pairs, enc
+
+    def pair_scores(self, batch: Batch) -> tuple[torch.Tensor, torch.Tensor]:
+        """(chosen, rejected) scores [B] of a `collate_rm_pairs` batch, no gradient."""
+        _, enc = self.encode_pairs(batch)
+        scores = self.scores(enc)
+        return scores[:len(batch)], scores[len(batch):]
+
+
+def open_reward_model(path: str | Path, *, key: str, config: Config, device: torch.device,
+                      training: bool = False) -> RewardModelReader:
+    """The reward model at `path` (its tokenizer and chat template from the same folder), read
+    with `config.reward_model`'s limits. `training`: a backbone without a score head is allowed
+    (a fresh head is made), in float32 master weights. Errors name `key`."""
+    cfg = config
+    tokenizer = load_tokenizer(str(path))
+    if not has_chat_template(tokenizer):
+        raise RewardModelInputError(
+            f"{key}: the tokenizer of {path} has no chat template; a reward model scores whole conversations "
+            "rendered with its own template (add one: chat_template.jinja, or chat_template in tokenizer_config.json)")
+    model = load_sequence_classifier(
+        path, trained_dtype(cfg.model) if training else cfg.model.dtype, device, key=key, new_head_ok=training,
+        pad_token_id=tokenizer.pad_token_id, seed=cfg.trainer.seed,
+        gradient_checkpointing=training and cfg.model.gradient_checkpointing, remove_padding=cfg.model.use_remove_padding)
+    pad = model.config.pad_token_id
+    return RewardModelReader(model, tokenizer, int(pad) if pad is not None else int(tokenizer.pad_token_id),
+                             cfg.reward_model.max_length, rm_micro_batching(cfg.reward_model), device,
+                             cfg.model.use_remove_padding)
+
+
+class RewardModelWorker(Worker):
+    """The reward model: scores for RL samples (`compute_rm_score`), and, in a reward-model
+    training run (`algorithm.name: rm`), the Bradley-Terry update, held-out pair scores and
+    checkpoints. FSDP2 when its group has a process group."""
+
+    def __init__(self, config: Config, rank: int = 0, world_size: int = 1) -> None:
+        super().__init__(rank=rank, world_size=world_size, role=ROLE)
+        self.config = config
+        self.device = resolve_device(config.trainer.device)
+        self.training = config.algorithm.name == "rm"
+        self.reader: RewardModelReader | None = None
+        self.optimizer: torch.optim.Optimizer | None = None
+        self.scheduler: torch.optim.lr_scheduler.LRScheduler | None = None
+
+    def setup(self, model_path: str | None = None) -> None:
+        cfg = self.config
+        key = "model.path" if self.training else "reward_model.path"
+        path = model_path or (cfg.model.path if self.training else cfg.reward_model.path)
+        assert path is not None
+        self.reader = open_reward_model(path, key=key, config=cfg, device=self.device, training=self.training)
+        model = self.reader.model
+        if self.training:
+            model = shard_model(model, self.device, compute_precision(cfg.model))
+            self.optimizer = build_optimizer(model, cfg.reward_model.optim)
+            self.scheduler = build_scheduler(self.optimizer, cfg.reward_model.optim, cfg.trainer.total_steps)
+        else:
+            model.requires_grad_(False)
+            model = shard_model(model, self.device)
+            self.policy_tokenizer = load_tokenizer(cfg.model.path)
+            self.end_ids = end_token_ids(cfg.model.path)
+        self.reader.model = model
+
+    @property
+    def model(self) -> nn.Module:
+        assert self.reader is not None
+        return self.reader.model
+
+    @property
+    def trained(self) -> Trainable:
+        return Trainable(self.model, self.optimizer, self.scheduler)
+
+    @register(dispatch=Dispatch.DP_BALANCED)
+    def compute_rm_score(self, batch: Batch) -> Batch:
+        """`rm_scores` [N] of generated samples, `rm_truncated` [N], and the response texts scored.
+        NaN/inf scores are passed on as they are: the controller counts them (`reward_model.on_nonfinite`)."""
+        assert self.reader is not None
+        texts = decode_responses(batch["responses"], batch["response_mask"], self.policy_tokenizer, self.end_ids)
+        enc = self.reader.encode(list(batch.meta["prompt_messages"]), texts)
+        return Batch(tensors={"rm_scores": self.reader.scores(enc), "rm_truncated": enc.truncated},
+                     meta={"rm_response_text": np.array(texts, dtype=object)})
+
+    @register(dispatch=Dispatch.DP_COMPUTE)
+    def update_reward_model(self, batch: Batch) -> dict[str, float]:
+        """One training step on a `collate_rm_pairs` batch: the Bradley-Terry loss,
+        `reward_model.mini_batch_size` pairs per optimizer step."""
+        assert self.reader is not None
+        settings = rm_settings(self.config)
+        pairs, _ = self.reader.encode_pairs(batch)
+        objective = BradleyTerryObjective(self.model, self.config.reward_model.margin, self.config.model.use_remove_padding)
+        result = run_update(self.trained, pairs, objective, settings, mini_batch_rows=settings.mini_batch_rows(1, self.world_size),
+                            device=self.device, lengths=objective.lengths)
+        return {**result.metrics, "reward_model/loss": result.loss, "reward_model/grad_norm": result.grad_norm,
+                "reward_model/lr": self.trained.lr, "reward_model/bad_updates": float(result.skipped_steps),
+                "reward_model/param_norm": result.param_norm, "reward_model/param_norm_growth": result.param_norm_growth,
+                "reward_model/nonfinite_state": result.nonfinite_state,
+                "reward_model/truncated": global_sum(float(pairs["truncated"].sum()), self.device),
+                **forward_token_metrics(ROLE, self.model, self.device)}
+
+    @register(dispatch=Dispatch.DP_COMPUTE)
+    def score_pairs(self, batch: Batch) -> Batch:
+        """`chosen_scores` and `rejected_scores` [B] of a `collate_rm_pairs` batch, no gradient."""
+        assert self.reader is not None
+        chosen, rejected = self.reader.pair_scores(batch)
+        return Batch(tensors={"chosen_scores": chosen, "rejected_scores": rejected})
+
+    @register(dispatch=Dispatch.ONE_TO_ALL)
+    def save_checkpoint(self, folder: str) -> None:
+        save_trained(self.trained, Path(folder), ROLE, self.rank, Path(self.config.model.path))
+
+    @register(dispatch=Dispatch.ONE_TO_ALL)
+    def load_checkpoint(self, folder: str) -> None:
+        self.setup(model_path=str(Path(folder) / ROLE))
+        load_training_state(self.trained, Path(folder), ROLE, self.device)
+
+
+__all__ = [
+    "BradleyTerryObjective", "Encoded", "RewardModelInputError", "RewardModelReader", "RewardModelWorker",
+    "decode_responses", "encode_conversations", "open_reward_model", "pair_metrics", "rm_settings",
+]

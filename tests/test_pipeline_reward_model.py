@@ -1,0 +1,96 @@
+"""`rlcore pipeline run --reward model` on the tiny example: data_prep -> reward-model training ->
+policy training (PPO against the champion reward model) -> evaluation -> promotion, in one run
+(ephemeral Prefect, SQLite MLflow in the working directory). The reward model is registered as its
+own MLflow model (a folder transformers loads, an MLflow model that scores pairs), the policy
+version's lineage names the reward-model version it was trained against, and a later reward-model
+candidate goes through the same champion/challenger gate on pairwise accuracy."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from test_pipeline_run import pipeline_env, run_cli  # tests/ is on sys.path (pytest rootdir conftest)
+
+from rlcore.cli import CONFIG_DIR
+
+pytestmark = pytest.mark.slow
+
+POLICY = ["trainer.total_steps=2", "data.train_batch_size=8", "actor.ppo_mini_batch_size=4", "rollout.n=4",
+          "data.val_batch_size=400"]
+RM = ["trainer.total_steps=30", "trainer.val_every=30", "trainer.save_every=30", "trainer.val_before_train=false",
+      "registry.promotion_margin=-1"]  # the first reward model becomes champion whatever 30 steps did
+
+
+def test_pipeline_trains_gates_and_uses_a_reward_model(tiny_example, tmp_path):
+    env = pipeline_env(tmp_path)
+    work = tmp_path / "work"
+    work.mkdir()
+    args = ["pipeline", "run", "--json", "--algorithm", "ppo", "--reward", "model"]
+    args += [a for o in RM for a in ("--reward-override", o)]
+    done = run_cli([*args, *POLICY], work, env, timeout=400)
+    summary = json.loads(done.stdout)
+    assert summary["reward_model"] == "models:/rlcore-tiny-rm/1"
+    assert summary["reward_model_version"] == "1" and summary["reward_model_champion"] is True
+    assert summary["reward_model_pairwise_accuracy"] > 0.5
+    assert summary["version"] == "1" and summary["steps"] == 2
+
+    import mlflow
+    from mlflow.tracking import MlflowClient
+    from transformers import AutoModelForSequenceClassification
+
+    from rlcore.lifecycle.mlflow_store import MlflowStore, ModelRegistry
+
+    uri = f"sqlite:///{work / 'mlflow.db'}"
+    rm_registry = ModelRegistry(MlflowStore(uri), "rlcore-tiny-rm")
+    rm_v1 = rm_registry.by_alias("champion")
+    assert rm_v1.version == "1" and rm_v1.tags["rlcore.algorithm"] == "rm" and rm_v1.tags["rlcore.decision"] == "promoted"
+    assert rm_v1.description.startswith("Promoted to **champion**. Reward model: held-out pairwise accuracy ")
+    rm_dir = rm_registry.download("1", tmp_path / "rm")
+    rm = AutoModelForSequenceClassification.from_pretrained(rm_dir)  # as is
+    assert rm.config.num_labels == 1 and rm.config.pad_token_id == tiny_example.pad_token_id
+    previous = mlflow.get_tracking_uri(), mlflow.get_registry_uri()
+    mlflow.set_tracking_uri(uri)
+    mlflow.set_registry_uri(uri)
+    try:  # the registered reward model is an MLflow model that scores (prompt, response) pairs
+        served = mlflow.pyfunc.load_model("models:/rlcore-tiny-rm@champion")
+    finally:
+        mlflow.set_tracking_uri(previous[0])
+        mlflow.set_registry_uri(previous[1])
+    import pandas as pd
+
+    scores = served.predict(pd.DataFrame({"prompt": ["57+68=", "57+68="], "response": ["#### 125", "#### 115"]}))
+    assert len(scores) == 2 and all(isinstance(s, float) for s in scores)
+
+    policy = ModelRegistry(MlflowStore(uri), "rlcore-tiny").get("1")
+    assert policy.tags["rlcore.reward_model"] == "models:/rlcore-tiny-rm/1"  # the lineage names the reward model
+    client = MlflowClient(uri)
+    lineage_path = client.download_artifacts(policy.run_id, "lineage.json", str(tmp_path))
+    lineage = json.loads(open(lineage_path).read())
+    assert lineage["reward_model"] == {"name": "rlcore-tiny-rm", "version": "1", "uri": "models:/rlcore-tiny-rm/1"}
+    assert lineage["config"]["reward_model"]["path"].endswith("registry/rlcore-tiny-rm/v1")
+    parent = client.get_run(summary["mlflow_run_id"])
+    stages = sorted(r.data.tags["rlcore.stage"] for r in client.search_runs(
+        [parent.info.experiment_id], f"tags.mlflow.parentRunId = '{parent.info.run_id}'"))
+    assert stages == ["data_prep", "evaluate", "evaluate_reward_model", "promote", "promote_reward_model", "train",
+                      "train_reward_model"]
+
+    # A second reward model: the same gate, against the champion's pairwise accuracy on the same pairs
+    from rlcore.config import load_config
+    from rlcore.example.overrides import example_rm_overrides
+    from rlcore.lifecycle import rm_stages
+    from rlcore.lifecycle import stages as lifecycle
+
+    rm_config = load_config(CONFIG_DIR / "tiny_rm.yaml", example_rm_overrides() + [
+        "trainer.total_steps=2", "trainer.save_every=2", "trainer.val_every=2", "trainer.val_before_train=false",
+        "registry.promotion_margin=0.5", f"tracking.mlflow_uri={uri}", "registry.warm_start=false"])
+    ctx = lifecycle.start_pipeline(rm_config, work, "second-rm")
+    champion = lifecycle.champion_stage(rm_config, work)
+    train = rm_stages.train_reward_model_stage(rm_config, work, ctx, champion)
+    evaluation = rm_stages.evaluate_reward_model_stage(rm_config, train["candidate_dir"], champion, work, ctx)
+    assert evaluation["baseline_name"] == "champion"
+    assert evaluation["baseline"]["pairwise_accuracy"] == pytest.approx(summary["reward_model_pairwise_accuracy"])
+    decided = rm_stages.promote_reward_model_stage(rm_config, train, evaluation, work, ctx)
+    assert decided["version"] == "2" and decided["promoted"] is False and decided["check"] == "margin"
+    assert rm_registry.by_alias("champion").version == "1" and rm_registry.by_alias("challenger").version == "2"
+    assert rm_stages.reward_model_in_use(rm_config, work)["uri"] == "models:/rlcore-tiny-rm/1"

@@ -189,6 +189,19 @@ def test_packed_dpo_loss_and_gradient_equal_padded(arch):
         _assert_grads_close(out[mode][2], out["padded"][2])
 
 
+def test_shared_prompts_on_transformers_own_attention_are_not_shared():
+    """A model not switched to rlcore's attention (a caller's own, as LoRA's tests and helpers use)
+    would drop the shared-prompt keyword: asked to share, it packs every row whole instead."""
+    config, lm, _ = ARCHS["qwen2"]
+    torch.manual_seed(0)
+    model = lm(config)  # transformers' sdpa: packed sequences kept apart by their position ids, no shared prompts
+    batch = _rl_batch()
+    padded, _ = PolicyLogProbs(1.0, 1024, "torch", remove_padding=False)(model, batch)
+    shared, _ = PolicyLogProbs(1.0, 1024, "torch", remove_padding=True, share_prompts=True)(model, batch)
+    real = batch["attention_mask"][:, -batch["responses"].shape[1]:].bool()
+    torch.testing.assert_close(shared[real], padded[real], atol=1e-5, rtol=0)
+
+
 def test_transformers_style_packing_without_cu_seqlens_is_kept_apart():
     """A caller that packs the transformers way (restarting position ids, no mask, no cu_seqlens)
     still gets sequences that do not see each other under `rlcore_varlen`."""

@@ -109,7 +109,11 @@ def _batched(x: torch.Tensor, count: int) -> torch.Tensor:
 
 
 def prompt_sharing(model: nn.Module) -> bool:
-    """Whether `model`'s packed attention takes shared prompts: every path but flash-attn's."""
+    """Whether `model`'s packed attention takes shared prompts: rlcore's (`use_packed_attention`; any
+    other attention would drop the keyword and let followers see no prompt) on every path but
+    flash-attn's."""
+    if getattr(model.config, "_attn_implementation", None) != VARLEN:
+        return False
     weight = model.get_input_embeddings().weight
     return not (weight.is_cuda and weight.dtype in (torch.float16, torch.bfloat16) and _flash_attn_installed())
 

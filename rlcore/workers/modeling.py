@@ -211,8 +211,12 @@ def forward_sequence_scores(model: nn.Module, input_ids: torch.Tensor, attention
     if remove_padding:
         packed = pack_rows(attention_mask, 0)
         hidden = _packed_forward(_backbone(model), model, input_ids, packed, None).last_hidden_state[0]  # no sequence parallelism
-        starts = packed.cu_seqlens[:-1].long()
-        picked = hidden.index_select(0, last_scored_index(packed.pack(input_ids)[0], starts, lens, pad))
+        device = input_ids.device
+        seq_lens = torch.tensor(packed.seq_lens, dtype=torch.long, device=device)
+        scored = last_scored_index(packed.pack(input_ids)[0], packed.cu_seqlens[:-1].long(), seq_lens, pad)
+        sequence_of_row = torch.empty_like(scored)  # the packing orders sequences by length, not by row
+        sequence_of_row[torch.tensor(packed.sequence_rows, device=device)] = torch.arange(scored.numel(), device=device)
+        picked = hidden.index_select(0, scored.index_select(0, sequence_of_row))
     else:
         n, width = input_ids.shape
         out = _backbone(model)(input_ids=input_ids, attention_mask=attention_mask, use_cache=False)

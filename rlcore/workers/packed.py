@@ -89,6 +89,7 @@ class PackedRows:
     pad_tokens: int = 0            # tokens at the end that are no real token's (a shard's part of the padding)
     shared: SharedPrompts | None = None  # responses at the start of the row that attend to another row's prompt
     shared_tokens: int = 0         # real prompt tokens not in the row because their leader holds them
+    sequence_rows: tuple[int, ...] = ()  # the padded row each sequence (of `seq_lens`) is, in packed order
 
     @property
     def tokens(self) -> int:
@@ -125,7 +126,7 @@ class PackedRows:
         return PackedRows(
             token_index[a:b], positions[a:b].unsqueeze(0), cu_seqlens, seq_lens, self.predictor_index[keep] - a,
             self.response_index[keep], self.rows, self.response_len, pad_tokens=max(0, b - max(a, total)),
-            shared=self.shared, shared_tokens=saved,
+            shared=self.shared, shared_tokens=saved, sequence_rows=self.sequence_rows,
         )
 
     def pack(self, padded: torch.Tensor) -> torch.Tensor:
@@ -211,7 +212,8 @@ def pack_rows(attention_mask: torch.Tensor, response_len: int, input_ids: torch.
         buckets = [(len(list(g)), lp, lq) for (lp, lq), g in itertools.groupby(followers, key=lambda i: (prompt_lens[i], own_lens[i]))]
         shared = SharedPrompts(tuple(buckets), key_index)
     return PackedRows(token_index, positions, cu_seqlens, tuple(lens), predictor_index, response_index, n, response_len,
-                      shared=shared, shared_tokens=sum(lp for lp, f in zip(prompt_lens, is_follower) if f))
+                      shared=shared, shared_tokens=sum(lp for lp, f in zip(prompt_lens, is_follower) if f),
+                      sequence_rows=tuple(leaders))
 
 
 def prompt_leaders(prompt_ids: torch.Tensor, prompt_mask: torch.Tensor) -> torch.Tensor:

@@ -72,10 +72,12 @@ def varlen_attention(
     runs = [(len(list(group)), length) for length, group in itertools.groupby(b - a for a, b in zip(bounds, bounds[1:]))]
     sizes = [count * length for count, length in runs]
     gqa = query.shape[1] != key.shape[1]
-    q_parts, k_parts, v_parts = (t[0].split([bounds[0], *sizes], 1) for t in (query, key, value))  # [heads, tokens, D] each
+    # squeeze, not [0]: a view whose backward is a view too (select's writes its gradient into a zeroed copy of the row)
+    query, key, value = (t.squeeze(0) for t in (query, key, value))  # [heads, tokens, D]
+    q_parts, k_parts, v_parts = (t.split([bounds[0], *sizes], 1) for t in (query, key, value))
     outs = []
     if shared is not None and shared.buckets:
-        outs += _shared_prompt_attention(q_parts[0], key[0], value[0], shared, scale=scale, dropout=dropout, gqa=gqa)
+        outs += _shared_prompt_attention(q_parts[0], key, value, shared, scale=scale, dropout=dropout, gqa=gqa)
     for (count, length), q, k, v in zip(runs, q_parts[1:], k_parts[1:], v_parts[1:]):
         if length:
             out = F.scaled_dot_product_attention(_batched(q, count), _batched(k, count), _batched(v, count), dropout_p=dropout,

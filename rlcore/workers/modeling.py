@@ -16,6 +16,8 @@ of each sequence's last non-pad token, packed, checked at load against the model
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -73,16 +75,44 @@ def load_causal_lm(
     return model
 
 
+@contextmanager
+def _rng_left_alone() -> Iterator[None]:
+    """Inside, the CPU torch RNG may be drawn from (transformers initialises the weights a folder
+    lacks from it); after, the caller's stream goes on as if nothing had drawn."""
+    with torch.random.fork_rng(devices=[]):
+        yield
+
+
+def init_fresh_head(model: nn.Module, head: nn.Linear, seed: int) -> None:
+    """A head the folder did not have, drawn from `seed`: normal weights (std the model's
+    `initializer_range`, as transformers initialises one), zero bias. Never the process's RNG:
+    a Ray worker's is seeded at random, so FSDP2 ranks would shard heads of different inits and
+    no two runs would start alike."""
+    std = float(getattr(_text_config(model), "initializer_range", 0.02))
+    with torch.no_grad():
+        head.weight.copy_(torch.randn(head.weight.shape, generator=torch.Generator().manual_seed(seed)) * std)
+        if head.bias is not None:
+            head.bias.zero_()
+
+
 def load_value_model(
-    path: str | Path, dtype: str, device: torch.device, gradient_checkpointing: bool = False, remove_padding: bool = True
+    path: str | Path, dtype: str, device: torch.device, gradient_checkpointing: bool = False, remove_padding: bool = True,
+    seed: int = 0,
 ) -> nn.Module:
     """A causal LM backbone with a scalar head per token (verl's critic: token classification, 1 label).
 
     No dropout before the head (transformers' default for Llama-style classifiers is 10%): the
-    values the critic is trained on must be the ones `compute_values` predicts, as in verl."""
+    values the critic is trained on must be the ones `compute_values` predicts, as in verl. A
+    folder without a value head (a causal LM) gets a fresh one drawn from `seed` (`init_fresh_head`:
+    `trainer.seed`, the same on every rank and run)."""
     config = AutoConfig.from_pretrained(Path(path), num_labels=1, local_files_only=True)
     config.classifier_dropout = 0.0
-    model = AutoModelForTokenClassification.from_pretrained(Path(path), config=config, dtype=_DTYPES[dtype], local_files_only=True)
+    with _rng_left_alone():
+        model, info = AutoModelForTokenClassification.from_pretrained(
+            Path(path), config=config, dtype=_DTYPES[dtype], local_files_only=True, output_loading_info=True)
+    name = next(n for n in ("score", "classifier") if isinstance(getattr(model, n, None), nn.Linear))  # transformers' names
+    if any(name in k.split(".") for k in info.get("missing_keys", [])):
+        init_fresh_head(model, getattr(model, name), seed)
     model = model.to(device)
     if remove_padding:
         check_packed_forward(use_packed_attention(model))
@@ -121,7 +151,7 @@ def load_sequence_classifier(
     A one-label sequence classifier at `path` keeps its trained score head. Anything else is
     refused (`NotASequenceClassifier`, naming `key`) unless `new_head_ok` (training with
     `algorithm.name: rm`): then `path` is a backbone (a causal LM, say) under a fresh score head
-    (normal, std `initializer_range`, drawn from `seed`), and `pad_token_id` is written into its
+    (`init_fresh_head`, drawn from `seed`), and `pad_token_id` is written into its
     config so transformers' own forward reads the score where rlcore does. A model whose own
     forward scores otherwise than `sequence_scores` is refused too (`check_sequence_scores`)."""
     folder = Path(path)
@@ -141,8 +171,9 @@ def load_sequence_classifier(
     if not trained_head:  # transformers' report of the missing head, which is the point here
         hf_logging.set_verbosity_error()
     try:
-        model, info = AutoModelForSequenceClassification.from_pretrained(
-            folder, config=config, dtype=_DTYPES[dtype], local_files_only=True, output_loading_info=True)
+        with _rng_left_alone():
+            model, info = AutoModelForSequenceClassification.from_pretrained(
+                folder, config=config, dtype=_DTYPES[dtype], local_files_only=True, output_loading_info=True)
     finally:
         hf_logging.set_verbosity(verbosity)
     head = score_head(model)
@@ -151,9 +182,7 @@ def load_sequence_classifier(
         raise NotASequenceClassifier(f"{key}: {folder} has no trained score head (missing {missing}); "
                                      "it is not a reward model")
     if not trained_head:
-        std = float(getattr(_text_config(model), "initializer_range", 0.02))
-        with torch.no_grad():
-            head.weight.copy_(torch.randn(head.weight.shape, generator=torch.Generator().manual_seed(seed)) * std)
+        init_fresh_head(model, head, seed)
     model = model.to(device)
     check_sequence_scores(model, key=key)
     if remove_padding:

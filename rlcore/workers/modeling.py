@@ -133,6 +133,16 @@ def is_sequence_classifier(config: dict) -> bool:
     return any(str(a).endswith("ForSequenceClassification") for a in architectures) and one_label
 
 
+def scored_pad_token_id(folder: str | Path, tokenizer_pad_token_id: int | None) -> int | None:
+    """The pad token a reward model built from `folder` reads its scores by (transformers' rule: at
+    the last token that is not it): a trained classifier's own, a backbone under a fresh head its
+    tokenizer's (`tokenizer_pad_token_id`), as `open_reward_model`'s reader does."""
+    config = AutoConfig.from_pretrained(Path(folder), local_files_only=True)
+    pad = config.pad_token_id if is_sequence_classifier(config.to_dict()) else None
+    pad = tokenizer_pad_token_id if pad is None else pad
+    return None if pad is None else int(pad)
+
+
 def load_sequence_classifier(
     path: str | Path,
     dtype: str,
@@ -193,8 +203,16 @@ def load_sequence_classifier(
 
 
 def score_head(model: nn.Module) -> nn.Linear:
-    """The one-output linear score head of a sequence classifier (transformers' `score`)."""
+    """The one-output linear score head of a sequence classifier (transformers' `score`). With
+    LoRA it is peft's wrapper of a head trained in full beside the adapter: the copy its forward
+    runs (the trained one; the original with the adapter disabled)."""
     head = getattr(model, "score", None)
+    if isinstance(head, nn.Module) and not isinstance(head, nn.Linear):
+        from peft.utils.other import ModulesToSaveWrapper
+
+        if isinstance(head, ModulesToSaveWrapper):
+            active = head.active_adapters
+            head = head.original_module if head.disable_adapters or not active else head.modules_to_save[active[0]]
     if not isinstance(head, nn.Linear) or head.out_features != 1:
         raise NotASequenceClassifier(f"{type(model).__name__}: no one-output linear `score` head (got "
                                      f"{type(head).__name__}); rlcore reads reward models with transformers' "

@@ -77,10 +77,15 @@ def _latest_checkpoint(config: Config) -> str | None:
 
 
 def _cmd_example_build(args: argparse.Namespace) -> int:
-    from rlcore.example import build_tiny_example
+    out = Path(args.out) if args.out else None
+    if args.task == "tool":
+        from rlcore.example.tool_build import build_tool_example
 
-    example = build_tiny_example(Path(args.out) if args.out else None, seed=args.seed, force=args.force,
-                                 log_fn=_say)
+        example = build_tool_example(out, seed=args.seed, force=args.force, log_fn=_say)
+    else:
+        from rlcore.example import build_tiny_example
+
+        example = build_tiny_example(out, seed=args.seed, force=args.force, log_fn=_say)
     print(example.model_dir)
     return 0
 
@@ -314,6 +319,9 @@ def build_parser() -> argparse.ArgumentParser:
     example = sub.add_parser("example", help="the built-in tiny example")
     example_sub = example.add_subparsers(dest="example_command", required=True)
     build = example_sub.add_parser("build", help="build (or reuse) the tiny model and data; prints the model folder")
+    build.add_argument("--task", choices=["arith", "tool"], default="arith",
+                       help="arith: two-digit additions (default); tool: four-digit additions with a calculator tool "
+                       "(rlcore/configs/tiny_tool_grpo.yaml)")
     build.add_argument("--out", default=None)
     build.add_argument("--seed", type=int, default=0)
     build.add_argument("--force", action="store_true")

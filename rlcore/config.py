@@ -203,6 +203,49 @@ class VLLMEngineConfig(_Section):
     extra: dict[str, Any] = Field(default_factory=dict, description="passed verbatim to vllm.LLM(...)")
 
 
+class AgentConfig(_Section):
+    """Multi-turn agent rollouts (`rlcore.rollout.agent`): on when `tools` or `interaction` is set.
+    The model calls tools in the hermes format (`<tool_call>{"name": ..., "arguments": {...}}</tool_call>`)
+    and reads their results as `tool` messages rendered by the chat template; tool outputs and
+    template tokens are attended to but masked out of the loss. `rollout.max_new_tokens` caps each
+    assistant turn."""
+
+    tools: list[str] = Field([], description="tool functions, 'module:function' or 'path/to/file.py:function', each "
+                             "with an OpenAI-style JSON schema (its tool_schema attribute, or read from its type hints "
+                             "and docstring); run in sandboxed worker processes")
+    interaction: str | None = Field(None, description="'module:Factory' or 'file.py:Factory': called per sample with "
+                                    "data_source, ground_truth, extra_info; its respond(messages) answers each assistant "
+                                    "turn without a tool call (InteractionReply: content, done, reward)")
+    max_turns: int = Field(4, ge=1, description="assistant turns per sample")
+    max_total_tokens: int = Field(256, ge=2, description="a sample's whole response: every assistant turn, tool output "
+                                  "and template token after the prompt")
+    tool_timeout_s: float = Field(10.0, gt=0, description="longest a tool call may run; then it is killed and the model "
+                                  "reads a timeout error")
+    tool_memory_mb: float | None = Field(1024.0, gt=0, description="memory a tool call may allocate (RLIMIT_AS over what "
+                                         "the loaded tools use); beyond it the call fails with MemoryError. None: no limit")
+    tool_workers: int = Field(2, ge=1, description="tool worker processes per rollout rank (calls run in parallel)")
+    tool_max_chars: int = Field(2000, ge=1, description="a longer tool result is cut to this many characters")
+
+    @property
+    def enabled(self) -> bool:
+        return bool(self.tools) or self.interaction is not None
+
+    @model_validator(mode="after")
+    def _check_used(self) -> AgentConfig:
+        """A setting that would change nothing is refused (compared with the defaults, so a dumped
+        config.yaml of a run without agent loads again)."""
+        changed = sorted(k for k, f in type(self).model_fields.items() if getattr(self, k) != f.get_default(call_default_factory=True))
+        if not self.enabled:
+            if changed:
+                raise ValueError(f"{changed[0]} is set, but the agent loop is off: set rollout.agent.tools or "
+                                 "rollout.agent.interaction")
+        elif not self.tools:
+            tool_keys = [k for k in changed if k.startswith("tool_")]
+            if tool_keys:
+                raise ValueError(f"{tool_keys[0]} is set, but rollout.agent.tools is empty")
+        return self
+
+
 class RolloutConfig(_Section):
     backend: Literal["auto", "hf", "vllm"] = Field("auto", description="auto: vllm where installed, else hf")
     dtype: Literal["float32", "bfloat16"] | None = Field(
@@ -219,6 +262,7 @@ class RolloutConfig(_Section):
     val_temperature: float = Field(1.0, gt=0)
     val_greedy: bool | None = Field(None, description="default: greedy when val_n is 1, sampled when val_n > 1")
     vllm: VLLMEngineConfig = VLLMEngineConfig()
+    agent: AgentConfig = AgentConfig()
     lora_sync: Literal["auto", "merged", "adapter"] = Field(
         "auto", description="with actor.lora: how the trained weights reach the engine. merged: the merged weights "
         "of the adapted modules only (the rest never changes); adapter: the adapter itself, which vLLM applies per "
@@ -528,6 +572,13 @@ class Config(_Section):
             unmapped = [r for r in self.present_roles if r not in self.ray.roles]
             if unmapped:
                 raise ValueError(f"ray.pools: roles {unmapped} use pool 'default', which is not defined")
+        return self
+
+    @model_validator(mode="after")
+    def _check_agent(self) -> Config:
+        if self.rollout.agent.enabled and self.algorithm.name not in ("grpo", "ppo"):
+            raise ValueError(f"rollout.agent: the {self.algorithm.name!r} control flow generates nothing (agent rollouts "
+                             "need algorithm.name grpo or ppo)")
         return self
 
     @model_validator(mode="after")

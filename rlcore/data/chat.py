@@ -13,17 +13,21 @@ def has_chat_template(tokenizer: Any) -> bool:
     return bool(getattr(tokenizer, "chat_template", None))
 
 
-def render_prompt(prompt: str | list[dict[str, str]], tokenizer: Any, apply_chat_template: bool = True) -> str:
+def render_prompt(prompt: str | list[dict[str, str]], tokenizer: Any, apply_chat_template: bool = True,
+                  tools: list[dict[str, Any]] | None = None) -> str:
     """Render `prompt` as text ready for generation.
 
     Messages go through the tokenizer's chat template with the generation prompt appended when
     the tokenizer has one and `apply_chat_template` is on; otherwise the message contents are
-    joined with newlines. A plain string is returned as is.
+    joined with newlines. A plain string is returned as is. `tools` (OpenAI-style schemas of an
+    agent run's tools) go to the template, which renders them its way (Qwen: in the system turn).
     """
     if isinstance(prompt, str):
         return prompt
     messages = [{"role": str(m["role"]), "content": str(m["content"])} for m in prompt]
     if apply_chat_template and has_chat_template(tokenizer):
+        if tools:
+            return tokenizer.apply_chat_template(messages, tools=tools, tokenize=False, add_generation_prompt=True)
         return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
     return "\n".join(m["content"] for m in messages)
 
@@ -53,8 +57,9 @@ def encode_prompt(text: str, tokenizer: Any, templated: bool) -> list[int]:
     return list(tokenizer(text, add_special_tokens=not templated)["input_ids"])
 
 
-def prompt_ids(prompt: str | list[dict[str, str]], tokenizer: Any, apply_chat_template: bool = True) -> tuple[str, list[int]]:
-    """(rendered text, token ids) for one prompt."""
-    text = render_prompt(prompt, tokenizer, apply_chat_template)
+def prompt_ids(prompt: str | list[dict[str, str]], tokenizer: Any, apply_chat_template: bool = True,
+               tools: list[dict[str, Any]] | None = None) -> tuple[str, list[int]]:
+    """(rendered text, token ids) for one prompt (`tools`: see `render_prompt`)."""
+    text = render_prompt(prompt, tokenizer, apply_chat_template, tools)
     templated = not isinstance(prompt, str) and apply_chat_template and has_chat_template(tokenizer)
     return text, encode_prompt(text, tokenizer, templated)

@@ -45,6 +45,7 @@ class RLDataset:
         apply_chat_template: bool = True,
         on_bad_row: BadRowPolicy = "error",
         on_long_prompt: Literal["drop", "error"] = "drop",
+        tools: list[dict[str, Any]] | None = None,
     ) -> None:
         if isinstance(files, (str, Path)):
             files = [files]
@@ -67,7 +68,7 @@ class RLDataset:
             self.bad_rows.extend(errors)
             self.stats["bad_rows"] += len({e.row for e in errors})
             for row_idx, row in good:
-                text, ids = prompt_ids(row["prompt"], tokenizer, apply_chat_template)
+                text, ids = prompt_ids(row["prompt"], tokenizer, apply_chat_template, tools)
                 if len(ids) > max_prompt_length:
                     too_long.append(DataError(file, row_idx, "prompt",
                                               f"{len(ids)} tokens, longer than max_prompt_length={max_prompt_length}"))

@@ -208,11 +208,22 @@ def pinned_env() -> dict[str, str]:
     return env | PINNED_ENV
 
 
-def _build_in_pinned_process(root: Path, seed: int, recipe: Recipe, say: Callable[[str], None]) -> None:
-    """`_build_into` in a child under PINNED_ENV (ATen picks its kernels once per process, MKL its
-    branch at first use: neither can be changed in a process that already ran torch)."""
-    args = [sys.executable, "-m", "rlcore.example.pinned_build", str(root), str(seed), json.dumps(recipe.to_json())]
-    with subprocess.Popen(args, env=pinned_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) as proc:
+def native_env() -> dict[str, str]:
+    """This process's environment with one thread (and a fixed hash seed) for a build in a child
+    that keeps this CPU's own kernels: reproducible on the machine, not across CPUs."""
+    env = dict(os.environ)
+    root = str(Path(__file__).resolve().parents[2])
+    env["PYTHONPATH"] = os.pathsep.join([root, *filter(None, [env.get("PYTHONPATH")])])
+    return env | {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "PYTHONHASHSEED": "0"}
+
+
+def _build_in_pinned_process(root: Path, seed: int, recipe: Any, say: Callable[[str], None], task: str = "arith",
+                             env: dict[str, str] | None = None) -> None:
+    """`_build_into` (or the `task`'s builder: `rlcore.example.pinned_build`) in a child under
+    PINNED_ENV (ATen picks its kernels once per process, MKL its branch at first use: neither can
+    be changed in a process that already ran torch), or under `env`."""
+    args = [sys.executable, "-m", "rlcore.example.pinned_build", str(root), str(seed), json.dumps(recipe.to_json()), task]
+    with subprocess.Popen(args, env=env or pinned_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) as proc:
         stderr: list[str] = []
         drain = threading.Thread(target=lambda: stderr.extend(proc.stderr), daemon=True)  # type: ignore[arg-type]
         drain.start()
@@ -228,12 +239,17 @@ def _build_in_pinned_process(root: Path, seed: int, recipe: Recipe, say: Callabl
         raise RuntimeError(f"building the tiny example failed (exit {rc}):\n{''.join(stderr)[-4000:]}")
 
 
-def build_into_pinned(root: Path, seed: int, recipe: Recipe, say: Callable[[str], None]) -> TinyExample:
-    """The build itself, in a process started under PINNED_ENV (`rlcore.example.pinned_build`)."""
+def enter_pinned_process() -> None:
+    """Check this is a process started under PINNED_ENV and settle torch's threads and algorithms."""
     if torch.backends.cpu.get_cpu_capability() != "DEFAULT":  # ATen read the variable at import
         raise RuntimeError(f"ATen runs {torch.backends.cpu.get_cpu_capability()} kernels: not a pinned process")
     torch.set_num_threads(1)
     torch.use_deterministic_algorithms(True)
+
+
+def build_into_pinned(root: Path, seed: int, recipe: Recipe, say: Callable[[str], None]) -> TinyExample:
+    """The build itself, in a process started under PINNED_ENV (`rlcore.example.pinned_build`)."""
+    enter_pinned_process()
     return _build_into(root, seed, recipe, say, pinned=True)
 
 

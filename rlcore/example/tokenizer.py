@@ -58,3 +58,54 @@ def build_tokenizer() -> PreTrainedTokenizerFast:
         clean_up_tokenization_spaces=False,
         model_max_length=512,
     )
+
+
+# ----------------------------------------------------------------------------- the tool task's tokenizer
+# The tool example (`rlcore.example.tool_task`) talks to a calculator in the hermes format, so its
+# tokenizer adds a tool role and the tool-call vocabulary. A separate tokenizer: the arithmetic
+# example's vocabulary and template (and so its pinned weights) stay exactly as they are.
+TOOL = "<|tool|>"
+TOOL_SPECIAL_TOKENS = [*SPECIAL_TOKENS, TOOL]
+# Pieces a BPE vocabulary would have merged: the call markers and the JSON keys of the one tool, so a
+# call costs ~25 decoding steps instead of ~70 (plain characters otherwise, digits included).
+TOOL_WORDS = ["<tool_call>", "</tool_call>", '"name"', '"arguments"', '"calculator"', '"expression"']
+
+# As CHAT_TEMPLATE, plus tool turns (`<|tool|>result<|end|>`). An assistant turn's content is what the
+# model wrote, tool calls included (`<tool_call>{...}</tool_call>`); tool schemas are not rendered
+# (the tiny model knows its one tool from its warm start).
+TOOL_CHAT_TEMPLATE = (
+    "{{ bos_token }}"
+    "{% for message in messages %}"
+    "{% if message['role'] == 'user' %}{{ '<|user|>' + message['content'] + '<|end|>' }}"
+    "{% elif message['role'] == 'system' %}{{ '<|system|>' + message['content'] + '<|end|>' }}"
+    "{% elif message['role'] == 'assistant' %}{{ '<|assistant|>' + message['content'] + eos_token }}"
+    "{% elif message['role'] == 'tool' %}{{ '<|tool|>' + message['content'] + '<|end|>' }}"
+    "{% endif %}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|assistant|>' }}{% endif %}"
+)
+
+
+def build_tool_tokenizer() -> PreTrainedTokenizerFast:
+    """The tool task's tokenizer: specials (ids 0..8), the answer marker and `TOOL_WORDS` as single
+    tokens, then printable ASCII + newline, one token per character (deterministic, no training)."""
+    tokens = [*TOOL_SPECIAL_TOKENS, ANSWER_MARK, *TOOL_WORDS]
+    tokens += [c for c in string.printable if c not in "\t\r\x0b\x0c"]
+    vocab = {tok: i for i, tok in enumerate(tokens)}
+    tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token=UNK))
+    words = "|".join(w.replace('"', r"\"") for w in [ANSWER_MARK, *TOOL_WORDS])
+    tok.pre_tokenizer = pre_tokenizers.Split(Regex(words + r"|[\s\S]"), behavior="isolated")
+    tok.decoder = decoders.Fuse()
+    tok.add_special_tokens(TOOL_SPECIAL_TOKENS)
+    return PreTrainedTokenizerFast(
+        tokenizer_object=tok,
+        bos_token=BOS,
+        eos_token=EOS,
+        pad_token=PAD,
+        unk_token=UNK,
+        additional_special_tokens=[USER, ASSISTANT, SYSTEM, END, TOOL],
+        padding_side="left",
+        chat_template=TOOL_CHAT_TEMPLATE,
+        clean_up_tokenization_spaces=False,
+        model_max_length=512,
+    )

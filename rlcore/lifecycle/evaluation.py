@@ -3,13 +3,15 @@ response length, computed the same way for a candidate and for the champion.
 
 Decoding is greedy (deterministic: two evaluations of one model agree exactly) through the same
 rollout engine, prompt rendering, end tokens and reward functions as training, so an evaluation number means
-what the training curves mean. KL is exact per token: the full next-token distributions of the
+what the training curves mean; an agent run's model is evaluated with its tools (or interaction)
+through the same agent loop, and scored on the whole trajectory as in training. KL is exact per token: the full next-token distributions of the
 evaluated model and the reference, compared along the evaluated model's own responses, averaged
 over response tokens.
 """
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -17,11 +19,16 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from rlcore.config import AgentConfig
 from rlcore.data import PromptLoader, RLDataset
 from rlcore.protocol import Batch
 from rlcore.rewards import RewardScorer, ScoreItem
+from rlcore.rewards.registry import load_function
+from rlcore.rewards.tools import ToolPool, load_tools
 from rlcore.rollout import HFRolloutEngine, SamplingParams
+from rlcore.rollout.agent import AgentLoop, AgentSettings
 from rlcore.tracking import progress
+from rlcore.workers.reward import final_answer, trajectory_info
 from rlcore.workers.tokenizer import cut_at_end, end_token_ids, load_tokenizer, pad_token_id
 
 
@@ -77,16 +84,21 @@ def evaluate_model(
     apply_chat_template: bool = True,
     limit: int | None = None,
     label: str | None = None,
+    agent: AgentConfig | None = None,
 ) -> EvalResult:
     """Greedy evaluation of `model_dir` on `val_file` (the first `limit` prompts, if given), with
     a progress bar over prompts named by `label` (default: the folder's last two parts).
 
     `reference_dir`: the model KL is measured against (None: KL is not measured, reported 0).
+    `agent`: the run's `rollout.agent`; when on, responses are agent trajectories (tools in a
+    sandboxed pool), KL and length are over the model's own tokens.
     """
     model_dir = str(Path(model_dir).resolve())
     tokenizer = load_tokenizer(model_dir)
+    agent = agent if agent is not None and agent.enabled else None
+    tools = [t.schema for t in load_tools(agent.tools).values()] if agent is not None and agent.tools else None
     dataset = RLDataset([val_file], tokenizer, max_prompt_length=max_prompt_length,
-                        apply_chat_template=apply_chat_template, on_bad_row="skip")
+                        apply_chat_template=apply_chat_template, on_bad_row="skip", tools=tools)
     if limit is not None:
         dataset.items = dataset.items[:limit]
     loader = PromptLoader(dataset, batch_size=min(batch_size, len(dataset)), seed=0, shuffle=False, drop_last=False)
@@ -98,15 +110,26 @@ def evaluate_model(
     accs: list[float] = []
     kl_sum = tokens = 0.0
     label = label or "/".join(Path(model_dir).parts[-2:])
-    with RewardScorer(reward_function, num_workers=0) as scorer, \
+    pool = ToolPool(agent.tools, num_workers=agent.tool_workers, timeout_s=agent.tool_timeout_s, memory_mb=agent.tool_memory_mb,
+                    max_chars=agent.tool_max_chars) if agent is not None and agent.tools else None
+    loop = None
+    if agent is not None:
+        interaction = load_function(agent.interaction, "interaction") if agent.interaction else None
+        loop = AgentLoop(engine, tokenizer, end_ids, AgentSettings(agent.max_turns, agent.max_total_tokens), pool, interaction)
+    with pool if pool is not None else contextlib.nullcontext(), RewardScorer(reward_function, num_workers=0) as scorer, \
             progress(len(dataset), f"evaluate {label}", unit="prompts") as bar:
         for batch in loader.epoch_batches():
-            gen = engine.generate(batch, params)
+            gen = loop.generate(batch, params) if loop is not None else engine.generate(batch, params)
             lengths = gen["response_mask"].sum(-1).long().tolist()
-            texts = [tokenizer.decode(cut_at_end(row[:n].tolist(), end_ids), skip_special_tokens=True)
-                     for row, n in zip(gen["responses"], lengths)]
+            extra_info = list(gen.meta["extra_info"])
+            if loop is not None:  # scored as in training: the final answer, the trajectory in extra_info
+                texts = [final_answer(m) for m in gen.meta["agent_messages"]]
+                extra_info = [trajectory_info(gen.meta, i, ei) for i, ei in enumerate(extra_info)]
+            else:
+                texts = [tokenizer.decode(cut_at_end(row[:n].tolist(), end_ids), skip_special_tokens=True)
+                         for row, n in zip(gen["responses"], lengths)]
             items = [ScoreItem(str(ds), text, str(gt), ei if isinstance(ei, dict) else None)
-                     for ds, text, gt, ei in zip(gen.meta["data_source"], texts, gen.meta["ground_truth"], gen.meta["extra_info"])]
+                     for ds, text, gt, ei in zip(gen.meta["data_source"], texts, gen.meta["ground_truth"], extra_info)]
             result = scorer.score(items)
             scores.extend(result.scores.tolist())
             batch_acc = result.extra["acc"] if "acc" in result.extra else (result.scores >= 1.0)

@@ -403,7 +403,8 @@ def evaluate_stage(config: Config, candidate_dir: str, baseline_dir: str, baseli
     """Candidate and baseline (champion, or the base model when there is none) on the same data."""
     kwargs = dict(reference_dir=reference_dir, max_prompt_length=config.data.max_prompt_length,
                   max_new_tokens=config.rollout.max_new_tokens, batch_size=config.data.val_batch_size,
-                  reward_function=config.reward.function, apply_chat_template=config.data.apply_chat_template, limit=limit)
+                  reward_function=config.reward.function, apply_chat_template=config.data.apply_chat_template, limit=limit,
+                  agent=config.rollout.agent)
     candidate = evaluate_model(candidate_dir, val_file, **kwargs)
     baseline = evaluate_model(baseline_dir, val_file, **kwargs)
     out = {"candidate": candidate.metrics(), "baseline": baseline.metrics(), "baseline_name": baseline_name,

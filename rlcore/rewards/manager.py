@@ -95,9 +95,9 @@ _BOOTSTRAP = (
 
 
 class _Worker:
-    """Driver-side handle of one worker process."""
+    """Driver-side handle of one worker process; `init` is its first message (`_worker.py`)."""
 
-    def __init__(self, spec: str | None) -> None:
+    def __init__(self, init: tuple[Any, ...]) -> None:
         self.conn, child_conn = mp.Pipe(duplex=True)
         with tempfile.TemporaryFile() as shared:  # the mapping outlives the file object
             shared.truncate(16)
@@ -110,7 +110,7 @@ class _Worker:
         child_conn.close()  # so the driver sees EOF when the worker dies
         self.progress = memoryview(self._mmap).cast("d")  # [index of the running call or -1, start]
         self.progress[0] = -1.0
-        self.conn.send(("init", spec, list(sys.path)))
+        self.conn.send(init)
         self.started_at = time.monotonic()
         self.ready = False
         self.chunk_id = 0
@@ -205,8 +205,10 @@ class RewardScorer:
         self._finalizer = weakref.finalize(self, _stop_workers, self._workers)
 
     # ----------------------------------------------------------------- lifecycle
+    label = "reward"  # how errors name this pool's workers and what they load
+
     def _start_worker(self) -> _Worker:
-        return _Worker(self.fn_spec)
+        return _Worker(("init", self.fn_spec, list(sys.path)))
 
     def close(self) -> None:
         self._closed = True
@@ -228,15 +230,17 @@ class RewardScorer:
         rows: list[Row] = [
             (i, it.data_source, it.solution_str, it.ground_truth, it.extra_info) for i, it in enumerate(items)
         ]
-        outcomes: list[tuple[str, Any] | None] = [None] * len(rows)
+        outcomes: dict[int, tuple[str, Any]] = {}
         with self._lock:
             if self.num_workers == 0:
                 for row in rows:
                     index, ok, payload = score_row(self._fn, row)
                     outcomes[index] = ("ok", payload) if ok else ("error", payload)
             elif rows:
-                _PoolRun(self, rows, outcomes).run()
-        return self._collect(items, outcomes)
+                run = PoolRun(self, outcomes, self.chunk_size or max(1, math.ceil(len(rows) / (4 * len(self._workers)))))
+                run.add(rows)
+                run.run()
+        return self._collect(items, [outcomes.get(i) for i in range(len(rows))])
 
     def _collect(self, items: Sequence[ScoreItem], outcomes: list[tuple[str, Any] | None]) -> ScoreResult:
         n = len(outcomes)
@@ -285,24 +289,45 @@ class RewardScorer:
         return ScoreResult(scores, extra, n_errors, n_timeouts, first_error, failed, n_clipped)
 
 
-class _PoolRun:
-    """One `score` call over the worker pool: dispatch chunks, collect, police timeouts."""
+class PoolRun:
+    """Calls over a pool's worker processes: dispatch chunks, collect, police timeouts.
 
-    def __init__(self, scorer: RewardScorer, rows: list[Row], outcomes: list) -> None:
-        self.s = scorer
-        self.workers = scorer._workers
+    `pool` is a `RewardScorer` or a `rlcore.rewards.tools.ToolPool` (its `_workers`, `timeout_s`,
+    `start_timeout_s`, `label`, `fn_spec`, `_start_worker()`). Rows may be added at any time
+    (`add`), and `step` does one round of dispatch / wait (at most `max_wait` s) / police, so a
+    caller can interleave other work (the agent loop generates while tools run); `run` steps
+    until every row added has an outcome. Outcomes land in `outcomes` by row index.
+    """
+
+    def __init__(self, pool: Any, outcomes: dict[int, tuple[str, Any]], chunk_size: int) -> None:
+        self.s = pool
+        self.workers = pool._workers
         self.outcomes = outcomes
-        self.remaining = len(rows)
+        self.open: set[int] = set()  # rows added and without an outcome yet
         self.attempts: dict[int, int] = {}
-        size = scorer.chunk_size or max(1, math.ceil(len(rows) / (4 * len(self.workers))))
-        self.queue: deque[list[Row]] = deque(rows[i:i + size] for i in range(0, len(rows), size))
+        self.chunk_size = chunk_size
+        self.queue: deque[list[Any]] = deque()
+
+    @property
+    def remaining(self) -> int:
+        return len(self.open)
+
+    def add(self, rows: list[Any]) -> None:
+        self.open.update(row[0] for row in rows)
+        size = self.chunk_size
+        self.queue.extend(rows[i:i + size] for i in range(0, len(rows), size))
 
     def run(self) -> None:
+        while self.open:
+            self.step()
+
+    def step(self, max_wait: float = 1.0) -> None:
+        """One round; a broken pool raises `RewardWorkerError`, an interruption leaves no worker
+        holding stale work."""
         try:
-            while self.remaining > 0:
-                self._dispatch()
-                self._wait_and_collect()
-                self._police()
+            self._dispatch()
+            self._wait_and_collect(max_wait)
+            self._police()
         except RewardWorkerError as e:
             self.s._broken = str(e)
             _stop_workers(self.workers)
@@ -317,9 +342,9 @@ class _PoolRun:
 
     # ---------------------------------------------------------------- outcomes
     def _record(self, index: int, outcome: tuple[str, Any]) -> None:
-        if self.outcomes[index] is None:
+        if index in self.open:
+            self.open.discard(index)
             self.outcomes[index] = outcome
-            self.remaining -= 1
 
     def _requeue(self, rows: list[Row], why: str, culprit_known: bool) -> None:
         """Hand back rows a lost worker had not answered. When the failing call is known, the
@@ -363,14 +388,14 @@ class _PoolRun:
             return w.progress[1] + self.s.timeout_s
         return time.monotonic() + 1.0  # chunk finished; its "done" message is on the way
 
-    def _wait_and_collect(self) -> None:
+    def _wait_and_collect(self, max_wait: float = 1.0) -> None:
         pending = [w for w in self.workers if w.busy or not w.ready]
         if not pending:
             return
         timeout = min(self._deadline(w) for w in pending) - time.monotonic()
         # At most 1 s of sleep: a worker can also die without closing its socket (a grandchild
         # holding it), which only polling notices.
-        fired = set(mp_wait([w.conn for w in pending], timeout=min(max(timeout, 0.0), 1.0)))
+        fired = set(mp_wait([w.conn for w in pending], timeout=min(max(timeout, 0.0), 1.0, max_wait)))
         for w in pending:
             if w.conn in fired or not w.alive():
                 self._drain(w)
@@ -391,7 +416,7 @@ class _PoolRun:
         if kind == "ready":
             w.ready = True
         elif kind == "load_error":
-            raise RewardWorkerError(f"reward worker could not load {self.s.fn_spec!r}: {msg[1]}")
+            raise RewardWorkerError(f"{self.s.label} worker could not load {self.s.fn_spec!r}: {msg[1]}")
         elif kind in ("partial", "done"):
             _, chunk_id, results = msg
             if chunk_id != w.chunk_id or w.rows is None:
@@ -422,12 +447,12 @@ class _PoolRun:
         code = w.proc.returncode
         if not w.ready:
             raise RewardWorkerError(
-                f"reward worker exited with code {code} while starting (loading {self.s.fn_spec!r})"
+                f"{self.s.label} worker exited with code {code} while starting (loading {self.s.fn_spec!r})"
             )
         culprit = int(w.progress[0])  # the call it was running when it died, or -1
         self._kill(w)  # drains what it sent (answered rows leave w.rows); closes the pipe
         rows = w.rows or {}
-        why = f"reward worker process exited with code {code}"
+        why = f"{self.s.label} worker process exited with code {code}"
         known = culprit in rows
         if known:
             rows.pop(culprit)
@@ -442,7 +467,7 @@ class _PoolRun:
             if not w.ready:
                 if now > w.started_at + self.s.start_timeout_s:
                     raise RewardWorkerError(
-                        f"reward worker did not start within {self.s.start_timeout_s:.0f} s (loading {self.s.fn_spec!r})"
+                        f"{self.s.label} worker did not start within {self.s.start_timeout_s:.0f} s (loading {self.s.fn_spec!r})"
                     )
                 continue
             if not w.busy:
@@ -455,17 +480,18 @@ class _PoolRun:
             rows = w.rows or {}
             if index in rows:  # not answered even in the drained messages
                 rows.pop(index)
-                self._record(index, ("timeout", f"TimeoutError: reward call exceeded {self.s.timeout_s:g} s"))
+                self._record(index, ("timeout", f"TimeoutError: {self.s.label} call exceeded {self.s.timeout_s:g} s"))
             w.rows = None
-            self._requeue(list(rows.values()), "reward worker was killed after a timeout", culprit_known=True)
+            self._requeue(list(rows.values()), f"{self.s.label} worker was killed after a timeout", culprit_known=True)
             self._replace(w)
 
 
 def scores_to_token_rewards(scores: np.ndarray | Sequence[float] | torch.Tensor, response_mask: torch.Tensor) -> torch.Tensor:
     """[N,R] float32 rewards: each sample's score at its last response token, zeros elsewhere.
 
-    The last token is at index response_mask.sum(-1) - 1 (responses are right-padded); a sample
-    with an empty response gets no reward anywhere.
+    The last token is the last position where the mask is set (responses are right-padded; an
+    agent trajectory's mask has holes where tool outputs are, and its last model token is what the
+    reward lands on); a sample with an empty response gets no reward anywhere.
     """
     import torch
 
@@ -477,7 +503,9 @@ def scores_to_token_rewards(scores: np.ndarray | Sequence[float] | torch.Tensor,
     if scores_t.numel() != n:
         raise ValueError(f"scores has {scores_t.numel()} entries but response_mask has {n} rows")
     rewards = torch.zeros(response_mask.shape, dtype=torch.float32, device=response_mask.device)
-    lengths = response_mask.to(torch.long).sum(-1)
-    rows = torch.nonzero(lengths > 0, as_tuple=True)[0]
-    rewards[rows, lengths[rows] - 1] = scores_t[rows]
+    set_ = response_mask != 0
+    positions = torch.arange(response_mask.shape[1], device=response_mask.device).expand_as(response_mask)
+    last = torch.where(set_, positions, -1).max(dim=-1).values
+    rows = torch.nonzero(last >= 0, as_tuple=True)[0]
+    rewards[rows, last[rows]] = scores_t[rows]
     return rewards

@@ -24,13 +24,17 @@ from . import gsm8k, math_boxed
 RewardFn = Callable[..., Any]
 
 
-class RewardFunctionError(RLCoreError, ValueError):
-    """`reward.function` cannot be used: the message names the spec and what is wrong with it
-    (no such file or module, the file fails to run, no such function)."""
+class SpecError(RLCoreError, ValueError):
+    """A `module:function` / `file.py:function` spec that cannot be loaded: the message names the
+    spec and what is wrong with it (no such file or module, the file fails to run, no such function)."""
 
-# data_source -> scorer(solution_str, ground_truth). `tiny_arith` is the built-in example task.
+
+class RewardFunctionError(SpecError):
+    """`reward.function` cannot be used (see `SpecError`)."""
+
+# data_source -> scorer(solution_str, ground_truth). `tiny_arith` and `tiny_tool_arith` are the built-in examples.
 _BUILTIN: dict[str, Callable[[str, Any], float]] = {}
-for _name in ("openai/gsm8k", "gsm8k", "tiny_arith"):
+for _name in ("openai/gsm8k", "gsm8k", "tiny_arith", "tiny_tool_arith"):
     _BUILTIN[_name] = gsm8k.compute_score  # strict: the model must write `#### <answer>`
 for _name in (
     "math",
@@ -63,34 +67,34 @@ def default_compute_score(
     return float(scorer(solution_str, ground_truth))
 
 
-def _load_module_from_file(path: str, spec: str):
+def _load_module_from_file(path: str, spec: str, what: str, error: type[SpecError]):
     abs_path = os.path.abspath(path)
     if not os.path.isfile(abs_path):
-        raise RewardFunctionError(f"reward function spec {spec!r}: file {abs_path} does not exist")
+        raise error(f"{what} spec {spec!r}: file {abs_path} does not exist")
     digest = hashlib.sha1(abs_path.encode()).hexdigest()[:10]
     mod_name = f"_rlcore_reward_{os.path.splitext(os.path.basename(abs_path))[0]}_{digest}"
     mspec = importlib.util.spec_from_file_location(mod_name, abs_path)
     if mspec is None or mspec.loader is None:
-        raise RewardFunctionError(f"reward function spec {spec!r}: cannot load {abs_path} as a Python module")
+        raise error(f"{what} spec {spec!r}: cannot load {abs_path} as a Python module")
     module = importlib.util.module_from_spec(mspec)
     sys.modules[mod_name] = module  # so dataclasses/pickle inside the user file can find it
     try:
         mspec.loader.exec_module(module)
     except Exception as e:
         sys.modules.pop(mod_name, None)
-        raise RewardFunctionError(f"reward function spec {spec!r}: executing {abs_path} failed: {type(e).__name__}: {e}") from e
+        raise error(f"{what} spec {spec!r}: executing {abs_path} failed: {type(e).__name__}: {e}") from e
     return module
 
 
-def _load_module(name: str, spec: str):
+def _load_module(name: str, spec: str, what: str, error: type[SpecError]):
     if not all(part.isidentifier() for part in name.split(".")):
-        raise RewardFunctionError(f"reward function spec {spec!r}: {name!r} is neither a module name nor a .py path")
+        raise error(f"{what} spec {spec!r}: {name!r} is neither a module name nor a .py path")
     try:
         return importlib.import_module(name)
     except ModuleNotFoundError as e:
-        raise RewardFunctionError(f"reward function spec {spec!r}: cannot import module {name!r} ({e})") from e
+        raise error(f"{what} spec {spec!r}: cannot import module {name!r} ({e})") from e
     except Exception as e:
-        raise RewardFunctionError(f"reward function spec {spec!r}: importing {name!r} failed: {type(e).__name__}: {e}") from e
+        raise error(f"{what} spec {spec!r}: importing {name!r} failed: {type(e).__name__}: {e}") from e
 
 
 def is_path_spec(where: str) -> bool:
@@ -105,29 +109,33 @@ def resolve_spec(spec: str | None) -> str | None:
     return f"{os.path.abspath(where)}:{name}" if is_path_spec(where) else spec
 
 
+def load_function(spec: str, what: str = "function", error: type[SpecError] = SpecError) -> Callable[..., Any]:
+    """The callable a "pkg.module:name" or "path/to/file.py:name" spec names (a function, or a
+    class: an interaction factory). Raises `error` naming the spec (as "<what> spec ...")."""
+    if not isinstance(spec, str) or not spec.strip():
+        raise error(f"{what} spec {spec!r}: expected 'module:function' or 'path/to/file.py:function'")
+    where, sep, name = spec.strip().rpartition(":")
+    if not sep or not where:
+        raise error(f"{what} spec {spec!r}: missing ':function'; expected 'module:function' or 'path/to/file.py:function'")
+    if not name.isidentifier():
+        raise error(f"{what} spec {spec!r}: {name!r} is not a valid function name")
+    module = _load_module_from_file(where, spec, what, error) if is_path_spec(where) else _load_module(where, spec, what, error)
+    fn = getattr(module, name, None)
+    if fn is None:
+        raise error(f"{what} spec {spec!r}: {where} has no attribute {name!r}")
+    if not callable(fn):
+        raise error(f"{what} spec {spec!r}: {where}.{name} is a {type(fn).__name__}, not a function")
+    return fn  # type: ignore[no-any-return]
+
+
 def load_reward_fn(spec: str | None) -> RewardFn:
     """None -> `default_compute_score`; "pkg.module:fn" or "path/to/file.py:fn" -> that function.
 
-    Raises ValueError naming the spec and what is wrong with it.
+    Raises `RewardFunctionError` (a ValueError) naming the spec and what is wrong with it.
     """
     if spec is None:
         return default_compute_score
-    if not isinstance(spec, str) or not spec.strip():
-        raise RewardFunctionError(f"reward function spec {spec!r}: expected 'module:function' or 'path/to/file.py:function'")
-    where, sep, name = spec.strip().rpartition(":")
-    if not sep or not where:
-        raise RewardFunctionError(
-            f"reward function spec {spec!r}: missing ':function'; expected 'module:function' or 'path/to/file.py:function'"
-        )
-    if not name.isidentifier():
-        raise RewardFunctionError(f"reward function spec {spec!r}: {name!r} is not a valid function name")
-    module = _load_module_from_file(where, spec) if is_path_spec(where) else _load_module(where, spec)
-    fn = getattr(module, name, None)
-    if fn is None:
-        raise RewardFunctionError(f"reward function spec {spec!r}: {where} has no attribute {name!r}")
-    if not callable(fn):
-        raise RewardFunctionError(f"reward function spec {spec!r}: {where}.{name} is a {type(fn).__name__}, not a function")
-    return fn
+    return load_function(spec, "reward function", RewardFunctionError)
 
 
 def _as_float(value: Any) -> float | None:

@@ -11,7 +11,8 @@ finished rows. The loop stops as soon as every row is finished.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
+from dataclasses import replace
 from typing import Any
 
 import torch
@@ -20,8 +21,8 @@ from transformers import AutoModelForCausalLM, PreTrainedModel
 from rlcore.protocol import Batch
 from rlcore.rollout.base import SamplingParams
 from rlcore.rollout.kv_cache import make_decode_cache
-from rlcore.rollout.output import check_left_padded, rollout_output
-from rlcore.rollout.sampling import choose_tokens
+from rlcore.rollout.output import check_left_padded, left_pad, rollout_output
+from rlcore.rollout.sampling import choose_tokens, keyed_uniforms
 
 # Drop finished rows from the KV cache once they are at least this fraction of the rows still
 # being decoded: compacting copies the cache, so doing it on every single finish costs more than
@@ -101,16 +102,45 @@ class HFRolloutEngine:
         )
         return rollout_output(batch, responses, response_mask, log_probs, params)
 
+    @torch.inference_mode()
+    def generate_turns(
+        self, contexts: Sequence[Sequence[int]], params: SamplingParams, max_tokens: Sequence[int], keys: Sequence[int]
+    ) -> list[tuple[list[int], list[float]]]:
+        """One turn for each context (token ids, continued as they are): (new ids, their log-probs),
+        at most `max_tokens[i]` of them, stopping after an end token. The agent loop's primitive.
+
+        Sampled draws are keyed by (`params.seed`, `keys[i]`, token position), so a context's turn
+        does not depend on which other contexts share its batch (`rlcore.rollout.sampling`).
+        """
+        if self._asleep:
+            raise RuntimeError("HFRolloutEngine.generate_turns called while asleep; call wake() first")
+        if not contexts:
+            return []
+        ids, mask = left_pad(contexts, self.pad_token_id)
+        limits = torch.tensor(list(max_tokens), dtype=torch.long, device=self.device)
+        one = replace(params, n=1, max_new_tokens=int(limits.max()))
+        tokens, response_mask, log_probs = self._decode(
+            ids.to(self.device), mask.to(self.device), one, limits=limits,
+            keys=torch.tensor(list(keys), dtype=torch.long, device=self.device))
+        lengths = response_mask.sum(-1).long().tolist()
+        return [(tokens[i, :k].tolist(), log_probs[i, :k].tolist()) for i, k in enumerate(lengths)]
+
     def _decode(
-        self, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, params: SamplingParams
+        self, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, params: SamplingParams,
+        limits: torch.Tensor | None = None, keys: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """The decoding loop. Returns (responses [N,R] long, mask [N,R] float, log-probs [N,R] float32)."""
+        """The decoding loop. Returns (responses [N,R] long, mask [N,R] float, log-probs [N,R] float32).
+
+        `limits` [N]: a row stops after that many tokens (`params.max_new_tokens` caps them all);
+        `keys` [N] (with n=1): keyed draws instead of the seeded generator's stream.
+        """
         n, max_new = params.n, params.max_new_tokens
         num_rows = prompt_ids.shape[0] * n
         dev = self.device
         generator = None
-        if params.seed is not None and params.do_sample:
+        if params.seed is not None and params.do_sample and keys is None:
             generator = torch.Generator(device=dev).manual_seed(params.seed)
+        context_lens = prompt_mask.long().sum(-1)
 
         # Prefill the distinct prompts once, then repeat the cache for the n samples.
         mask = prompt_mask.long()
@@ -143,13 +173,18 @@ class HFRolloutEngine:
         prompt_len = prompt_ids.shape[1]
 
         for step in range(max_new):
-            tok, lp = choose_tokens(logits, params, generator)
+            uniforms = None
+            if keys is not None and params.do_sample:  # the draw at this row's absolute position
+                uniforms = keyed_uniforms(params.seed or 0, keys[rows], context_lens[rows] + step)
+            tok, lp = choose_tokens(logits, params, generator, uniforms)
             live = ~done
             live_rows = rows[live]
             tokens[live_rows, step] = tok[live]
             log_probs[live_rows, step] = lp[live]
             lengths[live_rows] = step + 1
             done = done | torch.isin(tok, self._eos)
+            if limits is not None:
+                done = done | (limits[rows] <= step + 1)
             num_done = int(done.sum())
             if num_done == rows.shape[0] or step == max_new - 1:
                 break

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import socket
+from collections.abc import Sequence
 
 import numpy as np
 import torch
@@ -26,25 +27,41 @@ def check_left_padded(mask: torch.Tensor) -> None:
         )
 
 
+def left_pad(rows: Sequence[Sequence[int]], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Token-id lists as LEFT-padded `[B, max_len]` ids and attention mask (decoding appends at the right)."""
+    width = max(len(r) for r in rows)
+    ids = torch.full((len(rows), width), int(pad_id), dtype=torch.long)
+    mask = torch.zeros((len(rows), width), dtype=torch.long)
+    for i, r in enumerate(rows):
+        if r:
+            ids[i, width - len(r):] = torch.tensor(list(r), dtype=torch.long)
+            mask[i, width - len(r):] = 1
+    return ids, mask
+
+
 def rollout_output(
     batch: Batch,
     responses: torch.Tensor,
     response_mask: torch.Tensor,
     log_probs: torch.Tensor,
     params: SamplingParams,
+    response_attention: torch.Tensor | None = None,
 ) -> Batch:
     """Each prompt repeated n times next to its samples: prompts, responses, masks, positions.
 
     `responses`/`response_mask`/`log_probs` are [B*n, R], right-padded, rows grouped by prompt.
+    `response_attention` [B*n, R]: the response tokens attended to, when that is more than the
+    trained ones (`response_mask`): an agent rollout's tool outputs are context, not loss.
     """
     n = params.n
     prompt_ids = batch.tensors["input_ids"]
     prompt_mask = batch.tensors["attention_mask"]
     device = prompt_ids.device
     responses, response_mask, log_probs = (t.to(device) for t in (responses, response_mask, log_probs))
+    attended = (response_mask if response_attention is None else response_attention).to(device)
     tensors = {k: v.repeat_interleave(n, dim=0) for k, v in batch.tensors.items() if k not in PROMPT_KEYS}
     prompts = prompt_ids.repeat_interleave(n, dim=0)
-    attention_mask = torch.cat([prompt_mask.repeat_interleave(n, dim=0), response_mask.to(prompt_mask.dtype)], dim=1)
+    attention_mask = torch.cat([prompt_mask.repeat_interleave(n, dim=0), attended.to(prompt_mask.dtype)], dim=1)
     tensors.update(
         prompts=prompts,
         responses=responses,

@@ -48,7 +48,8 @@ import logging
 import os
 import shutil
 import tempfile
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Sequence
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -408,7 +409,41 @@ class VLLMRolloutEngine:
 
         return rollout_output(batch, responses, response_mask, log_probs, params)
 
-    def _run(self, prompts: list[TokensPrompt], params: SamplingParams) -> list[Any]:
+    def generate_turns(
+        self, contexts: Sequence[Sequence[int]], params: SamplingParams, max_tokens: Sequence[int], keys: Sequence[int]
+    ) -> list[tuple[list[int], list[float]]]:
+        """One turn for each context: requests continued from token ids (`TokensPrompt`), one
+        `LLM.generate` call for the whole batch, each with its own `max_tokens`; the agent loop's
+        primitive. A turn's KV blocks are reused by the next turn's request (prefix caching).
+
+        Seeds: on GPU each request gets a seed from (`params.seed`, `keys[i]`, context length), so
+        a turn does not depend on the batch it ran in; on CPU per-request seeds are not safe
+        (see `_run`), so the turn's batch re-seeds the sampler.
+        """
+        if self._asleep:
+            raise RuntimeError("VLLMRolloutEngine.generate_turns called while asleep; call wake() first")
+        if self.llm is None:
+            raise RuntimeError("VLLMRolloutEngine.generate_turns called after close()")
+        if not contexts:
+            return []
+        self._finish_sync()
+        prompts = [TokensPrompt(prompt_token_ids=list(c)) for c in contexts]
+        seeds = None
+        one = replace(params, n=1)
+        if params.seed is not None and params.do_sample:
+            seeds = [(params.seed * 1_000_003 + int(k) * 7919 + len(c)) % (2**31 - 1) for k, c in zip(keys, contexts)]
+            if self.device.type == "cpu":  # one seed for the call, a function of its requests
+                one, seeds = replace(one, seed=sum(seeds) % (2**31 - 1)), None
+        outputs = self._run(prompts, one, max_tokens=list(max_tokens), seeds=seeds)
+        turns = []
+        for out in outputs:
+            c = out.outputs[0]
+            ids = list(c.token_ids)
+            turns.append((ids, _sampled_logprobs(c.logprobs, ids)))
+        return turns
+
+    def _run(self, prompts: list[TokensPrompt], params: SamplingParams, max_tokens: list[int] | None = None,
+             seeds: list[int] | None = None) -> list[Any]:
         """One `LLM.generate` call with vLLM sampling params built from ours.
 
         Seeds: a per-request seed crashes the CPU engine when a prefill is split across steps, so
@@ -440,8 +475,12 @@ class VLLMRolloutEngine:
         else:
             common.update(temperature=0.0)
         on_cpu = self.device.type == "cpu"
-        if params.seed is not None and params.do_sample and not on_cpu:
-            sampling: Any = [vllm.SamplingParams(n=params.n, seed=params.seed + i, **common) for i in range(len(prompts))]
+        if max_tokens is not None:  # per request (agent turns): its budget, and its seed on GPU
+            common.pop("max_tokens")
+            sampling: Any = [vllm.SamplingParams(n=params.n, max_tokens=m, seed=None if seeds is None else seeds[i], **common)
+                             for i, m in enumerate(max_tokens)]
+        elif params.seed is not None and params.do_sample and not on_cpu:
+            sampling = [vllm.SamplingParams(n=params.n, seed=params.seed + i, **common) for i in range(len(prompts))]
         else:
             sampling = vllm.SamplingParams(n=params.n, **common)
         reseed = params.seed is not None and params.do_sample and on_cpu

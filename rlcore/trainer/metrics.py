@@ -89,8 +89,41 @@ def rl_batch_metrics(gen: Batch, timer: Timer, *, step: int, max_new_tokens: int
         staleness = (step - 1) - gen.meta["policy_version"].astype(np.int64)
         m["rollout/staleness_max"] = float(staleness.max())
         m["rollout/staleness_mean"] = float(staleness.mean())
+    if "agent_turns" in gen.meta:
+        m.update(agent_metrics(gen))
     m.update(timer.metrics())  # tokens/s and MFU per phase: rlcore.trainer.throughput
     return m
 
 
-__all__ = ["Timer", "mean_over_ranks", "rl_batch_metrics"]
+def agent_metrics(gen: Batch) -> dict[str, float]:
+    """Multi-turn rollouts (`rlcore.rollout.agent`): turns and tool calls per sample, failed and
+    timed-out calls, the share of response tokens masked out of the loss (tool outputs and
+    template tokens), tool latency, and how episodes ended (`agent/finish/<reason>`, shares; a
+    trajectory a token limit ended counts in `response_length/clip_frac`)."""
+    meta = gen.meta
+    calls = float(meta["agent_tool_calls"].sum())
+    errors = float(meta["agent_tool_errors"].sum())
+    prompt_len = gen["prompts"].shape[1]
+    attended = float(gen["attention_mask"][:, prompt_len:].float().sum())
+    trained = float(gen["response_mask"].float().sum())
+    latencies = [t["latency_s"] for trace in meta["agent_trace"] for t in trace if t.get("kind") == "tool"]
+    m = {
+        "agent/turns_mean": float(meta["agent_turns"].mean()),
+        "agent/turns_max": float(meta["agent_turns"].max()),
+        "agent/tool_calls_mean": calls / len(gen),
+        "agent/tool_calls": calls,
+        "agent/tool_errors": errors,
+        "agent/tool_error_rate": errors / calls if calls else 0.0,
+        "agent/tool_timeouts": float(meta["agent_tool_timeouts"].sum()),
+        "agent/interaction_errors": float(meta["agent_interaction_errors"].sum()),
+        "agent/masked_token_frac": 1.0 - trained / attended if attended else 0.0,
+        "agent/tool_latency_mean_s": float(np.mean(latencies)) if latencies else 0.0,
+    }
+    reasons, counts = np.unique(meta["agent_finish"].astype(str), return_counts=True)
+    m.update({f"agent/finish/{r}": float(c) / len(gen) for r, c in zip(reasons, counts)})
+    # a trajectory is clipped when a token limit ended it (its model tokens may exceed one turn's limit)
+    m["response_length/clip_frac"] = float(np.isin(meta["agent_finish"].astype(str), ["max_new_tokens", "max_total_tokens"]).mean())
+    return m
+
+
+__all__ = ["Timer", "agent_metrics", "mean_over_ranks", "rl_batch_metrics"]

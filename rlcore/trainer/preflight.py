@@ -29,7 +29,8 @@ from rlcore.config import Config, SFTRunConfig
 from rlcore.data import RL_FIELDS, DatasetError, column_values, peek_fields
 from rlcore.data.preference import PREFERENCE_FIELDS
 from rlcore.errors import RLCoreError
-from rlcore.rewards.registry import builtin_data_sources, load_reward_fn, resolve_spec
+from rlcore.rewards.registry import builtin_data_sources, load_function, load_reward_fn, resolve_spec
+from rlcore.rewards.tools import load_tools
 from rlcore.workers.ulysses import head_problem
 
 log = logging.getLogger(__name__)
@@ -76,6 +77,7 @@ def preflight_problems(config: Config) -> list[str]:
     problems += data_problems(config)
     problems += reward_problems(config.reward.function)
     problems += scorer_problems(config)
+    problems += agent_problems(config)
     problems += resume_problems(config.trainer.resume, config.algorithm.name)
     problems += output_dir_problems(config.trainer.output_dir)
     return problems
@@ -233,6 +235,48 @@ def reward_problems(spec: str | None) -> list[str]:
     except Exception as err:  # noqa: BLE001 - user code may raise anything while it is imported
         return [f"reward.function: {str(err).removeprefix('reward function spec ')}"]
     return []
+
+
+def agent_problems(config: Config) -> list[str]:
+    """Each `rollout.agent.tools` entry loads and has a schema, no two share a name, and the
+    interaction factory loads (user code is imported here, in the driver, as a reward file is)."""
+    agent = config.rollout.agent
+    problems = []
+    for i, spec in enumerate(agent.tools):
+        try:
+            load_tools([spec])
+        except Exception as err:  # noqa: BLE001 - user code may raise anything while it is imported
+            problems.append(f"rollout.agent.tools[{i}]: {str(err).removeprefix('tool spec ')}")
+    if not problems and len(agent.tools) > 1:
+        try:
+            load_tools(agent.tools)
+        except Exception as err:  # noqa: BLE001
+            problems.append(f"rollout.agent.tools: {str(err).removeprefix('tool spec ')}")
+    if agent.interaction is not None:
+        try:
+            load_function(str(resolve_spec(agent.interaction)), "interaction")
+        except Exception as err:  # noqa: BLE001
+            problems.append(f"rollout.agent.interaction: {str(err).removeprefix('interaction spec ')}")
+    if agent.enabled:
+        problems += agent_length_problems(config)
+    return problems
+
+
+def agent_length_problems(config: Config) -> list[str]:
+    """A trajectory must fit the model: the longest prompt plus `max_total_tokens` within its
+    positions (and the vLLM engine's `max_model_len`), else the run would fail mid-rollout."""
+    try:
+        model_config = json.loads((Path(config.model.path) / "config.json").read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return []  # model_folder_problems names the folder
+    text = model_config.get("text_config", model_config) if isinstance(model_config, dict) else {}
+    limits = [("the model's max_position_embeddings", text.get("max_position_embeddings"))]
+    if config.rollout.backend in ("vllm", "auto"):
+        limits.append(("rollout.vllm.max_model_len", config.rollout.vllm.max_model_len))
+    need = config.data.max_prompt_length + config.rollout.agent.max_total_tokens
+    return [f"rollout.agent.max_total_tokens: data.max_prompt_length ({config.data.max_prompt_length}) + "
+            f"rollout.agent.max_total_tokens ({config.rollout.agent.max_total_tokens}) = {need} tokens exceeds {what} ({limit})"
+            for what, limit in limits if isinstance(limit, int) and need > limit]
 
 
 def scorer_problems(config: Config) -> list[str]:

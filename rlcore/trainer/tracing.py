@@ -51,7 +51,8 @@ def worker_identities(groups: Any) -> dict[str, list[dict[str, Any]]]:
 
 def sample_records(gen: Batch, groups: Any, n: int) -> list[dict[str, Any]]:
     """Per-sample records of a step: ids from prompt to loss, reward, length, and which
-    rollout/actor rank handled the sample (the dispatch is a pure function of the batch)."""
+    rollout/actor rank handled the sample (the dispatch is a pure function of the batch); for an
+    agent rollout, how it ended and every turn (kind, tool, tokens, latency)."""
     rollout_rank = dp_ranks(groups.rollout, "generate_sequences", len(gen) // max(n, 1), None)
     actor_rank = dp_ranks(groups.actor, "update_actor", len(gen), gen)
     lengths = gen["response_mask"].sum(-1).long().tolist()
@@ -75,6 +76,9 @@ def sample_records(gen: Batch, groups: Any, n: int) -> list[dict[str, Any]]:
                 rec[key] = _plain(meta[key][j])
         if actor_rank is not None:
             rec["actor_rank"] = int(actor_rank[j])
+        if "agent_trace" in meta:  # every turn: assistant turns (tokens, round latency), tool calls, rendered turns
+            rec["finish"] = str(meta["agent_finish"][j])
+            rec["turns"] = [{k: _plain(v) for k, v in t.items()} for t in meta["agent_trace"][j]]
         samples.append(rec)
     return samples
 

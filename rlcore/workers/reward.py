@@ -2,7 +2,14 @@
 
 A response is decoded up to its first end token (any the model declares, see
 `rlcore.workers.tokenizer`), so a scorer sees what the model said, never what follows an end token
-(rollouts stop there; a response from elsewhere may run on)."""
+(rollouts stop there; a response from elsewhere may run on).
+
+An agent trajectory (`rlcore.rollout.agent`) is scored as a whole: `solution_str` is its final
+assistant turn (the answer given after the last tool result), and `extra_info` carries the rest
+beside the row's own fields: `messages` (the whole conversation: prompt, assistant turns with their
+parsed `tool_calls`, tool results, interaction replies), `num_turns`, `num_tool_calls`,
+`num_tool_errors`, `finish_reason` and, when an interaction gave one, `interaction_reward`. verl's
+`compute_score(data_source, solution_str, ground_truth, extra_info)` signature is unchanged."""
 
 from __future__ import annotations
 
@@ -29,6 +36,8 @@ class RewardWorker(Worker):
                                    error_score=cfg.error_score, clip=cfg.clip)
 
     def decode_responses(self, batch: Batch) -> list[str]:
+        if "agent_messages" in batch.meta:
+            return [final_answer(messages) for messages in batch.meta["agent_messages"]]
         responses = batch["responses"]
         lengths = batch["response_mask"].sum(-1).long().tolist()
         return [self.tokenizer.decode(cut_at_end(row[:n].tolist(), self.end_ids), skip_special_tokens=True)
@@ -38,6 +47,8 @@ class RewardWorker(Worker):
     def compute_reward(self, batch: Batch) -> Batch:
         texts = self.decode_responses(batch)
         extra_info = batch.meta.get("extra_info", np.array([None] * len(batch), dtype=object))
+        if "agent_messages" in batch.meta:
+            extra_info = [trajectory_info(batch.meta, i, ei) for i, ei in enumerate(extra_info)]
         items = [
             ScoreItem(data_source=str(ds), solution_str=text, ground_truth=str(gt), extra_info=ei if isinstance(ei, dict) else None)
             for ds, text, gt, ei in zip(batch.meta["data_source"], texts, batch.meta["ground_truth"], extra_info)
@@ -64,3 +75,23 @@ class RewardWorker(Worker):
 
     def shutdown(self) -> None:
         self.scorer.close()
+
+
+def final_answer(messages: list[dict]) -> str:
+    """The content of a trajectory's last assistant turn ("" if it has none)."""
+    for m in reversed(messages):
+        if m.get("role") == "assistant":
+            return str(m.get("content", ""))
+    return ""
+
+
+def trajectory_info(meta: dict[str, np.ndarray], i: int, extra_info: object) -> dict:
+    """Sample i's `extra_info`, with its agent trajectory added (module docstring)."""
+    info = dict(extra_info) if isinstance(extra_info, dict) else {}
+    info.update(messages=list(meta["agent_messages"][i]), num_turns=int(meta["agent_turns"][i]),
+                num_tool_calls=int(meta["agent_tool_calls"][i]), num_tool_errors=int(meta["agent_tool_errors"][i]),
+                finish_reason=str(meta["agent_finish"][i]))
+    reward = float(meta["agent_reward"][i])
+    if not np.isnan(reward):
+        info["interaction_reward"] = reward
+    return info

@@ -1,4 +1,6 @@
-"""Rollout worker: wraps a `RolloutEngine` (vllm or hf) behind the worker interface."""
+"""Rollout worker: wraps a `RolloutEngine` (vllm or hf) behind the worker interface; with
+`rollout.agent` it generates multi-turn trajectories (`rlcore.rollout.agent.AgentLoop`) on that
+engine, its tools running in this worker's sandboxed tool pool."""
 
 from __future__ import annotations
 
@@ -9,9 +11,12 @@ import torch
 from rlcore.config import Config
 from rlcore.controller import Dispatch, Worker, register
 from rlcore.protocol import Batch
+from rlcore.rewards.registry import load_function
+from rlcore.rewards.tools import ToolPool
 from rlcore.rollout import SamplingParams, make_rollout_engine, resolve_backend
+from rlcore.rollout.agent import AgentLoop, AgentSettings
 from rlcore.workers.modeling import resolve_device
-from rlcore.workers.tokenizer import end_token_ids, pad_token_id
+from rlcore.workers.tokenizer import end_token_ids, load_tokenizer, pad_token_id
 
 
 class RolloutWorker(Worker):
@@ -21,6 +26,8 @@ class RolloutWorker(Worker):
         self.device = resolve_device(config.trainer.device)
 
         self.engine = None
+        self.agent: AgentLoop | None = None
+        self.tools: ToolPool | None = None
 
     def setup(self, model_path: str | None = None) -> None:
         cfg = self.config
@@ -33,7 +40,7 @@ class RolloutWorker(Worker):
                 raise ValueError(f"rollout.lora_sync=adapter needs the vllm backend (rollout.backend={cfg.rollout.backend} "
                                  f"resolved to {backend}); use rollout.lora_sync=merged")
             engine_kwargs["lora_rank"] = cfg.actor.lora.rank
-        self.shutdown()  # vLLM allows one engine per process: close the old one first
+        self._close_engine()  # vLLM allows one engine per process: close the old one first
         self.engine = make_rollout_engine(
             backend,
             path=model_path or cfg.model.path,
@@ -46,12 +53,27 @@ class RolloutWorker(Worker):
             **engine_kwargs,
         )
         self.backend = backend
+        agent = cfg.rollout.agent
+        if agent.enabled:
+            if agent.tools and self.tools is None:  # one pool for the worker's life (engine restarts keep it)
+                self.tools = ToolPool(agent.tools, num_workers=agent.tool_workers, timeout_s=agent.tool_timeout_s,
+                                      memory_mb=agent.tool_memory_mb, max_chars=agent.tool_max_chars)
+            interaction = load_function(agent.interaction, "interaction") if agent.interaction else None
+            self.agent = AgentLoop(self.engine, load_tokenizer(cfg.model.path), end_token_ids(cfg.model.path),
+                                   AgentSettings(agent.max_turns, agent.max_total_tokens), self.tools, interaction)
 
     def shutdown(self) -> None:
+        self._close_engine()
+        if self.tools is not None:
+            self.tools.close()
+            self.tools = None
+
+    def _close_engine(self) -> None:
         close = getattr(self.engine, "close", None)
         if close is not None:
             close()
         self.engine = None
+        self.agent = None
 
     @register(dispatch=Dispatch.ONE_TO_ALL)
     def load_model(self, model_path: str) -> None:
@@ -61,7 +83,8 @@ class RolloutWorker(Worker):
     @register(dispatch=Dispatch.DP_COMPUTE)
     def generate_sequences(self, batch: Batch) -> Batch:
         params = SamplingParams(**batch.info["sampling"])
-        out = self.engine.generate(batch, params)  # info: the input's, plus the log-prob temperature
+        generator = self.agent if self.agent is not None else self.engine
+        out = generator.generate(batch, params)  # info: the input's, plus the log-prob temperature
         out.info["n"] = params.n
         return out
 

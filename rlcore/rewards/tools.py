@@ -1,0 +1,186 @@
+"""Tools for agent rollouts: Python functions with an OpenAI-style JSON schema, called in the same
+sandboxed worker processes as reward functions, asynchronously.
+
+A tool is named in a config by `module:function` or `path/to/file.py:function`. Its schema is the
+function's `tool_schema` attribute when it has one, else what transformers' `get_json_schema`
+reads from its signature and Google-style docstring (what chat templates render `tools=` from).
+
+Why the reward pool (`rlcore.rewards.manager`): a tool runs model-written arguments through user
+code, so it must be allowed to raise, hang, allocate without bound or crash its interpreter without
+stopping the rollout. Each call runs in a worker process with a timeout (the worker is killed and
+replaced) and a memory limit (RLIMIT_AS over what the loaded tools use); every failure becomes an
+error text the model reads in its tool turn, counted by the caller. Calls are submitted and
+collected (`submit`, `poll`), never waited for one by one, so the agent loop generates for the
+samples that are ready while other samples' tools run.
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+import weakref
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from .manager import PoolRun, RewardWorkerError, _stop_workers, _Worker
+from .registry import SpecError, load_function, resolve_spec
+
+
+class ToolSpecError(SpecError):
+    """A tool that cannot be used: its spec does not load, it has no usable schema, or two tools
+    share a name. The message names the spec."""
+
+
+@dataclass(frozen=True)
+class Tool:
+    name: str
+    spec: str  # resolved: a file path made absolute
+    schema: dict[str, Any]  # {"type": "function", "function": {"name", "description", "parameters"}}
+
+
+def tool_schema(fn: Callable[..., Any], spec: str) -> dict[str, Any]:
+    """The OpenAI-style schema of `fn`: its `tool_schema` attribute, or transformers'
+    `get_json_schema` (type hints and a docstring with an Args section)."""
+    schema = getattr(fn, "tool_schema", None)
+    if schema is None:
+        from transformers.utils.chat_template_utils import get_json_schema  # not at import: tool workers never need it
+
+        try:
+            schema = get_json_schema(fn)
+        except Exception as e:  # transformers' DocstringParsingException / TypeHintParsingException
+            raise ToolSpecError(f"tool spec {spec!r}: no schema: give the function a `tool_schema` dict, or type hints "
+                                f"and a docstring with an Args section ({type(e).__name__}: {e})") from e
+    if not isinstance(schema, dict) or not isinstance(schema.get("function"), dict) \
+            or not isinstance(schema["function"].get("name"), str):
+        raise ToolSpecError(f"tool spec {spec!r}: the schema must be {{'type': 'function', 'function': {{'name': ..., "
+                            f"'parameters': ...}}}}, got {schema!r:.120}")
+    return dict(schema)
+
+
+def load_tools(specs: Sequence[str]) -> dict[str, Tool]:
+    """name -> `Tool` for each spec, in order; raises `ToolSpecError` naming the spec."""
+    tools: dict[str, Tool] = {}
+    for raw in specs:
+        spec = str(resolve_spec(raw))
+        schema = tool_schema(load_function(spec, "tool", ToolSpecError), raw)
+        name = schema["function"]["name"]
+        if name in tools:
+            raise ToolSpecError(f"tool spec {raw!r}: a second tool named {name!r} (first: {tools[name].spec})")
+        tools[name] = Tool(name, spec, schema)
+    return tools
+
+
+@dataclass(frozen=True)
+class ToolOutcome:
+    """One finished call: `text` is what the model reads in its tool turn (the result, or the error)."""
+
+    call_id: int
+    name: str
+    text: str
+    ok: bool
+    error: str | None  # "<Type>: message" of a failed call (raised, bad result, timeout, worker died)
+    timed_out: bool
+    truncated: bool  # the result was longer than max_chars and was cut
+    latency_s: float  # from submit to outcome
+
+
+def error_text(error: str) -> str:
+    """The tool turn a failed call gets."""
+    return f"Error: {error}"
+
+
+class ToolPool:
+    """Sandboxed, asynchronous tool calls: `submit(call_id, name, arguments)`, then `poll`.
+
+    num_workers: worker processes (calls run in parallel across them, one at a time in each).
+    timeout_s: limit per call. memory_mb: address space a call may add (None: no limit).
+    max_chars: longer results are cut to this many characters (`ToolOutcome.truncated`).
+    """
+
+    label = "tool"
+
+    def __init__(self, specs: Sequence[str], num_workers: int = 2, timeout_s: float = 10.0,
+                 memory_mb: float | None = 1024.0, max_chars: int = 2000, *, start_timeout_s: float = 120.0) -> None:
+        if num_workers < 1:
+            raise ValueError(f"num_workers must be >= 1 (tools always run sandboxed), got {num_workers}")
+        if not timeout_s > 0:
+            raise ValueError(f"timeout_s must be > 0, got {timeout_s}")
+        self.tools = load_tools(specs)
+        self.fn_spec = ", ".join(t.spec for t in self.tools.values())  # what error messages name
+        self.timeout_s = float(timeout_s)
+        self.start_timeout_s = float(start_timeout_s)
+        self._limits = {"memory_mb": memory_mb, "max_chars": int(max_chars)}
+        self._closed = False
+        self._broken: str | None = None
+        self._workers: list[_Worker] = [self._start_worker() for _ in range(num_workers)]
+        self._finalizer = weakref.finalize(self, _stop_workers, self._workers)
+        self._outcomes: dict[int, tuple[str, Any]] = {}
+        self._run = PoolRun(self, self._outcomes, chunk_size=1)
+        self._submitted: dict[int, tuple[str, float]] = {}  # call id -> (tool name, submit time)
+        self._early: list[ToolOutcome] = []  # calls answered without a worker (unknown tool)
+
+    @property
+    def schemas(self) -> list[dict[str, Any]]:
+        """Every tool's schema, for a chat template's `tools=`."""
+        return [t.schema for t in self.tools.values()]
+
+    def _start_worker(self) -> _Worker:
+        specs = {name: t.spec for name, t in self.tools.items()}
+        return _Worker(("init_tools", specs, list(sys.path), self._limits))
+
+    @property
+    def pending(self) -> int:
+        return len(self._submitted) + len(self._early)
+
+    def submit(self, call_id: int, name: str, arguments: Any) -> None:
+        """Queue a call (`call_id` unique over the pool's life); its outcome comes from `poll`."""
+        if self._closed:
+            raise RuntimeError("ToolPool.submit called after close()")
+        if self._broken is not None:
+            raise RewardWorkerError(self._broken)
+        if name not in self.tools:
+            known = ", ".join(self.tools)
+            error = f"UnknownTool: no tool named {name!r} (tools: {known})"
+            self._early.append(ToolOutcome(call_id, name, error_text(error), False, error, False, False, 0.0))
+            return
+        self._submitted[call_id] = (name, time.monotonic())
+        self._run.add([(call_id, name, arguments)])
+
+    def poll(self, timeout: float = 0.0) -> list[ToolOutcome]:
+        """Outcomes of finished calls, waiting up to `timeout` s for at least one (0: don't wait)."""
+        deadline = time.monotonic() + max(0.0, timeout)
+        done, self._early = self._early, []
+        while True:
+            if self._submitted:
+                self._run.step(max_wait=max(0.0, deadline - time.monotonic()))
+            done += self._collect()
+            if done or not self._submitted or time.monotonic() >= deadline:
+                return done
+
+    def _collect(self) -> list[ToolOutcome]:
+        out = []
+        now = time.monotonic()
+        for call_id in [c for c in self._submitted if c in self._outcomes]:
+            name, start = self._submitted.pop(call_id)
+            kind, payload = self._outcomes.pop(call_id)
+            if kind == "ok":
+                text, truncated = payload
+                out.append(ToolOutcome(call_id, name, text, True, None, False, bool(truncated), now - start))
+                continue
+            error = payload if kind == "timeout" else payload[0]
+            out.append(ToolOutcome(call_id, name, error_text(error), False, error, kind == "timeout", False, now - start))
+        return out
+
+    def close(self) -> None:
+        self._closed = True
+        self._finalizer()
+
+    def __enter__(self) -> ToolPool:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+__all__ = ["Tool", "ToolOutcome", "ToolPool", "ToolSpecError", "error_text", "load_tools", "tool_schema"]

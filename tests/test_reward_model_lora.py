@@ -108,3 +108,45 @@ def test_lora_reward_model_trains_resumes_exactly_and_merges_to_a_servable_class
 def test_lora_on_a_role_the_run_does_not_train_is_refused_naming_the_key(overrides, message):
     with pytest.raises(ConfigError, match=message):
         config_from_dict({"model": {"path": "m"}, "data": {"train_files": ["unused.parquet"]}, **overrides})
+
+
+@pytest.mark.slow  # ~18 s: two training steps, a held-out evaluation and MLflow's SQLite registry
+def test_pipeline_registers_a_lora_reward_model_merged_with_its_adapter_beside(tiny_example, tmp_path):
+    """The reward-model stages with `reward_model.lora` (a real SQLite MLflow registry here): the
+    registered version is a plain classifier folder transformers loads as is, and the run's
+    `adapter` artifact on the base gives the same scores."""
+    from mlflow.tracking import MlflowClient
+    from peft import PeftModel
+
+    from rlcore.cli import CONFIG_DIR
+    from rlcore.config import load_config
+    from rlcore.example.overrides import example_rm_overrides
+    from rlcore.lifecycle import rm_stages
+    from rlcore.lifecycle import stages as lifecycle
+    from rlcore.lifecycle.mlflow_store import MlflowStore, ModelRegistry
+
+    work = tmp_path / "work"
+    work.mkdir()
+    uri = f"sqlite:///{work / 'mlflow.db'}"
+    config = load_config(CONFIG_DIR / "tiny_rm.yaml", example_rm_overrides() + [
+        "trainer.total_steps=2", "trainer.save_every=2", "trainer.val_every=2", "trainer.val_before_train=false",
+        "registry.promotion_margin=-1", f"tracking.mlflow_uri={uri}", "reward_model.lora.rank=4",
+        "reward_model.lora.alpha=8"])
+    ctx = lifecycle.start_pipeline(config, work, "rm-lora")
+    train = rm_stages.train_reward_model_stage(config, work, ctx)
+    evaluation = rm_stages.evaluate_reward_model_stage(config, train["candidate_dir"], None, work, ctx)
+    decided = rm_stages.promote_reward_model_stage(config, train, evaluation, work, ctx)
+    assert decided["version"] == "1"
+
+    registered = ModelRegistry(MlflowStore(uri), "rlcore-tiny-rm").download("1", tmp_path / "registered")
+    assert not (registered / "adapter_config.json").exists()  # a merged model, not an adapter
+    served = AutoModelForSequenceClassification.from_pretrained(registered).eval()  # as is
+    adapter = MlflowClient(uri).download_artifacts(train["run_id"], "adapter", str(tmp_path))
+    base = AutoModelForSequenceClassification.from_pretrained(tiny_example.model_dir, num_labels=1,
+                                                              pad_token_id=served.config.pad_token_id)
+    with_adapter = PeftModel.from_pretrained(base, adapter).eval()
+    ids = torch.tensor([[5, 6, 7, 8, 9], [9, 8, 7, 6, 5]])
+    with torch.no_grad():
+        want, got = with_adapter(input_ids=ids).logits, served(input_ids=ids).logits
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=0)
+    assert got[0] != got[1]

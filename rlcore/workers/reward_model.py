@@ -35,7 +35,6 @@ from rlcore.errors import RLCoreError
 from rlcore.protocol import Batch
 from rlcore.workers.checkpointing import adapter_folder, load_training_state, save_trained
 from rlcore.workers.fsdp import shard_model
-from rlcore.workers.lora import Adapter, apply_lora, merge_adapter, parameter_counts
 from rlcore.workers.loops import (
     GlobalCounts,
     MicroBatching,
@@ -46,6 +45,7 @@ from rlcore.workers.loops import (
     run_update,
     value_stats,
 )
+from rlcore.workers.lora import Adapter, apply_lora, merge_adapter, parameter_counts
 from rlcore.workers.modeling import (
     compute_precision,
     load_sequence_classifier,

@@ -362,10 +362,12 @@ class RewardModelConfig(_Section):
                                         "data.train_batch_size (one step per batch)")
     max_consecutive_bad_steps: int = Field(3, ge=1, description="training: NaN/inf loss or grad steps in a row before "
                                            "the run stops")
+    lora: LoraConfig = Field(LoraConfig(), description="training: LoRA on the reward model's backbone (its score head "
+                             "trains in full); checkpoints hold the adapter, the pipeline registers base + adapter merged")
 
     # the settings that only mean something when RL runs score with a reward model
     SCORING_KEYS: ClassVar[tuple[str, ...]] = ("weight", "rule_weight", "normalize", "clip", "on_nonfinite", "overlap")
-    TRAINING_KEYS: ClassVar[tuple[str, ...]] = ("optim", "margin", "mini_batch_size", "max_consecutive_bad_steps")
+    TRAINING_KEYS: ClassVar[tuple[str, ...]] = ("optim", "margin", "mini_batch_size", "max_consecutive_bad_steps", "lora")
 
 
 class KLControlConfig(_Section):
@@ -648,6 +650,17 @@ class Config(_Section):
         if sync == "adapter" and self.rollout.backend == "hf":
             raise ValueError("rollout.lora_sync=adapter needs rollout.backend=vllm (vLLM applies the adapter per request); "
                              "the hf backend takes the merged weights (rollout.lora_sync=merged)")
+        return self
+
+    @model_validator(mode="after")
+    def _check_lora_roles(self) -> Config:
+        """LoRA set on a role this run does not train is refused: it would be ignored."""
+        name = self.algorithm.name
+        if name == "rm" and self.actor.lora != LoraConfig():
+            raise ValueError("actor.lora: algorithm.name=rm trains a reward model, not the policy; LoRA on it is "
+                             "reward_model.lora")
+        if "critic" not in self.present_roles and self.critic.lora != LoraConfig():
+            raise ValueError(f"critic.lora: algorithm.name={name} has no critic (ppo has one)")
         return self
 
     @property

@@ -20,7 +20,7 @@ import traceback
 from pathlib import Path
 from typing import Any
 
-from rlcore.config import Config, SFTRunConfig, config_from_dict, load_config, load_sft_config, sft_config_from_dict
+from rlcore.config import Config, LoraConfig, SFTRunConfig, config_from_dict, load_config, load_sft_config, sft_config_from_dict
 from rlcore.lifecycle.data_prep import prepare_dataset
 from rlcore.lifecycle.evaluation import evaluate_model
 from rlcore.lifecycle.fingerprint import files_fingerprint
@@ -335,12 +335,12 @@ def train_stage(config: Config, prepared: dict[str, Any], workdir: str | Path, c
     checkpoint = CheckpointManager(output_dir / "checkpoints").latest()
     if checkpoint is None:
         candidate = None
-    else:  # the trained policy (with LoRA: merged with its base), or the reward model's folder
-        candidate = candidate_folder(run_config, checkpoint, output_dir) if role == "actor" else checkpoint / role
+    else:  # the trained policy or reward model (with LoRA: merged with its base)
+        candidate = candidate_folder(run_config, checkpoint, output_dir, role)
     if candidate is not None and config.tracking.log_model:
         log_model_folder(store, run_id, candidate, "model")  # an MLflow model that is an HF folder too
-        if role == "actor" and run_config.actor.lora.enabled:  # the small adapter beside the servable merged model
-            store.log_artifact(run_id, checkpoint / adapter_folder("actor"), "adapter")
+        if _trained_lora(run_config, role).enabled:  # the small adapter beside the servable merged model
+            store.log_artifact(run_id, checkpoint / adapter_folder(role), "adapter")
     if stopped is not None:
         store.set_tags(run_id, {"health.stopped": "true", "health.reason": stopped["reason"],
                                 "health.candidate": str(checkpoint) if checkpoint else "none"})
@@ -370,18 +370,26 @@ def train_stage(config: Config, prepared: dict[str, Any], workdir: str | Path, c
     }
 
 
-def candidate_folder(config: Config, checkpoint: Path, output_dir: Path) -> Path:
-    """The checkpoint's policy as a plain HF folder, servable as is: its `actor/`, or with LoRA the
-    base (`model.path`) merged with its adapter, written once under `output_dir/merged/`."""
+def _trained_lora(config: Config, role: str) -> LoraConfig:
+    """The LoRA section of the role a pipeline stage trains: the policy's `actor`, or `reward_model`."""
+    return config.actor.lora if role == "actor" else config.reward_model.lora
+
+
+def candidate_folder(config: Config, checkpoint: Path, output_dir: Path, role: str = "actor") -> Path:
+    """The checkpoint's trained `role` (the policy's `actor`, or `reward_model`) as a plain HF
+    folder, servable as is: its `role/` folder, or with the role's LoRA the base (`model.path`)
+    merged with its adapter, written once under `output_dir/merged/`."""
     from rlcore.workers.checkpointing import adapter_folder
     from rlcore.workers.lora import merge_adapter
+    from rlcore.workers.reward_model import merge_reward_model
 
-    if not config.actor.lora.enabled:
-        return checkpoint / "actor"
+    if not _trained_lora(config, role).enabled:
+        return checkpoint / role
     merged = output_dir / "merged" / checkpoint.name
     if not (merged / "config.json").is_file():
         tmp = merged.with_name(f".tmp-{merged.name}-{secrets.token_hex(3)}")
-        merge_adapter(config.model.path, checkpoint / adapter_folder("actor"), tmp)
+        merge = merge_adapter if role == "actor" else merge_reward_model
+        merge(config.model.path, checkpoint / adapter_folder(role), tmp)
         if merged.exists():
             shutil.rmtree(merged)
         tmp.rename(merged)

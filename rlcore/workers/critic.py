@@ -100,7 +100,7 @@ class CriticWorker(Worker):
         cfg = self.config
         path = model_path or cfg.critic.model_path or cfg.model.path
         model = load_value_model(path, trained_dtype(cfg.model), self.device, cfg.model.gradient_checkpointing,
-                                 cfg.model.use_remove_padding)
+                                 cfg.model.use_remove_padding, seed=cfg.trainer.seed)
         precision = compute_precision(cfg.model)
         self.adapter = (apply_lora(model, cfg.critic.lora, "critic.lora", task="token_cls", seed=cfg.trainer.seed,
                                    mixed_precision=precision != "none") if cfg.critic.lora.enabled else None)

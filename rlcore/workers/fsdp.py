@@ -79,7 +79,7 @@ def shard_model(
     # a forward method so the root's parameters are gathered (and their gradients reduced).
     model.rlcore_response_log_probs = types.MethodType(sharded_log_probs, model)
     register_fsdp_forward_method(model, "rlcore_response_log_probs")
-    if isinstance(getattr(model, "score", None), nn.Linear):  # a sequence classifier (the reward model): likewise
+    if isinstance(getattr(model, "score", None), nn.Module):  # a sequence classifier (the reward model): likewise
         model.rlcore_sequence_scores = types.MethodType(sharded_sequence_scores, model)
         register_fsdp_forward_method(model, "rlcore_sequence_scores")
     return model

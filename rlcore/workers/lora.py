@@ -222,10 +222,12 @@ def no_adapter(adapter: Adapter | None) -> Iterator[None]:
 
 
 def merge_adapter(base_dir: str | Path, adapter_dir: str | Path, out_dir: str | Path, task: str = "causal_lm",
-                  num_labels: int = 1) -> Path:
+                  num_labels: int = 1, pad_token_id: int | None = None) -> Path:
     """A plain Hugging Face folder of base + adapter merged (peft's `merge_and_unload`; a classifier
     task's trained head comes from the adapter folder), with the base's tokenizer and generation
-    files: what transformers and vLLM serve as is. `num_labels`: a classifier head's outputs."""
+    files: what transformers and vLLM serve as is. `num_labels`: a classifier head's outputs;
+    `pad_token_id`: a classifier's pad token, written into its config (where a sequence
+    classifier's forward reads the score); default the base config's."""
     from peft import PeftModel
     from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForSequenceClassification, AutoModelForTokenClassification
 
@@ -237,6 +239,8 @@ def merge_adapter(base_dir: str | Path, adapter_dir: str | Path, out_dir: str | 
     else:
         auto = {"token_cls": AutoModelForTokenClassification, "seq_cls": AutoModelForSequenceClassification}[task]
         config = AutoConfig.from_pretrained(base_dir, num_labels=num_labels, local_files_only=True)
+        if pad_token_id is not None:
+            config.pad_token_id = pad_token_id
         base = auto.from_pretrained(base_dir, config=config, dtype=torch.float32, local_files_only=True)
     merged = PeftModel.from_pretrained(base, str(adapter_dir)).merge_and_unload()
     out = Path(out_dir)

@@ -16,6 +16,8 @@ of each sequence's last non-pad token, packed, checked at load against the model
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -73,16 +75,44 @@ def load_causal_lm(
     return model
 
 
+@contextmanager
+def _rng_left_alone() -> Iterator[None]:
+    """Inside, the CPU torch RNG may be drawn from (transformers initialises the weights a folder
+    lacks from it); after, the caller's stream goes on as if nothing had drawn."""
+    with torch.random.fork_rng(devices=[]):
+        yield
+
+
+def init_fresh_head(model: nn.Module, head: nn.Linear, seed: int) -> None:
+    """A head the folder did not have, drawn from `seed`: normal weights (std the model's
+    `initializer_range`, as transformers initialises one), zero bias. Never the process's RNG:
+    a Ray worker's is seeded at random, so FSDP2 ranks would shard heads of different inits and
+    no two runs would start alike."""
+    std = float(getattr(_text_config(model), "initializer_range", 0.02))
+    with torch.no_grad():
+        head.weight.copy_(torch.randn(head.weight.shape, generator=torch.Generator().manual_seed(seed)) * std)
+        if head.bias is not None:
+            head.bias.zero_()
+
+
 def load_value_model(
-    path: str | Path, dtype: str, device: torch.device, gradient_checkpointing: bool = False, remove_padding: bool = True
+    path: str | Path, dtype: str, device: torch.device, gradient_checkpointing: bool = False, remove_padding: bool = True,
+    seed: int = 0,
 ) -> nn.Module:
     """A causal LM backbone with a scalar head per token (verl's critic: token classification, 1 label).
 
     No dropout before the head (transformers' default for Llama-style classifiers is 10%): the
-    values the critic is trained on must be the ones `compute_values` predicts, as in verl."""
+    values the critic is trained on must be the ones `compute_values` predicts, as in verl. A
+    folder without a value head (a causal LM) gets a fresh one drawn from `seed` (`init_fresh_head`:
+    `trainer.seed`, the same on every rank and run)."""
     config = AutoConfig.from_pretrained(Path(path), num_labels=1, local_files_only=True)
     config.classifier_dropout = 0.0
-    model = AutoModelForTokenClassification.from_pretrained(Path(path), config=config, dtype=_DTYPES[dtype], local_files_only=True)
+    with _rng_left_alone():
+        model, info = AutoModelForTokenClassification.from_pretrained(
+            Path(path), config=config, dtype=_DTYPES[dtype], local_files_only=True, output_loading_info=True)
+    name = next(n for n in ("score", "classifier") if isinstance(getattr(model, n, None), nn.Linear))  # transformers' names
+    if any(name in k.split(".") for k in info.get("missing_keys", [])):
+        init_fresh_head(model, getattr(model, name), seed)
     model = model.to(device)
     if remove_padding:
         check_packed_forward(use_packed_attention(model))
@@ -103,6 +133,16 @@ def is_sequence_classifier(config: dict) -> bool:
     return any(str(a).endswith("ForSequenceClassification") for a in architectures) and one_label
 
 
+def scored_pad_token_id(folder: str | Path, tokenizer_pad_token_id: int | None) -> int | None:
+    """The pad token a reward model built from `folder` reads its scores by (transformers' rule: at
+    the last token that is not it): a trained classifier's own, a backbone under a fresh head its
+    tokenizer's (`tokenizer_pad_token_id`), as `open_reward_model`'s reader does."""
+    config = AutoConfig.from_pretrained(Path(folder), local_files_only=True)
+    pad = config.pad_token_id if is_sequence_classifier(config.to_dict()) else None
+    pad = tokenizer_pad_token_id if pad is None else pad
+    return None if pad is None else int(pad)
+
+
 def load_sequence_classifier(
     path: str | Path,
     dtype: str,
@@ -121,7 +161,7 @@ def load_sequence_classifier(
     A one-label sequence classifier at `path` keeps its trained score head. Anything else is
     refused (`NotASequenceClassifier`, naming `key`) unless `new_head_ok` (training with
     `algorithm.name: rm`): then `path` is a backbone (a causal LM, say) under a fresh score head
-    (normal, std `initializer_range`, drawn from `seed`), and `pad_token_id` is written into its
+    (`init_fresh_head`, drawn from `seed`), and `pad_token_id` is written into its
     config so transformers' own forward reads the score where rlcore does. A model whose own
     forward scores otherwise than `sequence_scores` is refused too (`check_sequence_scores`)."""
     folder = Path(path)
@@ -141,8 +181,9 @@ def load_sequence_classifier(
     if not trained_head:  # transformers' report of the missing head, which is the point here
         hf_logging.set_verbosity_error()
     try:
-        model, info = AutoModelForSequenceClassification.from_pretrained(
-            folder, config=config, dtype=_DTYPES[dtype], local_files_only=True, output_loading_info=True)
+        with _rng_left_alone():
+            model, info = AutoModelForSequenceClassification.from_pretrained(
+                folder, config=config, dtype=_DTYPES[dtype], local_files_only=True, output_loading_info=True)
     finally:
         hf_logging.set_verbosity(verbosity)
     head = score_head(model)
@@ -151,9 +192,7 @@ def load_sequence_classifier(
         raise NotASequenceClassifier(f"{key}: {folder} has no trained score head (missing {missing}); "
                                      "it is not a reward model")
     if not trained_head:
-        std = float(getattr(_text_config(model), "initializer_range", 0.02))
-        with torch.no_grad():
-            head.weight.copy_(torch.randn(head.weight.shape, generator=torch.Generator().manual_seed(seed)) * std)
+        init_fresh_head(model, head, seed)
     model = model.to(device)
     check_sequence_scores(model, key=key)
     if remove_padding:
@@ -164,8 +203,16 @@ def load_sequence_classifier(
 
 
 def score_head(model: nn.Module) -> nn.Linear:
-    """The one-output linear score head of a sequence classifier (transformers' `score`)."""
+    """The one-output linear score head of a sequence classifier (transformers' `score`). With
+    LoRA it is peft's wrapper of a head trained in full beside the adapter: the copy its forward
+    runs (the trained one; the original with the adapter disabled)."""
     head = getattr(model, "score", None)
+    if isinstance(head, nn.Module) and not isinstance(head, nn.Linear):
+        from peft.utils.other import ModulesToSaveWrapper
+
+        if isinstance(head, ModulesToSaveWrapper):
+            active = head.active_adapters
+            head = head.original_module if head.disable_adapters or not active else head.modules_to_save[active[0]]
     if not isinstance(head, nn.Linear) or head.out_features != 1:
         raise NotASequenceClassifier(f"{type(model).__name__}: no one-output linear `score` head (got "
                                      f"{type(head).__name__}); rlcore reads reward models with transformers' "

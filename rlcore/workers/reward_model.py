@@ -11,6 +11,9 @@ The model is built in one place (`rlcore.workers.modeling.load_sequence_classifi
 way transformers' own forward reads it: the score head on each sequence's last non-pad token
 (`sequence_scores`, packed without padding by default). Training runs the shared update loop
 (`rlcore.workers.loops.run_update`) on the Bradley-Terry loss (`rlcore.algos.bradley_terry_loss`).
+With `reward_model.lora` the backbone trains a LoRA adapter and the score head trains in full
+beside it (`rlcore.workers.lora.apply_lora`); checkpoints hold the two as one peft adapter
+(`reward_model_adapter/`), and `merge_reward_model` makes the servable folder of base + adapter.
 """
 
 from __future__ import annotations
@@ -30,7 +33,7 @@ from rlcore.controller import Dispatch, Worker, register
 from rlcore.data.chat import has_chat_template, render_conversation
 from rlcore.errors import RLCoreError
 from rlcore.protocol import Batch
-from rlcore.workers.checkpointing import load_training_state, save_trained
+from rlcore.workers.checkpointing import adapter_folder, load_training_state, save_trained
 from rlcore.workers.fsdp import shard_model
 from rlcore.workers.loops import (
     GlobalCounts,
@@ -42,7 +45,15 @@ from rlcore.workers.loops import (
     run_update,
     value_stats,
 )
-from rlcore.workers.modeling import compute_precision, load_sequence_classifier, resolve_device, sequence_scores, trained_dtype
+from rlcore.workers.lora import Adapter, apply_lora, merge_adapter, parameter_counts
+from rlcore.workers.modeling import (
+    compute_precision,
+    load_sequence_classifier,
+    resolve_device,
+    scored_pad_token_id,
+    sequence_scores,
+    trained_dtype,
+)
 from rlcore.workers.optim import build_optimizer, build_scheduler
 from rlcore.workers.packed import forward_token_metrics
 from rlcore.workers.ranks import global_sum
@@ -218,10 +229,19 @@ def open_reward_model(path: str | Path, *, key: str, config: Config, device: tor
                              cfg.model.use_remove_padding)
 
 
+def merge_reward_model(base_dir: str | Path, adapter_dir: str | Path, out_dir: str | Path) -> Path:
+    """The servable folder of a reward model trained with LoRA: `base_dir` (the run's `model.path`)
+    and its adapter folder merged, the trained score head from the adapter, the pad token training
+    read scores at: what `AutoModelForSequenceClassification` loads and `reward_model.path` takes."""
+    pad = scored_pad_token_id(base_dir, load_tokenizer(str(base_dir)).pad_token_id)
+    return merge_adapter(base_dir, adapter_dir, out_dir, task="seq_cls", num_labels=1, pad_token_id=pad)
+
+
 class RewardModelWorker(Worker):
     """The reward model: scores for RL samples (`compute_rm_score`), and, in a reward-model
     training run (`algorithm.name: rm`), the Bradley-Terry update, held-out pair scores and
-    checkpoints. FSDP2 when its group has a process group."""
+    checkpoints. FSDP2 when its group has a process group. With `reward_model.lora` (training),
+    the backbone's adapter and the score head train."""
 
     def __init__(self, config: Config, rank: int = 0, world_size: int = 1) -> None:
         super().__init__(rank=rank, world_size=world_size, role=ROLE)
@@ -231,8 +251,12 @@ class RewardModelWorker(Worker):
         self.reader: RewardModelReader | None = None
         self.optimizer: torch.optim.Optimizer | None = None
         self.scheduler: torch.optim.lr_scheduler.LRScheduler | None = None
+        self.adapter: Adapter | None = None
 
-    def setup(self, model_path: str | None = None) -> None:
+    def setup(self, model_path: str | None = None, adapter_dir: str | None = None) -> None:
+        """Load the model (`model.path` to train, `reward_model.path` to score, or a checkpoint's);
+        training with `reward_model.lora`, add the adapter (restored from `adapter_dir` on resume)
+        before sharding."""
         cfg = self.config
         key = "model.path" if self.training else "reward_model.path"
         path = model_path or (cfg.model.path if self.training else cfg.reward_model.path)
@@ -240,7 +264,14 @@ class RewardModelWorker(Worker):
         self.reader = open_reward_model(path, key=key, config=cfg, device=self.device, training=self.training)
         model = self.reader.model
         if self.training:
-            model = shard_model(model, self.device, compute_precision(cfg.model))
+            precision = compute_precision(cfg.model)
+            lora = cfg.reward_model.lora
+            self.adapter = (apply_lora(model, lora, "reward_model.lora", task="seq_cls", seed=cfg.trainer.seed,
+                                       mixed_precision=precision != "none") if lora.enabled else None)
+            if self.adapter is not None and adapter_dir is not None:
+                self.adapter.load(Path(adapter_dir))
+            self.param_counts = parameter_counts(model)
+            model = shard_model(model, self.device, precision)
             self.optimizer = build_optimizer(model, cfg.reward_model.optim)
             self.scheduler = build_scheduler(self.optimizer, cfg.reward_model.optim, cfg.trainer.total_steps)
         else:
@@ -257,7 +288,7 @@ class RewardModelWorker(Worker):
 
     @property
     def trained(self) -> Trainable:
-        return Trainable(self.model, self.optimizer, self.scheduler)
+        return Trainable(self.model, self.optimizer, self.scheduler, self.adapter)
 
     @register(dispatch=Dispatch.DP_BALANCED)
     def compute_rm_score(self, batch: Batch) -> Batch:
@@ -284,6 +315,7 @@ class RewardModelWorker(Worker):
                 "reward_model/param_norm": result.param_norm, "reward_model/param_norm_growth": result.param_norm_growth,
                 "reward_model/nonfinite_state": result.nonfinite_state,
                 "reward_model/truncated": global_sum(float(pairs["truncated"].sum()), self.device),
+                "reward_model/trainable_params": float(self.param_counts[0]), "reward_model/total_params": float(self.param_counts[1]),
                 **forward_token_metrics(ROLE, self.model, self.device)}
 
     @register(dispatch=Dispatch.DP_COMPUTE)
@@ -299,11 +331,14 @@ class RewardModelWorker(Worker):
 
     @register(dispatch=Dispatch.ONE_TO_ALL)
     def load_checkpoint(self, folder: str) -> None:
-        self.setup(model_path=str(Path(folder) / ROLE))
+        if self.config.reward_model.lora.enabled:  # the base from model.path, the adapter and head from the checkpoint
+            self.setup(adapter_dir=str(Path(folder) / adapter_folder(ROLE)))
+        else:
+            self.setup(model_path=str(Path(folder) / ROLE))
         load_training_state(self.trained, Path(folder), ROLE, self.device)
 
 
 __all__ = [
     "BradleyTerryObjective", "Encoded", "RewardModelInputError", "RewardModelReader", "RewardModelWorker",
-    "decode_responses", "encode_conversations", "open_reward_model", "pair_metrics", "rm_settings",
+    "decode_responses", "encode_conversations", "merge_reward_model", "open_reward_model", "pair_metrics", "rm_settings",
 ]

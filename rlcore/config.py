@@ -68,12 +68,26 @@ class ModelConfig(_Section):
         "installed, causal SDPA per sequence otherwise), so the tokens computed are the real ones. false: the "
         "padded [rows, batch-wide prompt + response] forward. A model whose outputs packing would change is "
         "refused at load")
+    share_prompt_prefix: bool = Field(
+        True, description="with use_remove_padding: rows of a micro-batch whose prompts are the same tokens (the "
+        "rollout.n samples of a prompt, DPO's chosen and rejected) hold the prompt once in the packed row, their "
+        "responses attending to it, so its forward and backward run once, not once per row; the results are the "
+        "unshared ones (float tolerance). Not on the flash-attn path (CUDA bf16/fp16 with flash-attn installed), "
+        "which runs every row whole. Token-budget micro-batches keep a prompt's rows together")
 
     @model_validator(mode="after")
     def _check_pure_bf16(self) -> ModelConfig:
         if self.pure_bf16 and self.dtype != "bfloat16":
             raise ValueError(f"model.pure_bf16=true needs model.dtype=bfloat16 (got {self.dtype})")
+        if self.share_prompt_prefix and not self.use_remove_padding and "share_prompt_prefix" in self.model_fields_set:
+            raise ValueError("model.share_prompt_prefix=true needs model.use_remove_padding=true (prompts are shared "
+                             "within a packed row)")
         return self
+
+    @property
+    def shares_prompts(self) -> bool:
+        """Whether packed rows hold a prompt once for all its rows (`share_prompt_prefix` on packed rows)."""
+        return self.use_remove_padding and self.share_prompt_prefix
 
 
 class DataConfig(_Section):

@@ -213,7 +213,9 @@ def test_ids_scored_are_the_engines_turns_plus_rendered_tool_turns(caller, rollo
 
 
 def test_actor_log_probs_equal_the_engines_on_model_tokens_only(caller, rollout):
+    from rlcore.workers.attention import use_packed_attention
     from rlcore.workers.loops import MicroBatching
+    from rlcore.workers.packed import pack_rows
     from rlcore.workers.policy import PolicyLogProbs
 
     model = caller[2]
@@ -221,11 +223,16 @@ def test_actor_log_probs_equal_the_engines_on_model_tokens_only(caller, rollout)
     mask = gen["response_mask"].bool()
     tool = (gen["attention_mask"][:, gen["prompts"].shape[1]:].bool()) & ~mask
     assert tool.any() and mask.any()
-    for packed in (True, False):
+    # padded, packed, and packed with a prompt's n trajectories holding it once (rlcore's attention)
+    for packed, share in ((True, False), (False, False), (True, True)):
         model.config._attn_implementation = "sdpa"
-        lp = PolicyLogProbs(temperature=1.0, chunk_tokens=1024, backend="torch").no_grad(
-            model, gen, "lp", MicroBatching(64, packed, 4096), torch.device("cpu"))["lp"]
+        if share:
+            use_packed_attention(model)
+        lp = PolicyLogProbs(temperature=1.0, chunk_tokens=1024, backend="torch", share_prompts=share).no_grad(
+            model, gen, "lp", MicroBatching(64, packed, 4096, share_prompts=share), torch.device("cpu"))["lp"]
         torch.testing.assert_close(lp[mask], gen["rollout_log_probs"][mask], atol=2e-5, rtol=0)
+    model.config._attn_implementation = "sdpa"
+    assert pack_rows(gen["attention_mask"], gen["responses"].shape[1], gen["input_ids"]).shared_tokens > 0  # it did share
     assert not gen["rollout_log_probs"][tool].any()
 
 

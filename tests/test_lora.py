@@ -19,8 +19,10 @@ from rlcore.protocol import Batch
 from rlcore.rollout import SamplingParams
 from rlcore.rollout.hf import HFRolloutEngine
 from rlcore.workers.actor import ActorWorker, ReferenceWorker
+from rlcore.workers.attention import use_packed_attention
 from rlcore.workers.lora import apply_lora, merge_adapter
 from rlcore.workers.modeling import check_lm_head, check_packed_forward, response_log_probs
+from rlcore.workers.packed import pack_rows
 
 VOCAB = 96
 
@@ -115,6 +117,19 @@ def test_adapter_keeps_head_and_packing_checks_and_counts(arch):
     padded, _ = response_log_probs(model, batch, 1.0, remove_padding=False)
     mask = batch["response_mask"]
     torch.testing.assert_close(packed * mask, padded * mask, atol=1e-5, rtol=0)
+    # on rlcore's attention, rows with one prompt (0 and 1, 4 and 5 here) hold it once: same log-probs
+    use_packed_attention(model)
+    check_packed_forward(model)
+    shared_batch = _batch()
+    for a, b in ((0, 1), (4, 5)):
+        shared_batch["input_ids"][b, :6] = shared_batch["input_ids"][a, :6]
+        shared_batch["attention_mask"][b, :6] = shared_batch["attention_mask"][a, :6]
+    shared_batch["position_ids"] = (shared_batch["attention_mask"].cumsum(-1) - 1).clamp(min=0)
+    assert pack_rows(shared_batch["attention_mask"], 5, shared_batch["input_ids"]).shared_tokens == 12  # rows 1 and 5 hold no prompt
+    shared, _ = response_log_probs(model, shared_batch, 1.0, remove_padding=True, share_prompts=True)
+    unshared, _ = response_log_probs(model, shared_batch, 1.0, remove_padding=False)
+    torch.testing.assert_close(shared * mask, unshared * mask, atol=1e-5, rtol=0)
+    model.config._attn_implementation = "sdpa"
     with adapter.disabled():  # the base: what the model computed before the adapter
         base_lp, _ = response_log_probs(model, batch, 1.0)
     fresh, _ = response_log_probs(ARCHS[arch](), batch, 1.0)

@@ -284,7 +284,10 @@ def test_factory(model, tmp_path):
     assert loaded.eos_token_ids == [2] and loaded.pad_token_id == PAD
     batch = prompt_batch([3, 5])
     params = SamplingParams(max_new_tokens=6, seed=0)
-    assert loaded.generate(batch, params).equal(eng.generate(batch, params))
+    got, want = loaded.generate(batch, params), eng.generate(batch, params)
+    assert loaded.model.config._attn_implementation == "rlcore_decode"  # its own model: no KV heads repeated per token
+    assert torch.equal(got["responses"], want["responses"])
+    torch.testing.assert_close(got["rollout_log_probs"], want["rollout_log_probs"], atol=1e-6, rtol=0)
 
 
 def test_sleep_wake_noop_on_cpu(model):
@@ -322,3 +325,29 @@ def test_cuda_generate_sleep_wake():
     ref = reference_log_probs(m, a.to("cuda"), 1.0).cpu()
     mask = a["response_mask"]
     torch.testing.assert_close(a["rollout_log_probs"] * mask, ref * mask, atol=1e-4, rtol=0)
+
+
+@pytest.mark.parametrize("kv_heads", [2, 1])
+def test_decode_attention_without_repeated_kv_heads_equals_sdpa(kv_heads):
+    """`rlcore_decode` (what `from_pretrained` engines run: one decoding step of a grouped-query
+    model attends with a KV head's query heads as its queries) gives transformers' SDPA tokens and
+    log-probs, through early stops, cache compaction and left padding."""
+    from rlcore.rollout.decode_attention import DECODE, use_decode_attention
+
+    torch.manual_seed(0)
+    cfg = LlamaConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                      num_key_value_heads=kv_heads, max_position_embeddings=128, tie_word_embeddings=True,
+                      pad_token_id=PAD, bos_token_id=1, eos_token_id=2, initializer_range=0.4)
+    plain = LlamaForCausalLM(cfg).eval()
+    grouped = LlamaForCausalLM(cfg).eval()
+    grouped.load_state_dict(plain.state_dict())
+    assert use_decode_attention(grouped).config._attn_implementation == DECODE
+    batch = prompt_batch([5, 9, 2, 7, 4, 6])
+    params = SamplingParams(n=3, temperature=0.8, max_new_tokens=16, seed=11)
+    want = engine_for(plain, eos=(2, 5, 9)).generate(batch, params)
+    got = engine_for(grouped, eos=(2, 5, 9)).generate(batch, params)
+    assert got["response_mask"].sum(1).min() < got["response_mask"].sum(1).max()  # rows stopped at different steps
+    assert torch.equal(got["responses"], want["responses"])
+    torch.testing.assert_close(got["rollout_log_probs"], want["rollout_log_probs"], atol=1e-5, rtol=0)
+    mask = got["response_mask"]
+    torch.testing.assert_close(got["rollout_log_probs"] * mask, reference_log_probs(plain, got, 0.8) * mask, atol=1e-5, rtol=0)

@@ -85,14 +85,32 @@ def _batch(seed: int = 0) -> Batch:
     return Batch(tensors=t, info={"temperature": 0.9})
 
 
+def _shared_batch() -> Batch:
+    """`_batch` plus rows that repeat rows 0's and 2's prompts with responses of their own (what
+    `model.share_prompt_prefix` holds once per packed row)."""
+    batch = _batch()
+    g = torch.Generator().manual_seed(1)
+    t = {k: v for k, v in batch.tensors.items()}
+    p = t["input_ids"].shape[1] - t["responses"].shape[1]
+    extra = sequence_tensors([t["input_ids"][i, p - n:].tolist()[:n] for i, n in ((0, 7), (0, 7), (2, 5))],
+                             [torch.randint(1, VOCAB, (n,), generator=g).tolist() for n in (3, 6, 2)], pad_id=0,
+                             prompt_width=p, response_width=t["responses"].shape[1])
+    r = t["responses"].shape[1]
+    extra.update(advantages=torch.randn(3, 1, generator=g).expand(3, r).contiguous(),
+                 old_log_probs=-3.0 + 0.1 * torch.randn(3, r, generator=g), ref_log_probs=-3.0 + 0.1 * torch.randn(3, r, generator=g))
+    return Batch.concat([batch, Batch(tensors=extra, info=dict(batch.info))])
+
+
 ACTOR = ActorConfig(entropy_coeff=0.01, use_kl_loss=True, loss_agg_mode="seq-mean-token-mean", logprob_chunk_tokens=7)
 LOG_PROBS = PolicyLogProbs(1.0, chunk_tokens=7, backend="torch")
+SHARED_LOG_PROBS = PolicyLogProbs(1.0, chunk_tokens=7, backend="torch", share_prompts=True)
 
 
-def _loss_and_grads(model: torch.nn.Module, batch: Batch, counts: GlobalCounts) -> tuple[float, dict[str, torch.Tensor]]:
+def _loss_and_grads(model: torch.nn.Module, batch: Batch, counts: GlobalCounts, log_probs: PolicyLogProbs = LOG_PROBS,
+                    ) -> tuple[float, dict[str, torch.Tensor]]:
     """The actor's loss on `batch` normalised by `counts`, and its gradients."""
     model.zero_grad(set_to_none=True)
-    objective = PolicyObjective(ACTOR, get_policy_loss("vanilla"), LOG_PROBS, model)
+    objective = PolicyObjective(ACTOR, get_policy_loss("vanilla"), log_probs, model)
     out = objective(batch, counts)(batch)
     out.loss.backward()
     return float(out.loss.detach()), {n: p.grad.clone() for n, p in model.named_parameters()}
@@ -212,6 +230,10 @@ def _free_port() -> int:
         return int(s.getsockname()[1])
 
 
+# every architecture, checkpointing on the Llama, prompts shared in the packed row on the Qwen2 with GQA
+SP_CASES = [("llama", "plain"), ("llama", "checkpointing"), ("qwen2-gqa", "plain"), ("qwen2-1kv", "plain"), ("qwen2-gqa", "shared")]
+
+
 def _sp_rank(rank: int, world_size: int, port: int, work: Path) -> None:
     import torch.distributed as dist
 
@@ -219,24 +241,24 @@ def _sp_rank(rank: int, world_size: int, port: int, work: Path) -> None:
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size)
     try:
         out = {}
-        batch = _batch()
-        for arch in ARCHS:
-            for checkpointing in ((False, True) if arch == "llama" else (False,)):
-                model = _model(arch, checkpointing=checkpointing)
-                enable_sequence_parallel(model, world_size, torch.device("cpu"), "actor.ulysses_sequence_parallel_size")
-                model.train()
-                with torch.no_grad():
-                    logp, entropy = LOG_PROBS(model, batch, compute_entropy=True)
-                # both ranks hold the batch: the counts summed over ranks are twice its own
-                loss_share, grads = _loss_and_grads(model, batch, _counts(batch, world_size))
-                for g in grads.values():
-                    dist.all_reduce(g)  # what FSDP's reduction sums
-                loss = torch.tensor([loss_share])
-                dist.all_reduce(loss)
-                critic = _model(arch, "value", seed=1, checkpointing=checkpointing)
-                enable_sequence_parallel(critic, world_size, torch.device("cpu"), "critic.ulysses_sequence_parallel_size")
-                values = response_values(critic, batch)
-                out[arch, checkpointing] = dict(logp=logp, entropy=entropy, loss=float(loss), grads=grads, values=values.detach())
+        for arch, variant in SP_CASES:
+            shared = variant == "shared"
+            batch, log_probs = (_shared_batch(), SHARED_LOG_PROBS) if shared else (_batch(), LOG_PROBS)
+            model = _model(arch, checkpointing=variant == "checkpointing")
+            enable_sequence_parallel(model, world_size, torch.device("cpu"), "actor.ulysses_sequence_parallel_size")
+            model.train()
+            with torch.no_grad():
+                logp, entropy = log_probs(model, batch, compute_entropy=True)
+            # both ranks hold the batch: the counts summed over ranks are twice its own
+            loss_share, grads = _loss_and_grads(model, batch, _counts(batch, world_size), log_probs)
+            for g in grads.values():
+                dist.all_reduce(g)  # what FSDP's reduction sums
+            loss = torch.tensor([loss_share])
+            dist.all_reduce(loss)
+            critic = _model(arch, "value", seed=1, checkpointing=variant == "checkpointing")
+            enable_sequence_parallel(critic, world_size, torch.device("cpu"), "critic.ulysses_sequence_parallel_size")
+            values = response_values(critic, batch, share_prompts=shared)
+            out[arch, variant] = dict(logp=logp, entropy=entropy, loss=float(loss), grads=grads, values=values.detach())
         torch.save(out, work / f"sp_rank{rank}.pt")
     finally:
         dist.destroy_process_group()
@@ -248,23 +270,25 @@ def test_two_sequence_parallel_ranks_compute_what_one_process_does(tmp_path):
 
     mp.spawn(_sp_rank, args=(2, _free_port(), tmp_path), nprocs=2)
     ranks = [torch.load(tmp_path / f"sp_rank{r}.pt", weights_only=False) for r in range(2)]
-    batch = _batch()
-    for arch, checkpointing in ranks[0]:
-        what = f"{arch}{' + checkpointing' if checkpointing else ''}"
+    for arch, variant in ranks[0]:
+        what = f"{arch} ({variant})"
+        shared = variant == "shared"
+        batch, log_probs = (_shared_batch(), SHARED_LOG_PROBS) if shared else (_batch(), LOG_PROBS)
         model = _model(arch)
         model.train()
         with torch.no_grad():
-            logp, entropy = LOG_PROBS(model, batch, compute_entropy=True)
-        loss, grads = _loss_and_grads(model, batch, _counts(batch))
-        values = response_values(_model(arch, "value", seed=1), batch).detach()
+            logp, entropy = log_probs(model, batch, compute_entropy=True)
+        loss, grads = _loss_and_grads(model, batch, _counts(batch), log_probs)
+        values = response_values(_model(arch, "value", seed=1), batch, share_prompts=shared).detach()
         assert float(logp.abs().sum()) > 1.0 and float(values.abs().sum()) > 0.1
         for r in ranks:
-            got = r[arch, checkpointing]
+            got = r[arch, variant]
             torch.testing.assert_close(got["logp"], logp, atol=1e-5, rtol=0, msg=what)
             torch.testing.assert_close(got["entropy"], entropy, atol=1e-5, rtol=0, msg=what)
             torch.testing.assert_close(got["values"], values, atol=1e-5, rtol=0, msg=what)
             assert got["loss"] == pytest.approx(loss, abs=1e-5), what
             _assert_grads_close(got["grads"], grads, what)
+    assert list(ranks[0]) == SP_CASES
 
 
 # ----- through the workers: Ray, FSDP2 over both ranks, actor + reference + critic colocated ----------

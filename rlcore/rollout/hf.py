@@ -20,6 +20,7 @@ from transformers import AutoModelForCausalLM, PreTrainedModel
 
 from rlcore.protocol import Batch
 from rlcore.rollout.base import SamplingParams
+from rlcore.rollout.decode_attention import use_decode_attention
 from rlcore.rollout.kv_cache import make_decode_cache
 from rlcore.rollout.output import check_left_padded, left_pad, rollout_output
 from rlcore.rollout.sampling import choose_tokens, keyed_uniforms
@@ -79,6 +80,7 @@ class HFRolloutEngine:
                 if not eos_token_ids:
                     raise ValueError(f"{path}: config has neither pad_token_id nor eos_token_id; pass pad_token_id")
                 pad_token_id = eos_token_ids[0]
+        use_decode_attention(model)  # its own model: SDPA without repeating KV heads for each decoded token
         return cls(model, pad_token_id=pad_token_id, eos_token_ids=eos_token_ids, device=device)
 
     # ------------------------------------------------------------------ generation

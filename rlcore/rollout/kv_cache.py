@@ -49,15 +49,21 @@ class PreallocatedLayer(DynamicLayer):
 
     def batch_repeat_interleave(self, repeats: int) -> None:
         if self.is_initialized:
-            self._k = self._k.repeat_interleave(repeats, dim=0)
-            self._v = self._v.repeat_interleave(repeats, dim=0)
+            self._k, self._v = (self._rows(t, torch.arange(t.shape[0], device=t.device).repeat_interleave(repeats))
+                                for t in (self._k, self._v))
             self._refresh()
 
     def batch_select_indices(self, indices: torch.Tensor) -> None:
         if self.is_initialized:
-            self._k = self._k[indices]
-            self._v = self._v[indices]
+            self._k, self._v = (self._rows(t, indices) for t in (self._k, self._v))
             self._refresh()
+
+    def _rows(self, buffer: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+        """A new buffer of the rows `index` of `buffer`: only the positions written so far are
+        copied (the rest of the capacity is not yet meaningful)."""
+        out = buffer.new_empty(index.shape[0], *buffer.shape[1:])
+        torch.index_select(buffer[:, :, : self.length], 0, index, out=out[:, :, : self.length])
+        return out
 
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
         self.batch_select_indices(beam_idx)

@@ -141,7 +141,7 @@ class ActorWorker(Worker):
 
     @property
     def settings(self) -> UpdateSettings:
-        return UpdateSettings.of(self.config.actor)
+        return UpdateSettings.of(self.config.actor, self.config.model.shares_prompts)
 
     @register(dispatch=Dispatch.DP_BALANCED)
     def compute_log_prob(self, batch: Batch) -> Batch:
@@ -280,4 +280,5 @@ class ReferenceWorker(Worker):
     @register(dispatch=Dispatch.DP_BALANCED)
     def compute_ref_log_prob(self, batch: Batch) -> Batch:
         log_probs = PolicyLogProbs.of(self.config)
-        return log_probs.no_grad(self.model, batch, "ref_log_probs", MicroBatching.of(self.config.actor), self.device)
+        micro = MicroBatching.of(self.config.actor, self.config.model.shares_prompts)
+        return log_probs.no_grad(self.model, batch, "ref_log_probs", micro, self.device)

@@ -24,12 +24,15 @@ tokens of a subset of heads around `varlen_attention`.
 
 from __future__ import annotations
 
+import itertools
 from functools import cache
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from rlcore.workers.packed import SHARED_PROMPTS_KWARG, SharedPrompts
 
 VARLEN = "rlcore_varlen"
 SEQUENCE_PARALLEL_KWARG = "rlcore_sequence_parallel"  # a `ulysses.SequenceParallel`, passed through the backbone
@@ -44,26 +47,77 @@ def varlen_attention(
     *,
     scale: float | None,
     dropout: float = 0.0,
+    shared: SharedPrompts | None = None,
 ) -> torch.Tensor:
     """Causal attention of each packed sequence to itself: query `[1, H, T, D]`, key and value
-    `[1, H_kv, T, D]`; returns `[1, T, H, D]` (transformers' attention output layout)."""
+    `[1, H_kv, T, D]`; returns `[1, T, H, D]` (transformers' attention output layout). With
+    `shared`, the tokens before `cu_seqlens[0]` are responses that attend to a prompt elsewhere in
+    the row (`rlcore.workers.packed.SharedPrompts`)."""
     if query.shape[0] != 1:
         raise ValueError(f"packed attention takes one packed row, got a batch of {query.shape[0]}")
     if _use_flash_attn(query):
+        if shared is not None:
+            raise ValueError("shared prompts reached the flash-attn path, which does not take them (see prompt_sharing)")
         from flash_attn import flash_attn_varlen_func
 
         q, k, v = (t[0].transpose(0, 1) for t in (query, key, value))  # [T, heads, D]
         cu = cu_seqlens.to(device=query.device, dtype=torch.int32)
         out = flash_attn_varlen_func(q, k, v, cu, cu, max_seqlen, max_seqlen, dropout_p=dropout, softmax_scale=scale, causal=True)
         return out.unsqueeze(0)
-    lens = [int(x) for x in torch.diff(cu_seqlens).tolist()]
+    bounds = [int(x) for x in cu_seqlens.tolist()]
+    if bounds[0] != (shared.tokens if shared is not None else 0) or bounds[-1] != query.shape[2]:
+        raise ValueError(f"cu_seqlens {bounds[0]}..{bounds[-1]} do not cover the {query.shape[2]} packed tokens after the "
+                         f"{shared.tokens if shared is not None else 0} shared-prompt responses")
+    # One SDPA per run of equal-length sequences (pack_rows orders them by length), [count, heads, length, D] views.
+    runs = [(len(list(group)), length) for length, group in itertools.groupby(b - a for a, b in zip(bounds, bounds[1:]))]
+    sizes = [count * length for count, length in runs]
     gqa = query.shape[1] != key.shape[1]
-    parts = [
-        F.scaled_dot_product_attention(q, k, v, dropout_p=dropout, is_causal=True, scale=scale, enable_gqa=gqa)
-        for q, k, v in zip(query.split(lens, 2), key.split(lens, 2), value.split(lens, 2))
-        if q.shape[2]
-    ]
-    return torch.cat(parts, 2).transpose(1, 2)
+    # squeeze, not [0]: a view whose backward is a view too (select's writes its gradient into a zeroed copy of the row)
+    query, key, value = (t.squeeze(0) for t in (query, key, value))  # [heads, tokens, D]
+    q_parts, k_parts, v_parts = (t.split([bounds[0], *sizes], 1) for t in (query, key, value))
+    outs = []
+    if shared is not None and shared.buckets:
+        outs += _shared_prompt_attention(q_parts[0], key, value, shared, scale=scale, dropout=dropout, gqa=gqa)
+    for (count, length), q, k, v in zip(runs, q_parts[1:], k_parts[1:], v_parts[1:]):
+        if length:
+            out = F.scaled_dot_product_attention(_batched(q, count), _batched(k, count), _batched(v, count), dropout_p=dropout,
+                                                 is_causal=True, scale=scale, enable_gqa=gqa)
+            outs.append(out.transpose(1, 2).reshape(count * length, *out.shape[1:2], out.shape[-1]))
+    return torch.cat(outs).unsqueeze(0)
+
+
+def _shared_prompt_attention(
+    query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, shared: SharedPrompts, *, scale: float | None,
+    dropout: float, gqa: bool,
+) -> list[torch.Tensor]:
+    """Outputs `[count * response, H, D]` per bucket of the responses whose prompt another row holds:
+    query `[H, shared.tokens, D]` (theirs), key/value `[H_kv, T, D]` (the whole row), gathered per
+    response as its prompt then itself."""
+    keys, values = (t.index_select(1, shared.key_index) for t in (key, value))
+    key_sizes = [count * (prompt + response) for count, prompt, response in shared.buckets]
+    q_parts = query.split([count * response for count, _, response in shared.buckets], 1)
+    outs = []
+    for (count, prompt, response), q, k, v in zip(shared.buckets, q_parts, keys.split(key_sizes, 1), values.split(key_sizes, 1)):
+        visible = torch.arange(prompt + response, device=q.device)[None, :] <= torch.arange(response, device=q.device)[:, None] + prompt
+        out = F.scaled_dot_product_attention(_batched(q, count), _batched(k, count), _batched(v, count), attn_mask=visible,
+                                             dropout_p=dropout, scale=scale, enable_gqa=gqa)
+        outs.append(out.transpose(1, 2).reshape(count * response, *out.shape[1:2], out.shape[-1]))
+    return outs
+
+
+def _batched(x: torch.Tensor, count: int) -> torch.Tensor:
+    """`[heads, count * length, D]` as `[count, heads, length, D]` (a view)."""
+    return x.unflatten(1, (count, x.shape[1] // count)).transpose(0, 1)
+
+
+def prompt_sharing(model: nn.Module) -> bool:
+    """Whether `model`'s packed attention takes shared prompts: rlcore's (`use_packed_attention`; any
+    other attention would drop the keyword and let followers see no prompt) on every path but
+    flash-attn's."""
+    if getattr(model.config, "_attn_implementation", None) != VARLEN:
+        return False
+    weight = model.get_input_embeddings().weight
+    return not (weight.is_cuda and weight.dtype in (torch.float16, torch.bfloat16) and _flash_attn_installed())
 
 
 @cache
@@ -106,10 +160,11 @@ def _attention(
         what = ", ".join(unsupported) or "non-causal attention"
         raise ValueError(f"{type(module).__name__}: rlcore's packed-sequence attention does not support {what}; "
                          "set model.use_remove_padding=false for this model")
-    sequence_parallel = kwargs.get(SEQUENCE_PARALLEL_KWARG)
+    sequence_parallel, shared = kwargs.get(SEQUENCE_PARALLEL_KWARG), kwargs.get(SHARED_PROMPTS_KWARG)
     if sequence_parallel is not None:
-        return sequence_parallel.attention(query, key, value, cu_seqlens, max_seqlen, scale=scaling, dropout=dropout), None
-    out = varlen_attention(query, key, value, cu_seqlens, max_seqlen, scale=scaling, dropout=dropout)
+        return sequence_parallel.attention(query, key, value, cu_seqlens, max_seqlen, scale=scaling, dropout=dropout,
+                                           shared=shared), None
+    out = varlen_attention(query, key, value, cu_seqlens, max_seqlen, scale=scaling, dropout=dropout, shared=shared)
     return out, None
 
 
@@ -157,4 +212,4 @@ def use_packed_attention(model: nn.Module) -> nn.Module:
     return model
 
 
-__all__ = ["SEQUENCE_PARALLEL_KWARG", "VARLEN", "register", "use_packed_attention", "varlen_attention"]
+__all__ = ["SEQUENCE_PARALLEL_KWARG", "VARLEN", "prompt_sharing", "register", "use_packed_attention", "varlen_attention"]

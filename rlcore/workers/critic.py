@@ -51,6 +51,7 @@ def critic_settings(config: Config) -> UpdateSettings:
         _or(c.micro_batch_size, a.micro_batch_size),
         _or(c.dynamic_batch_size, a.dynamic_batch_size),
         _or(c.max_tokens_per_micro_batch, a.max_tokens_per_micro_batch),
+        config.model.shares_prompts,
     )
     return UpdateSettings(c.ppo_epochs, _or(c.ppo_mini_batch_size, a.ppo_mini_batch_size), micro, c.optim.grad_clip)
 
@@ -62,6 +63,7 @@ class ValueObjective:
     config: CriticConfig
     model: nn.Module
     remove_padding: bool = True  # packed sequences (`model.use_remove_padding`)
+    share_prompts: bool = False  # a packed row holds each prompt once (`model.share_prompt_prefix`)
 
     def __call__(self, mini: Batch, counts: GlobalCounts) -> MicroLossFn:
         return partial(self.micro_loss, norm=dict(global_token_count=counts.tokens, global_seq_count=counts.rows))
@@ -69,7 +71,7 @@ class ValueObjective:
     def micro_loss(self, mb: Batch, norm: dict[str, float]) -> MicroLoss:
         mask = mb["response_mask"].float()
         loss, clipfrac = compute_value_loss(
-            response_values(self.model, mb, self.remove_padding),
+            response_values(self.model, mb, self.remove_padding, self.share_prompts),
             mb["returns"],
             mb["values"],
             mask,
@@ -120,8 +122,9 @@ class CriticWorker(Worker):
 
     @register(dispatch=Dispatch.DP_BALANCED)
     def compute_values(self, batch: Batch) -> Batch:
-        packed = self.config.model.use_remove_padding
-        out = forward_no_grad(self.model, batch, lambda mb: {"values": response_values(self.model, mb, packed)}, self.settings.micro, self.device)
+        packed, share = self.config.model.use_remove_padding, self.config.model.shares_prompts
+        out = forward_no_grad(self.model, batch, lambda mb: {"values": response_values(self.model, mb, packed, share)},
+                              self.settings.micro, self.device)
         return Batch(tensors={"values": out["values"] * batch["response_mask"].float().cpu()})
 
     @register(dispatch=Dispatch.DP_BALANCED)
@@ -129,7 +132,8 @@ class CriticWorker(Worker):
         """One training step: `critic.ppo_epochs` passes over mini-batches of `critic.ppo_mini_batch_size`
         prompts (with their `rollout.n` responses each)."""
         rows = self.settings.mini_batch_rows(int(batch.info.get("n", self.config.rollout.n)), self.world_size // self.ranks_per_shard)
-        objective = ValueObjective(self.config.critic, self.model, self.config.model.use_remove_padding)
+        objective = ValueObjective(self.config.critic, self.model, self.config.model.use_remove_padding,
+                                   self.config.model.shares_prompts)
         result = run_update(self.trained, batch, objective, self.settings, mini_batch_rows=rows, device=self.device)
         out = {f"critic/{k}": v for k, v in result.metrics.items()}
         out.update({"critic/vf_loss": result.loss, "critic/grad_norm": result.grad_norm, "critic/bad_updates": float(result.skipped_steps),

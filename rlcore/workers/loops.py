@@ -21,6 +21,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Protocol
 
+import numpy as np
 import torch
 from torch import nn
 
@@ -28,6 +29,7 @@ from rlcore.config import ActorConfig
 from rlcore.packing import pack_token_budget
 from rlcore.protocol import Batch
 from rlcore.workers.fsdp import distributed_world, equalize_micro_batches, to_full
+from rlcore.workers.packed import prompt_leaders
 from rlcore.workers.ranks import RankSummedMeans, global_sums
 from rlcore.workers.trainable import Trainable
 from rlcore.workers.weight_health import weight_health
@@ -45,20 +47,54 @@ class MicroBatching:
     size: int        # rows per micro-batch when not dynamic
     dynamic: bool    # pack rows into micro-batches of at most `max_tokens` tokens
     max_tokens: int
+    share_prompts: bool = False  # packed rows hold a prompt once (`model.share_prompt_prefix`): keep its rows together
 
     @classmethod
-    def of(cls, section: ActorConfig) -> MicroBatching:
+    def of(cls, section: ActorConfig, share_prompts: bool = False) -> MicroBatching:
         """From a config section with the actor's batch fields (`micro_batch_size`, ...)."""
-        return cls(section.micro_batch_size, section.dynamic_batch_size, section.max_tokens_per_micro_batch)
+        return cls(section.micro_batch_size, section.dynamic_batch_size, section.max_tokens_per_micro_batch, share_prompts)
 
-    def split(self, lengths: torch.Tensor, model: nn.Module, device: torch.device) -> list[list[int]]:
-        """Row indices per micro-batch; on FSDP ranks as many on every rank (some maybe empty)."""
+    def split(self, lengths: torch.Tensor, model: nn.Module, device: torch.device, batch: Batch | None = None) -> list[list[int]]:
+        """Row indices per micro-batch; on FSDP ranks as many on every rank (some maybe empty).
+
+        With `share_prompts` and a `batch` of sequences (`input_ids`, `responses`), the budget
+        counts a prompt once for the rows of a micro-batch that share it, and packs those rows
+        together (`prompt_units`) as far as the budget lets them be."""
         if self.dynamic:
-            groups = [list(idx) for idx in pack_token_budget(lengths.cpu().numpy(), self.max_tokens)]
+            if self.share_prompts and batch is not None and "input_ids" in batch and "responses" in batch:
+                p = batch["input_ids"].shape[1] - batch["responses"].shape[1]
+                real = batch["attention_mask"][:, :p].bool()
+                leaders = prompt_leaders(batch["input_ids"][:, :p], real)
+                units, tokens = prompt_units(leaders.tolist(), lengths.tolist(), real.sum(1).tolist(), self.max_tokens)
+                groups = [sorted(i for u in b for i in units[u]) for b in pack_token_budget(np.asarray(tokens), self.max_tokens)]
+            else:
+                groups = [list(idx) for idx in pack_token_budget(lengths.cpu().numpy(), self.max_tokens)]
         else:
             n = len(lengths)
             groups = [list(range(i, min(n, i + self.size))) for i in range(0, n, self.size)]
         return equalize_micro_batches(groups, model, device)
+
+
+def prompt_units(leaders: list[int], lengths: list[int], prompt_lengths: list[int], max_tokens: int) -> tuple[list[list[int]], list[int]]:
+    """Rows cut into packing units and each unit's tokens: the rows of one prompt (same leader) in
+    row order, a unit closed when the next row would take its tokens (the prompt once, plus each
+    row's own) past `max_tokens`; a row alone may exceed it."""
+    rows_of: dict[int, list[int]] = {}
+    for i, lead in enumerate(leaders):
+        rows_of.setdefault(lead, []).append(i)
+    units: list[list[int]] = []
+    tokens: list[int] = []
+    for rows in rows_of.values():
+        prompt, first = prompt_lengths[rows[0]], len(units)
+        for i in rows:
+            own = lengths[i] - prompt
+            if len(units) > first and tokens[-1] + own <= max_tokens:
+                units[-1].append(i)
+                tokens[-1] += own
+            else:
+                units.append([i])
+                tokens.append(lengths[i])
+    return units, tokens
 
 
 @dataclass(frozen=True)
@@ -71,9 +107,9 @@ class UpdateSettings:
     grad_clip: float
 
     @classmethod
-    def of(cls, section: ActorConfig) -> UpdateSettings:
+    def of(cls, section: ActorConfig, share_prompts: bool = False) -> UpdateSettings:
         """From a config section with the actor's batch fields (`ppo_epochs`, `ppo_mini_batch_size`, ...)."""
-        return cls(section.ppo_epochs, section.ppo_mini_batch_size, MicroBatching.of(section), section.optim.grad_clip)
+        return cls(section.ppo_epochs, section.ppo_mini_batch_size, MicroBatching.of(section, share_prompts), section.optim.grad_clip)
 
     def mini_batch_rows(self, rows_per_example: int, world_size: int) -> int:
         """Rows of one rank's mini-batch (an RL example is a prompt with `rollout.n` responses)."""
@@ -194,7 +230,7 @@ def _step_on(
     scale = float(distributed_world())  # FSDP averages gradients over ranks; the shares sum to the loss
     trained.optimizer.zero_grad(set_to_none=True)
     totals: dict[str, float] = defaultdict(float)
-    for idx in settings.micro.split(lengths(mini), trained.model, device):
+    for idx in settings.micro.split(lengths(mini), trained.model, device, mini):
         out = micro_loss(mini.take(idx or [0]))
         (out.loss * (scale if idx else 0.0)).backward()  # empty share: zero-weight pass for FSDP
         if not idx:
@@ -248,7 +284,7 @@ def forward_no_grad(
     out: dict[str, torch.Tensor] = {}
     sink = RowSink(out, 0, len(batch))
     try:
-        for idx in micro.split(attention_lengths(batch), model, device):
+        for idx in micro.split(attention_lengths(batch), model, device, batch):
             if not idx:  # keeps FSDP ranks in step; result unused
                 forward(batch.take([0]))
                 continue

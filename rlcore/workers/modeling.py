@@ -30,7 +30,7 @@ from transformers.utils import logging as hf_logging
 from rlcore.config import ModelConfig
 from rlcore.protocol import Batch
 from rlcore.triton_kernels import fused_token_logprobs
-from rlcore.workers.attention import SEQUENCE_PARALLEL_KWARG, use_packed_attention
+from rlcore.workers.attention import SEQUENCE_PARALLEL_KWARG, prompt_sharing, use_packed_attention
 from rlcore.workers.packed import PackedRows, pack_rows, token_tally
 from rlcore.workers.ulysses import SequenceParallel, sequence_parallel_of
 
@@ -258,8 +258,12 @@ def forward_sequence_scores(model: nn.Module, input_ids: torch.Tensor, attention
     if remove_padding:
         packed = pack_rows(attention_mask, 0)
         hidden = _packed_forward(_backbone(model), model, input_ids, packed, None).last_hidden_state[0]  # no sequence parallelism
-        starts = packed.cu_seqlens[:-1].long()
-        picked = hidden.index_select(0, last_scored_index(packed.pack(input_ids)[0], starts, lens, pad))
+        device = input_ids.device
+        seq_lens = torch.tensor(packed.seq_lens, dtype=torch.long, device=device)
+        scored = last_scored_index(packed.pack(input_ids)[0], packed.cu_seqlens[:-1].long(), seq_lens, pad)
+        sequence_of_row = torch.empty_like(scored)  # the packing orders sequences by length, not by row
+        sequence_of_row[torch.tensor(packed.sequence_rows, device=device)] = torch.arange(scored.numel(), device=device)
+        picked = hidden.index_select(0, scored.index_select(0, sequence_of_row))
     else:
         n, width = input_ids.shape
         out = _backbone(model)(input_ids=input_ids, attention_mask=attention_mask, use_cache=False)
@@ -394,24 +398,29 @@ def check_lm_head(model: nn.Module, probe_tokens: int = 8) -> LMHead:
 
 
 @torch.no_grad()
-def check_packed_forward(model: nn.Module, lengths: tuple[int, ...] = (5, 3)) -> None:
+def check_packed_forward(model: nn.Module) -> None:
     """Refuse (ValueError naming `model.use_remove_padding`) a model whose backbone gives other
     hidden states on a packed row than on each sequence alone: an architecture whose attention or
-    positions ignore the packing would train on sequences that see each other. Checked on two
-    short probe sequences; tolerance 1e-4 (float32) or 3e-2 (bf16) of the largest hidden value."""
+    positions ignore the packing would train on sequences that see each other. Checked on three
+    short probe rows, two of them with one prompt, packed with that prompt shared where the model's
+    attention takes it; tolerance 1e-4 (float32) or 3e-2 (bf16) of the largest hidden value."""
     embeddings = model.get_input_embeddings().weight
     vocab, device = embeddings.shape[0], embeddings.device
-    width = max(lengths)
-    ids = (torch.arange(len(lengths) * width, device=device).view(len(lengths), width) * 7919 + 11) % vocab
-    mask = (torch.arange(width, device=device)[None, :] >= width - torch.tensor(lengths, device=device)[:, None]).long()
+    # [prompt | response] per row, left-padded prompts of 3 columns, right-padded responses of 2
+    ids = (torch.arange(15, device=device).view(3, 5) * 7919 + 11) % vocab
+    ids[1, :3] = ids[0, :3]  # rows 0 and 1 share their prompt
+    mask = torch.tensor([[1, 1, 1, 1, 1], [1, 1, 1, 1, 0], [0, 1, 1, 1, 1]], device=device)
     backbone = _backbone(model)
     was_training = model.training
     model.eval()
     try:
-        alone = torch.cat([backbone(input_ids=ids[i, width - n:][None], use_cache=False).last_hidden_state[0]
-                           for i, n in enumerate(lengths)])
-        packed = pack_rows(mask, 0)
+        alone = torch.zeros(3, 5, embeddings.shape[1], dtype=embeddings.dtype, device=device)
+        for i in range(3):
+            real = mask[i].bool()
+            alone[i, real] = backbone(input_ids=ids[i, real][None], use_cache=False).last_hidden_state[0]
+        packed = pack_rows(mask, 2, ids if prompt_sharing(model) else None)
         together = backbone(input_ids=packed.pack(ids), use_cache=False, **packed.backbone_kwargs()).last_hidden_state[0]
+        alone = alone.reshape(15, -1).index_select(0, packed.token_index)
     finally:
         model.train(was_training)
     low_precision = embeddings.dtype != torch.float32
@@ -429,10 +438,14 @@ def _backbone(model: nn.Module) -> nn.Module:
     return getattr(model, model.base_model_prefix)
 
 
-def _packing(model: nn.Module, attention_mask: torch.Tensor, response_len: int) -> tuple[PackedRows, SequenceParallel | None]:
+def _packing(
+    model: nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor, response_len: int, share_prompts: bool
+) -> tuple[PackedRows, SequenceParallel | None]:
     """The packed row of a micro-batch, or with sequence parallelism this rank's slice of it, and
-    the group (whose `gather` then completes the per-response-token results)."""
-    packed = pack_rows(attention_mask, response_len)
+    the group (whose `gather` then completes the per-response-token results). `share_prompts`:
+    rows with the same prompt hold it once, where the model's attention path takes that."""
+    share = share_prompts and prompt_sharing(model)
+    packed = pack_rows(attention_mask, response_len, input_ids if share else None)
     sp = sequence_parallel_of(model)
     return (packed, None) if sp is None else (packed.shard(sp.rank, sp.size), sp)
 
@@ -443,7 +456,7 @@ def _packed_forward(module: nn.Module, model: nn.Module, input_ids: torch.Tensor
     if sp is not None:
         kwargs[SEQUENCE_PARALLEL_KWARG] = sp
     out = module(input_ids=packed.pack(input_ids), use_cache=False, **kwargs)
-    token_tally(model).add(packed.tokens, packed.real_tokens)
+    token_tally(model).add(packed.tokens, packed.real_tokens + packed.shared_tokens)
     return out
 
 
@@ -475,16 +488,19 @@ def response_log_probs(
     compute_entropy: bool = False,
     backend: str = "auto",
     remove_padding: bool = True,
+    share_prompts: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Per-token log-probs (and entropy) of `batch["responses"]` under `model`, both [N, R]
-    (0 at padded response positions when `remove_padding`).
+    (0 at padded response positions when `remove_padding`; `share_prompts`: packed rows with the
+    same prompt hold it once, `model.share_prompt_prefix`).
 
     An FSDP-sharded model carries this computation as a registered forward method (see
     `rlcore.workers.fsdp.shard_model`) so its root parameters are gathered around it.
     """
     fn = getattr(model, "rlcore_response_log_probs", None)
     args = (batch["input_ids"], batch["attention_mask"], batch["position_ids"], batch["responses"], float(temperature))
-    kwargs = dict(chunk_tokens=chunk_tokens, compute_entropy=compute_entropy, backend=backend, remove_padding=remove_padding)
+    kwargs = dict(chunk_tokens=chunk_tokens, compute_entropy=compute_entropy, backend=backend, remove_padding=remove_padding,
+                  share_prompts=share_prompts)
     if fn is not None:
         return fn(*args, **kwargs)
     return forward_response_log_probs(model, *args, **kwargs)
@@ -502,6 +518,7 @@ def forward_response_log_probs(
     compute_entropy: bool = False,
     backend: str = "auto",
     remove_padding: bool = True,
+    share_prompts: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """The computation behind `response_log_probs` (what FSDP registers as a forward method).
 
@@ -510,7 +527,7 @@ def forward_response_log_probs(
     precision the backbone computes in bf16 and so does the head (as FSDP2 casts it), and with CPU
     offload the head's master copy lives on the host."""
     n, r = responses.shape
-    packed, sp = _packing(model, attention_mask, r) if remove_padding else (None, None)
+    packed, sp = _packing(model, input_ids, attention_mask, r, share_prompts) if remove_padding else (None, None)
     if packed is not None:
         hidden = packed.predictors(_packed_forward(_backbone(model), model, input_ids, packed, sp).last_hidden_state)
         targets = packed.targets(responses)
@@ -546,12 +563,12 @@ def forward_response_log_probs(
     return logprobs, entropy
 
 
-def response_values(model: nn.Module, batch: Batch, remove_padding: bool = True) -> torch.Tensor:
+def response_values(model: nn.Module, batch: Batch, remove_padding: bool = True, share_prompts: bool = False) -> torch.Tensor:
     """Critic values of the states before each response token, [N, R] float32 (0 at padded
-    response positions when `remove_padding`)."""
+    response positions when `remove_padding`; `share_prompts` as in `response_log_probs`)."""
     response_len = batch["responses"].shape[1]
     if remove_padding:
-        packed, sp = _packing(model, batch["attention_mask"], response_len)
+        packed, sp = _packing(model, batch["input_ids"], batch["attention_mask"], response_len, share_prompts)
         out = _packed_forward(model, model, batch["input_ids"], packed, sp)
         values = packed.scatter(packed.predictors(out.logits).squeeze(-1).float())
         return values if sp is None else sp.gather(values)

@@ -23,18 +23,20 @@ class PolicyLogProbs:
     chunk_tokens: int
     backend: str
     remove_padding: bool = True  # packed sequences (`model.use_remove_padding`)
+    share_prompts: bool = False  # a packed row holds each prompt once (`model.share_prompt_prefix`)
 
     @classmethod
     def of(cls, config: Config) -> PolicyLogProbs:
         backend = "auto" if config.actor.fused_kernels else "torch"
-        return cls(config.rollout.temperature, config.actor.logprob_chunk_tokens, backend, config.model.use_remove_padding)
+        return cls(config.rollout.temperature, config.actor.logprob_chunk_tokens, backend, config.model.use_remove_padding,
+                   config.model.shares_prompts)
 
     def __call__(self, model: nn.Module, batch: Batch, compute_entropy: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Log-probs (and entropy) of `batch["responses"]`, both [N, R], with gradients."""
         temperature = float(batch.info.get("temperature", self.temperature))
         return response_log_probs(
             model, batch, temperature, chunk_tokens=self.chunk_tokens, compute_entropy=compute_entropy, backend=self.backend,
-            remove_padding=self.remove_padding,
+            remove_padding=self.remove_padding, share_prompts=self.share_prompts,
         )
 
     def no_grad(

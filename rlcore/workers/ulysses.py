@@ -35,6 +35,7 @@ from torch import nn
 
 from rlcore.workers.attention import varlen_attention
 from rlcore.workers.fsdp import distributed_world
+from rlcore.workers.packed import SharedPrompts
 
 _ATTRIBUTE = "rlcore_sequence_parallel"
 
@@ -57,13 +58,15 @@ class SequenceParallel:
         *,
         scale: float | None,
         dropout: float = 0.0,
+        shared: SharedPrompts | None = None,
     ) -> torch.Tensor:
         """Attention of the whole packed row from this rank's slice: query `[1, H, T/size, D]`,
-        key/value `[1, H_kv, T/size, D]`; returns this slice's output `[1, T/size, H, D]`."""
+        key/value `[1, H_kv, T/size, D]`; returns this slice's output `[1, T/size, H, D]`. `shared`:
+        the row's shared-prompt responses, as in `varlen_attention`."""
         if key.shape[1] < self.size:  # every rank needs a key/value head of its own
             key, value = (t.repeat_interleave(self.size // t.shape[1], dim=1) for t in (key, value))
         q, k, v = (self._all_heads_to_all_tokens(t) for t in (query, key, value))
-        out = varlen_attention(q, k, v, cu_seqlens, max_seqlen, scale=scale, dropout=dropout)
+        out = varlen_attention(q, k, v, cu_seqlens, max_seqlen, scale=scale, dropout=dropout, shared=shared)
         return self._all_tokens_to_all_heads(out)
 
     def gather(self, shares: torch.Tensor) -> torch.Tensor:

@@ -32,16 +32,28 @@ def _reshard(model: nn.Module) -> None:
 def weight_health(trained: Trainable, device: torch.device) -> tuple[float, float]:
     """(parameter L2 norm, count of non-finite elements in parameters and optimizer state), summed
     over ranks: what the run-health guard needs to stop an exploding or NaN model before it is saved."""
-    squares, bad = 0.0, 0.0
     _reshard(trained.model)  # after a forward FSDP2 may hold full parameters: summed over ranks, they count twice
     with torch.no_grad():
-        for p in trained.model.parameters():
-            local = _local(p.detach()).float()
-            squares += float(local.square().sum())
-            bad += float((~torch.isfinite(local)).sum())
-        for state in trained.optimizer.state.values():
-            for value in state.values():
-                if isinstance(value, torch.Tensor) and value.is_floating_point():
-                    bad += float((~torch.isfinite(_local(value.detach()))).sum())
+        params = [_local(p.detach()) for p in trained.model.parameters()]
+        states = [_local(v.detach()) for state in trained.optimizer.state.values() for v in state.values()
+                  if isinstance(v, torch.Tensor) and v.is_floating_point()]
+        norm = _norm(params)
+        squares = norm * norm
+        # A finite norm means finite elements (a NaN or inf anywhere makes it NaN or inf): count only otherwise.
+        bad = _nonfinite(params, norm) + _nonfinite(states, _norm(states))
     squares, bad = global_sums([squares, bad], device)
     return math.sqrt(squares) if math.isfinite(squares) else math.inf, bad
+
+
+def _norm(tensors: list[torch.Tensor]) -> float:
+    """L2 norm over all elements of `tensors` (float32 or wider), in a few fused kernels."""
+    if not tensors:
+        return 0.0
+    return float(torch.nn.utils.get_total_norm([t.float() if t.dtype.itemsize < 4 else t for t in tensors]))
+
+
+def _nonfinite(tensors: list[torch.Tensor], norm: float) -> float:
+    """Non-finite elements of `tensors`, whose L2 norm is `norm` (0 when that is finite)."""
+    if math.isfinite(norm):
+        return 0.0
+    return float(sum(int((~torch.isfinite(t)).sum()) for t in tensors))

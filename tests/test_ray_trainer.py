@@ -64,7 +64,8 @@ def head_node():
         time.sleep(2)  # raylet registers after the GCS port opens
         yield f"127.0.0.1:{port}"
     finally:
-        for sig, wait in ((signal.SIGTERM, 30), (signal.SIGKILL, 10)):
+        # `ray start --block` takes longer than 30 s to leave on SIGTERM here: a short grace, then KILL
+        for sig, wait in ((signal.SIGTERM, 5), (signal.SIGKILL, 10)):
             try:
                 os.killpg(proc.pid, sig)
                 proc.wait(timeout=wait)

@@ -115,6 +115,19 @@ def _ray_node_ip_kept_local() -> Iterator[None]:
         ray_constants.ENABLE_RAY_CLUSTER = before
 
 
+def _node_registered_on_loopback(address: str) -> bool | None:
+    """Whether the cluster at `address` has a live node registered on 127.0.0.1, asked of its GCS
+    (Ray's own client; None when this Ray has none or the GCS does not answer in 10 s)."""
+    try:
+        from ray._raylet import GcsClient
+
+        nodes = GcsClient(address=address).get_all_node_info(timeout=10)
+    except Exception:  # another Ray layout, or no answer: ensure_ray then tries both ways
+        return None
+    alive = [info for info in nodes.values() if info.state == 0]  # GcsNodeInfo.GcsNodeState.ALIVE
+    return any(info.node_manager_address == LOOPBACK for info in alive)
+
+
 def ensure_ray(address: str | None = None, num_cpus: float | None = None, temp_dir: str | None = None) -> bool:
     """Connect to `address`, or start a local cluster. Returns True when this call started Ray
     (the caller then owns `ray.shutdown()`); an already initialised Ray is reused as it is.
@@ -138,12 +151,15 @@ def ensure_ray(address: str | None = None, num_cpus: float | None = None, temp_d
             # this process's 127.0.0.1 to the routable address and never find it; a `ray start
             # --node-ip-address=127.0.0.1` head registers the routable address (Ray rewrote it
             # there), and a plain connection finds it. Only how this process connects changes.
-            try:
-                with _ray_node_ip_kept_local():
-                    ray.init(address=address, log_to_driver=True, _node_ip_address=LOOPBACK)
-                return True
-            except (ConnectionError, RuntimeError):
-                ray.shutdown()
+            # The GCS says which it is; each wrong guess would cost Ray's 60 s search for the node.
+            on_loopback = _node_registered_on_loopback(address)
+            if on_loopback is not False:
+                try:
+                    with _ray_node_ip_kept_local():
+                        ray.init(address=address, log_to_driver=True, _node_ip_address=LOOPBACK)
+                    return True
+                except (ConnectionError, RuntimeError):
+                    ray.shutdown()
         ray.init(address=address, log_to_driver=True)
         return True
     kwargs: dict[str, Any] = dict(include_dashboard=False, dashboard_host=LOOPBACK, log_to_driver=True,

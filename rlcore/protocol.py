@@ -80,6 +80,29 @@ def _same(a: Any, b: Any) -> bool:
         return a is b
 
 
+RIGHT_PAD = "right_pad"  # Batch.info key: the tensors concat may right-pad, and with what
+
+
+def _right_padded(batches: list[Batch], right_pad: dict[str, float | str]) -> list[Batch]:
+    """`batches` with the tensors named in `right_pad` right-padded (dim 1) to the widest of them."""
+    keys = [k for k in right_pad if all(k in b.tensors and b.tensors[k].ndim >= 2 for b in batches)]
+    widths = {k: max(b.tensors[k].shape[1] for b in batches) for k in keys}
+    out = []
+    for b in batches:
+        tensors = dict(b.tensors)
+        for k in keys:
+            t, extra = tensors[k], widths[k] - tensors[k].shape[1]
+            if extra > 0:
+                fill = right_pad[k]
+                if isinstance(fill, str) and fill != "edge":
+                    raise ValueError(f"Batch.concat: info[{RIGHT_PAD!r}][{k!r}] is {fill!r}: a number or 'edge'")
+                tail = (t[:, -1:].expand(-1, extra, *t.shape[2:]) if isinstance(fill, str)  # "edge"
+                        else t.new_full((t.shape[0], extra, *t.shape[2:]), fill))
+                tensors[k] = torch.cat([t, tail], dim=1)
+        out.append(Batch(tensors=tensors, meta=b.meta, info=b.info))
+    return out
+
+
 @dataclass(eq=False)
 class Batch:
     """Batch-first tensors + per-sample numpy meta + batch-level info, all with one length."""
@@ -248,11 +271,19 @@ class Batch:
 
     @staticmethod
     def concat(batches: Sequence[Batch]) -> Batch:
-        """Rows of all batches in order; keys must match; info comes from the first batch."""
+        """Rows of all batches in order; keys must match; info comes from the first batch.
+
+        Tensors named in the first batch's `info[RIGHT_PAD]` ({key: fill value, or "edge" to
+        repeat the last column}) may differ in width: they are right-padded to the widest first
+        (rollout ranks' responses, each as wide as its own longest)."""
         batches = list(batches)
         if not batches:
             raise ValueError("Batch.concat needs at least one batch")
         first = batches[0]
+        right_pad: dict[str, float | str] = first.info.get(RIGHT_PAD) or {}
+        if right_pad and len(batches) > 1:
+            batches = _right_padded(batches, right_pad)
+            first = batches[0]
         for i, b in enumerate(batches[1:], start=1):
             for name, mine, theirs in (("tensor", first.tensors, b.tensors),
                                        ("meta", first.meta, b.meta)):

@@ -170,6 +170,32 @@ def test_hf_rollout_stops_on_the_generation_configs_end_token(two_end_model, own
     check_stops(out, free, ends, first_stop)
 
 
+def test_two_rollout_ranks_whose_longest_responses_differ_return_what_one_rank_does(two_end_model, own_model, tmp_path):
+    """rollout.world_size=2: each rank's responses are as wide as its own longest; the group's
+    result is right-padded to the widest, equal to one rank generating the whole batch."""
+    from rlcore.controller.inprocess import InProcessWorkerGroup
+    from rlcore.workers.rollout import RolloutWorker
+
+    folder, batch, free, ends, first_stop = two_end_model
+    lengths = expected_lengths(free, ends)
+    longest = max(range(1, len(lengths)), key=lambda i: lengths[i])
+    assert lengths[longest] > lengths[0] == first_stop  # the two ranks' widths will differ
+    pair = batch.take([0, longest])
+    pair.info["sampling"] = dict(n=1, do_sample=False, max_new_tokens=MAX_NEW)
+    config = config_from_dict(run_config(folder, own_model.train_file, tmp_path, rollout={"backend": "hf"}))
+    groups = [InProcessWorkerGroup(lambda rank, ws: RolloutWorker(config, rank, ws), ws, "rollout") for ws in (2, 1)]
+    try:
+        two, one = (g.call("generate_sequences", pair) for g in groups)
+    finally:
+        for g in groups:
+            g.shutdown()
+    assert two["responses"].shape[1] == lengths[longest]
+    exact = [k for k in one.tensors if k != "rollout_log_probs"]  # log-probs: batch-size float noise
+    assert two.keys() == one.keys() and all(torch.equal(two[k], one[k]) for k in exact), \
+        [k for k in exact if not torch.equal(two[k], one[k])]
+    torch.testing.assert_close(two["rollout_log_probs"], one["rollout_log_probs"], atol=1e-5, rtol=0)
+
+
 def test_reward_sees_the_response_cut_at_the_first_end_token(two_end_model, own_model, tmp_path):
     """A response that ran on past an end token (as one generated elsewhere may) is scored on
     what comes before it."""

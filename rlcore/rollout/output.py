@@ -77,6 +77,14 @@ def rollout_output(
     return Batch(tensors=tensors, meta=meta, info=info)
 
 
+def response_right_pad(pad_token_id: int) -> dict[str, float | str]:
+    """How `rollout_output`'s response-wide tensors extend to the right (`Batch.concat`'s
+    `info[RIGHT_PAD]`): pad tokens, masks and log-probs 0, positions as the row's last (what
+    `rollout_output` gives a row whose response ended early)."""
+    return {"responses": pad_token_id, "input_ids": pad_token_id, "response_mask": 0, "attention_mask": 0,
+            "rollout_log_probs": 0.0, "position_ids": "edge"}
+
+
 _HOST = socket.gethostname()
 
 

@@ -10,11 +10,12 @@ import torch
 
 from rlcore.config import Config
 from rlcore.controller import Dispatch, Worker, register
-from rlcore.protocol import Batch
+from rlcore.protocol import RIGHT_PAD, Batch
 from rlcore.rewards.registry import load_function
 from rlcore.rewards.tools import ToolPool
 from rlcore.rollout import SamplingParams, make_rollout_engine, resolve_backend
 from rlcore.rollout.agent import AgentLoop, AgentSettings
+from rlcore.rollout.output import response_right_pad
 from rlcore.workers.modeling import resolve_device
 from rlcore.workers.tokenizer import end_token_ids, load_tokenizer, pad_token_id
 
@@ -41,12 +42,13 @@ class RolloutWorker(Worker):
                                  f"resolved to {backend}); use rollout.lora_sync=merged")
             engine_kwargs["lora_rank"] = cfg.actor.lora.rank
         self._close_engine()  # vLLM allows one engine per process: close the old one first
+        self.pad_id = pad_token_id(cfg.model.path)
         self.engine = make_rollout_engine(
             backend,
             path=model_path or cfg.model.path,
             dtype=cfg.rollout.dtype or cfg.model.dtype,
             device=str(self.device),
-            pad_token_id=pad_token_id(cfg.model.path),
+            pad_token_id=self.pad_id,
             # every end token the model declares (tokenizer and generation_config), as vLLM and
             # transformers' generate stop on them; the run's model.path is the tokenizer's folder
             eos_token_ids=end_token_ids(cfg.model.path),
@@ -86,6 +88,9 @@ class RolloutWorker(Worker):
         generator = self.agent if self.agent is not None else self.engine
         out = generator.generate(batch, params)  # info: the input's, plus the log-prob temperature
         out.info["n"] = params.n
+        # every rank's responses are as wide as its own longest: the group's results concatenate
+        # right-padded to the widest (what one rank generating the whole batch would return)
+        out.info[RIGHT_PAD] = response_right_pad(self.pad_id)
         return out
 
     @register(dispatch=Dispatch.ONE_TO_ALL)

@@ -56,9 +56,14 @@ def test_first_step_at_the_reference_and_cache_equals_per_batch(tiny_example, pr
         assert first["pref/loss"] == pytest.approx(0.5, abs=1e-6)
     assert first["actor/grad_norm"] > 0 and first["actor/bad_updates"] == 0
     assert list((tmp_path / "run_True" / "ref_cache").glob("ref_logps-*.pt"))
-    for a, b in zip(runs[True], runs[False]):  # cached reference log-probs = computed per batch
+    # cached reference log-probs = computed per batch, up to float noise (~1e-8: the cache's come from
+    # other micro-batches, whose packed rows share prompts and attention runs differently). At the
+    # reference every reward is a tie (0 up to that noise), so the first step's reward accuracy, a
+    # share of signs, is the sign of noise: compared from the second step on.
+    for step, (a, b) in enumerate(zip(runs[True], runs[False]), start=1):
         for k, v in _steady(a).items():
-            assert b[k] == pytest.approx(v, rel=1e-5, abs=1e-6), k
+            if not (k == "pref/reward_accuracy" and step == 1):
+                assert b[k] == pytest.approx(v, rel=1e-5, abs=1e-6), (step, k)
 
 
 def test_dpo_resume_replays_the_uninterrupted_run(tiny_example, pref_files, tmp_path):

@@ -8,6 +8,22 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+import requests
+from requests.adapters import HTTPAdapter
+from urllib3.util.retry import Retry
+
+
+def _prefect_http() -> requests.Session:
+    """HTTP for tests that talk to a Prefect server's REST API directly. The server answers 503
+    when its SQLite database is busy (another writer held the lock; the request rolled back), and
+    Prefect's own client retries those: so does this session, for every method, with backoff."""
+    retry = Retry(total=8, backoff_factor=0.25, status_forcelist=(503,), allowed_methods=None, raise_on_status=False)
+    session = requests.Session()
+    session.mount("http://", HTTPAdapter(max_retries=retry))
+    return session
+
+
+PREFECT_HTTP = _prefect_http()
 
 
 @pytest.fixture(scope="session")

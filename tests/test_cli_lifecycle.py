@@ -16,8 +16,7 @@ import time
 from pathlib import Path
 
 import pytest
-import requests
-from conftest import prefect_env, prefect_server  # tests/ is on sys.path (pytest rootdir conftest)
+from conftest import PREFECT_HTTP, prefect_env, prefect_server  # tests/ is on sys.path (pytest rootdir conftest)
 
 import rlcore
 from rlcore import cli
@@ -122,7 +121,7 @@ def test_pipeline_emit_reaches_the_server_without_importing_torch(tmp_path: Path
         assert json.loads(report) == {"rc": 0, "heavy": []}
         body = {"filter": {"event": {"name": ["rlcore.data.arrived"]}}}
         deadline = time.monotonic() + 30  # the server stores events in batches
-        while not (events := requests.post(f"{api}/events/filter", json=body, timeout=10).json()["events"]):
+        while not (events := PREFECT_HTTP.post(f"{api}/events/filter", json=body, timeout=10).json()["events"]):
             assert time.monotonic() < deadline, "the event never reached the server"
             time.sleep(1)
     assert [e["id"] for e in events] == event_id

@@ -22,7 +22,7 @@ from pathlib import Path
 
 import psutil
 import pytest
-import requests
+from conftest import PREFECT_HTTP  # tests/ is on sys.path (pytest rootdir conftest)
 from test_flows_server import _stop, _wait, prefect_server  # noqa: F401 - the server fixture
 
 from rlcore.lifecycle.automations import automation_names
@@ -86,21 +86,21 @@ def start_serve(api: str, env: dict[str, str], work: Path, log: Path, webhook: s
 
 def deployment(api: str, serve: subprocess.Popen) -> dict:
     def found():
-        got = requests.get(f"{api}/deployments/name/rl_pipeline/rl-pipeline", timeout=5)
+        got = PREFECT_HTTP.get(f"{api}/deployments/name/rl_pipeline/rl-pipeline", timeout=5)
         return got.json() if got.ok else None
 
     return _wait("the deployment", found, 180, procs=[serve])
 
 
 def start_run(api: str, dep: dict, parameters: dict | None = None) -> str:
-    created = requests.post(f"{api}/deployments/{dep['id']}/create_flow_run", json={"parameters": parameters or {}},
+    created = PREFECT_HTTP.post(f"{api}/deployments/{dep['id']}/create_flow_run", json={"parameters": parameters or {}},
                             timeout=10)
     assert created.ok, created.text
     return created.json()["id"]
 
 
 def flow_run(api: str, run_id: str) -> dict:
-    return requests.get(f"{api}/flow_runs/{run_id}", timeout=5).json()
+    return PREFECT_HTTP.get(f"{api}/flow_runs/{run_id}", timeout=5).json()
 
 
 def wait_running(api: str, run_id: str, serve: subprocess.Popen) -> dict:
@@ -132,7 +132,7 @@ def heartbeats(api: str, run_id: str) -> list[dict]:
     """The heartbeat events the server has received from a flow run."""
     body = {"filter": {"event": {"name": ["prefect.flow-run.heartbeat"]},
                        "resource": {"id": [f"prefect.flow-run.{run_id}"]}}}
-    got = requests.post(f"{api}/events/filter", json=body, timeout=5)
+    got = PREFECT_HTTP.post(f"{api}/events/filter", json=body, timeout=5)
     return got.json()["events"] if got.ok else []
 
 
@@ -144,7 +144,7 @@ def test_failed_and_killed_runs_are_notified_by_the_server(prefect_server, recei
         failed_name, unresponsive_name = automation_names("rl_pipeline", "rl-pipeline")
 
         def set_up() -> dict[str, dict] | None:
-            found = {a["name"]: a for a in requests.post(f"{api}/automations/filter", json={}, timeout=5).json()}
+            found = {a["name"]: a for a in PREFECT_HTTP.post(f"{api}/automations/filter", json={}, timeout=5).json()}
             return found if {failed_name, unresponsive_name} <= set(found) else None
 
         automations = _wait("the failure automations", set_up, 60, procs=[serve])
@@ -192,7 +192,7 @@ def test_failed_and_killed_runs_are_notified_by_the_server(prefect_server, recei
     from rlcore.lifecycle.automations import install_failure_notifications, remove_failure_notifications
 
     def ours() -> list[str]:
-        names = [a["name"] for a in requests.post(f"{api}/automations/filter", json={}, timeout=5).json()]
+        names = [a["name"] for a in PREFECT_HTTP.post(f"{api}/automations/filter", json={}, timeout=5).json()]
         return sorted(n for n in names if n in (failed_name, unresponsive_name))
 
     with temporary_settings({PREFECT_API_URL: api}):

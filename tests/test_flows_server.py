@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 import requests
-from conftest import prefect_env  # tests/ is on sys.path (pytest rootdir conftest)
+from conftest import PREFECT_HTTP, prefect_env  # tests/ is on sys.path (pytest rootdir conftest)
 
 from rlcore.data import read_rows, write_rows
 
@@ -72,7 +72,7 @@ def prefect_server(tmp_path):
                             env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
     api = f"http://127.0.0.1:{port}/api"
     try:
-        _wait("the Prefect server", lambda: requests.get(f"{api}/health", timeout=2).ok, 90, procs=[proc])
+        _wait("the Prefect server", lambda: PREFECT_HTTP.get(f"{api}/health", timeout=2).ok, 90, procs=[proc])
         yield api, env
     finally:
         _stop(proc)
@@ -93,7 +93,7 @@ def test_data_event_runs_pipeline_and_registers_version(prefect_server, tiny_exa
          "--cron", "0 3 * * *", *QUICK], cwd=work, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
     try:
         def deployment():
-            got = requests.get(f"{api}/deployments/name/rl_pipeline/rl-pipeline", timeout=5)
+            got = PREFECT_HTTP.get(f"{api}/deployments/name/rl_pipeline/rl-pipeline", timeout=5)
             return got.json() if got.ok else None
 
         dep = _wait("the deployment", deployment, 120, procs=[serve])
@@ -108,7 +108,7 @@ def test_data_event_runs_pipeline_and_registers_version(prefect_server, tiny_exa
 
         def finished_run():
             body = {"flow_runs": {"deployment_id": {"any_": [dep["id"]]}}}
-            runs = requests.post(f"{api}/flow_runs/filter", json=body, timeout=5).json()
+            runs = PREFECT_HTTP.post(f"{api}/flow_runs/filter", json=body, timeout=5).json()
             for run in runs:
                 if run["parameters"].get("data_path") != str(arrived.resolve()):
                     continue
@@ -160,11 +160,11 @@ def test_prefect_deploy_runs_a_flow_on_a_process_work_pool(prefect_server, tiny_
     _prefect(["work-pool", "create", "rlcore-process", "--type", "process"], env)
     _prefect(["--no-prompt", "deploy", "--all"], env)
 
-    deployments = {d["name"]: d for d in requests.post(f"{api}/deployments/filter", json={}, timeout=5).json()}
+    deployments = {d["name"]: d for d in PREFECT_HTTP.post(f"{api}/deployments/filter", json={}, timeout=5).json()}
     assert set(deployments) == {"rl-pipeline", "data-prep", "evaluate"}
     assert {d["work_pool_name"] for d in deployments.values()} == {"rlcore-process"}
     assert [s["schedule"]["cron"] for s in deployments["rl-pipeline"]["schedules"]] == ["0 3 * * *"]
-    automations = requests.post(f"{api}/automations/filter", json={}, timeout=5).json()
+    automations = PREFECT_HTTP.post(f"{api}/automations/filter", json={}, timeout=5).json()
     trigger = next(a["trigger"] for a in automations if a["name"] == "rlcore-data-arrived")
     assert trigger["expect"] == ["rlcore.data.arrived"]
 
@@ -176,12 +176,12 @@ def test_prefect_deploy_runs_a_flow_on_a_process_work_pool(prefect_server, tiny_
         "config_path": "rlcore/configs/tiny_grpo.yaml", "data_path": str(data), "workdir": str(work),
         "overrides": [f"model.path={tiny_example.model_dir}", f"data.val_files=[{tiny_example.val_file}]"],
     }
-    created = requests.post(f"{api}/deployments/{deployments['data-prep']['id']}/create_flow_run",
+    created = PREFECT_HTTP.post(f"{api}/deployments/{deployments['data-prep']['id']}/create_flow_run",
                             json={"parameters": params}, timeout=10)
     assert created.ok, created.text
     _prefect(["worker", "start", "--pool", "rlcore-process", "--run-once"], env, timeout=300)
 
-    run = requests.get(f"{api}/flow_runs/{created.json()['id']}", timeout=5).json()
+    run = PREFECT_HTTP.get(f"{api}/flow_runs/{created.json()['id']}", timeout=5).json()
     assert run["state"]["type"] == "COMPLETED", run["state"]
     [report] = list((work / "data").glob("*/prep_report.json"))
     import json

@@ -4,8 +4,13 @@ test session; tests that use it should be marked slow."""
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
+import os
+import signal
+import subprocess
+import time
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
+from typing import Any
 
 import pytest
 import requests
@@ -24,6 +29,40 @@ def _prefect_http() -> requests.Session:
 
 
 PREFECT_HTTP = _prefect_http()
+
+
+def stop_process_group(proc: subprocess.Popen | None) -> None:
+    """SIGINT, then SIGKILL, to the process group a test started (`start_new_session=True`)."""
+    if proc is None or proc.poll() is not None:
+        return
+    try:
+        os.killpg(proc.pid, signal.SIGINT)
+        proc.wait(timeout=15)
+    except (subprocess.TimeoutExpired, ProcessLookupError):
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        proc.wait(timeout=10)
+
+
+def wait_for(what: str, fn: Callable[[], Any], timeout: float, procs: Sequence[subprocess.Popen] = (),
+             interval: float = 1.0) -> Any:
+    """Poll `fn` until it returns something truthy (a failed HTTP request counts as not yet); fail
+    when one of `procs` exits first, or after `timeout` seconds, naming `what`."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        for p in procs:
+            if p.poll() is not None:
+                raise AssertionError(f"{what}: a helper process exited with {p.returncode}")
+        try:
+            value = fn()
+        except requests.RequestException:
+            value = None
+        if value:
+            return value
+        time.sleep(interval)
+    raise AssertionError(f"timed out after {timeout:.0f}s waiting for {what}")
 
 
 @pytest.fixture(scope="session")
@@ -80,14 +119,8 @@ def prefect_server(home: Path, **env: str) -> Iterator[tuple[str, dict[str, str]
     """`prefect server start` on a free 127.0.0.1 port with its home under `home` (and `env` on
     top): yields the API URL, the environment a client of it needs, and the server's log file.
     Stopped with SIGINT, then SIGKILL, on exit."""
-    import os
-    import signal
     import socket
-    import subprocess
     import sys
-    import time
-
-    import requests
 
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -122,3 +155,11 @@ def prefect_server(home: Path, **env: str) -> Iterator[tuple[str, dict[str, str]
                 except subprocess.TimeoutExpired:
                     os.killpg(proc.pid, signal.SIGKILL)
                     proc.wait(timeout=10)
+
+
+@pytest.fixture
+def prefect_api(tmp_path: Path) -> Iterator[tuple[str, dict[str, str]]]:
+    """A Prefect server for one test (`prefect_server` under tmp_path): its API URL and the
+    environment a client of it needs."""
+    with prefect_server(tmp_path / "prefect") as (api, env, _log):
+        yield api, env

@@ -22,8 +22,7 @@ from pathlib import Path
 
 import psutil
 import pytest
-from conftest import PREFECT_HTTP  # tests/ is on sys.path (pytest rootdir conftest)
-from test_flows_server import _stop, _wait, prefect_server  # noqa: F401 - the server fixture
+from conftest import PREFECT_HTTP, stop_process_group, wait_for  # tests/ is on sys.path (pytest rootdir conftest)
 
 from rlcore.lifecycle.automations import automation_names
 
@@ -89,7 +88,7 @@ def deployment(api: str, serve: subprocess.Popen) -> dict:
         got = PREFECT_HTTP.get(f"{api}/deployments/name/rl_pipeline/rl-pipeline", timeout=5)
         return got.json() if got.ok else None
 
-    return _wait("the deployment", found, 180, procs=[serve])
+    return wait_for("the deployment", found, 180, procs=[serve])
 
 
 def start_run(api: str, dep: dict, parameters: dict | None = None) -> str:
@@ -111,7 +110,7 @@ def wait_running(api: str, run_id: str, serve: subprocess.Popen) -> dict:
         assert state not in ("COMPLETED", "FAILED", "CRASHED", "CANCELLED"), run["state"]
         return run if state == "RUNNING" and run["name"].startswith("pipeline-") else None
 
-    return _wait("the run to start", running, 240, procs=[serve])
+    return wait_for("the run to start", running, 240, procs=[serve])
 
 
 def run_process(serve: subprocess.Popen, run_id: str) -> psutil.Process:
@@ -136,8 +135,8 @@ def heartbeats(api: str, run_id: str) -> list[dict]:
     return got.json()["events"] if got.ok else []
 
 
-def test_failed_and_killed_runs_are_notified_by_the_server(prefect_server, receiver, tiny_example, tmp_path):  # noqa: F811
-    api, env = prefect_server
+def test_failed_and_killed_runs_are_notified_by_the_server(prefect_api, receiver, tiny_example, tmp_path):
+    api, env = prefect_api
     serve = start_serve(api, env, tmp_path / "work", tmp_path / "serve.log", receiver.url)
     try:
         dep = deployment(api, serve)
@@ -147,13 +146,13 @@ def test_failed_and_killed_runs_are_notified_by_the_server(prefect_server, recei
             found = {a["name"]: a for a in PREFECT_HTTP.post(f"{api}/automations/filter", json={}, timeout=5).json()}
             return found if {failed_name, unresponsive_name} <= set(found) else None
 
-        automations = _wait("the failure automations", set_up, 60, procs=[serve])
+        automations = wait_for("the failure automations", set_up, 60, procs=[serve])
         assert set(automations[failed_name]["trigger"]["expect"]) == {"prefect.flow-run.Failed", "prefect.flow-run.Crashed"}
         assert automations[unresponsive_name]["trigger"]["within"] == 90  # --unresponsive-after's default
 
         # A run that raises: data_prep cannot read the file.
         bad = start_run(api, dep, {"data_path": str(tmp_path / "missing.parquet")})
-        failed = _wait("the failed notification", lambda: [b for _, b in receiver.got if b.get("flow_run_id") == bad],
+        failed = wait_for("the failed notification", lambda: [b for _, b in receiver.got if b.get("flow_run_id") == bad],
                        240, procs=[serve])
         bad_run = flow_run(api, bad)
         assert bad_run["state"]["type"] == "FAILED"
@@ -170,7 +169,7 @@ def test_failed_and_killed_runs_are_notified_by_the_server(prefect_server, recei
         run_process(serve, killed).send_signal(signal.SIGKILL)
         # Prefect may record the Crashed state twice (seen once in a whole-suite run: two notes at once);
         # each is the same "crashed" notification.
-        crashes = _wait("the crashed notification", lambda: receiver.about(run["name"]), 120, procs=[serve])
+        crashes = wait_for("the crashed notification", lambda: receiver.about(run["name"]), 120, procs=[serve])
         assert all(note["event"] == "crashed" for note in crashes), crashes
         crash = crashes[0]
         assert crash["event"] == "crashed" and crash["flow_run_id"] == killed and crash["state"] == "Crashed"
@@ -178,7 +177,7 @@ def test_failed_and_killed_runs_are_notified_by_the_server(prefect_server, recei
         assert flow_run(api, killed)["state"]["type"] == "CRASHED"
         assert serve.poll() is None  # the serving process lives on
     finally:
-        _stop(serve)
+        stop_process_group(serve)
     paths = {path for path, _ in receiver.got}
     assert paths == {"/hook?token=s3cret"}  # the configured URL, query included
     # the flow itself did not notify `failed` as well: every note about it is the server's (maybe twice)
@@ -202,14 +201,14 @@ def test_failed_and_killed_runs_are_notified_by_the_server(prefect_server, recei
         assert ours() == []
 
 
-def test_run_whose_serving_process_dies_is_marked_crashed_and_notified(prefect_server, receiver, tiny_example, tmp_path):  # noqa: F811
-    api, env = prefect_server
+def test_run_whose_serving_process_dies_is_marked_crashed_and_notified(prefect_api, receiver, tiny_example, tmp_path):
+    api, env = prefect_api
     serve = start_serve(api, env, tmp_path / "work", tmp_path / "serve.log", receiver.url, "--unresponsive-after", "40")
     try:
         dep = deployment(api, serve)
         killed = start_run(api, dep)
         run = wait_running(api, killed, serve)
-        _wait("the run's first heartbeat", lambda: heartbeats(api, killed), 120, procs=[serve])
+        wait_for("the run's first heartbeat", lambda: heartbeats(api, killed), 120, procs=[serve])
         everyone = [run_process(serve, killed), *psutil.Process(serve.pid).children(recursive=True)]
         os.killpg(serve.pid, signal.SIGKILL)  # the serving process first: nobody is left to report
         for proc in everyone:
@@ -218,9 +217,9 @@ def test_run_whose_serving_process_dies_is_marked_crashed_and_notified(prefect_s
             except psutil.NoSuchProcess:
                 pass
         serve.wait(timeout=30)
-        [crash] = _wait("the crashed notification", lambda: receiver.about(run["name"]), 180, interval=2)
+        [crash] = wait_for("the crashed notification", lambda: receiver.about(run["name"]), 180, interval=2)
     finally:
-        _stop(serve)
+        stop_process_group(serve)
     assert crash["event"] == "crashed" and crash["flow_run_id"] == killed
     assert "No heartbeat for 40 s" in crash["error"]
     assert flow_run(api, killed)["state"]["type"] == "CRASHED"

@@ -5,16 +5,13 @@ event) leads to a completed pipeline run on that file and a new registered model
 from __future__ import annotations
 
 import os
-import signal
-import socket
 import subprocess
 import sys
 import time
 from pathlib import Path
 
 import pytest
-import requests
-from conftest import PREFECT_HTTP, prefect_env  # tests/ is on sys.path (pytest rootdir conftest)
+from conftest import PREFECT_HTTP, stop_process_group, wait_for  # tests/ is on sys.path (pytest rootdir conftest)
 
 from rlcore.data import read_rows, write_rows
 
@@ -25,62 +22,8 @@ QUICK = ["trainer.total_steps=2", "data.train_batch_size=8", "actor.ppo_mini_bat
 pytestmark = pytest.mark.slow
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _stop(proc: subprocess.Popen | None) -> None:
-    """SIGINT, then SIGKILL, to the process group this test started."""
-    if proc is None or proc.poll() is not None:
-        return
-    try:
-        os.killpg(proc.pid, signal.SIGINT)
-        proc.wait(timeout=15)
-    except (subprocess.TimeoutExpired, ProcessLookupError):
-        try:
-            os.killpg(proc.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-        proc.wait(timeout=10)
-
-
-def _wait(what: str, fn, timeout: float, interval: float = 1.0, procs=()):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        for p in procs:
-            if p.poll() is not None:
-                raise AssertionError(f"{what}: a helper process exited with {p.returncode}")
-        try:
-            value = fn()
-        except requests.RequestException:
-            value = None
-        if value:
-            return value
-        time.sleep(interval)
-    raise AssertionError(f"timed out after {timeout:.0f}s waiting for {what}")
-
-
-@pytest.fixture
-def prefect_server(tmp_path):
-    port = _free_port()
-    env = dict(os.environ, **prefect_env(tmp_path / "prefect"), PREFECT_UI_ENABLED="false")
-    env.pop("PREFECT_API_URL", None)
-    log = open(tmp_path / "server.log", "w")
-    proc = subprocess.Popen([sys.executable, "-m", "prefect", "server", "start", "--host", "127.0.0.1", "--port", str(port)],
-                            env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
-    api = f"http://127.0.0.1:{port}/api"
-    try:
-        _wait("the Prefect server", lambda: PREFECT_HTTP.get(f"{api}/health", timeout=2).ok, 90, procs=[proc])
-        yield api, env
-    finally:
-        _stop(proc)
-        log.close()
-
-
-def test_data_event_runs_pipeline_and_registers_version(prefect_server, tiny_example, tmp_path):
-    api, env = prefect_server
+def test_data_event_runs_pipeline_and_registers_version(prefect_api, tiny_example, tmp_path):
+    api, env = prefect_api
     work, watch = tmp_path / "work", tmp_path / "incoming"
     work.mkdir()
     watch.mkdir()
@@ -96,7 +39,7 @@ def test_data_event_runs_pipeline_and_registers_version(prefect_server, tiny_exa
             got = PREFECT_HTTP.get(f"{api}/deployments/name/rl_pipeline/rl-pipeline", timeout=5)
             return got.json() if got.ok else None
 
-        dep = _wait("the deployment", deployment, 120, procs=[serve])
+        dep = wait_for("the deployment", deployment, 120, procs=[serve])
         assert [s["schedule"]["cron"] for s in dep["schedules"]] == ["0 3 * * *"]
         time.sleep(3)  # the watcher has taken its first look at the (empty) directory
 
@@ -119,9 +62,9 @@ def test_data_event_runs_pipeline_and_registers_version(prefect_server, tiny_exa
                     return run
             return None
 
-        run = _wait("the triggered pipeline run", finished_run, 300, interval=2, procs=[serve])
+        run = wait_for("the triggered pipeline run", finished_run, 300, interval=2, procs=[serve])
     finally:
-        _stop(serve)
+        stop_process_group(serve)
         log.close()
     assert run["parameters"]["data_path"] == str(arrived.resolve())
 
@@ -150,11 +93,11 @@ def _prefect(args: list[str], env: dict[str, str], timeout: float = 180) -> subp
     return done
 
 
-def test_prefect_deploy_runs_a_flow_on_a_process_work_pool(prefect_server, tiny_example, tmp_path):
+def test_prefect_deploy_runs_a_flow_on_a_process_work_pool(prefect_api, tiny_example, tmp_path):
     """prefect.yaml as a user deploys it: `prefect deploy --all` against the server creates every
     deployment on the work pool (cron schedule and data trigger included), and a process worker
     runs a flow run of one of them in the repository (the pull step's RLCORE_ROOT)."""
-    api, env = prefect_server
+    api, env = prefect_api
     env = dict(env, PREFECT_API_URL=api, RLCORE_ROOT=str(ROOT), OMP_NUM_THREADS="1")
     env.pop("MLFLOW_TRACKING_URI", None)
     _prefect(["work-pool", "create", "rlcore-process", "--type", "process"], env)

@@ -7,17 +7,14 @@ bulk DML statement") and no run was ever made, though the deployment's schedule 
 from __future__ import annotations
 
 import os
-import signal
 import subprocess
 import sys
-import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
-import requests
-from conftest import PREFECT_HTTP, prefect_server  # tests/ is on sys.path (pytest rootdir conftest)
+from conftest import PREFECT_HTTP, prefect_server, stop_process_group, wait_for  # tests/ is on sys.path (pytest rootdir conftest)
 
 ROOT = Path(__file__).resolve().parents[1]
 # As short as the pipeline allows: one training step on few prompts, a negative promotion margin
@@ -26,39 +23,6 @@ QUICK = ["trainer.total_steps=1", "data.train_batch_size=8", "actor.ppo_mini_bat
          "data.val_batch_size=128", "registry.promotion_margin=-1"]
 
 pytestmark = pytest.mark.slow
-
-
-def _stop(proc: subprocess.Popen[bytes] | None) -> None:
-    """SIGINT, then SIGKILL, to the process group this test started."""
-    if proc is None or proc.poll() is not None:
-        return
-    try:
-        os.killpg(proc.pid, signal.SIGINT)
-        proc.wait(timeout=15)
-    except (subprocess.TimeoutExpired, ProcessLookupError):
-        try:
-            os.killpg(proc.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-        proc.wait(timeout=10)
-
-
-def _wait(what: str, fn: Callable[[], Any], timeout: float, procs: Sequence[subprocess.Popen[bytes]] = (),
-          interval: float = 1.0) -> Any:
-    """Poll `fn` until it returns something truthy; fail when a helper process exits first."""
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        for p in procs:
-            if p.poll() is not None:
-                raise AssertionError(f"{what}: a helper process exited with {p.returncode}")
-        try:
-            value = fn()
-        except requests.RequestException:
-            value = None
-        if value:
-            return value
-        time.sleep(interval)
-    raise AssertionError(f"timed out after {timeout:.0f}s waiting for {what}")
 
 
 @pytest.fixture
@@ -85,7 +49,7 @@ def test_cron_schedule_creates_runs_that_register_a_model_version(
                 got = PREFECT_HTTP.get(f"{api}/deployments/name/rl_pipeline/rl-pipeline", timeout=5)
                 return got.json() if got.ok else None
 
-            dep = _wait("the deployment", deployment, 120, procs=[serve])
+            dep = wait_for("the deployment", deployment, 120, procs=[serve])
             assert [s["schedule"]["cron"] for s in dep["schedules"]] == ["* * * * *"]
 
             def runs() -> list[dict[str, Any]]:
@@ -93,7 +57,7 @@ def test_cron_schedule_creates_runs_that_register_a_model_version(
                 return PREFECT_HTTP.post(f"{api}/flow_runs/filter", json=body, timeout=5).json()
 
             # the server's scheduler, not anyone here, makes the runs: one a minute, ahead of time
-            scheduled = _wait("runs made by the scheduler", lambda: [r for r in runs() if r["auto_scheduled"]],
+            scheduled = wait_for("runs made by the scheduler", lambda: [r for r in runs() if r["auto_scheduled"]],
                               60, procs=[serve])
             assert len(scheduled) >= 2
 
@@ -105,9 +69,9 @@ def test_cron_schedule_creates_runs_that_register_a_model_version(
                 return first if state == "COMPLETED" else None
 
             # the first run is due at the next whole minute, then runs the (short) pipeline
-            run = _wait("the first scheduled run to complete", first_finished, 240, procs=[serve], interval=2)
+            run = wait_for("the first scheduled run to complete", first_finished, 240, procs=[serve], interval=2)
         finally:
-            _stop(serve)
+            stop_process_group(serve)
     assert run["auto_scheduled"] and run["id"] == scheduled[0]["id"]
     assert "Can't evaluate bulk DML" not in server_log.read_text()
 

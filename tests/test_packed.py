@@ -14,68 +14,29 @@ from __future__ import annotations
 
 import pytest
 import torch
-from transformers import (
-    LlamaConfig,
-    LlamaForCausalLM,
-    LlamaForTokenClassification,
-    Qwen2Config,
-    Qwen2ForCausalLM,
-    Qwen2ForTokenClassification,
-)
+from tiny_models import ARCHS, SIZES, VOCAB, assert_grads_close, random_rows, tiny_model  # tests/ is on sys.path
+from transformers import Qwen2Config, Qwen2ForCausalLM
 
 from rlcore.algos import get_policy_loss
 from rlcore.config import ActorConfig, CriticConfig, PreferenceConfig, load_config
-from rlcore.data.preference import sequence_tensors
 from rlcore.protocol import Batch
 from rlcore.workers.actor import ActorWorker, PolicyObjective
-from rlcore.workers.attention import use_packed_attention
 from rlcore.workers.critic import CriticWorker, ValueObjective
 from rlcore.workers.loops import GlobalCounts, prompt_units
-from rlcore.workers.modeling import check_packed_forward, load_causal_lm, response_values
+from rlcore.workers.modeling import load_causal_lm, response_values
 from rlcore.workers.packed import pack_rows
 from rlcore.workers.policy import PolicyLogProbs
 from rlcore.workers.preference import DPOObjective
 
-VOCAB = 64
-SIZES = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2, max_position_embeddings=512,
-             pad_token_id=0)
-ARCHS = {
-    "llama": (LlamaConfig(**SIZES, num_attention_heads=4, num_key_value_heads=4, tie_word_embeddings=False),
-              LlamaForCausalLM, LlamaForTokenClassification),
-    "qwen2": (Qwen2Config(**SIZES, num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=True),
-              Qwen2ForCausalLM, Qwen2ForTokenClassification),
-}
-
-
+PACKED_ARCHS = ["llama", "qwen2-gqa"]
 MODES = {"padded": (False, False), "packed": (True, False), "shared": (True, True)}  # (remove_padding, share_prompts)
-
-
-def _model(arch: str, head: str = "lm", seed: int = 0) -> torch.nn.Module:
-    config, lm, values = ARCHS[arch]
-    torch.manual_seed(seed)
-    if head == "lm":
-        model = lm(config)
-    else:
-        config = config.__class__(**{**config.to_dict(), "num_labels": 1, "classifier_dropout": 0.0})
-        model = values(config)
-    use_packed_attention(model)
-    check_packed_forward(model)
-    return model
-
-
-def _rows(prompt_lens: list[int], response_lens: list[int], seed: int = 0, **widths: int) -> dict[str, torch.Tensor]:
-    """The rollout layout (left-padded prompts, right-padded responses) of random tokens."""
-    g = torch.Generator().manual_seed(seed)
-    prompts = [torch.randint(1, VOCAB, (n,), generator=g).tolist() for n in prompt_lens]
-    responses = [torch.randint(1, VOCAB, (n,), generator=g).tolist() for n in response_lens]
-    return sequence_tensors(prompts, responses, pad_id=0, **widths)
 
 
 def _rl_batch(seed: int = 0) -> Batch:
     """Rows of varied lengths: one with an empty response, one whose response mask has interior
     zeros (tool output: attended to, not trained on), three with one prompt (rows 0, 5, 6: the
     samples of a prompt) and two with another (2, 7), advantages, old and reference log-probs."""
-    t = _rows([7, 2, 5, 3, 6, 7, 7, 5], [9, 1, 0, 4, 6, 3, 9, 2], seed)
+    t = random_rows([7, 2, 5, 3, 6, 7, 7, 5], [9, 1, 0, 4, 6, 3, 9, 2], seed)
     for row, same_as in ((5, 0), (6, 0), (7, 2)):
         t["input_ids"][row, : -t["responses"].shape[1]] = t["input_ids"][same_as, : -t["responses"].shape[1]]
     t["response_mask"][3, 1:3] = 0.0
@@ -90,11 +51,6 @@ def _rl_batch(seed: int = 0) -> Batch:
 def _grads(model: torch.nn.Module, loss: torch.Tensor) -> dict[str, torch.Tensor]:
     names, params = zip(*[(k, p) for k, p in model.named_parameters() if p.requires_grad])
     return dict(zip(names, torch.autograd.grad(loss, params)))
-
-
-def _assert_grads_close(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor]) -> None:
-    for name, w in want.items():
-        assert (got[name] - w).abs().max() <= 1e-4 * w.abs().max().clamp_min(1e-6), name
 
 
 def test_pack_rows_maps_each_response_token_to_its_predecessor():
@@ -127,9 +83,9 @@ def test_pack_rows_holds_a_shared_prompt_once():
     assert packed.targets(input_ids[:, 3:]).tolist() == [7, 8, 11, 10]
 
 
-@pytest.mark.parametrize("arch", list(ARCHS))
+@pytest.mark.parametrize("arch", PACKED_ARCHS)
 def test_packed_log_probs_entropy_and_policy_gradient_equal_padded(arch):
-    model = _model(arch)
+    model = tiny_model(arch)
     batch = _rl_batch()
     cfg = ActorConfig(entropy_coeff=0.01, use_kl_loss=True)
     counts = GlobalCounts(tokens=float(batch["response_mask"].sum()), rows=float(len(batch)))
@@ -145,12 +101,12 @@ def test_packed_log_probs_entropy_and_policy_gradient_equal_padded(arch):
             torch.testing.assert_close(packed_value.detach()[real] if packed_value.ndim else packed_value,
                                        padded_value.detach()[real] if padded_value.ndim else padded_value, atol=1e-5, rtol=0)
         assert torch.all(out[mode][0][~real] == 0)  # padded response slots are left at 0, never computed
-        _assert_grads_close(out[mode][3], out["padded"][3])
+        assert_grads_close(out[mode][3], out["padded"][3])
 
 
-@pytest.mark.parametrize("arch", list(ARCHS))
+@pytest.mark.parametrize("arch", PACKED_ARCHS)
 def test_packed_critic_values_and_gradient_equal_padded(arch):
-    model = _model(arch, head="values")
+    model = tiny_model(arch, head="values")
     batch = _rl_batch(seed=3)
     counts = GlobalCounts(tokens=float(batch["response_mask"].sum()), rows=float(len(batch)))
     out = {}
@@ -163,16 +119,16 @@ def test_packed_critic_values_and_gradient_equal_padded(arch):
     for mode in ("packed", "shared"):
         torch.testing.assert_close(out[mode][0][real], out["padded"][0][real], atol=1e-5, rtol=0)
         torch.testing.assert_close(out[mode][1], out["padded"][1], atol=1e-5, rtol=0)
-        _assert_grads_close(out[mode][2], out["padded"][2])
+        assert_grads_close(out[mode][2], out["padded"][2])
 
 
-@pytest.mark.parametrize("arch", list(ARCHS))
+@pytest.mark.parametrize("arch", PACKED_ARCHS)
 def test_packed_dpo_loss_and_gradient_equal_padded(arch):
-    model = _model(arch)
+    model = tiny_model(arch)
     prompt_lens, chosen_lens, rejected_lens = [6, 2, 4], [3, 8, 1], [5, 2, 7]
     tensors: dict[str, torch.Tensor] = {}
     for prefix, lens, seed in (("chosen_", chosen_lens, 0), ("rejected_", rejected_lens, 0)):  # one prompt per pair
-        rows = _rows(prompt_lens, lens, seed, prompt_width=6, response_width=8)
+        rows = random_rows(prompt_lens, lens, seed, prompt_width=6, response_width=8)
         tensors.update({prefix + k: v for k, v in rows.items()})
     tensors.update(ref_chosen_logps=torch.tensor([-12.0, -30.0, -4.0]), ref_rejected_logps=torch.tensor([-20.0, -8.0, -25.0]))
     batch = Batch(tensors=tensors, info={"temperature": 1.0})
@@ -186,13 +142,13 @@ def test_packed_dpo_loss_and_gradient_equal_padded(arch):
         torch.testing.assert_close(out[mode][0], out["padded"][0], atol=1e-5, rtol=0)
         for name, (total, count) in out["padded"][1].items():
             assert out[mode][1][name][0] == pytest.approx(total, abs=1e-4) and out[mode][1][name][1] == count, name
-        _assert_grads_close(out[mode][2], out["padded"][2])
+        assert_grads_close(out[mode][2], out["padded"][2])
 
 
 def test_shared_prompts_on_transformers_own_attention_are_not_shared():
     """A model not switched to rlcore's attention (a caller's own, as LoRA's tests and helpers use)
     would drop the shared-prompt keyword: asked to share, it packs every row whole instead."""
-    config, lm, _ = ARCHS["qwen2"]
+    config, lm, _ = ARCHS["qwen2-gqa"]
     torch.manual_seed(0)
     model = lm(config)  # transformers' sdpa: packed sequences kept apart by their position ids, no shared prompts
     batch = _rl_batch()
@@ -205,7 +161,7 @@ def test_shared_prompts_on_transformers_own_attention_are_not_shared():
 def test_transformers_style_packing_without_cu_seqlens_is_kept_apart():
     """A caller that packs the transformers way (restarting position ids, no mask, no cu_seqlens)
     still gets sequences that do not see each other under `rlcore_varlen`."""
-    model = _model("qwen2").eval()
+    model = tiny_model("qwen2-gqa").eval()
     a, b = torch.randint(1, VOCAB, (1, 6)), torch.randint(1, VOCAB, (1, 4))
     with torch.no_grad():
         alone = torch.cat([model.model(input_ids=x, use_cache=False).last_hidden_state for x in (a, b)], 1)
@@ -229,7 +185,7 @@ def _long_tailed_batch(n: int = 24, seed: int = 0) -> Batch:
     g = torch.Generator().manual_seed(seed)
     response_lens = torch.exp(torch.randn(n, generator=g) * 1.0 + 2.5).clamp(1, 160).long().tolist()
     prompt_lens = torch.randint(4, 17, (n,), generator=g).tolist()
-    t = _rows(prompt_lens, response_lens, seed)
+    t = random_rows(prompt_lens, response_lens, seed)
     t["advantages"] = torch.randn(n, 1, generator=g).expand(n, t["responses"].shape[1]).contiguous()
     return Batch(tensors=t, info={"n": 4, "temperature": 1.0})
 
@@ -238,7 +194,7 @@ def _long_tailed_batch(n: int = 24, seed: int = 0) -> Batch:
 def test_update_actor_reports_computed_against_real_tokens(tmp_path, packed):
     """What `update_actor` puts in metrics.jsonl: the tokens its forwards ran on (old log-probs,
     then one pass per epoch) against the real ones; packed ≤ 1.05 on a long-tailed mix."""
-    _model("llama").save_pretrained(tmp_path / "policy")
+    tiny_model("llama").save_pretrained(tmp_path / "policy")
     cfg = load_config(None, [f"model.path={tmp_path / 'policy'}", "data.train_files=[unused.parquet]", "trainer.device=cpu",
                              "data.train_batch_size=6", "actor.ppo_mini_batch_size=3", "rollout.n=4", "actor.ppo_epochs=2",
                              "actor.max_tokens_per_micro_batch=256", f"model.use_remove_padding={str(packed).lower()}"])
@@ -258,7 +214,7 @@ def test_update_actor_reports_computed_against_real_tokens(tmp_path, packed):
 
 
 def test_critic_reports_computed_against_real_tokens(tmp_path):
-    _model("qwen2", head="values").save_pretrained(tmp_path / "critic")
+    tiny_model("qwen2-gqa", head="values").save_pretrained(tmp_path / "critic")
     cfg = load_config(None, [f"model.path={tmp_path / 'critic'}", "data.train_files=[unused.parquet]", "trainer.device=cpu",
                              "algorithm.name=ppo", "algorithm.adv_estimator=gae", "data.train_batch_size=6",
                              "actor.ppo_mini_batch_size=6", "rollout.n=4", "critic.max_tokens_per_micro_batch=200"])
@@ -284,7 +240,7 @@ def _grouped_batch(prompts: int = 6, n: int = 4, seed: int = 0) -> Batch:
     g = torch.Generator().manual_seed(seed)
     prompt_lens = torch.randint(4, 17, (prompts,), generator=g).repeat_interleave(n).tolist()
     response_lens = torch.exp(torch.randn(prompts * n, generator=g) * 0.8 + 2.3).clamp(1, 60).long().tolist()
-    t = _rows(prompt_lens, response_lens, seed)
+    t = random_rows(prompt_lens, response_lens, seed)
     r = t["responses"].shape[1]
     for row in range(prompts * n):  # the samples of a prompt repeat its first row's prompt
         t["input_ids"][row, :-r] = t["input_ids"][row - row % n, :-r]
@@ -296,7 +252,7 @@ def test_update_actor_with_shared_prompts_steps_as_without_and_computes_each_pro
     """`model.share_prompt_prefix` on the actor's real update (old log-probs, then an update of two
     mini-batches over token-budget micro-batches): the same log-probs, loss and new weights as
     without it, and the tokens computed are each micro-batch's prompts once plus its responses."""
-    _model("qwen2").save_pretrained(tmp_path / "policy")
+    tiny_model("qwen2-gqa").save_pretrained(tmp_path / "policy")
     batch = _grouped_batch()
     out = {}
     for share in (False, True):

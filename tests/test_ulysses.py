@@ -21,14 +21,8 @@ from pathlib import Path
 
 import pytest
 import torch
-from transformers import (
-    LlamaConfig,
-    LlamaForCausalLM,
-    LlamaForTokenClassification,
-    Qwen2Config,
-    Qwen2ForCausalLM,
-    Qwen2ForTokenClassification,
-)
+from tiny_models import ARCHS, SIZES, VOCAB, assert_grads_close, tiny_model  # tests/ is on sys.path
+from transformers import Qwen2Config
 
 from rlcore.algos import get_policy_loss
 from rlcore.config import ActorConfig, ConfigError, load_config
@@ -37,37 +31,11 @@ from rlcore.controller.dispatch import plan_dispatch
 from rlcore.data.preference import sequence_tensors
 from rlcore.protocol import Batch
 from rlcore.workers.actor import PolicyObjective
-from rlcore.workers.attention import use_packed_attention
 from rlcore.workers.loops import GlobalCounts
 from rlcore.workers.modeling import response_values
 from rlcore.workers.packed import pack_rows
 from rlcore.workers.policy import PolicyLogProbs
 from rlcore.workers.ulysses import enable_sequence_parallel, head_problem
-
-VOCAB = 64
-SIZES = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2, max_position_embeddings=512,
-             pad_token_id=0)
-ARCHS = {
-    "llama": (LlamaConfig(**SIZES, num_attention_heads=4, num_key_value_heads=4, tie_word_embeddings=False),
-              LlamaForCausalLM, LlamaForTokenClassification),
-    "qwen2-gqa": (Qwen2Config(**SIZES, num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=True),
-                  Qwen2ForCausalLM, Qwen2ForTokenClassification),
-    "qwen2-1kv": (Qwen2Config(**SIZES, num_attention_heads=4, num_key_value_heads=1, tie_word_embeddings=True),
-                  Qwen2ForCausalLM, Qwen2ForTokenClassification),
-}
-
-
-def _model(arch: str, head: str = "lm", seed: int = 0, checkpointing: bool = False) -> torch.nn.Module:
-    config, lm, values = ARCHS[arch]
-    torch.manual_seed(seed)
-    if head == "lm":
-        model = lm(config)
-    else:
-        model = values(config.__class__(**{**config.to_dict(), "num_labels": 1, "classifier_dropout": 0.0}))
-    use_packed_attention(model)
-    if checkpointing:
-        model.gradient_checkpointing_enable()
-    return model
 
 
 def _batch(seed: int = 0) -> Batch:
@@ -119,11 +87,6 @@ def _loss_and_grads(model: torch.nn.Module, batch: Batch, counts: GlobalCounts, 
 def _counts(batch: Batch, ranks: int = 1) -> GlobalCounts:
     """What the update loop sums over ranks: each of `ranks` ranks holding `batch`."""
     return GlobalCounts(ranks * float(batch["response_mask"].sum()), ranks * float(len(batch)))
-
-
-def _assert_grads_close(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor], what: str) -> None:
-    for name, g in want.items():
-        torch.testing.assert_close(got[name], g, atol=1e-4 * max(float(g.abs().max()), 1e-6), rtol=1e-4, msg=f"{what}: {name}")
 
 
 # ----- the slices, the dispatch, the refusals (one process) ----------------------------------------
@@ -184,7 +147,7 @@ def test_sizes_that_do_not_fit_are_refused_naming_the_key(tmp_path):
     assert head_problem(4, 2, 2) is None and head_problem(4, 1, 2) is None and head_problem(8, 2, 4) is None
     assert "3 attention heads" in head_problem(3, 3, 2) and "3 key/value heads" in head_problem(6, 3, 2)
     with pytest.raises(ValueError, match=r"actor.ulysses_sequence_parallel_size=2 does not divide the 1 ranks"):
-        enable_sequence_parallel(_model("llama"), 2, torch.device("cpu"), "actor.ulysses_sequence_parallel_size")
+        enable_sequence_parallel(tiny_model("llama"), 2, torch.device("cpu"), "actor.ulysses_sequence_parallel_size")
     # the heads, from config.json, before any model loads (preflight)
     from rlcore.trainer.preflight import sequence_parallel_problems
 
@@ -204,21 +167,21 @@ def test_gradient_checkpointing_gives_the_same_loss_and_gradients(arch):
     gives the loss and gradients of the stored-activation forward, actor and critic (the check
     that checkpointing is really on: the model says so, and is in train mode)."""
     batch = _batch()
-    plain, ckpt = _model(arch), _model(arch, checkpointing=True)
+    plain, ckpt = tiny_model(arch), tiny_model(arch, checkpointing=True)
     ckpt.train(), plain.train()
     assert ckpt.is_gradient_checkpointing and not plain.is_gradient_checkpointing
     want_loss, want = _loss_and_grads(plain, batch, _counts(batch))
     got_loss, got = _loss_and_grads(ckpt, batch, _counts(batch))
     assert got_loss == pytest.approx(want_loss, abs=1e-6)
-    _assert_grads_close(got, want, "actor")
+    assert_grads_close(got, want, "actor")
     values = {}
-    for name, model in (("plain", _model(arch, "value")), ("ckpt", _model(arch, "value", checkpointing=True))):
+    for name, model in (("plain", tiny_model(arch, "value")), ("ckpt", tiny_model(arch, "value", checkpointing=True))):
         model.train()
         v = response_values(model, batch)
         (v * batch["response_mask"]).pow(2).sum().backward()
         values[name] = (v.detach(), {n: p.grad for n, p in model.named_parameters()})
     torch.testing.assert_close(values["ckpt"][0], values["plain"][0], atol=1e-6, rtol=0)
-    _assert_grads_close(values["ckpt"][1], values["plain"][1], "critic")
+    assert_grads_close(values["ckpt"][1], values["plain"][1], "critic")
 
 
 # ----- two gloo ranks against one process --------------------------------------------------------------
@@ -244,7 +207,7 @@ def _sp_rank(rank: int, world_size: int, port: int, work: Path) -> None:
         for arch, variant in SP_CASES:
             shared = variant == "shared"
             batch, log_probs = (_shared_batch(), SHARED_LOG_PROBS) if shared else (_batch(), LOG_PROBS)
-            model = _model(arch, checkpointing=variant == "checkpointing")
+            model = tiny_model(arch, checkpointing=variant == "checkpointing")
             enable_sequence_parallel(model, world_size, torch.device("cpu"), "actor.ulysses_sequence_parallel_size")
             model.train()
             with torch.no_grad():
@@ -255,7 +218,7 @@ def _sp_rank(rank: int, world_size: int, port: int, work: Path) -> None:
                 dist.all_reduce(g)  # what FSDP's reduction sums
             loss = torch.tensor([loss_share])
             dist.all_reduce(loss)
-            critic = _model(arch, "value", seed=1, checkpointing=variant == "checkpointing")
+            critic = tiny_model(arch, "value", seed=1, checkpointing=variant == "checkpointing")
             enable_sequence_parallel(critic, world_size, torch.device("cpu"), "critic.ulysses_sequence_parallel_size")
             values = response_values(critic, batch, share_prompts=shared)
             out[arch, variant] = dict(logp=logp, entropy=entropy, loss=float(loss), grads=grads, values=values.detach())
@@ -274,12 +237,12 @@ def test_two_sequence_parallel_ranks_compute_what_one_process_does(tmp_path):
         what = f"{arch} ({variant})"
         shared = variant == "shared"
         batch, log_probs = (_shared_batch(), SHARED_LOG_PROBS) if shared else (_batch(), LOG_PROBS)
-        model = _model(arch)
+        model = tiny_model(arch)
         model.train()
         with torch.no_grad():
             logp, entropy = log_probs(model, batch, compute_entropy=True)
         loss, grads = _loss_and_grads(model, batch, _counts(batch), log_probs)
-        values = response_values(_model(arch, "value", seed=1), batch, share_prompts=shared).detach()
+        values = response_values(tiny_model(arch, "value", seed=1), batch, share_prompts=shared).detach()
         assert float(logp.abs().sum()) > 1.0 and float(values.abs().sum()) > 0.1
         for r in ranks:
             got = r[arch, variant]
@@ -287,7 +250,7 @@ def test_two_sequence_parallel_ranks_compute_what_one_process_does(tmp_path):
             torch.testing.assert_close(got["entropy"], entropy, atol=1e-5, rtol=0, msg=what)
             torch.testing.assert_close(got["values"], values, atol=1e-5, rtol=0, msg=what)
             assert got["loss"] == pytest.approx(loss, abs=1e-5), what
-            _assert_grads_close(got["grads"], grads, what)
+            assert_grads_close(got["grads"], grads, what)
     assert list(ranks[0]) == SP_CASES
 
 
@@ -389,6 +352,6 @@ def test_sequence_parallel_workers_step_as_one_process(tmp_path):
     assert m1["actor/kl_loss"] > 0 and m1["actor/pg_loss"] != 0
     assert m2["perf/actor_real_tokens"] == m1["perf/actor_real_tokens"] == m1["perf/actor_compute_tokens"]
     assert 0 <= m2["perf/actor_compute_tokens"] - m1["perf/actor_compute_tokens"] <= m2["perf/actor_real_tokens"] / 10
-    _assert_grads_close(two["grads"], one["grads"], "actor")
+    assert_grads_close(two["grads"], one["grads"], "actor")
     for k, w in one["weights"].items():
         torch.testing.assert_close(two["weights"][k], w, atol=2e-6, rtol=0, msg=k)

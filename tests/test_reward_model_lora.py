@@ -7,6 +7,8 @@ folder as `reward_model.path`) scores with."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 from test_reward_model import _policy_dir, other_tokenizer, rl_config  # tests/ is on sys.path (pytest rootdir conftest)
@@ -110,11 +112,13 @@ def test_lora_on_a_role_the_run_does_not_train_is_refused_naming_the_key(overrid
         config_from_dict({"model": {"path": "m"}, "data": {"train_files": ["unused.parquet"]}, **overrides})
 
 
-@pytest.mark.slow  # ~18 s: two training steps, a held-out evaluation and MLflow's SQLite registry
-def test_pipeline_registers_a_lora_reward_model_merged_with_its_adapter_beside(tiny_example, tmp_path):
+@pytest.mark.slow  # ~30 s: two reward-model trainings of two steps, evaluations and MLflow's SQLite registry
+def test_pipeline_registers_a_lora_reward_model_merged_with_its_adapter_beside_and_warm_starts_from_it(tiny_example, tmp_path):
     """The reward-model stages with `reward_model.lora` (a real SQLite MLflow registry here): the
     registered version is a plain classifier folder transformers loads as is, and the run's
-    `adapter` artifact on the base gives the same scores."""
+    `adapter` artifact on the base gives the same scores. The next pipeline run (warm start, the
+    default) trains a fresh adapter on that champion, score head included: before its first step
+    it scores the held-out pairs as the champion did at the end of its training."""
     from mlflow.tracking import MlflowClient
     from peft import PeftModel
 
@@ -124,6 +128,7 @@ def test_pipeline_registers_a_lora_reward_model_merged_with_its_adapter_beside(t
     from rlcore.lifecycle import rm_stages
     from rlcore.lifecycle import stages as lifecycle
     from rlcore.lifecycle.mlflow_store import MlflowStore, ModelRegistry
+    from rlcore.tracking import read_jsonl
 
     work = tmp_path / "work"
     work.mkdir()
@@ -150,3 +155,20 @@ def test_pipeline_registers_a_lora_reward_model_merged_with_its_adapter_beside(t
         want, got = with_adapter(input_ids=ids).logits, served(input_ids=ids).logits
     torch.testing.assert_close(got, want, atol=1e-5, rtol=0)
     assert got[0] != got[1]
+
+    champion = lifecycle.champion_stage(config, work)
+    assert champion is not None and champion["version"] == "1"
+    again = load_config(CONFIG_DIR / "tiny_rm.yaml", example_rm_overrides() + [
+        "trainer.total_steps=2", "trainer.save_every=2", "trainer.val_every=2", "trainer.val_before_train=true",
+        "registry.promotion_margin=-1", f"tracking.mlflow_uri={uri}", "reward_model.lora.rank=4",
+        "reward_model.lora.alpha=8"])
+    warm = rm_stages.train_reward_model_stage(again, work, lifecycle.start_pipeline(again, work, "rm-lora-2"), champion)
+    assert warm["parent_model"] == "models:/rlcore-tiny-rm/1" and warm["start_model"] == champion["path"]
+    [first_end] = [r for r in read_jsonl(Path(train["output_dir"]) / "metrics.jsonl") if r["step"] == 2 and "val/score_margin" in r]
+    [warm_start] = [r for r in read_jsonl(Path(warm["output_dir"]) / "metrics.jsonl") if r["step"] == 0]
+    assert warm_start["val/pairwise_acc"] == first_end["val/pairwise_acc"]
+    for key in ("val/score_margin", "val/chosen_score", "val/rejected_score"):  # a fresh head would score otherwise
+        assert warm_start[key] == pytest.approx(first_end[key], abs=1e-4), key
+    again_served = AutoModelForSequenceClassification.from_pretrained(warm["candidate_dir"]).eval()
+    with torch.no_grad():
+        assert not torch.allclose(again_served(input_ids=ids).logits, got)  # and it trained on from there

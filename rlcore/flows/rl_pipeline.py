@@ -9,6 +9,12 @@ fingerprint. Runs on any data file an `rlcore.data.arrived` event names (`data_p
 model, registered as its own MLflow model and gated on pairwise accuracy; the policy is then
 trained against the champion reward model (`reward_model.path`), and its version's lineage names it.
 
+`ray_address` (a Ray cluster's job server, `http://head:8265`) runs the train and evaluate stages
+as Ray jobs on that cluster (`rlcore.lifecycle.ray_job`): each job's log streams into its task's
+log, its id is tagged on the stage's MLflow run, and a failed or stopped job fails the task with
+its reason (a failed train job is retried: the next job resumes from the newest intact
+checkpoint). Without it, every stage runs in this process.
+
 The flow run is named after the pipeline run (`run_name`, else a fresh `pipeline-<time>-<hex>`),
 so Prefect, MLflow and every webhook notification, the server's crash/failure ones included
 (rlcore.lifecycle.automations), name a run the same way."""
@@ -63,6 +69,7 @@ def rl_pipeline(
     reward: str = "rule",
     reward_config_path: str | None = None,
     reward_overrides: list[str] | None = None,
+    ray_address: str | None = None,
 ) -> dict[str, Any]:
     """`example=True` points the config at the built-in tiny example (before `overrides`; and the
     reward model's config at its preference set).
@@ -102,12 +109,12 @@ def rl_pipeline(
                 rm_promotion = promote_reward_model_task(rm_tree, rm_train, rm_eval, workdir, ctx)
             reward_model = reward_model_in_use_task(rm_tree, workdir)  # the champion, this run's or an earlier one
         champion = champion_task(tree, workdir)
-        train = train_task(tree, prepared, workdir, ctx, champion, reward_model)
+        train = train_task(tree, prepared, workdir, ctx, champion, reward_model, ray_address=ray_address)
         evaluation = promotion = None
         if train["candidate_dir"]:  # None: stopped by the health guard before any checkpoint
             baseline_dir, baseline_name = (champion["path"], "champion") if champion else (train["reference_model"], "base")
             evaluation = evaluate_task(tree, train["candidate_dir"], baseline_dir, baseline_name,
-                                       train["reference_model"], prepared["val_file"], workdir, ctx)
+                                       train["reference_model"], prepared["val_file"], workdir, ctx, ray_address=ray_address)
             if train["model_logged"]:  # a version's files are the train run's `model` artifact
                 promotion = promote_task(tree, train, evaluation, prepared, workdir, ctx)
         summary = stages.summarize(ctx, prepared, train, evaluation, promotion, champion, workdir)

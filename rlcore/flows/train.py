@@ -5,16 +5,22 @@ from __future__ import annotations
 
 from typing import Any
 
-from prefect import flow, task
+from prefect import flow, get_run_logger, task
 
 from rlcore.config import config_from_dict
-from rlcore.lifecycle import stages
+from rlcore.lifecycle import ray_job, stages
 from rlcore.lifecycle.data_prep import retry_if_transient
 
 
 @task(name="train", retries=1, retry_delay_seconds=5, retry_condition_fn=retry_if_transient, timeout_seconds=6 * 3600, cache_policy=None)
 def train_task(config: dict[str, Any], prepared: dict[str, Any], workdir: str, ctx: dict[str, Any],
-               champion: dict[str, Any] | None = None, reward_model: dict[str, Any] | None = None) -> dict[str, Any]:
+               champion: dict[str, Any] | None = None, reward_model: dict[str, Any] | None = None,
+               ray_address: str | None = None) -> dict[str, Any]:
+    """`ray_address` (a cluster's job server): the stage runs there as a Ray job, its log in this task's."""
+    if ray_address:
+        return ray_job.run_stage_as_job(ray_address, "train", config, dict(
+            prepared=prepared, workdir=workdir, ctx=ctx, champion=champion, reward_model=reward_model),
+            workdir=workdir, ctx=ctx, log_line=get_run_logger().info)
     return stages.train_stage(config_from_dict(config), prepared, workdir, ctx, champion, reward_model)
 
 

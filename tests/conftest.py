@@ -114,6 +114,22 @@ def train_on_ray(config: Path, overrides: list[str], timeout: float = 600) -> No
     assert done.returncode == 0, done.stderr[-3000:]
 
 
+@pytest.fixture(scope="session")
+def ray_cluster():
+    """One multi-node Ray cluster on 127.0.0.1 for the session (tests/ray_cluster.py): the head
+    (dashboard and job server; label pool=gen, resource gen_slot) and two worker nodes labelled
+    pool=train, one CPU each. A test that kills a node leaves the cluster as it found it: it adds
+    a node with the same labels."""
+    from ray_cluster import LocalCluster  # tests/ is on sys.path (pytest rootdir conftest)
+
+    cluster = LocalCluster(head={"num_cpus": 3, "labels": {"pool": "gen"}, "resources": {"gen_slot": 4}},
+                           workers=[{"num_cpus": 1, "labels": {"pool": "train"}}] * 2)
+    try:
+        yield cluster
+    finally:
+        cluster.stop()
+
+
 @contextlib.contextmanager
 def prefect_server(home: Path, **env: str) -> Iterator[tuple[str, dict[str, str], Path]]:
     """`prefect server start` on a free 127.0.0.1 port with its home under `home` (and `env` on

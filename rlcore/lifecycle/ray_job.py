@@ -118,7 +118,7 @@ def run_stage_as_job(address: str, stage: str, config: dict[str, Any], kwargs: d
         logs = finish_job(client, job_id, stage, log_line, poll_s)
     finally:
         if ctx is not None:
-            record_job(config, ctx, stage, job_id, client.get_job_status(job_id).value, address, started)
+            record_job(config, ctx, stage, job_id, client, address, started)
     return stage_result(logs, job_id)
 
 
@@ -178,9 +178,21 @@ def follow_job(client: Any, job_id: str, log_line: Callable[[str], None], poll_s
         finally:
             lines.put(None)
 
-    threading.Thread(target=tail, name=f"tail-{job_id}", daemon=True).start()
-    shown = 0
-    while (line := lines.get()) is not None:
+    tailing = threading.Thread(target=tail, name=f"tail-{job_id}", daemon=True)
+    tailing.start()
+    shown, ended_at = 0, None
+    while True:
+        try:
+            line = lines.get(timeout=5.0)
+        except queue.Empty:  # quiet for a while: a tail that outlives its job by 30 s is given up
+            if ended_at is None and client.get_job_info(job_id).status.is_terminal():
+                ended_at = time.monotonic()
+            if ended_at is not None and time.monotonic() - ended_at > 30:
+                failed.append(TimeoutError("the log tail did not end with the job"))
+                break
+            continue
+        if line is None:
+            break
         shown += 1
         if not line.startswith(RESULT_MARK):
             log_line(line)
@@ -242,12 +254,13 @@ def stage_result(logs: str, job_id: str) -> dict[str, Any]:
                       "SUCCEEDED", 0)
 
 
-def record_job(config: dict[str, Any], ctx: dict[str, Any], stage: str, job_id: str, status: str, address: str,
+def record_job(config: dict[str, Any], ctx: dict[str, Any], stage: str, job_id: str, client: Any, address: str,
                started_ms: int) -> None:
     """Tag the MLflow runs the job's stage made (this pipeline run's runs of `stage` that started
     since the submission, give or take a minute of clock skew) with the job's id, status and server, and with this flow run's Prefect
     ids (the job's driver runs outside Prefect). Never fails the stage (a tag is not worth it)."""
     try:
+        status = client.get_job_status(job_id).value
         store = stages.open_store(config_from_dict(config), ctx["workdir"])
         runs = store.client.search_runs(
             [store.experiment_id],

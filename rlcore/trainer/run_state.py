@@ -15,7 +15,7 @@ import torch
 from rlcore.checkpoint import CheckpointManager, load_trainer_state, rng_state, save_trainer_state, set_rng_state, step_of
 from rlcore.config import Config, dump_config
 from rlcore.tracking import truncate_jsonl
-from rlcore.trainer.roles import WorkerGroups
+from rlcore.trainer.groups import WorkerGroups
 
 log = logging.getLogger(__name__)
 

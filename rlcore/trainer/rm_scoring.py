@@ -28,7 +28,7 @@ from rlcore.controller import GroupFuture
 from rlcore.errors import RLCoreError
 from rlcore.protocol import Batch
 from rlcore.rewards import scores_to_token_rewards
-from rlcore.trainer.groups import WorkerGroups
+from rlcore.trainer.groups import WorkerGroups, required
 from rlcore.trainer.metrics import Timer
 
 log = logging.getLogger(__name__)
@@ -53,19 +53,19 @@ class RewardModelScoring:
 
     def __init__(self, config: Config, groups: WorkerGroups) -> None:
         self.config = config.reward_model
-        self.group = groups.reward_model
+        self.groups = groups
         self.enabled = config.reward_model.path is not None
         self.moments = RunningMoments()
-        if self.enabled and self.group is None:
+        if self.enabled and groups.reward_model is None:
             raise ValueError("reward_model.path is set but the run has no reward_model worker group")
 
     def launch(self, gen: Batch, timer: Timer) -> GroupFuture[Batch] | None:
         """Start scoring `gen` (None when the run has no reward model). In one process the call
         runs here and now; on Ray it runs on the reward model's ranks while the caller goes on."""
-        if not self.enabled or self.group is None:
+        if not self.enabled:
             return None
         with timer.phase("reward_model"):
-            pending = self.group.compute_rm_score_async(gen)
+            pending = required(self.groups.reward_model, "reward_model").compute_rm_score_async(gen)
             if not self.config.overlap:
                 pending.result()
         return pending

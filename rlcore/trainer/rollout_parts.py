@@ -74,7 +74,7 @@ class RolloutSleep:
     training generation until the weight sync, so the actor's update has the memory."""
 
     def __init__(self, groups: WorkerGroups, enabled: bool) -> None:
-        self.rollout = required(groups.rollout, "rollout")
+        self.groups = groups
         self.enabled = enabled
         self.asleep = False
 
@@ -82,13 +82,13 @@ class RolloutSleep:
         """Sleep (queued behind any generation still running on the engine)."""
         if self.enabled:
             with timer.phase("rollout_sleep"):
-                self.rollout.sleep()
+                required(self.groups.rollout, "rollout").sleep()
             self.asleep = True
 
     def wake(self, timer: Timer) -> None:
         if self.asleep:
             with timer.phase("rollout_wake"):
-                self.rollout.wake()
+                required(self.groups.rollout, "rollout").wake()
             self.asleep = False
 
 
@@ -124,7 +124,7 @@ class Prefetcher:
 
     def __init__(self, config: Config, groups: WorkerGroups, loader: PromptLoader) -> None:
         self.config = config
-        self.rollout = required(groups.rollout, "rollout")
+        self.groups = groups
         self.loader = loader
         self.pending: PendingRollout | None = None
 
@@ -150,7 +150,7 @@ class Prefetcher:
 
     def _launch(self, prompts: Batch, step: int, policy_version: int) -> PendingRollout:
         prompts.info["sampling"] = train_sampling(self.config, step)
-        future = self.rollout.generate_sequences_async(prompts)
+        future = required(self.groups.rollout, "rollout").generate_sequences_async(prompts)
         return PendingRollout(step, prompts, future, policy_version)
 
 

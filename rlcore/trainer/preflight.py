@@ -157,7 +157,7 @@ def reward_model_problems(key: str, path: str) -> list[str]:
         model_config = json.loads((folder / "config.json").read_text(encoding="utf-8"))
     except (OSError, ValueError):
         return problems
-    from rlcore.workers.modeling import is_sequence_classifier
+    from rlcore.workers.loading import is_sequence_classifier
 
     if not is_sequence_classifier(model_config):
         problems.append(f"{key}: {path} is not a reward model: config.json names {model_config.get('architectures')} "

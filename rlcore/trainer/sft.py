@@ -40,10 +40,10 @@ from rlcore.data.sft import IGNORE_INDEX, SFTDataset, SFTExample, tokenize_promp
 from rlcore.packing import pack_token_budget
 from rlcore.tracking import Tracker, open_tracker, truncate_jsonl
 from rlcore.trainer.run_state import TrainingStopped
-from rlcore.workers.checkpointing import copy_tokenizer, load_training_state, save_trained
-from rlcore.workers.modeling import load_causal_lm, resolve_device, trained_dtype
+from rlcore.workers.checkpointing import load_training_state, save_trained
+from rlcore.workers.loading import load_causal_lm, resolve_device, trained_dtype
 from rlcore.workers.optim import build_optimizer, build_scheduler
-from rlcore.workers.tokenizer import end_token_ids, load_tokenizer, pad_token_id
+from rlcore.workers.tokenizer import copy_tokenizer, end_token_ids, load_tokenizer, pad_token_id
 from rlcore.workers.trainable import Trainable
 
 log = logging.getLogger(__name__)

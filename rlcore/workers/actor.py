@@ -21,7 +21,9 @@ from rlcore.config import ActorConfig, Config
 from rlcore.controller import Dispatch, Worker, register
 from rlcore.protocol import Batch
 from rlcore.workers.checkpointing import adapter_folder, load_training_state, save_trained
+from rlcore.workers.forward import POLICY_FORWARD_METHODS
 from rlcore.workers.fsdp import gather_bucket, iter_full_state, plan_buckets, shard_model
+from rlcore.workers.loading import compute_precision, load_causal_lm, resolve_device, trained_dtype
 from rlcore.workers.loops import (
     GlobalCounts,
     MicroBatching,
@@ -33,7 +35,6 @@ from rlcore.workers.loops import (
     run_update,
 )
 from rlcore.workers.lora import Adapter, apply_lora, parameter_counts
-from rlcore.workers.modeling import compute_precision, load_causal_lm, resolve_device, trained_dtype
 from rlcore.workers.optim import build_optimizer, build_scheduler
 from rlcore.workers.packed import forward_token_metrics
 from rlcore.workers.policy import PolicyLogProbs
@@ -126,7 +127,7 @@ class ActorWorker(Worker):
         self.param_counts = parameter_counts(model)
         enable_sequence_parallel(model, self.ranks_per_shard, self.device, "actor.ulysses_sequence_parallel_size")
         # FSDP2 when this group has a process group (or, on one rank, when bf16/offload is asked for)
-        self.model = shard_model(model, self.device, precision, cfg.actor.cpu_offload)
+        self.model = shard_model(model, self.device, precision, cfg.actor.cpu_offload, forward_methods=POLICY_FORWARD_METHODS)
         self.optimizer = build_optimizer(self.model, cfg.actor.optim)
         self.scheduler = build_scheduler(self.optimizer, cfg.actor.optim, cfg.trainer.total_steps)
         self.policy_loss = get_policy_loss(cfg.actor.policy_loss)
@@ -275,7 +276,7 @@ class ReferenceWorker(Worker):
         self.model = load_causal_lm(model_path or cfg.model.path, cfg.model.dtype, self.device, remove_padding=cfg.model.use_remove_padding)
         self.model.requires_grad_(False)
         enable_sequence_parallel(self.model, self.ranks_per_shard, self.device, "actor.ulysses_sequence_parallel_size")
-        self.model = shard_model(self.model, self.device)
+        self.model = shard_model(self.model, self.device, forward_methods=POLICY_FORWARD_METHODS)
 
     @register(dispatch=Dispatch.DP_BALANCED)
     def compute_ref_log_prob(self, batch: Batch) -> Batch:

@@ -1,13 +1,14 @@
 """Actor and reference workers: log-probs of responses, the PPO-style policy update, the
-preference (DPO / KTO) update.
+preference (DPO / KTO) update, the supervised (SFT) update.
 
 A worker method does one thing to the batch it is given and returns a batch (or metrics);
 what happens next is the trainer's decision. The loops themselves are `rlcore.workers.loops`;
-the actor supplies the loss of one micro-batch (`PolicyObjective`, or a preference objective).
+the actor supplies the loss of one micro-batch (`PolicyObjective`, a preference objective, `SFTObjective`).
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
@@ -39,6 +40,7 @@ from rlcore.workers.optim import build_optimizer, build_scheduler
 from rlcore.workers.packed import forward_token_metrics
 from rlcore.workers.policy import PolicyLogProbs
 from rlcore.workers.preference import preference_objective
+from rlcore.workers.sft import SFTObjective
 from rlcore.workers.trainable import Trainable
 from rlcore.workers.ulysses import enable_sequence_parallel
 
@@ -95,7 +97,7 @@ class PolicyObjective:
 
 
 class ActorWorker(Worker):
-    """The trained policy: log-probs under the current weights, the policy and preference updates,
+    """The trained policy: log-probs under the current weights, the policy, preference and supervised updates,
     its weights for the rollout engine, checkpoints. FSDP2 when its group has a process group.
 
     With LoRA (`actor.lora`) only the adapter trains, and this worker also serves the reference
@@ -196,6 +198,17 @@ class ActorWorker(Worker):
         )
         return {**result.metrics, "pref/loss": result.loss, **self._step_metrics(result),
                 **forward_token_metrics("actor", self.model, self.device)}
+
+    @register(dispatch=Dispatch.DP_BALANCED)
+    def update_sft(self, batch: Batch) -> dict[str, float]:
+        """One supervised optimizer step on the whole batch (`rlcore.data.sft.collate_sft`): its mean
+        response-token negative log-likelihood (`SFTObjective`), micro-batched by the actor's token
+        budget. `rlcore sft`'s step."""
+        settings = UpdateSettings(1, len(batch), self.settings.micro, self.config.actor.optim.grad_clip)
+        result = run_update(self.trained, batch, SFTObjective(self.log_probs, self.model), settings,
+                            mini_batch_rows=len(batch), device=self.device)
+        return {"train/loss": result.loss, "train/micro_batches": result.metrics.get("micro_batches", math.nan),
+                **self._step_metrics(result), **forward_token_metrics("actor", self.model, self.device)}
 
     @property
     def data_parallel_size(self) -> int:

@@ -191,3 +191,48 @@ def test_every_hostile_tool_result_reaches_the_model_as_text_and_failures_are_co
     assert "not valid Unicode" in by_kind[0][0].text and "tool returned bytes" in by_kind[2][0].text
     assert by_kind[8][0].text == "Error: Loud" and by_kind[15][0].text == "Error: SystemExit: 3"
     assert ok > 300 and errors > 1000 and ok + errors == n
+
+
+HOSTILE_CALCULATOR = r'''
+def calculator(expression: str):
+    """A calculator that answers in every way a broken tool can.
+
+    Args:
+        expression: a sum
+    """
+    kind = sum(map(ord, expression)) % 5
+    if kind == 0:
+        return "12" + chr(0xDC80)  # bytes that were not UTF-8, decoded with surrogateescape
+    if kind == 1:
+        return expression.encode()
+    if kind == 2:
+        out = "x"
+        for _ in range(5000):
+            out = [out]
+        return out
+    if kind == 3:
+        raise ValueError("cannot add " + chr(0xD800) * 3)
+    return "x" * 10**6
+'''
+
+
+@pytest.mark.slow
+def test_an_agent_rollout_with_a_hostile_tool_finishes_and_counts_its_errors(tmp_path, tmp_path_factory):
+    """A real taught model calling a calculator that returns lone surrogates, bytes, 5,000-deep
+    lists, a megabyte, or raises with surrogates in its message: the rollout finishes, each bad
+    result is an error the model reads, counted, and every tool turn was tokenized."""
+    from test_agent import SAMPLED, _loop, _prompts, _taught_caller  # tests/ is on sys.path
+
+    folder, tokenizer, _ = _taught_caller("llama", tmp_path_factory)
+    (tmp_path / "broken.py").write_text(HOSTILE_CALCULATOR)
+    with ToolPool([f"{tmp_path}/broken.py:calculator"], num_workers=2, timeout_s=20.0, max_chars=200) as pool:
+        loop, _ = _loop(folder, tokenizer, pool)
+        gen = loop.generate(_prompts(tokenizer, 8, tmp_path), SAMPLED)
+    calls, errors = int(gen.meta["agent_tool_calls"].sum()), int(gen.meta["agent_tool_errors"].sum())
+    assert calls >= 8 and 0 < errors <= calls
+    tool_messages = [m for messages in gen.meta["agent_messages"] for m in messages if m["role"] == "tool"]
+    assert tool_messages and all(_encodable(m["content"]) and len(m["content"]) <= 200 + len("Error: ") for m in tool_messages)
+    kinds = {k for m in tool_messages for k in ("not valid Unicode", "tool returned bytes", "is not JSON", "cannot add")
+             if k in m["content"]}
+    assert len(kinds) >= 2, kinds
+    assert set(gen.meta["agent_finish"]) <= {"answer", "max_turns", "max_total_tokens", "max_new_tokens", "end_token"}

@@ -25,7 +25,7 @@ from pathlib import Path
 from typing import Any
 
 from rlcore.checkpoint import MANIFEST, CheckpointError, step_of
-from rlcore.config import Config, SFTRunConfig
+from rlcore.config import Config, SFTConfig
 from rlcore.data import RL_FIELDS, DatasetError, peek_fields, read_column
 from rlcore.data.preference import PREFERENCE_FIELDS
 from rlcore.errors import RLCoreError
@@ -364,7 +364,7 @@ def resume_problems(resume: str, algorithm: str) -> list[str]:
     return []
 
 
-def sft_preflight(config: SFTRunConfig) -> None:
+def sft_preflight(config: SFTConfig) -> None:
     """`preflight` for an SFT run (`rlcore sft`): the model folder, the data files (a messages
     column, or prompt and response columns), the checkpoint to resume and the output folder."""
     problems = model_folder_problems("model.path", config.model.path, tokenizer=True)

@@ -25,7 +25,7 @@ from rlcore.checkpoint import (
     step_of,
     weights_only_reason,
 )
-from rlcore.config import Config, dump_config
+from rlcore.config import Config, SFTConfig, dump_config
 from rlcore.controller.errors import WorkerError
 from rlcore.tracking import truncate_jsonl
 from rlcore.trainer.model_folders import WeightFileError, safetensors_header
@@ -44,7 +44,7 @@ class Stateful(Protocol):
     def load_state_dict(self, state: dict[str, Any]) -> None: ...
 
 
-def prepare_run_dir(config: Config) -> Path:
+def prepare_run_dir(config: Config | SFTConfig) -> Path:
     """The run folder with the resolved `config.yaml`; seeds torch and numpy from `trainer.seed`."""
     run_dir = Path(config.trainer.output_dir)
     run_dir.mkdir(parents=True, exist_ok=True)

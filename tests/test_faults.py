@@ -263,6 +263,4 @@ def test_a_resumed_run_says_which_step_it_continued_from_and_where(two_checkpoin
     assert main(args) == 0
     err = capsys.readouterr().err
     line = f"resumed from checkpoint step 2 ({run / 'checkpoints' / 'step_00000002'}, trainer.resume=auto)"
-    assert f"rlcore: {line}" in err
-    assert main([*args, "-v"]) == 0  # verbose: the same line through rlcore's logger, once
-    assert capsys.readouterr().err.count(line.replace("step 2", "step 3").replace("step_00000002", "step_00000003")) == 1
+    assert err.count(f"rlcore: {line}") == 1

@@ -57,7 +57,7 @@ def _call_text(r: random.Random) -> str:
     if kind == 3:  # bytes that are not UTF-8, decoded the way a shell wrapper does
         return "<tool_call>" + bytes(r.randrange(256) for _ in range(r.randint(1, 64))).decode("utf-8", "surrogateescape") + "</tool_call>"
     if kind == 4:  # big
-        return '<tool_call>{"name": "f", "arguments": {"x": "' + "y" * r.choice([10**5, 10**6]) + '"}}</tool_call>'
+        return '<tool_call>{"name": "f", "arguments": {"x": "' + "y" * (10**6 if r.random() < 0.1 else 10**5) + '"}}</tool_call>'
     if kind == 5:  # random JSON values in every position
         return f'<tool_call>{json.dumps({"name": _random_json(r, 2), "arguments": _random_json(r, 6)})}</tool_call>'
     if kind == 6:  # a well-formed call

@@ -44,6 +44,7 @@ def test_version(tmp_path: Path) -> None:
     assert done.returncode == 0 and done.stdout.strip() == f"rlcore {rlcore.__version__}"
 
 
+@pytest.mark.slow  # three CLI processes
 def test_pipeline_run_reports_a_config_typo_in_one_line_before_prefect_starts(tmp_path: Path) -> None:
     env = cli_env(tmp_path)
     done = rlcore_cli(["pipeline", "run", "trainer.total_stepz=2"], tmp_path, env)

@@ -65,7 +65,7 @@ class LocalCluster:
                                      stdout=subprocess.PIPE, stderr=self._log, text=True, env=self.env,
                                      start_new_session=True)
         try:
-            started = self._reply(timeout=240)
+            started = self._reply(timeout=480)
         except BaseException:
             self.stop()
             raise
@@ -98,7 +98,7 @@ class LocalCluster:
         self.proc.stdin.write(json.dumps({"op": "add_node", "node": {"num_cpus": num_cpus, "labels": labels or {},
                                                                       "resources": resources or {}}}) + "\n")
         self.proc.stdin.flush()
-        node = self._reply(timeout=180)
+        node = self._reply(timeout=360)  # registration may take minutes under load (_patient_node_registration)
         self.nodes[node["node_id"]] = node
         return node["node_id"]
 
@@ -152,9 +152,31 @@ def _node_args(spec: dict[str, Any], temp_dir: str) -> dict[str, Any]:
             "labels": spec.get("labels") or None, "node_ip_address": "127.0.0.1", "temp_dir": temp_dir}
 
 
+def _patient_node_registration(timeout_s: float = 300.0) -> None:
+    """Ray gives a starting node a fixed 30 s to register with the GCS (ray/_private/node.py polls
+    `services.get_node`), which a loaded 2-core machine misses, leaving a half-started node behind:
+    in this host process each of those polls waits up to `timeout_s` instead."""
+    from ray._private import services
+
+    original = services.get_node
+
+    def get_node(gcs_address: str, node_id: str) -> Any:
+        deadline = time.monotonic() + timeout_s
+        while True:
+            try:
+                return original(gcs_address, node_id)
+            except RuntimeError:  # not registered yet
+                if time.monotonic() > deadline:
+                    raise
+                time.sleep(0.5)
+
+    services.get_node = get_node
+
+
 def _host(spec: dict[str, Any]) -> None:
     from ray.cluster_utils import Cluster
 
+    _patient_node_registration()
     temp_dir = spec["temp_dir"]
     os.makedirs(os.path.join(temp_dir, "ray"), exist_ok=True)  # Ray writes its address file there (RAY_TMPDIR)
     head = spec["head"]

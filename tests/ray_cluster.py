@@ -183,6 +183,11 @@ def _host(spec: dict[str, Any]) -> None:
     cluster = Cluster(initialize_head=True, head_node_args={
         **_node_args(head, temp_dir), "include_dashboard": True, "dashboard_host": "127.0.0.1",
         "dashboard_port": head["dashboard_port"]})
+    # What `ray start --head` writes and a Ray job's driver reads to find its cluster (RAY_ADDRESS
+    # there); without it Ray falls back to any GCS process it sees on the machine: another's.
+    from ray._private.utils import write_ray_address
+
+    write_ray_address(cluster.address, temp_dir)
     nodes = [_describe(cluster.head_node, head, True)]
     for worker in spec["workers"]:
         nodes.append(_describe(cluster.add_node(**_node_args(worker, temp_dir)), worker, False))

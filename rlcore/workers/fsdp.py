@@ -15,6 +15,7 @@ import types
 from collections import defaultdict
 from collections.abc import Iterator
 from functools import partial
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -40,6 +41,7 @@ def shard_model(
     device: torch.device,
     mixed_precision: str = "none",
     cpu_offload: bool = False,
+    mesh: Any = None,
 ) -> nn.Module:
     """`fully_shard` every decoder layer, then the root (embeddings, final norm and head).
 
@@ -47,7 +49,9 @@ def shard_model(
     when bf16 mixed precision (parameters cast to bf16 for compute, gradients reduced in fp32 into
     the full-precision parameters) or CPU offload is asked for. Without a process group those two
     are applied by `LocalPolicy` instead, else the model is returned unchanged. CPU offload on a
-    CPU device is refused (ValueError): there is no device memory to relieve.
+    CPU device is refused (ValueError): there is no device memory to relieve. `mesh`: the 1-D mesh
+    to shard over (a layout's data x sequence-parallel ranks, `rlcore.workers.parallel`); default
+    every rank of the process group.
     """
     if mixed_precision not in MIXED_PRECISION:
         raise ValueError(f"mixed_precision={mixed_precision!r} is not one of {MIXED_PRECISION}")
@@ -66,7 +70,7 @@ def shard_model(
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard, register_fsdp_forward_method
 
-    kwargs: dict = {"mesh": init_device_mesh(device.type, (dist.get_world_size(),))}
+    kwargs: dict = {"mesh": mesh if mesh is not None else init_device_mesh(device.type, (dist.get_world_size(),))}
     if mixed_precision == "bf16":
         kwargs["mp_policy"] = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
     if cpu_offload:

@@ -111,7 +111,7 @@ def _factories(config: Config) -> dict[str, tuple[Callable[[int, int], Worker], 
         "reward": (lambda rank, ws: RewardWorker(config, rank, ws), 1),
     }
     if config.needs_reference and not config.actor.lora.enabled:  # with LoRA the actor serves it
-        out["ref"] = (lambda rank, ws: ReferenceWorker(config, rank, ws), config.actor.world_size)
+        out["ref"] = (lambda rank, ws: ReferenceWorker(config, rank, ws), config.layout_of("ref").world_size)
     if config.algorithm.name == "ppo":
         out["critic"] = (lambda rank, ws: CriticWorker(config, rank, ws), config.critic.world_size)
     if config.reward_model.path is not None:

@@ -27,6 +27,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from rlcore.config import Config
 from rlcore.workers.fsdp import shard_model
 from rlcore.workers.packed import token_tally
 from rlcore.workers.parallel.mesh import Layout, device_mesh, fsdp_mesh
@@ -40,17 +41,16 @@ def apply_layout(
     layout: Layout,
     device: torch.device,
     *,
-    key: str,
-    sp_key: str | None = None,
+    tp_key: str,
+    sp_key: str,
     mixed_precision: str = "none",
     cpu_offload: bool = False,
     mesh: Any = None,
 ) -> nn.Module:
     """`model` split as `layout` says over the process group (every rank of the role calls it: it
-    makes process groups the first time). `key`: the config key of the layout ("actor.layout"),
-    named when the model's shape or architecture does not allow it; `sp_key`: the key of its
-    sequence-parallel size (a legacy one, say). `mesh`: a ready `device_mesh(layout, ...)`."""
-    sp_key = sp_key or f"{key}.sequence_parallel"
+    makes process groups the first time). `tp_key`, `sp_key`: the config keys of its tensor- and
+    sequence-parallel sizes (`Config.layout_key`), named when the model's shape or architecture does
+    not allow them. `mesh`: a ready `device_mesh(layout, ...)` (else made here)."""
     tp, sp = layout.tensor_parallel, layout.sequence_parallel
     if tp == 1:  # data and sequence parallelism as they always were
         if mesh is None:
@@ -61,13 +61,21 @@ def apply_layout(
     if sp > 1:
         problems = tensor_parallel_problems(model.config.to_dict(), tp, sp)
         if problems:
-            raise ValueError(f"{sp_key}={sp} with {key}.tensor_parallel={tp}: {'; '.join(problems)}")
+            raise ValueError(f"{sp_key}={sp} with {tp_key}={tp}: {'; '.join(problems)}")
     mesh = mesh if mesh is not None else device_mesh(layout, device.type)
-    parallelize(model, mesh["tp"], key)
+    parallelize(model, mesh["tp"], tp_key)
     if sp > 1:
         use_sequence_parallel_group(model, mesh["sp"].get_group())
     token_tally(model).copies = tp
     return shard_model(model, device, mixed_precision, cpu_offload, mesh=fsdp_mesh(mesh))
 
 
-__all__ = ["apply_layout"]
+def apply_role_layout(model: nn.Module, config: Config, role: str, device: torch.device, *, mixed_precision: str = "none",
+                      cpu_offload: bool = False) -> nn.Module:
+    """`apply_layout` with `role`'s layout and keys from the run's config (`Config.layout_of`)."""
+    return apply_layout(model, config.layout_of(role), device, tp_key=config.layout_key(role, "tensor_parallel"),
+                        sp_key=config.layout_key(role, "sequence_parallel"), mixed_precision=mixed_precision,
+                        cpu_offload=cpu_offload)
+
+
+__all__ = ["apply_layout", "apply_role_layout"]

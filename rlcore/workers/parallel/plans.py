@@ -52,7 +52,7 @@ def _style(name: str) -> Any:
     return styles[name]() if name in styles else None
 
 
-def decoder_plan(model: nn.Module, key: str) -> tuple[dict[str, str], str]:
+def decoder_plan(model: nn.Module, key: str = "tensor_parallel") -> tuple[dict[str, str], str]:
     """(the decoder layers' plan as style names relative to the backbone, its source)."""
     config = model.config
     text = config.get_text_config() if hasattr(config, "get_text_config") else config
@@ -100,16 +100,16 @@ def tensor_parallel_styles(model: nn.Module, key: str) -> dict[str, Any]:
 
 def parallelize(model: nn.Module, tp_mesh: Any, key: str) -> nn.Module:
     """Split `model` over the tensor-parallel mesh `tp_mesh` in place; refused (ValueError naming
-    `key`) when its shape does not divide or it has no plan. Tied embeddings are re-tied (DTensor
-    makes each module's parameter anew)."""
+    `key`, the config key of its size) when its shape does not divide or it has no plan. Tied
+    embeddings are re-tied (DTensor makes each module's parameter anew)."""
     from torch.distributed.tensor.parallel import parallelize_module
 
     tp = tp_mesh.size()
     problems = tensor_parallel_problems(model.config.to_dict(), tp)
     if problems:
-        raise ValueError(f"{key}.tensor_parallel={tp}: {'; '.join(problems)}")
+        raise ValueError(f"{key}={tp}: {'; '.join(problems)}")
     tied = _tied(model)
-    plan = tensor_parallel_styles(model, key)
+    plan = tensor_parallel_styles(model, f"{key}={tp}")
     parallelize_module(model, tp_mesh, plan)
     if tied:
         model.get_output_embeddings().weight = model.get_input_embeddings().weight

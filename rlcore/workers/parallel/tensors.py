@@ -33,7 +33,9 @@ def copies(t: torch.Tensor) -> int:
     world = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
     if not is_dtensor(t):
         return world
-    sharded = math.prod(t.device_mesh.size(i) for i, p in enumerate(t.placements) if p.is_shard())
+    from torch.distributed.tensor.placement_types import _StridedShard  # FSDP2's dim-0 shard of a TP shard
+
+    sharded = math.prod(t.device_mesh.size(i) for i, p in enumerate(t.placements) if p.is_shard() or isinstance(p, _StridedShard))
     return world // sharded
 
 

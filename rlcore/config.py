@@ -180,7 +180,10 @@ def _layout_fills_legacy_keys(data: Any, section: str, sp_key: str | None, engin
     agree (a dumped config.yaml has both), else it is refused naming both."""
     if not isinstance(data, dict) or data.get("layout") is None:
         return data
-    layout = data["layout"] if isinstance(data["layout"], LayoutConfig) else LayoutConfig.model_validate(data["layout"])
+    try:
+        layout = data["layout"] if isinstance(data["layout"], LayoutConfig) else LayoutConfig.model_validate(data["layout"])
+    except ValidationError:
+        return data  # reported by the field's own validation, under its full key
     filled = {"world_size": layout.data_parallel if engines else layout.world_size}
     if sp_key is not None:
         filled[sp_key] = layout.sequence_parallel
@@ -758,9 +761,10 @@ class Config(_Section):
         roles = set(self.present_roles)
         for role in ("critic", "reward_model", "ref"):
             if getattr(self, role).layout is not None and role not in roles:
-                why = (" (with actor.lora the reference is the actor's own base, on the actor's ranks)"
-                       if role == "ref" and self.needs_reference else "")
-                raise ValueError(f"{role}.layout is set, but this run has no {role} worker group{why}")
+                raise ValueError(f"{role}.layout is set, but this run has no {role} worker group")
+        if self.ref.layout is not None and self.actor.lora.enabled:
+            raise ValueError("ref.layout is set, but with actor.lora the reference is the actor's own base (its adapter "
+                             "disabled), on the actor's ranks and layout")
         for role in self.trained_roles:
             tp = self.layout_of(role).tensor_parallel
             lora = {"actor": self.actor.lora, "critic": self.critic.lora, "reward_model": self.reward_model.lora}.get(role)

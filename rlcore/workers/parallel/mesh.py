@@ -23,7 +23,7 @@ class Layout(Protocol):
     tensor_parallel: int
 
 
-_MESHES: dict[tuple[Any, ...], Any] = {}
+_MESHES: dict[tuple[Any, ...], tuple[Any, Any]] = {}  # (device type, shape) -> (the world group it was made in, mesh)
 _FLAT: dict[int, tuple[Any, Any]] = {}  # id(mesh) -> (mesh, its "dp_sp" mesh): slicing that from the root is deprecated
 
 
@@ -36,11 +36,12 @@ def device_mesh(layout: Layout, device_type: str) -> Any:
     if shape[0] * shape[1] * shape[2] != world:
         raise ValueError(f"a layout of {shape[0]} x {shape[1]} x {shape[2]} ranks (data x sequence x tensor parallel) "
                          f"does not match the {world} ranks of this process group")
-    key = (device_type, shape, id(dist.group.WORLD))
-    mesh = _MESHES.get(key)
-    if mesh is None:
-        mesh = init_device_mesh(device_type, shape, mesh_dim_names=DIMS)
-        _MESHES[key] = mesh
+    world_group = dist.group.WORLD
+    cached = _MESHES.get((device_type, shape))
+    if cached is not None and cached[0] is world_group:  # the same process group (not a new one since)
+        return cached[1]
+    mesh = init_device_mesh(device_type, shape, mesh_dim_names=DIMS)
+    _MESHES[(device_type, shape)] = (world_group, mesh)
     return mesh
 
 

@@ -21,7 +21,7 @@ from typing import Any
 
 from torch import nn
 
-from rlcore.workers.parallel.shapes import OWN_PLAN_FAMILIES, architecture_name, tensor_parallel_problems
+from rlcore.workers.parallel.shapes import OWN_PLAN_FAMILIES, tensor_parallel_problems
 
 OWN_PLAN = {
     "layers.*.self_attn.q_proj": "colwise",
@@ -62,7 +62,7 @@ def decoder_plan(model: nn.Module, key: str = "tensor_parallel") -> tuple[dict[s
     if getattr(text, "model_type", None) in OWN_PLAN_FAMILIES:
         return dict(OWN_PLAN), "rlcore"
     raise NoTensorParallelPlan(
-        f"{key}: {architecture_name(config.to_dict())} has no tensor-parallel plan (transformers' config has no "
+        f"{key}: {type(model).__name__} (model_type {getattr(text, 'model_type', None)!r}) has no tensor-parallel plan (transformers' config has no "
         f"base_model_tp_plan, and rlcore owns plans for the {', '.join(OWN_PLAN_FAMILIES)} families only); "
         "use data and sequence parallelism for it")
 

@@ -63,5 +63,52 @@ def architecture_name(config: dict[str, Any]) -> str:
     return f"{archs[0] if archs else 'a model'} (model_type {config.get('model_type')!r})"
 
 
-__all__ = ["OWN_PLAN_FAMILIES", "architecture_name", "plan_source", "tensor_parallel_problems", "text_config",
-           "ulysses_problem"]
+
+
+def role_model_path(config: Any, role: str) -> str | None:
+    """The model folder `role` loads (`rlcore.config.Config`): the policy's for actor, reference and
+    rollout, the critic's own when set, the reward model's (or, training one, the backbone's)."""
+    if role == "critic":
+        return config.critic.model_path or config.model.path
+    if role == "reward_model":
+        return config.model.path if config.algorithm.name == "rm" else config.reward_model.path
+    return config.model.path
+
+
+def layout_problems(config: Any) -> list[str]:
+    """Every tensor-parallel size in `config` (an `rlcore.config.Config`) the model it splits cannot
+    take, read from the model folders' config.json before any model loads: the divisibility of
+    heads, key/value heads, vocabulary and intermediate size, heads left for Ulysses, and a plan
+    for the architecture; a rollout engine's query heads (vLLM replicates key/value heads itself).
+    Unreadable folders are `model_folder_problems`' to report."""
+    import json
+    from pathlib import Path
+
+    problems = []
+    for role in [*config.trained_roles, *(["rollout"] if "rollout" in config.present_roles else [])]:
+        layout = config.layout_of(role)
+        tp = layout.tensor_parallel
+        path = role_model_path(config, role)
+        if tp == 1 or path is None:
+            continue
+        key = config.layout_key(role, "tensor_parallel")
+        try:
+            model_config = json.loads((Path(path) / "config.json").read_text(encoding="utf-8"))
+        except (OSError, ValueError):
+            continue
+        if role == "rollout":
+            heads = int(text_config(model_config).get("num_attention_heads") or 0)
+            if heads % tp:
+                problems.append(f"{key}={tp}: the model's {heads} attention heads do not divide by it ({path}; each "
+                                "vLLM rank serves an equal share of them)")
+            continue
+        found = tensor_parallel_problems(model_config, tp, layout.sequence_parallel)
+        if plan_source(model_config) is None:
+            found.append(f"{architecture_name(model_config)} has no tensor-parallel plan (none in transformers, and "
+                         f"rlcore owns plans for the {', '.join(OWN_PLAN_FAMILIES)} families only)")
+        problems += [f"{key}={tp}: {p} ({path})" for p in found]
+    return problems
+
+
+__all__ = ["OWN_PLAN_FAMILIES", "architecture_name", "layout_problems", "plan_source", "role_model_path",
+           "tensor_parallel_problems", "text_config", "ulysses_problem"]

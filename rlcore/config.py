@@ -934,12 +934,43 @@ class SFTDataConfig(_Section):
                                       "folder's tokenizer.json must agree on at start-up (rlcore.trainer.tokenizer_check); 0: off")
 
 
+class SFTOptimConfig(OptimConfig):
+    """The actor's optimizer, with a supervised run's defaults (a higher rate, warmup and cosine decay)."""
+
+    lr: float = Field(1e-5, gt=0)
+    warmup_steps: int = Field(10, ge=0)
+    schedule: Literal["constant", "cosine"] = "cosine"
+    min_lr_ratio: float = Field(0.1, ge=0, le=1)
+
+
+class SFTActorConfig(ActorConfig):
+    """The actor section of an SFT run: the RL actor's own settings (world size, LoRA, precision,
+    sequence parallelism, offload, kernels, micro-batching, the bad-step limit, optimizer), with SFT's
+    defaults. The RL-only keys (`RL_ONLY`) are refused when set."""
+
+    RL_ONLY: ClassVar[tuple[str, ...]] = (
+        "ppo_epochs", "ppo_mini_batch_size", "policy_loss", "clip_ratio_low", "clip_ratio_high", "clip_ratio_c",
+        "loss_agg_mode", "entropy_coeff", "use_kl_loss", "kl_loss_coef", "kl_loss_type", "tis_cap",
+        "weight_sync_bucket_mb", "recompute_old_log_prob")
+
+    optim: SFTOptimConfig = SFTOptimConfig()
+    max_tokens_per_micro_batch: int = Field(
+        4096, ge=1, description="micro-batches are packed to this many real tokens (a longer sequence goes alone)")
+
+
+class SFTHealthConfig(HealthConfig):
+    """Run health of an SFT run: the actor's weights (parameter-norm growth, non-finite state); the
+    limits on RL's KL, entropy and reward are off (and refused when set: an SFT run has none)."""
+
+    max_kl: float | None = None
+    min_entropy: float | None = None
+    max_reward_jump: float | None = None
+
+
 class SFTTrainerConfig(_Section):
     epochs: int = Field(1, ge=1)
     total_steps: int | None = Field(None, ge=1, description="optimizer steps; default: epochs x full batches per epoch")
-    batch_size: int = Field(32, ge=1, description="sequences per optimizer step")
-    max_tokens_per_micro_batch: int = Field(
-        4096, ge=1, description="micro-batches are packed to this many real tokens (a longer sequence goes alone)")
+    batch_size: int = Field(32, ge=1, description="sequences per optimizer step, over all ranks")
     seed: int = 0
     output_dir: str = "runs/sft"
     save_every: int = Field(100, ge=1)
@@ -949,17 +980,113 @@ class SFTTrainerConfig(_Section):
     resume: str = Field("auto", description="'auto' (newest complete checkpoint), 'disable', or a checkpoint path")
     loggers: list[Literal["console", "jsonl", "mlflow"]] = ["console", "jsonl"]
     device: Literal["auto", "cpu", "cuda"] = "auto"
+    backend: Literal["inprocess", "ray"] = Field("inprocess", description="where the actor runs: this process, or Ray "
+                                                 "actors (actor.world_size FSDP2 ranks)")
 
 
-class SFTRunConfig(_Section):
-    """`rlcore sft CONFIG`: supervised fine-tuning whose output folder (`trainer.output_dir/model`)
-    is a Hugging Face model that an RL config's `model.path` can start from."""
+# Older spellings of SFT keys, still read (in files and overrides): the optimizer and the micro-batch
+# budget were SFT's own sections before SFT trained on the actor worker.
+SFT_KEY_SPELLINGS: dict[tuple[str, ...], tuple[str, ...]] = {
+    ("optim",): ("actor", "optim"),
+    ("trainer", "max_tokens_per_micro_batch"): ("actor", "max_tokens_per_micro_batch"),
+}
+
+
+class SFTConfig(_Section):
+    """`rlcore sft CONFIG`: supervised fine-tuning on the actor worker, whose output folder
+    (`trainer.output_dir/model`) is a Hugging Face model that an RL config's `model.path` can start
+    from. It reads the sections an RL run's actor reads (`model`, `actor`, `ray`, `health`,
+    `tracking`; `worker_config` is the RL `Config` the actor worker and the shared run parts get), so
+    what configures the actor's layout (world size, LoRA, precision, sequence parallelism) configures
+    SFT alike."""
+
+    HEALTH_RL_ONLY: ClassVar[tuple[str, ...]] = ("max_kl", "min_entropy", "max_reward_jump")
 
     model: ModelConfig
     data: SFTDataConfig
-    optim: OptimConfig = OptimConfig(lr=1e-5, warmup_steps=10, schedule="cosine", min_lr_ratio=0.1)
+    actor: SFTActorConfig = SFTActorConfig()
     trainer: SFTTrainerConfig = SFTTrainerConfig()
+    health: SFTHealthConfig = SFTHealthConfig()
     tracking: TrackingConfig = TrackingConfig()
+    ray: RayConfig = RayConfig()
+
+    @model_validator(mode="before")
+    @classmethod
+    def _older_spellings(cls, tree: Any) -> Any:
+        return sft_key_spellings(tree) if isinstance(tree, dict) else tree
+
+    @model_validator(mode="after")
+    def _check_sft(self) -> SFTConfig:
+        rl_only = [k for k in self.actor.RL_ONLY if k in self.actor.model_fields_set]
+        if rl_only:
+            raise ValueError(f"actor.{rl_only[0]} is an RL setting; rlcore sft takes one optimizer step per "
+                             "trainer.batch_size sequences on their mean response-token loss")
+        health = [k for k in self.HEALTH_RL_ONLY if getattr(self.health, k) is not None]
+        if health:
+            raise ValueError(f"health.{health[0]} reads a metric of RL runs (KL, entropy, reward); an SFT run has none")
+        others = [r for r in self.ray.roles if r != "actor"]
+        if others or self.ray.colocate:
+            raise ValueError(f"ray.{f'roles.{others[0]}' if others else 'colocate'}: rlcore sft runs the actor alone")
+        if self.model.share_prompt_prefix and "share_prompt_prefix" in self.model.model_fields_set:
+            raise ValueError("model.share_prompt_prefix=true: SFT rows are whole sequences, with no prompt shared "
+                             "between rows")
+        try:  # what the actor and the run parts would refuse (world size without Ray, sequence parallel sizes, ...)
+            self.worker_config(self.trainer.total_steps or 1)
+        except ValidationError as err:
+            raise ValueError(_format_validation_error(err).removeprefix("invalid config: ").removeprefix("<root>: ")) from None
+        shards = self.actor.world_size // self.actor.ulysses_sequence_parallel_size
+        if self.trainer.batch_size % shards:  # else the dispatch would pad the batch with repeated rows
+            raise ValueError(f"trainer.batch_size={self.trainer.batch_size} is not a multiple of the actor's {shards} "
+                             "data-parallel ranks (actor.world_size / actor.ulysses_sequence_parallel_size)")
+        return self
+
+    def worker_config(self, total_steps: int) -> Config:
+        """The RL `Config` the actor worker, the worker groups and the run parts (checkpoints, step
+        log) read: this config's model, actor, ray, health and tracking sections as they are, its
+        trainer's run settings with `total_steps` resolved. Rows share no prompt (packed alone)."""
+        t = self.trainer
+        return Config(
+            model=self.model.model_copy(update={"share_prompt_prefix": False}),
+            data=DataConfig(train_files=self.data.train_files, val_files=self.data.val_files,
+                            apply_chat_template=self.data.apply_chat_template, tokenizer_check_rows=0),
+            actor=self.actor,
+            trainer=TrainerConfig(total_steps=total_steps, seed=t.seed, output_dir=t.output_dir, save_every=t.save_every,
+                                  keep_last=t.keep_last, val_every=t.val_every, val_before_train=t.val_before_train,
+                                  resume=t.resume, loggers=t.loggers, device=t.device, backend=t.backend, trace=False),
+            health=self.health,
+            tracking=self.tracking,
+            # the actor is the only role that runs; the RL roles the Config knows of go to its pool
+            ray=self.ray.model_copy(update={"roles": {role: self.ray.pool_of("actor") for role in ROLES}}),
+        )
+
+
+def sft_key_spellings(tree: dict[str, Any]) -> dict[str, Any]:
+    """`tree` with the older spellings of SFT keys (`SFT_KEY_SPELLINGS`) moved to the current ones;
+    both spellings in one tree is an error naming them."""
+    tree = {k: dict(v) if isinstance(v, dict) else v for k, v in tree.items()}
+    for old, new in SFT_KEY_SPELLINGS.items():
+        parent = tree.get(old[0]) if len(old) == 2 else tree
+        if not isinstance(parent, dict) or old[-1] not in parent:
+            continue
+        value = parent.pop(old[-1])
+        target = tree.setdefault(new[0], {})
+        if not isinstance(target, dict):
+            raise ValueError(f"{new[0]}: expected a section")
+        if new[1] in target:
+            raise ValueError(f"{'.'.join(old)} and {'.'.join(new)} are the same setting (the first its older "
+                             "spelling); give one")
+        target[new[1]] = value
+        if len(old) == 2 and not parent:
+            tree.pop(old[0])
+    return tree
+
+
+def sft_key_path(parts: list[str]) -> list[str]:
+    """A dotted key's parts with an older SFT spelling (`SFT_KEY_SPELLINGS`) replaced by the current one."""
+    for old, new in SFT_KEY_SPELLINGS.items():
+        if tuple(parts[:len(old)]) == old:
+            return [*new, *parts[len(old):]]
+    return parts
 
 
 def parse_override(text: str) -> tuple[list[str], Any]:
@@ -1004,9 +1131,9 @@ def config_from_dict(tree: dict[str, Any]) -> Config:
         raise ConfigError(_format_validation_error(err)) from None
 
 
-def sft_config_from_dict(tree: dict[str, Any]) -> SFTRunConfig:
+def sft_config_from_dict(tree: dict[str, Any]) -> SFTConfig:
     try:
-        return SFTRunConfig.model_validate(tree)
+        return SFTConfig.model_validate(tree)
     except ValidationError as err:
         raise ConfigError(_format_validation_error(err)) from None
 
@@ -1033,12 +1160,21 @@ def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str
     return config_from_dict(_config_tree(path, overrides))
 
 
-def load_sft_config(path: str | Path | None = None, overrides: list[str] | tuple[str, ...] = ()) -> SFTRunConfig:
-    """`load_config` for an SFT run (`rlcore sft`)."""
-    return sft_config_from_dict(_config_tree(path, overrides))
+def load_sft_config(path: str | Path | None = None, overrides: list[str] | tuple[str, ...] = ()) -> SFTConfig:
+    """`load_config` for an SFT run (`rlcore sft`). An older spelling of a key (`optim.lr` for
+    `actor.optim.lr`) addresses the same setting, in the file and in an override alike."""
+    tree = _config_tree(path, ())
+    try:
+        tree = sft_key_spellings(tree)
+    except ValueError as err:
+        raise ConfigError(f"invalid config: {err}") from None
+    for text in overrides:
+        parts, value = parse_override(text)
+        _apply_override(tree, sft_key_path(parts), value)
+    return sft_config_from_dict(tree)
 
 
-def dump_config(config: Config | SFTRunConfig) -> str:
+def dump_config(config: Config | SFTConfig) -> str:
     """The resolved config as YAML, secrets redacted (`rlcore.redact`): the run folder's
     `config.yaml` is read, shared and logged as an MLflow artifact, so it must not carry the
     webhook's credentials. A run reloaded from it gets its secrets from its overrides again."""

@@ -94,9 +94,10 @@ def prefect_env(home: Path) -> dict[str, str]:
     }
 
 
-def train_on_ray(config: Path, overrides: list[str], timeout: float = 600) -> None:
-    """`rlcore train CONFIG OVERRIDES` in a subprocess on a fresh local Ray (its own short temp
-    dir: Ray's socket paths must fit 107 bytes; no token auth); fails the test with its stderr."""
+def train_on_ray(config: Path, overrides: list[str], timeout: float = 600, command: str = "train") -> None:
+    """`rlcore train CONFIG OVERRIDES` (or `rlcore sft`: `command`) in a subprocess on a fresh local
+    Ray (its own short temp dir: Ray's socket paths must fit 107 bytes; no token auth); fails the
+    test with its stderr."""
     import os
     import shutil
     import subprocess
@@ -104,7 +105,7 @@ def train_on_ray(config: Path, overrides: list[str], timeout: float = 600) -> No
     import tempfile
 
     ray_tmp = tempfile.mkdtemp(prefix="rl-", dir="/tmp")
-    args = [sys.executable, "-m", "rlcore.cli", "train", str(config), *overrides,
+    args = [sys.executable, "-m", "rlcore.cli", command, str(config), *overrides,
             f"ray.temp_dir={ray_tmp}", "ray.call_timeout_s=300", "ray.init_timeout_s=300"]
     env = dict(os.environ, PYTHONPATH=str(Path(__file__).resolve().parents[1]), RAY_AUTH_MODE="disabled")
     try:

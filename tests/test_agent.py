@@ -26,13 +26,13 @@ from rlcore.data.sft import tokenize_messages
 from rlcore.example.model import TinyModelSpec, make_model
 from rlcore.example.tokenizer import build_tool_tokenizer
 from rlcore.example.tool_task import draw_problems, rl_row, sft_rows
+from rlcore.example.warm_start import backward_batch, save_model
 from rlcore.protocol import Batch
 from rlcore.rewards.tools import ToolPool, ToolSpecError, load_tools
 from rlcore.rollout import HFRolloutEngine, SamplingParams
 from rlcore.rollout.agent import AgentLoop, AgentSettings, ChatTurns, InteractionReply, parse_tool_calls, sample_key
 from rlcore.trainer.metrics import agent_metrics
 from rlcore.trainer.preflight import preflight_problems
-from rlcore.trainer.sft import backward_batch, save_model
 from rlcore.workers.reward import final_answer, trajectory_info
 
 CALC = "rlcore.example.tools:calculator"

@@ -137,7 +137,7 @@ def test_failed_or_partial_builds_are_never_used(tmp_path):
     out.mkdir()
     (out / "junk").write_text("from an interrupted build")  # no .complete marker
     # No SFT rows: SFT fails inside the build process, and its error reaches the caller.
-    with pytest.raises(RuntimeError, match="run_sft got no rows"):
+    with pytest.raises(RuntimeError, match="run_warm_start got no rows"):
         build_tiny_example(out, seed=0, recipe=replace(QUICK, sft_steps=0))
     assert sorted(p.name for p in tmp_path.iterdir()) == ["ex"]  # the temp folder was cleaned up
     assert load_tiny_example(out) is None

@@ -31,8 +31,8 @@ from rlcore.controller.dispatch import plan_dispatch
 from rlcore.data.preference import sequence_tensors
 from rlcore.protocol import Batch
 from rlcore.workers.actor import PolicyObjective
+from rlcore.workers.forward import response_values
 from rlcore.workers.loops import GlobalCounts
-from rlcore.workers.modeling import response_values
 from rlcore.workers.packed import pack_rows
 from rlcore.workers.policy import PolicyLogProbs
 from rlcore.workers.ulysses import enable_sequence_parallel, head_problem

@@ -20,7 +20,7 @@ import traceback
 from pathlib import Path
 from typing import Any
 
-from rlcore.config import Config, LoraConfig, SFTRunConfig, config_from_dict, load_config, load_sft_config, sft_config_from_dict
+from rlcore.config import Config, LoraConfig, SFTConfig, config_from_dict, load_config, load_sft_config, sft_config_from_dict
 from rlcore.lifecycle.data_prep import prepare_dataset
 from rlcore.lifecycle.evaluation import evaluate_model
 from rlcore.lifecycle.fingerprint import files_fingerprint
@@ -206,7 +206,7 @@ def prepare_data_stage(config: Config, workdir: str | Path, val_fraction: float 
 
 
 # ---------------------------------------------------------------------- SFT warm start
-def sft_stage_config(config: Config, sft: dict[str, Any], workdir: str | Path) -> SFTRunConfig:
+def sft_stage_config(config: Config, sft: dict[str, Any], workdir: str | Path) -> SFTConfig:
     """The warm start's SFT config: `sft["config_path"]` (else the SFT defaults) from the RL
     config's `model.path`, on `sft["data_path"]` when given, then `sft["overrides"]`; its output
     folder is keyed by what decides the result (data content, settings, base model), so a later

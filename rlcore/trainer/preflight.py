@@ -25,7 +25,7 @@ from pathlib import Path
 from typing import Any
 
 from rlcore.checkpoint import MANIFEST, CheckpointError, step_of
-from rlcore.config import Config, SFTRunConfig
+from rlcore.config import Config, SFTConfig
 from rlcore.data import RL_FIELDS, DatasetError, column_values, peek_fields
 from rlcore.data.preference import PREFERENCE_FIELDS
 from rlcore.errors import RLCoreError
@@ -159,7 +159,7 @@ def reward_model_problems(key: str, path: str) -> list[str]:
         model_config = json.loads((folder / "config.json").read_text(encoding="utf-8"))
     except (OSError, ValueError):
         return problems
-    from rlcore.workers.modeling import is_sequence_classifier
+    from rlcore.workers.loading import is_sequence_classifier
 
     if not is_sequence_classifier(model_config):
         problems.append(f"{key}: {path} is not a reward model: config.json names {model_config.get('architectures')} "
@@ -352,7 +352,7 @@ def resume_problems(resume: str, algorithm: str) -> list[str]:
     return []
 
 
-def sft_preflight(config: SFTRunConfig) -> None:
+def sft_preflight(config: SFTConfig) -> None:
     """`preflight` for an SFT run (`rlcore sft`): the model folder, the data files (a messages
     column, or prompt and response columns), the checkpoint to resume and the output folder."""
     problems = model_folder_problems("model.path", config.model.path, tokenizer=True)

@@ -6,7 +6,7 @@ With LoRA on the actor there is no reference worker: `ref` is the actor group it
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from functools import partial
@@ -67,6 +67,8 @@ class WorkerGroups:
         self.actor.load_checkpoint(folder)
         if self.critic is not None:
             self.critic.load_checkpoint(folder)
+        if self.rollout is None:  # a supervised run: nothing generates
+            return
         if self.weight_sync == "full":
             self.rollout.load_model(str(Path(folder) / "actor"))
         else:
@@ -119,8 +121,15 @@ def _factories(config: Config) -> dict[str, tuple[Callable[[int, int], Worker], 
     return out
 
 
-def build_worker_groups(config: Config) -> WorkerGroups:
-    """The run's worker groups, and this (controller) thread's torch threads.
+def _factories_of(config: Config, only: Collection[str] | None) -> dict[str, tuple[Callable[[int, int], Worker], int]]:
+    """`_factories`, or those of its roles in `only`."""
+    every = _factories(config)
+    return every if only is None else {role: made for role, made in every.items() if role in only}
+
+
+def build_worker_groups(config: Config, roles: Collection[str] | None = None) -> WorkerGroups:
+    """The run's worker groups, and this (controller) thread's torch threads. `roles`: only these
+    of the run's roles (`rlcore sft`: the actor alone).
 
     In process, `trainer.off_policy=one_step` gives the rollout worker a thread of its own, or a
     child process (`trainer.overlap_with`), so the next batch's generation overlaps this step's scoring
@@ -129,12 +138,12 @@ def build_worker_groups(config: Config) -> WorkerGroups:
     the workers compute in their own processes."""
     if config.trainer.backend == "ray":
         use_cores(1)
-        return build_ray_worker_groups(config)
+        return build_ray_worker_groups(config, roles)
     overlap = config.trainer.off_policy == "one_step"
     train_cores, rollout_cores = split_cores(2) if overlap else (available_cpus(), 0.0)
     use_cores(train_cores)
     groups: dict[str, WorkerGroup] = {}
-    for role, (factory, _) in _factories(config).items():
+    for role, (factory, _) in _factories_of(config, roles).items():
         if overlap and role == "rollout" and config.trainer.overlap_with == "process":
             groups[role] = SubprocessWorkerGroup(partial(RolloutWorker, config), role=role, cores=rollout_cores)
         else:
@@ -171,12 +180,12 @@ def _units(config: Config, roles: dict[str, tuple[Callable, int]]) -> list[list[
     return units
 
 
-def build_ray_worker_groups(config: Config) -> WorkerGroups:
-    """Ray actors for every role, on placement-group pools mapped by `ray.roles`."""
+def build_ray_worker_groups(config: Config, only: Collection[str] | None = None) -> WorkerGroups:
+    """Ray actors for every role (or those in `only`), on placement-group pools mapped by `ray.roles`."""
     from rlcore.controller.ray_backend import RayWorkerGroup, ResourcePool, ensure_ray
 
     rc = config.ray
-    roles = _factories(config)
+    roles = _factories_of(config, only)
     units = _units(config, roles)
     pool_units: dict[str, list[list[str]]] = {}
     for unit in units:

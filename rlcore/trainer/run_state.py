@@ -13,7 +13,7 @@ import numpy as np
 import torch
 
 from rlcore.checkpoint import CheckpointManager, load_trainer_state, rng_state, save_trainer_state, set_rng_state, step_of
-from rlcore.config import Config, dump_config
+from rlcore.config import Config, SFTConfig, dump_config
 from rlcore.tracking import truncate_jsonl
 from rlcore.trainer.roles import WorkerGroups
 
@@ -29,7 +29,7 @@ class Stateful(Protocol):
     def load_state_dict(self, state: dict[str, Any]) -> None: ...
 
 
-def prepare_run_dir(config: Config) -> Path:
+def prepare_run_dir(config: Config | SFTConfig) -> Path:
     """The run folder with the resolved `config.yaml`; seeds torch and numpy from `trainer.seed`."""
     run_dir = Path(config.trainer.output_dir)
     run_dir.mkdir(parents=True, exist_ok=True)

@@ -29,7 +29,6 @@ from __future__ import annotations
 import io
 import pickle
 import re
-import shutil
 from pathlib import Path
 from typing import Any
 
@@ -40,9 +39,8 @@ from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
 
 from rlcore.errors import RLCoreError
 from rlcore.workers.fsdp import is_sharded
+from rlcore.workers.tokenizer import copy_tokenizer
 from rlcore.workers.trainable import Trainable
-
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja", "generation_config.json")
 
 
 def adapter_folder(name: str) -> str:
@@ -74,13 +72,6 @@ def load_training_state(trained: Trainable, folder: Path, name: str, device: tor
         state = torch.load(folder / f"{name}_optim.pt", map_location=device, weights_only=True)
         trained.optimizer.load_state_dict(state["optimizer"])
         trained.scheduler.load_state_dict(state["scheduler"])
-
-
-def copy_tokenizer(src: Path, dst: Path) -> None:
-    """The tokenizer files of `src` into the model folder `dst` (existing files are kept)."""
-    for file in TOKENIZER_FILES:
-        if (src / file).is_file() and not (dst / file).exists():
-            shutil.copy2(src / file, dst / file)
 
 
 def _save_pretrained(model: torch.nn.Module, dst: Path, tokenizer_dir: Path | None, state_dict: dict | None = None) -> None:

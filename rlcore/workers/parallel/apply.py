@@ -22,6 +22,7 @@ process group on the meta device) no process group is made here.
 
 from __future__ import annotations
 
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
@@ -45,19 +46,22 @@ def apply_layout(
     sp_key: str,
     mixed_precision: str = "none",
     cpu_offload: bool = False,
+    forward_methods: Mapping[str, Callable[..., Any]] | None = None,
     mesh: Any = None,
 ) -> nn.Module:
     """`model` split as `layout` says over the process group (every rank of the role calls it: it
     makes process groups the first time). `tp_key`, `sp_key`: the config keys of its tensor- and
     sequence-parallel sizes (`Config.layout_key`), named when the model's shape or architecture does
-    not allow them. `mesh`: a ready `device_mesh(layout, ...)` (else made here)."""
+    not allow them. `forward_methods`: `shard_model`'s (the caller's computations outside
+    `model.forward`). `mesh`: a ready `device_mesh(layout, ...)` (else made here)."""
     tp, sp = layout.tensor_parallel, layout.sequence_parallel
     if tp == 1:  # data and sequence parallelism as they always were
         if mesh is None:
             enable_sequence_parallel(model, sp, device, sp_key)
         elif sp > 1:
             use_sequence_parallel_group(model, mesh["sp"].get_group())
-        return shard_model(model, device, mixed_precision, cpu_offload, mesh=None if mesh is None else fsdp_mesh(mesh))
+        return shard_model(model, device, mixed_precision, cpu_offload, forward_methods,
+                           mesh=None if mesh is None else fsdp_mesh(mesh))
     if sp > 1:
         problems = tensor_parallel_problems(model.config.to_dict(), tp, sp)
         if problems:
@@ -67,15 +71,15 @@ def apply_layout(
     if sp > 1:
         use_sequence_parallel_group(model, mesh["sp"].get_group())
     token_tally(model).copies = tp
-    return shard_model(model, device, mixed_precision, cpu_offload, mesh=fsdp_mesh(mesh))
+    return shard_model(model, device, mixed_precision, cpu_offload, forward_methods, mesh=fsdp_mesh(mesh))
 
 
 def apply_role_layout(model: nn.Module, config: Config, role: str, device: torch.device, *, mixed_precision: str = "none",
-                      cpu_offload: bool = False) -> nn.Module:
+                      cpu_offload: bool = False, forward_methods: Mapping[str, Callable[..., Any]] | None = None) -> nn.Module:
     """`apply_layout` with `role`'s layout and keys from the run's config (`Config.layout_of`)."""
     return apply_layout(model, config.layout_of(role), device, tp_key=config.layout_key(role, "tensor_parallel"),
                         sp_key=config.layout_key(role, "sequence_parallel"), mixed_precision=mixed_precision,
-                        cpu_offload=cpu_offload)
+                        cpu_offload=cpu_offload, forward_methods=forward_methods)
 
 
 __all__ = ["apply_layout", "apply_role_layout"]

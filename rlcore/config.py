@@ -1031,13 +1031,13 @@ class SFTConfig(_Section):
             raise ValueError("model.share_prompt_prefix=true: SFT rows are whole sequences, with no prompt shared "
                              "between rows")
         try:  # what the actor and the run parts would refuse (world size without Ray, sequence parallel sizes, ...)
-            self.worker_config(self.trainer.total_steps or 1)
+            worker = self.worker_config(self.trainer.total_steps or 1)
         except ValidationError as err:
             raise ValueError(_format_validation_error(err).removeprefix("invalid config: ").removeprefix("<root>: ")) from None
-        shards = self.actor.world_size // self.actor.ulysses_sequence_parallel_size
+        shards = worker.layout_of("actor").data_parallel
         if self.trainer.batch_size % shards:  # else the dispatch would pad the batch with repeated rows
             raise ValueError(f"trainer.batch_size={self.trainer.batch_size} is not a multiple of the actor's {shards} "
-                             "data-parallel ranks (actor.world_size / actor.ulysses_sequence_parallel_size)")
+                             f"data-parallel ranks ({worker.layout_key('actor', 'data_parallel')})")
         return self
 
     def worker_config(self, total_steps: int) -> Config:

@@ -49,7 +49,7 @@ def role_config(root: Path, role: str, arch: str, layout: dict | None) -> Config
     """A run config whose `role` has `layout` (None: one process)."""
     tree: dict = {"model": {"path": str(root / arch)}, "data": {"train_files": ["unused.parquet"], "train_batch_size": 4},
                   "trainer": {"device": "cpu", "backend": "ray" if layout else "inprocess", "seed": 3},
-                  "actor": {"ppo_mini_batch_size": 2, "max_tokens_per_micro_batch": 24, "use_kl_loss": True,
+                  "actor": {"ppo_mini_batch_size": 2, "weight_sync_bucket_mb": 0.01, "max_tokens_per_micro_batch": 24, "use_kl_loss": True,
                             "entropy_coeff": 0.01, "logprob_chunk_tokens": 5, "optim": {"lr": LR}},
                   "rollout": {"n": 2}, "critic": {"optim": {"lr": LR}}}
     if role == "critic":
@@ -112,6 +112,10 @@ def run_role(root: Path, role: str, arch: str, layout: dict | None, rank: int = 
     out["metrics"] = metrics
     if role == "actor":
         out["grads"], out["weights"] = _full(worker.model)
+        # the weight sync as the trainer streams it: bucket by bucket, assembled on rank 0
+        plan = call(worker, "weight_bucket_plan")
+        out["synced"] = {k: v.clone() for names in plan for k, v in call(worker, "gather_weight_bucket", names)}
+        assert len(plan) > 1 and out["synced"].keys() >= out["weights"].keys()
     return out
 
 
@@ -127,8 +131,10 @@ def _run_cases(rank: int, world: int, root: Path, cases: list) -> dict:
 
 
 def _check(got: dict, want: dict, what: str) -> None:
+    for name, w in got.get("synced", {}).items():  # what the rollout gets is the model's weights, exactly
+        assert torch.equal(w, got["weights"][name if name in got["weights"] else "model.embed_tokens.weight"]), f"{what}: {name}"
     for key in want:
-        if key in ("metrics", "grads", "weights"):
+        if key in ("metrics", "grads", "weights", "synced"):
             continue
         torch.testing.assert_close(got[key], want[key], atol=1e-5, rtol=0, msg=f"{what}: {key}")
     for name, value in want["metrics"].items():

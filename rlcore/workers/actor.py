@@ -23,7 +23,7 @@ from rlcore.controller import Dispatch, Worker, register
 from rlcore.protocol import Batch
 from rlcore.workers.checkpointing import adapter_folder, load_training_state, save_trained
 from rlcore.workers.forward import POLICY_FORWARD_METHODS
-from rlcore.workers.fsdp import gather_bucket, iter_full_state, plan_buckets
+from rlcore.workers.fsdp import iter_full_state, plan_buckets
 from rlcore.workers.loading import compute_precision, load_causal_lm, resolve_device, trained_dtype
 from rlcore.workers.loops import (
     GlobalCounts,
@@ -39,6 +39,7 @@ from rlcore.workers.lora import Adapter, apply_lora, parameter_counts
 from rlcore.workers.optim import build_optimizer, build_scheduler
 from rlcore.workers.packed import forward_token_metrics
 from rlcore.workers.parallel.apply import apply_role_layout
+from rlcore.workers.parallel.reshard import gather_to_owner
 from rlcore.workers.policy import PolicyLogProbs
 from rlcore.workers.preference import preference_objective
 from rlcore.workers.sft import SFTObjective
@@ -247,7 +248,7 @@ class ActorWorker(Worker):
         """One bucket of full weights, for streaming them to the rollout engine (merged with LoRA)."""
         if self.adapter is not None:
             return self.adapter.merged_weights(names, keep=self.rank == 0)
-        return gather_bucket(self.model, names, keep=self.rank == 0)
+        return gather_to_owner(self.model, names, owner=0)[0]  # each rank's own shards, assembled on rank 0 only
 
     @register(dispatch=Dispatch.COLLECTIVE, blocking=False)
     def adapter_for_rollout(self) -> tuple[dict[str, torch.Tensor], dict]:

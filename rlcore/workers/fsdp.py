@@ -210,7 +210,7 @@ def to_full(value: torch.Tensor) -> torch.Tensor:
     return full() if callable(full) else value
 
 
-def _sync_state(model: nn.Module) -> dict[str, torch.Tensor]:
+def sync_state(model: nn.Module) -> dict[str, torch.Tensor]:
     """Name -> tensor for a rollout engine; tied weights also under `lm_head.weight`
     (vLLM keeps a stale head otherwise)."""
     state = model.state_dict()
@@ -223,7 +223,7 @@ def plan_buckets(model: nn.Module, bucket_bytes: int) -> list[list[str]]:
     """Parameter names grouped into buckets of about `bucket_bytes` of full (unsharded) size.
 
     Sizes come from global shapes, so every rank computes the same plan."""
-    return bucket_by_bytes([(name, t.numel() * t.element_size()) for name, t in _sync_state(model).items()], bucket_bytes)
+    return bucket_by_bytes([(name, t.numel() * t.element_size()) for name, t in sync_state(model).items()], bucket_bytes)
 
 
 def bucket_by_bytes(sizes: list[tuple[str, int]], bucket_bytes: int) -> list[list[str]]:
@@ -242,7 +242,7 @@ def bucket_by_bytes(sizes: list[tuple[str, int]], bucket_bytes: int) -> list[lis
 def gather_bucket(model: nn.Module, names: list[str], keep: bool) -> list[tuple[str, torch.Tensor]]:
     """Full CPU tensors of `names`. Sharded parameters are gathered with `full_tensor()` (every
     rank must call this with the same names); only a rank with `keep` returns them."""
-    state = _sync_state(model)
+    state = sync_state(model)
     out: list[tuple[str, torch.Tensor]] = []
     seen: dict[int, torch.Tensor] = {}
     for name in names:

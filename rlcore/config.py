@@ -789,7 +789,8 @@ class Config(_Section):
             return self.ref.layout or self.layout_of("actor")
         section = getattr(self, role)
         if section.layout is not None:
-            return section.layout
+            layout: LayoutConfig = section.layout
+            return layout
         sp = {"actor": self.actor.ulysses_sequence_parallel_size, "critic": self.critic_sequence_parallel_size}.get(role, 1)
         sp = sp if section.world_size % sp == 0 else 1
         return LayoutConfig(data_parallel=section.world_size // sp, sequence_parallel=sp)

@@ -1,7 +1,8 @@
 """Several gloo processes running real workers as one worker group would, without Ray: each rank
 builds its worker, and a call is dispatched and collected exactly as a group dispatches it
 (`plan_dispatch` with the worker's own specs; the results all-gathered to every rank). One launch
-runs a list of cases in the same processes (the process groups of each layout are made once)."""
+runs a list of cases in the same processes (the process groups of each layout are made once).
+With `backend="nccl"` each rank takes the GPU of its rank instead (the GPU-marked tests)."""
 
 from __future__ import annotations
 
@@ -38,9 +39,11 @@ def call(worker: Worker, method: str, *args: Any) -> Any:
     return plan.collect([results[r] for r, _, _ in plan.calls])
 
 
-def _rank_main(rank: int, world: int, port: int, out: str, run: Callable[[int, int], dict]) -> None:
+def _rank_main(rank: int, world: int, port: int, out: str, run: Callable[[int, int], dict], backend: str) -> None:
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    if backend == "nccl":
+        torch.cuda.set_device(rank)
+    dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
     try:
         result = run(rank, world)
     except BaseException:
@@ -48,17 +51,25 @@ def _rank_main(rank: int, world: int, port: int, out: str, run: Callable[[int, i
         raise
     finally:
         dist.destroy_process_group()
-    torch.save(result, Path(out, f"rank{rank}.pt"))
+    torch.save(_to_cpu(result), Path(out, f"rank{rank}.pt"))
 
 
-def launch(run: Callable[[int, int], dict], world: int, out: Path) -> list[dict]:
-    """`run(rank, world)` in `world` gloo processes (a picklable module-level function); each
-    rank's returned dict, in rank order."""
+def _to_cpu(value: Any) -> Any:
+    if isinstance(value, torch.Tensor):
+        return value.cpu()
+    if isinstance(value, dict):
+        return {k: _to_cpu(v) for k, v in value.items()}
+    return value
+
+
+def launch(run: Callable[[int, int], dict], world: int, out: Path, backend: str = "gloo") -> list[dict]:
+    """`run(rank, world)` in `world` processes of a `backend` process group (a picklable
+    module-level function); each rank's returned dict (moved to the CPU), in rank order."""
     import torch.multiprocessing as mp
 
     out.mkdir(parents=True, exist_ok=True)
     try:
-        mp.spawn(_rank_main, args=(world, free_port(), str(out), run), nprocs=world)
+        mp.spawn(_rank_main, args=(world, free_port(), str(out), run, backend), nprocs=world)
     except Exception as err:
         errors = "\n".join(p.read_text() for p in sorted(out.glob("error*.txt")))
         raise AssertionError(f"a gloo rank failed:\n{errors or err}") from None

@@ -45,10 +45,10 @@ def save_models(root: Path) -> Path:
     return root
 
 
-def role_config(root: Path, role: str, arch: str, layout: dict | None) -> Config:
+def role_config(root: Path, role: str, arch: str, layout: dict | None, device: str = "cpu") -> Config:
     """A run config whose `role` has `layout` (None: one process)."""
     tree: dict = {"model": {"path": str(root / arch)}, "data": {"train_files": ["unused.parquet"], "train_batch_size": 4},
-                  "trainer": {"device": "cpu", "backend": "ray" if layout else "inprocess", "seed": 3},
+                  "trainer": {"device": device, "backend": "ray" if layout else "inprocess", "seed": 3},
                   "actor": {"ppo_mini_batch_size": 2, "weight_sync_bucket_mb": 0.01, "max_tokens_per_micro_batch": 24, "use_kl_loss": True,
                             "entropy_coeff": 0.01, "logprob_chunk_tokens": 5, "optim": {"lr": LR}},
                   "rollout": {"n": 2}, "critic": {"optim": {"lr": LR}}}
@@ -84,9 +84,9 @@ def _full(model: torch.nn.Module) -> tuple[dict, dict]:
     return grads, weights
 
 
-def run_role(root: Path, role: str, arch: str, layout: dict | None, rank: int = 0, world: int = 1) -> dict:
+def run_role(root: Path, role: str, arch: str, layout: dict | None, rank: int = 0, world: int = 1, device: str = "cpu") -> dict:
     """One training step of `role` and what it changed, as every rank collects it."""
-    config = role_config(root, role, arch, layout)
+    config = role_config(root, role, arch, layout, device)
     if role == "actor":
         worker = ActorWorker(config, rank, world)
         worker.setup()
@@ -126,11 +126,11 @@ CASES_4 = [("actor", "llama", FSDP_TP), ("actor", "qwen2-gqa", SP_TP), ("critic"
            ("critic", "llama", SP_TP), ("reward_model", "qwen2-gqa", FSDP_TP)]
 
 
-def _run_cases(rank: int, world: int, root: Path, cases: list) -> dict:
-    return {(role, arch, str(layout)): run_role(root, role, arch, layout, rank, world) for role, arch, layout in cases}
+def _run_cases(rank: int, world: int, root: Path, cases: list, device: str = "cpu") -> dict:
+    return {(role, arch, str(layout)): run_role(root, role, arch, layout, rank, world, device) for role, arch, layout in cases}
 
 
-def _check(got: dict, want: dict, what: str) -> None:
+def check_step(got: dict, want: dict, what: str) -> None:
     for name, w in got.get("synced", {}).items():  # what the rollout gets is the model's weights, exactly
         assert torch.equal(w, got["weights"][name if name in got["weights"] else "model.embed_tokens.weight"]), f"{what}: {name}"
     for key in want:
@@ -167,6 +167,6 @@ def test_a_tensor_parallel_step_equals_the_one_process_step(tmp_path, world, cas
         want = run_role(root, role, arch, None)
         assert want["metrics"][f"{'reward_model' if role == 'reward_model' else role}/grad_norm"] > 0, what
         for r, got in enumerate(ranks):
-            _check(got[role, arch, str(layout)], want, f"{what} rank {r}")
+            check_step(got[role, arch, str(layout)], want, f"{what} rank {r}")
         if role == "actor":
             assert want["metrics"]["actor/kl_loss"] > 0 and float(want["entropy"].sum()) > 0

@@ -25,11 +25,12 @@ gather-everything one, in the same processes: the second can only add). Bytes ea
 receives do not depend on the actor's layout: vLLM's loaders take full tensors (see `loaders`), so
 every engine rank gets the whole model, whatever its tensor-parallel size.
 
-loaders: a vLLM engine with tensor_parallel_size=2 on CPU (needs vllm): (1) rlcore's sync of full
-tensors, each engine rank slicing its own part, generates what transformers generates on the new
-weights; (2) each rank handed only its own slice of q_proj (what a resharding sync would send) goes
-through vLLM's loader, which slices again: the error each rank raises is printed; (3) the same
-with the parameter marked `is_sharded_weight` (vLLM's switch for pre-sharded checkpoints).
+loaders: a vLLM engine with tensor_parallel_size=2 on CPU (needs vllm), three times, each a fresh
+engine given new weights, its greedy output compared with transformers' on them: (1) rlcore's
+sync of full tensors, each engine rank slicing its own part; (2) each rank handed only its own
+slices of the projection matrices (what a resharding sync would send), through the same reload
+path; (3) the same with the linear layers marked `is_sharded_weight` (vLLM's switch for
+pre-sharded checkpoints). What each rank's loader said is printed.
 
 All ranks run one torch thread; the machine may be shared, so CPU seconds (user + system of the
 spawned processes) are printed next to wall seconds.
@@ -228,23 +229,33 @@ def part_sync(model: Path, work: Path) -> None:
 
 # ----- vLLM's loaders ---------------------------------------------------------------------------
 
-def _presliced(worker: Any, full: dict[str, torch.Tensor], flag: bool) -> str:
-    """In each vLLM rank: q_proj's rows of this rank only, through the model's own loader."""
+ROW_PARALLEL = ("o_proj", "down_proj")  # split along their input dim (1); the other projections along dim 0
+
+
+def _presliced(worker: Any, full: list[tuple[str, torch.Tensor]], flag: bool) -> str:
+    """In each vLLM rank, through rlcore's reload path (`rlcore.rollout.vllm._reload_*`): every
+    projection matrix sliced for this rank as vLLM partitions it, embeddings and norms whole.
+    `flag`: mark the linear layers' parameters `is_sharded_weight` (vLLM's switch that stops its
+    linear loaders from slicing again; its embedding loader has none)."""
     from vllm.distributed import get_tensor_model_parallel_rank, get_tensor_model_parallel_world_size
+
+    from rlcore.rollout.vllm import _reload_finish, _reload_load, _reload_open
 
     rank, size = get_tensor_model_parallel_rank(), get_tensor_model_parallel_world_size()
     model = worker.model_runner.get_model()
-    qkv = dict(model.named_parameters())["model.layers.0.self_attn.qkv_proj.weight"]
+    _reload_open(worker)
     if flag:
-        for p in model.parameters():
-            p.is_sharded_weight = True
-    sliced = [(k, v.chunk(size, dim=0)[rank].clone()) for k, v in full.items()]
+        for name, p in model.named_parameters():
+            if "proj" in name:
+                p.is_sharded_weight = True
+    sliced = [(k, v.chunk(size, dim=1 if any(r in k for r in ROW_PARALLEL) else 0)[rank].clone() if "proj" in k else v)
+              for k, v in full]
     try:
-        with torch.no_grad():
-            model.load_weights(sliced)
-        return f"rank {rank}: loaded; qkv_proj local shape {tuple(qkv.shape)}"
+        _reload_load(worker, sliced)
+        _reload_finish(worker)
+        return f"rank {rank}: loaded"
     except Exception as err:  # noqa: BLE001 - the message is the evidence
-        return f"rank {rank}: {type(err).__name__}: {str(err).splitlines()[0][:160]} (qkv_proj local shape {tuple(qkv.shape)})"
+        return f"rank {rank}: {type(err).__name__}: {str(err).splitlines()[0][:200]}"
 
 
 def part_loaders(work: Path) -> None:
@@ -267,25 +278,41 @@ def part_loaders(work: Path) -> None:
     ids = torch.tensor([[0, 0, 5, 6, 7, 8], [9, 10, 11, 12, 13, 14]])
     batch = _Batch(tensors={"input_ids": ids, "attention_mask": (ids != 0).long()})
     greedy = SamplingParams(n=1, do_sample=False, max_new_tokens=8)
-    start = time.perf_counter()
-    print(f"  thread binding of the two engine ranks: VLLM_CPU_OMP_THREADS_BIND={tensor_parallel_binding(2)!r}")
-    engine = VLLMRolloutEngine.from_pretrained(str(work / "a"), eos_token_ids=[], kv_cache_gib=0.125, max_model_len=128,
-                                               tensor_parallel_size=2)
-    try:
-        print(f"  engine started in {time.perf_counter() - start:.0f} s")
-        engine.update_weights([(n, p.detach()) for n, p in b.named_parameters()])
-        got = engine.generate(batch, greedy)["responses"]
-        want = [b.generate(ids[i][ids[i] != 0][None], max_new_tokens=8, do_sample=False, eos_token_id=None,
-                           pad_token_id=0)[0, (ids[i] != 0).sum():].tolist() for i in range(2)]
-        print(f"  (1) full tensors to every rank (rlcore's sync): greedy output equals transformers' on the new weights: "
-              f"{got.tolist() == want}")
-        q = {"model.layers.0.self_attn.q_proj.weight": b.model.layers[0].self_attn.q_proj.weight.detach()}
-        for flag in (False, True):
-            results = engine.llm.collective_rpc(_presliced, args=(q, flag))
-            what = "marked is_sharded_weight" if flag else "as they are"
-            print(f"  ({2 + flag}) each rank's own slice of q_proj, {what}: " + "; ".join(results))
-    finally:
-        engine.close()
+    want = [b.generate(ids[i][ids[i] != 0][None], max_new_tokens=8, do_sample=False, eos_token_id=None,
+                       pad_token_id=0)[0, (ids[i] != 0).sum():].tolist() for i in range(2)]
+    weights = [(n, p.detach()) for n, p in b.named_parameters()] + [("lm_head.weight", b.lm_head.weight.detach())]
+    print(f"  thread binding of the engine's ranks: VLLM_CPU_OMP_THREADS_BIND={tensor_parallel_binding(2)!r} (an explicit "
+          "setting, as ./dev's, is kept; else this process's cores, one group per rank)")
+    for case in ("full", "sliced", "sliced+flag"):
+        start = time.perf_counter()
+        engine = VLLMRolloutEngine.from_pretrained(str(work / "a"), eos_token_ids=[], kv_cache_gib=0.125, max_model_len=128,
+                                                   tensor_parallel_size=2)
+        try:
+            shapes = engine.llm.collective_rpc(_qkv_shape)
+            if case == "full":
+                engine.update_weights(weights)  # rlcore's sync: the same full tensors to every rank
+                how = "full tensors to every rank (rlcore's sync)"
+                loaded = ["every rank: loaded"]
+            else:
+                loaded = engine.llm.collective_rpc(_presliced, args=(weights, case == "sliced+flag"))
+                engine.llm.reset_prefix_cache()
+                how = "each rank its own slices" + (", marked is_sharded_weight" if case == "sliced+flag" else "")
+            try:
+                got = engine.generate(batch, greedy)["responses"].tolist()
+                verdict = f"greedy output equals transformers' on the new weights: {got == want}"
+            except Exception as err:  # noqa: BLE001
+                verdict = f"generation failed: {type(err).__name__}: {str(err).splitlines()[0][:160]}"
+            print(f"  {how}: {'; '.join(loaded)}; {verdict} (engine {time.perf_counter() - start:.0f} s; qkv_proj as "
+                  f"served on each rank: {shapes})")
+        finally:
+            engine.close()
+    print("  transport: vLLM's collective_rpc broadcasts one message that every rank reads in full, so even per-rank "
+          "slices reach each rank whole; sending a rank only its shard needs vLLM's NCCL weight-transfer engines (GPU)")
+
+
+def _qkv_shape(worker: Any) -> str:
+    model = worker.model_runner.get_model()
+    return str(tuple(dict(model.named_parameters())["model.layers.0.self_attn.qkv_proj.weight"].shape))
 
 
 def main() -> None:

@@ -1,5 +1,5 @@
 """Imports point one way: cli -> flows -> example -> lifecycle -> trainer -> workers ->
-controller/rollout/data/rewards/kernels -> packing/checkpoint/tracking -> config -> algos/protocol.
+controller/rollout/data/rewards/kernels -> packing/checkpoint/tracking -> config -> algos/protocol/algorithms.
 
 Every import in the package (module level and inside functions) is read from the source; an
 import of a higher layer from a lower one fails the test, naming both modules. Inside a layer no
@@ -26,7 +26,7 @@ LAYERS: dict[str, int] = {
     "controller": 4, "rollout": 4, "data": 4, "rewards": 4, "triton_kernels": 4,
     "packing": 3, "checkpoint": 3, "tracking": 3, "flops": 3, "cpus": 3,
     "config": 2,
-    "algos": 1, "protocol": 1, "redact": 1,
+    "algos": 1, "protocol": 1, "redact": 1, "algorithms": 1,  # algorithms: the per-algorithm traits table
     "native": 0, "_native": -1,  # the Rust extension and its loader (version check)
     "errors": 0,  # RLCoreError, the base every layer's user-facing errors derive from; imports nothing
     "__init__": 99,  # the package root: its version string and the native check at import; exempt

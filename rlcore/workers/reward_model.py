@@ -242,7 +242,7 @@ class RewardModelWorker(Worker):
         self.config = config
         self.ranks_per_shard = config.layout_of(ROLE).ranks_per_shard  # a tensor-parallel group shares its rows
         self.device = resolve_device(config.trainer.device)
-        self.training = config.algorithm.name == "rm"
+        self.training = "reward_model" in config.traits.trains
         self.reader: RewardModelReader | None = None
         self.optimizer: torch.optim.Optimizer | None = None
         self.scheduler: torch.optim.lr_scheduler.LRScheduler | None = None

@@ -71,7 +71,7 @@ def role_model_path(config: Any, role: str) -> str | None:
     if role == "critic":
         return config.critic.model_path or config.model.path
     if role == "reward_model":
-        return config.model.path if config.algorithm.name == "rm" else config.reward_model.path
+        return config.model.path if "reward_model" in config.traits.trains else config.reward_model.path  # training one: the backbone
     return config.model.path
 
 

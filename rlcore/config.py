@@ -747,7 +747,13 @@ class SFTDataConfig(_Section):
     prompt_key: str = Field("prompt", description="chat messages or a string; a string is used as is (as RL prompts are)")
     response_key: str = Field("response", description="the text to learn; followed by the tokenizer's EOS unless it ends "
                               "with one of the model's end tokens")
-    messages_key: str = Field("messages", description="a file with this column is multi-turn: [{role, content}, ...]")
+    messages_key: str = Field("messages", description="a file with this column is multi-turn (verl's schema): "
+                              "[{role, content}, ...]; an assistant turn may carry OpenAI-style tool_calls")
+    tools: list[str] = Field([], description="tools whose schemas the chat template renders with every prompt, as "
+                             "rollout.agent.tools gives them to RL: 'module:function', 'path/to/file.py:function', or a "
+                             ".json file of OpenAI-style schemas")
+    tools_key: str = Field("tools", description="a row's own tool schemas (verl's column: a list or its JSON text), "
+                           "rendered instead of data.tools for that row")
     max_length: int = Field(512, ge=2, description="tokens per sequence (prompt + response)")
     truncation: Literal["error", "drop", "right"] = Field(
         "error", description="a longer sequence: error (naming the row), drop it (counted), or cut it from the right "

@@ -32,8 +32,8 @@ sample's tokens do not depend on which round its turns ran in.
 Template rendering: the tokens between two assistant turns are the template's text after the
 assistant turn's end token (ChatML's newline) followed by the rendering of the new messages with
 the generation prompt, taken as the difference of two renderings of a fixed stand-in conversation
-(`ChatTurns`), so a template that rewrites earlier turns from their content (Qwen3's thinking)
-cannot shift them.
+(`rlcore.chat.ChatTurns`, which SFT renders its conversations with too), so a template that
+rewrites earlier turns from their content (Qwen3's thinking) cannot shift them.
 """
 
 from __future__ import annotations
@@ -52,6 +52,7 @@ from typing import Any, Protocol
 import numpy as np
 import torch
 
+from rlcore.chat import ChatTurns
 from rlcore.protocol import Batch
 from rlcore.rollout.base import SamplingParams
 from rlcore.rollout.output import rollout_output
@@ -65,7 +66,6 @@ _QUIET_S = 0.02
 _WAIT_S = 1.0  # longest single wait on the tool pool (it polices timeouts in between)
 
 TOOL_CALL = re.compile(r"<tool_call>(.*?)</tool_call>", re.DOTALL)
-_MARK = "RLCORE_AGENT_TURN"  # stand-in content whose rendering locates the template's own tokens
 
 
 class TurnEngine(Protocol):
@@ -179,55 +179,6 @@ def parse_tool_calls(text: str) -> list[ToolCall]:
     if opened > closed:
         calls.append(ToolCall("", None, "InvalidToolCall: <tool_call> without </tool_call>"))
     return calls
-
-
-class ChatTurns:
-    """The tokens a chat template puts between two assistant turns (module docstring)."""
-
-    def __init__(self, tokenizer: Any) -> None:
-        if not getattr(tokenizer, "chat_template", None):
-            raise ValueError("agent rollouts need a chat template (the tokenizer has none)")
-        self.tokenizer = tokenizer
-        self._base = [{"role": "user", "content": "?"}, {"role": "assistant", "content": _MARK}]
-        try:
-            base = self._render(self._base, False)
-        except Exception as e:  # a template that cannot render a user/assistant exchange
-            raise ValueError(f"the chat template cannot render a conversation ({type(e).__name__}: {e})") from e
-        if _MARK not in base:
-            raise ValueError("the chat template does not render assistant turns' content")
-        self._after_content = base[base.rindex(_MARK) + len(_MARK):]
-        self._base_text = base
-        try:  # templates without a tool role render nothing for it, or raise
-            probe = self._render([*self._base, {"role": "tool", "content": _MARK}], True)
-        except Exception:  # noqa: BLE001
-            probe = ""
-        self.renders_tools = probe.startswith(base) and _MARK in probe[len(base):]
-
-    def _render(self, messages: list[dict[str, Any]], generation_prompt: bool) -> str:
-        text: str = self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=generation_prompt)
-        return text
-
-    def _ids(self, text: str) -> list[int]:
-        return list(self.tokenizer(text, add_special_tokens=False)["input_ids"]) if text else []
-
-    def closing(self, end_id: int) -> str | None:
-        """The template's text after an assistant turn's content once the model stopped at `end_id`
-        (ChatML: "\\n" after <|im_end|>), or None if the template does not end turns with it."""
-        end_text = self.tokenizer.decode([end_id], skip_special_tokens=False)
-        if end_text and self._after_content.startswith(end_text):
-            return self._after_content[len(end_text):]
-        return None
-
-    def between(self, end_id: int, messages: list[dict[str, Any]]) -> list[int]:
-        """Ids after an assistant turn that ended with `end_id`: the template's closing text, the
-        new `messages` (tool results, a user reply) and the next assistant header."""
-        closing = self.closing(end_id)
-        if closing is None:
-            raise ValueError(f"the chat template does not end assistant turns with token {end_id}")
-        full = self._render([*self._base, *messages], True)
-        if not full.startswith(self._base_text):
-            raise ValueError("the chat template does not render new messages as a continuation of the turns before them")
-        return self._ids(closing + full[len(self._base_text):])
 
 
 @dataclass

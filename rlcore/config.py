@@ -445,6 +445,22 @@ class TrainerConfig(_Section):
         "breakpoint in the rollout stops here); process: a child process (no GIL shared with the trainer; ~4 s to start, "
         "batches and weights pickled across). The cores are split between it and the training thread either way")
     trace: bool = Field(True, description="write trace.jsonl in the run dir: per step, phase timings, workers, and every sample")
+    trace_samples: int = Field(4, ge=0, description="trajectories per step (evenly spread over the batch) whose "
+                               "conversation trace.jsonl records: the prompt, the model's text of every turn, each tool "
+                               "call's arguments and result (the response, without an agent); `rlcore trace RUN_DIR` "
+                               "prints one. 0: none")
+    trace_max_chars: int = Field(2000, ge=16, description="each text of a recorded conversation is cut to this many "
+                                 "characters, after the secrets in it are redacted (rlcore.redact)")
+
+    @model_validator(mode="after")
+    def _check_trace(self) -> TrainerConfig:
+        """A trace setting is refused when trace.jsonl is off (it would change nothing); compared with
+        the defaults, so a dumped config.yaml loads again."""
+        if not self.trace:
+            for key in ("trace_samples", "trace_max_chars"):
+                if getattr(self, key) != type(self).model_fields[key].default:
+                    raise ValueError(f"{key} is set, but trainer.trace is off (no trace.jsonl is written)")
+        return self
 
 
 ROLES = ("actor", "ref", "critic", "rollout", "reward", "reward_model")

@@ -203,6 +203,7 @@ class _Episode:
     end_id: int = -1
     waiting: dict[int, int] = field(default_factory=dict)  # call id -> position in this turn's calls
     results: list[dict[str, Any] | None] = field(default_factory=list)
+    calls: list[ToolCall] = field(default_factory=list)  # this turn's calls, in the order the model wrote them
     trace: list[dict[str, Any]] = field(default_factory=list)
 
     def append(self, ids: Sequence[int], model: bool, logps: Sequence[float] | None = None) -> None:
@@ -288,7 +289,7 @@ class AgentLoop:
             text = self.tokenizer.decode(body, skip_special_tokens=False)
             message: dict[str, Any] = {"role": "assistant", "content": text}
             ep.messages.append(message)
-            ep.trace.append({"turn": ep.turns, "kind": "assistant", "tokens": len(ids), "latency_s": seconds,
+            ep.trace.append({"turn": ep.turns, "kind": "assistant", "text": text, "tokens": len(ids), "latency_s": seconds,
                              "batch": len(ready)})
             if not ended:
                 ep.finish = "max_total_tokens" if len(ep.ids) >= budget else "max_new_tokens"
@@ -320,10 +321,11 @@ class AgentLoop:
     def _call_tools(self, ep: _Episode, calls: list[ToolCall], by_call: dict[int, _Episode]) -> None:
         assert self.tools is not None
         ep.results = [None] * len(calls)
+        ep.calls = calls
         ep.tool_calls += len(calls)
         for k, call in enumerate(calls):
             if call.error is not None:
-                ep.results[k] = self._result(ep, call.name or "?", f"Error: {call.error}", False, call.error, False, 0.0)
+                ep.results[k] = self._result(ep, k, call.name or "?", f"Error: {call.error}", False, call.error, False, 0.0)
                 continue
             call_id = next(self._call_ids)
             ep.waiting[call_id] = k
@@ -332,12 +334,13 @@ class AgentLoop:
         if not ep.waiting:  # every call was unreadable: answer at once
             self._tool_turn(ep)
 
-    def _result(self, ep: _Episode, name: str, text: str, ok: bool, error: str | None, timed_out: bool,
+    def _result(self, ep: _Episode, k: int, name: str, text: str, ok: bool, error: str | None, timed_out: bool,
                 latency_s: float) -> dict[str, Any]:
         if not ok:
             ep.tool_errors += 1
             ep.tool_timeouts += int(timed_out)
-        ep.trace.append({"turn": ep.turns, "kind": "tool", "tool": name, "ok": ok, "error": error, "latency_s": latency_s})
+        ep.trace.append({"turn": ep.turns, "kind": "tool", "call": k, "tool": name, "arguments": ep.calls[k].arguments,
+                         "ok": ok, "error": error, "latency_s": latency_s, "result": text})
         return {"role": "tool", "name": name, "content": text}
 
     def _collect(self, by_call: dict[int, _Episode], wait: bool) -> list[_Episode]:
@@ -358,7 +361,7 @@ class AgentLoop:
         for o in outcomes:
             ep = by_call.pop(o.call_id)
             k = ep.waiting.pop(o.call_id)
-            ep.results[k] = self._result(ep, o.name, o.text, o.ok, o.error, o.timed_out, o.latency_s)
+            ep.results[k] = self._result(ep, k, o.name, o.text, o.ok, o.error, o.timed_out, o.latency_s)
             if not ep.waiting:
                 self._tool_turn(ep)
                 if not ep.finish:

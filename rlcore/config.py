@@ -513,15 +513,30 @@ class HealthConfig(_Section):
     """Run-health limits checked after every training step of every run, `rlcore train` and the
     pipeline alike (None switches a check off; `enabled: false` all of them).
 
-    `max_kl` reads `actor/kl` (present only when a reference model is used), `min_entropy`
-    reads `actor/entropy`, `max_reward_jump` compares `reward/mean` of consecutive steps,
+    `max_kl` reads `actor/kl` (present only when a reference model is used; nats per token, the
+    same unit whatever the reward's scale), `min_entropy` reads `actor/entropy`. The jump checks
+    scale with the run: `reward_jump_sigmas` stops a step whose `reward/mean` moved by more than
+    that many times the spread of the last `jump_window` steps' rewards (every sample's reward in
+    those steps together), `kl_jump_sigmas` the same for `actor/kl` (per-sequence KL); both are off
+    for the first `jump_window` steps and while that spread is 0. `max_reward_jump` is an absolute
+    limit on the reward's move, off by default (set it when the reward's scale is known).
     `max_param_norm_growth` compares the actor's parameter norm `actor/param_norm` of consecutive
     steps (and a non-finite weight or optimizer state always stops the run)."""
 
     enabled: bool = True
     max_kl: float | None = Field(1.0, gt=0, description="KL to the reference above this stops the run")
     min_entropy: float | None = Field(0.01, ge=0, description="policy entropy below this (collapse) stops the run")
-    max_reward_jump: float | None = Field(0.75, gt=0, description="|reward/mean change| between consecutive steps above this stops the run")
+    max_reward_jump: float | None = Field(None, gt=0, description="|reward/mean change| between consecutive steps above "
+                                          "this stops the run (absolute, in the reward's units; off by default: "
+                                          "reward_jump_sigmas scales with the run)")
+    reward_jump_sigmas: float | None = Field(
+        3.0, gt=0, description="reward/mean moving by more than this many times the spread of the last jump_window "
+        "steps' rewards in one step stops the run (a reward exploit found, a collapse)")
+    kl_jump_sigmas: float | None = Field(
+        6.0, gt=0, description="actor/kl moving by more than this many times the spread of the last jump_window "
+        "steps' per-sequence KL in one step stops the run (the policy lurching away)")
+    jump_window: int = Field(5, ge=1, description="steps whose spread is the jump checks' baseline; the checks start "
+                             "after this many steps")
     max_param_norm_growth: float | None = Field(
         2.0, gt=1, description="the actor's parameter norm growing by more than this factor in one step stops the run")
 
@@ -811,6 +826,8 @@ class SFTHealthConfig(HealthConfig):
     max_kl: float | None = None
     min_entropy: float | None = None
     max_reward_jump: float | None = None
+    reward_jump_sigmas: float | None = None
+    kl_jump_sigmas: float | None = None
 
 
 class SFTTrainerConfig(_Section):
@@ -846,7 +863,8 @@ class SFTConfig(_Section):
     what configures the actor's layout (world size, LoRA, precision, sequence parallelism) configures
     SFT alike."""
 
-    HEALTH_RL_ONLY: ClassVar[tuple[str, ...]] = ("max_kl", "min_entropy", "max_reward_jump")
+    HEALTH_RL_ONLY: ClassVar[tuple[str, ...]] = ("max_kl", "min_entropy", "max_reward_jump", "reward_jump_sigmas",
+                                                 "kl_jump_sigmas", "jump_window")
 
     model: ModelConfig
     data: SFTDataConfig
@@ -867,7 +885,8 @@ class SFTConfig(_Section):
         if rl_only:
             raise ValueError(f"actor.{rl_only[0]} is an RL setting; rlcore sft takes one optimizer step per "
                              "trainer.batch_size sequences on their mean response-token loss")
-        health = [k for k in self.HEALTH_RL_ONLY if getattr(self.health, k) is not None]
+        health = [k for k in self.HEALTH_RL_ONLY if getattr(self.health, k) is not None
+                  and (k != "jump_window" or k in self.health.model_fields_set)]
         if health:
             raise ValueError(f"health.{health[0]} reads a metric of RL runs (KL, entropy, reward); an SFT run has none")
         others = [r for r in self.ray.roles if r != "actor"]

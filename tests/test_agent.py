@@ -291,7 +291,7 @@ def test_tool_pool_turns_every_failure_into_an_error_the_model_reads(tmp_path):
     assert "tool returned object" in by_mode["object"].text
     assert by_mode["json"].ok and by_mode["json"].text == '{"a": [1, 2]}'
     assert by_mode["long"].ok and by_mode["long"].truncated and by_mode["long"].text == "x" * 100
-    assert by_mode["fine"].ok and by_mode["fine"].text == "fine" and by_mode["fine"].latency_s < 1.5
+    assert by_mode["fine"].ok and by_mode["fine"].text == "fine" and not by_mode["fine"].timed_out
     assert "UnknownTool" in got[100].text and "unexpected keyword argument 'wrong'" in got[101].text
     assert again == [] and [o.text for o in after] == ["fine"]
 

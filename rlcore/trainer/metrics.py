@@ -81,7 +81,10 @@ def rl_batch_metrics(gen: Batch, timer: Timer, *, step: int, max_new_tokens: int
     if "entropy" in gen:
         m["actor/entropy"] = float(masked_mean(gen["entropy"], mask))
     if "ref_log_probs" in gen:
-        m["actor/kl"] = float(masked_mean(kl_penalty(gen["old_log_probs"], gen["ref_log_probs"], "k3"), mask))
+        kl = kl_penalty(gen["old_log_probs"], gen["ref_log_probs"], "k3")
+        m["actor/kl"] = float(masked_mean(kl, mask))
+        per_sequence = (kl * mask).sum(-1) / mask.sum(-1).clamp(min=1)  # the health guard's KL spread
+        m["actor/kl_std"] = float(per_sequence.std()) if len(per_sequence) > 1 else 0.0
     if "rollout_log_probs" in gen and "old_log_probs" in gen:
         diff = (gen["rollout_log_probs"] - gen["old_log_probs"]).abs()[valid]
         m["rollout/logprob_diff_mean"] = float(diff.mean()) if diff.numel() else 0.0

@@ -27,11 +27,12 @@ from typing import Any
 
 from rlcore.checkpoint import MANIFEST, CheckpointError, step_of
 from rlcore.config import Config, SFTConfig
-from rlcore.data import RL_FIELDS, DatasetError, column_values, peek_fields
+from rlcore.data import RL_FIELDS, DatasetError, peek_fields, read_column
 from rlcore.data.preference import PREFERENCE_FIELDS
 from rlcore.errors import RLCoreError
 from rlcore.rewards.registry import builtin_data_sources, load_function, load_reward_fn, resolve_spec
 from rlcore.rewards.tools import load_tools, tool_schemas
+from rlcore.trainer.model_folders import read_model_config, reward_model_config_problems, weight_problems
 from rlcore.workers.ulysses import head_problem
 
 log = logging.getLogger(__name__)
@@ -109,8 +110,10 @@ def sequence_parallel_problems(config: Config) -> list[str]:
 
 
 def model_folder_problems(key: str, path: str, *, tokenizer: bool) -> list[str]:
-    """A local Hugging Face model folder: config.json naming a model type, weights, and (for the
-    policy, whose folder the tokenizer is loaded from) a tokenizer."""
+    """A local Hugging Face model folder: config.json naming a model type that transformers reads,
+    weights whose files are whole and whose small tensors are finite (`model_folders`), and (for
+    the policy, whose folder the tokenizer is loaded from) a tokenizer. The policy's folder is
+    also the reference model's."""
     folder = Path(path)
     what = f"a local Hugging Face model folder with config.json, weights{' and a tokenizer' if tokenizer else ''}; " \
            "models are never downloaded"
@@ -130,8 +133,11 @@ def model_folder_problems(key: str, path: str, *, tokenizer: bool) -> list[str]:
         else:
             if not isinstance(model_config, dict) or "model_type" not in model_config:
                 problems.append(f"{key}: {config_file} names no model_type (not a transformers model config)")
+            else:
+                problems += read_model_config(key, folder)[1]
     if not any(next(folder.glob(pattern), None) is not None for pattern in WEIGHT_PATTERNS):
         problems.append(f"{key}: {path} holds no weights (*.safetensors or pytorch_model*.bin)")
+    problems += weight_problems(key, folder)
     if tokenizer:
         present = [name for name in TOKENIZER_FILES if (folder / name).is_file()]
         if not present:
@@ -154,17 +160,10 @@ def reward_model_problems(key: str, path: str) -> list[str]:
     folder = Path(path)
     if problems or not (folder / "config.json").is_file():
         return problems
-    try:
-        model_config = json.loads((folder / "config.json").read_text(encoding="utf-8"))
-    except (OSError, ValueError):
-        return problems
-    from rlcore.workers.loading import is_sequence_classifier
-
-    if not is_sequence_classifier(model_config):
-        problems.append(f"{key}: {path} is not a reward model: config.json names {model_config.get('architectures')} "
-                        "with num_labels != 1 or no *ForSequenceClassification architecture; train one with "
-                        "algorithm.name=rm")
-    return problems + chat_template_problems(key, path)
+    model_config, unreadable = read_model_config(key, folder)
+    if model_config is None:
+        return unreadable
+    return reward_model_config_problems(key, folder, model_config) + chat_template_problems(key, path)
 
 
 def chat_template_problems(key: str, path: str) -> list[str]:
@@ -291,26 +290,41 @@ def agent_length_problems(config: Config) -> list[str]:
 def scorer_problems(config: Config) -> list[str]:
     """Without `reward.function`, every `data_source` in the run's RL-schema data must have a
     built-in scorer: otherwise each of its samples would score `reward.error_score` and the run
-    would train on nothing. Reads the `data_source` column only; one line per unknown source."""
+    would train on nothing. Reads the `data_source` column only; one line per unknown source. A
+    value that is not a string (an integer column, say) is named with its type and first rows,
+    unless `data.on_bad_row: skip`, which drops (and counts) those rows when the data loads."""
     if config.reward.function is not None:
         return []
-    keyed = rl_schema_files(config)
+    problems: list[str] = []
     sources: dict[str, str] = {}
-    for key, file in keyed:
+    for key, file in rl_schema_files(config):
         try:
             if not all(name in peek_fields(file) for name in RL_FIELDS):
                 continue  # data_problems names what the file lacks
-            found = column_values(file, "data_source")
+            values = read_column(file, "data_source")
         except DatasetError:
             continue  # data_problems names the file
-        for source in sorted(map(str, found)):
+        bad = [(row, value) for row, value in enumerate(values) if value is not None and not isinstance(value, str)]
+        if bad and config.data.on_bad_row == "error":
+            problems.append(column_type_problem(key, file, "data_source", bad, "a non-empty string (the scorer's name)"))
+        for source in sorted({v for v in values if isinstance(v, str)}):
             sources.setdefault(source, key)
     known = set(builtin_data_sources())
-    return [f"reward.function: not set, and data_source {source!r} ({key}) has no built-in scorer (built-in: "
-            f"{', '.join(sorted(known))}); give yours as reward.function: 'path/to/file.py:compute_score' or "
-            f"'module:function', called as compute_score(data_source, solution_str, ground_truth, extra_info) (verl's "
-            f"signature), returning a number or a dict with a 'score'"
-            for source, key in sources.items() if source not in known]
+    return problems + [
+        f"reward.function: not set, and data_source {source!r} ({key}) has no built-in scorer (built-in: "
+        f"{', '.join(sorted(known))}); give yours as reward.function: 'path/to/file.py:compute_score' or "
+        f"'module:function', called as compute_score(data_source, solution_str, ground_truth, extra_info) (verl's "
+        f"signature), returning a number or a dict with a 'score'"
+        for source, key in sources.items() if source not in known]
+
+
+def column_type_problem(key: str, file: str, column: str, bad: list[tuple[int, Any]], expected: str) -> str:
+    """One line: the file's column holds values of the wrong type, which types, and the first rows."""
+    types = sorted({type(value).__name__ for _, value in bad})
+    first = ", ".join(f"{row} ({type(value).__name__} {value!r:.40})" for row, value in bad[:3])
+    return (f"{key}: {file}: column '{column}' holds {'/'.join(types)} values where {expected} is expected, in "
+            f"{len(bad)} row(s), first rows {first}; write them as strings, or set data.on_bad_row=skip to skip "
+            "such rows (counted)")
 
 
 def rl_schema_files(config: Config) -> list[tuple[str, str]]:

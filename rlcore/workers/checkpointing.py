@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import io
 import pickle
-import re
 from pathlib import Path
 from typing import Any
 
@@ -37,6 +36,7 @@ import torch.distributed as dist
 from torch.distributed.checkpoint import CheckpointException, DefaultLoadPlanner, FileSystemReader
 from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
 
+from rlcore.checkpoint import weights_only_reason
 from rlcore.errors import RLCoreError
 from rlcore.workers.fsdp import is_sharded
 from rlcore.workers.tokenizer import copy_tokenizer
@@ -227,8 +227,7 @@ class SafeLoadPlanner(DefaultLoadPlanner):
         try:
             torch.load(io.BytesIO(value.getvalue()), weights_only=True)
         except pickle.UnpicklingError as err:
-            found = re.search(r"WeightsUnpickler error: ([^.\n]*)", str(err))
-            why = found.group(1) if found else str(err).splitlines()[0]
+            why = weights_only_reason(err)
             raise UnsafeCheckpointError(f"{self.folder}: refused to load the value of {read_item.dest_index.fqn!r} "
                                         f"from its data files: it is not plain data ({why})") from None
         value.seek(0)

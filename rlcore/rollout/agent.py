@@ -384,7 +384,7 @@ class AgentLoop:
         ep.tool_calls += len(calls)
         for k, call in enumerate(calls):
             if call.error is not None:
-                ep.results[k] = self._result(ep, k, call.name or "?", f"Error: {call.error}", False, call.error, False, 0.0)
+                ep.results[k] = self._result(ep, call.name or "?", f"Error: {call.error}", False, call.error, False, 0.0, k)
                 continue
             call_id = next(self._call_ids)
             ep.waiting[call_id] = k
@@ -393,8 +393,8 @@ class AgentLoop:
         if not ep.waiting:  # every call was unreadable: answer at once
             self._tool_turn(ep)
 
-    def _result(self, ep: _Episode, k: int, name: str, text: str, ok: bool, error: str | None, timed_out: bool,
-                latency_s: float) -> dict[str, Any]:
+    def _result(self, ep: _Episode, name: str, text: str, ok: bool, error: str | None, timed_out: bool,
+                latency_s: float, call: int | None = None) -> dict[str, Any]:
         """The tool message the model reads. Whatever a tool or the model's call held, it is text
         the tokenizer encodes: a result that is not (lone surrogates, not a string) is a counted
         error; a name or error text that is not is repaired (U+FFFD)."""
@@ -407,7 +407,8 @@ class AgentLoop:
         if not ok:
             ep.tool_errors += 1
             ep.tool_timeouts += int(timed_out)
-        ep.trace.append({"turn": ep.turns, "kind": "tool", "call": k, "tool": name, "arguments": ep.calls[k].arguments,
+        arguments = ep.calls[call].arguments if call is not None else None  # `call`: its place in the turn's calls
+        ep.trace.append({"turn": ep.turns, "kind": "tool", "call": call, "tool": name, "arguments": arguments,
                          "ok": ok, "error": error, "latency_s": latency_s, "result": text})
         return {"role": "tool", "name": name, "content": text}
 
@@ -429,7 +430,7 @@ class AgentLoop:
         for o in outcomes:
             ep = by_call.pop(o.call_id)
             k = ep.waiting.pop(o.call_id)
-            ep.results[k] = self._result(ep, k, o.name, o.text, o.ok, o.error, o.timed_out, o.latency_s)
+            ep.results[k] = self._result(ep, o.name, o.text, o.ok, o.error, o.timed_out, o.latency_s, k)
             if not ep.waiting:
                 self._tool_turn(ep)
                 if not ep.finish:

@@ -7,11 +7,12 @@ the key instead of a silently ignored setting.
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any, ClassVar, Literal
+from typing import Any, ClassVar, Literal, get_args
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
+from rlcore.algorithms import AlgorithmName, AlgorithmTraits, Role, names_where, traits_of
 from rlcore.errors import RLCoreError
 from rlcore.redact import redact_tree
 
@@ -38,6 +39,14 @@ def registered_names(kind: Literal["advantage estimator", "policy loss", "KL est
     if kind == "KL estimator":
         return list(algos.KL_KINDS)
     raise ValueError(f"no registry of {kind!r}")
+
+
+def estimator_inputs(name: str) -> frozenset[str]:
+    """What advantage estimator `name` reads beyond the rewards ("values": a critic's; "reward_baselines":
+    ReMax's greedy baseline), as rlcore.algos registered it (imported here: see `registered_names`)."""
+    from rlcore import algos
+
+    return algos.advantage_estimator_inputs(name)
 
 
 def check_registered(kind: Literal["advantage estimator", "policy loss", "KL estimator"], name: str) -> str:
@@ -378,7 +387,7 @@ class KLControlConfig(_Section):
 
 
 class AlgorithmConfig(_Section):
-    name: Literal["grpo", "ppo", "dpo", "kto", "rm"] = Field(
+    name: AlgorithmName = Field(
         "grpo", description="the control flow: grpo (and its critic-free relatives), ppo, dpo, kto, or rm (train a "
         "reward model on pairwise preference rows)")
     adv_estimator: str = "grpo"
@@ -463,7 +472,7 @@ class TrainerConfig(_Section):
         return self
 
 
-ROLES = ("actor", "ref", "critic", "rollout", "reward", "reward_model")
+ROLES: tuple[Role, ...] = get_args(Role)
 
 
 class RayPoolConfig(_Section):
@@ -583,7 +592,7 @@ class Config(_Section):
 
     @model_validator(mode="after")
     def _check_preference(self) -> Config:
-        if self.algorithm.name in ("dpo", "kto") and self.algorithm.use_reference is False:
+        if self.traits.reference == "always" and self.algorithm.use_reference is False:
             raise ValueError(f"algorithm.use_reference=false: {self.algorithm.name} needs the reference model")
         kl_terms = [k for k, on in (("actor.use_kl_loss", self.actor.use_kl_loss),
                                     ("algorithm.use_kl_in_reward", self.algorithm.use_kl_in_reward)) if on]
@@ -595,19 +604,23 @@ class Config(_Section):
 
     @model_validator(mode="after")
     def _check_consistency(self) -> Config:
-        rm_batch = self.reward_model.mini_batch_size
-        if self.algorithm.name == "rm" and rm_batch is not None and self.data.train_batch_size % rm_batch:
+        traits, rm_batch = self.traits, self.reward_model.mini_batch_size
+        if "reward_model" in traits.trains and rm_batch is not None and self.data.train_batch_size % rm_batch:
             raise ValueError(f"data.train_batch_size ({self.data.train_batch_size}) must be a multiple of "
                              f"reward_model.mini_batch_size ({rm_batch})")
-        if self.algorithm.name != "rm" and self.data.train_batch_size % self.actor.ppo_mini_batch_size:
+        if traits.trains_policy and self.data.train_batch_size % self.actor.ppo_mini_batch_size:
             raise ValueError(
                 f"data.train_batch_size ({self.data.train_batch_size}) must be a multiple of "
                 f"actor.ppo_mini_batch_size ({self.actor.ppo_mini_batch_size})"
             )
-        if self.algorithm.name == "ppo" and self.algorithm.adv_estimator != "gae":
-            raise ValueError("algorithm.adv_estimator must be 'gae' when algorithm.name is 'ppo' (the critic needs it)")
-        if self.algorithm.name == "grpo" and self.algorithm.adv_estimator == "gae":
-            raise ValueError("algorithm.adv_estimator 'gae' needs a critic: use algorithm.name=ppo")
+        estimator = self.algorithm.adv_estimator
+        reads_values = "values" in estimator_inputs(estimator)
+        if traits.generates and traits.critic and not reads_values:
+            raise ValueError(f"algorithm.adv_estimator={estimator!r} reads no values: algorithm.name={traits.name} trains "
+                             f"a critic for an estimator that does (gae)")
+        if traits.generates and not traits.critic and reads_values:
+            raise ValueError(f"algorithm.adv_estimator {estimator!r} needs a critic: use algorithm.name="
+                             f"{' or '.join(names_where(generates=True, critic=True))}")
         if self.trainer.backend == "inprocess":
             for key, ws in (("actor", self.actor.world_size), ("critic", self.critic.world_size), ("rollout", self.rollout.world_size),
                             ("reward_model", self.reward_model.world_size)):
@@ -621,14 +634,14 @@ class Config(_Section):
 
     @model_validator(mode="after")
     def _check_agent(self) -> Config:
-        if self.rollout.agent.enabled and self.algorithm.name not in ("grpo", "ppo"):
+        if self.rollout.agent.enabled and not self.traits.generates:
             raise ValueError(f"rollout.agent: the {self.algorithm.name!r} control flow generates nothing (agent rollouts "
-                             "need algorithm.name grpo or ppo)")
+                             f"need algorithm.name {' or '.join(names_where(generates=True))})")
         return self
 
     @model_validator(mode="after")
     def _check_off_policy(self) -> Config:
-        if self.trainer.off_policy != "sync" and self.algorithm.name not in ("grpo", "ppo"):
+        if self.trainer.off_policy != "sync" and not self.traits.generates:
             raise ValueError(f"trainer.off_policy={self.trainer.off_policy!r} is not supported by the "
                              f"{self.algorithm.name!r} control flow (no generation to overlap); use trainer.off_policy=sync")
         if self.trainer.off_policy == "one_step" and self.rollout.free_memory_when_idle:
@@ -647,7 +660,7 @@ class Config(_Section):
     @model_validator(mode="after")
     def _check_sequence_parallel(self) -> Config:
         roles = [("actor", self.actor.ulysses_sequence_parallel_size, self.actor.world_size)]
-        if self.algorithm.name == "ppo":
+        if self.traits.critic:
             roles.append(("critic", self.critic_sequence_parallel_size, self.critic.world_size))
         for role, sp, ws in roles:
             key = f"{role}.ulysses_sequence_parallel_size"
@@ -686,12 +699,13 @@ class Config(_Section):
     @model_validator(mode="after")
     def _check_lora_roles(self) -> Config:
         """LoRA set on a role this run does not train is refused: it would be ignored."""
-        name = self.algorithm.name
-        if name == "rm" and self.actor.lora != LoraConfig():
-            raise ValueError("actor.lora: algorithm.name=rm trains a reward model, not the policy; LoRA on it is "
+        name, traits = self.algorithm.name, self.traits
+        if not traits.trains_policy and self.actor.lora != LoraConfig():
+            raise ValueError(f"actor.lora: algorithm.name={name} trains a reward model, not the policy; LoRA on it is "
                              "reward_model.lora")
-        if "critic" not in self.present_roles and self.critic.lora != LoraConfig():
-            raise ValueError(f"critic.lora: algorithm.name={name} has no critic (ppo has one)")
+        if not traits.critic and self.critic.lora != LoraConfig():
+            raise ValueError(f"critic.lora: algorithm.name={name} has no critic "
+                             f"({' and '.join(names_where(critic=True))} has one)")
         return self
 
     @property
@@ -704,13 +718,14 @@ class Config(_Section):
 
     @model_validator(mode="after")
     def _check_reward_model(self) -> Config:
-        rm, name = self.reward_model, self.algorithm.name
+        rm, name, traits = self.reward_model, self.algorithm.name, self.traits
         defaults = RewardModelConfig()
         set_keys = {k for k in (*rm.SCORING_KEYS, *rm.TRAINING_KEYS) if getattr(rm, k) != getattr(defaults, k)}
-        if name != "rm" and self.registry.metric == "pairwise_accuracy":
+        trains_rm = "reward_model" in traits.trains
+        if not trains_rm and self.registry.metric == "pairwise_accuracy":
             raise ValueError("registry.metric=pairwise_accuracy gates reward models (algorithm.name=rm); a policy is "
                              "gated on accuracy or mean_reward")
-        if name == "rm":
+        if trains_rm:
             if rm.path is not None:
                 raise ValueError("reward_model.path is the reward model an RL run scores with; algorithm.name=rm trains "
                                  "a new one from model.path (unset reward_model.path)")
@@ -732,23 +747,37 @@ class Config(_Section):
                 raise ValueError(f"reward_model.{ignored[0]} is set but reward_model.path is not: no reward model "
                                  "scores this run")
             return self
-        if name not in ("grpo", "ppo"):
+        if not traits.reward:
             raise ValueError(f"reward_model.path: algorithm.name={name} learns from offline preference rows and "
-                             "generates nothing to score; a reward model scores grpo and ppo runs")
+                             f"generates nothing to score; a reward model scores {' and '.join(names_where(reward=True))} runs")
         if rm.weight == 0 and rm.rule_weight == 0:
             raise ValueError("reward_model.weight and reward_model.rule_weight are both 0: every reward would be 0")
-        if self.algorithm.adv_estimator == "remax":
-            raise ValueError("reward_model.path with algorithm.adv_estimator=remax: ReMax's greedy baseline is scored "
-                             "by the rule scorer alone, not by the reward model")
+        if "reward_baselines" in estimator_inputs(self.algorithm.adv_estimator):
+            raise ValueError(f"reward_model.path with algorithm.adv_estimator={self.algorithm.adv_estimator}: ReMax's "
+                             "greedy baseline is scored by the rule scorer alone, not by the reward model")
         return self
 
     @property
-    def present_roles(self) -> list[str]:
-        """The worker roles this run has."""
-        if self.algorithm.name == "rm":
-            return ["reward_model"]
-        roles = ["actor", "rollout", "reward"] + ["ref"] * self.needs_reference + ["critic"] * (self.algorithm.name == "ppo")
-        return roles + ["reward_model"] * (self.reward_model.path is not None)
+    def traits(self) -> AlgorithmTraits:
+        """What `algorithm.name` is (`rlcore.algorithms`): generates? critic? which role trains? ..."""
+        return traits_of(self.algorithm.name)
+
+    @property
+    def present_roles(self) -> list[Role]:
+        """The worker roles this run has: a reward model's training run has that model alone; a policy's
+        has actor, rollout and reward (the rollout and rule scorer validate even an offline run), and
+        as its algorithm and config need, the reference, the critic and a reward model to score with."""
+        traits = self.traits
+        if not traits.trains_policy:
+            return list(traits.trains)
+        roles: list[Role] = ["actor", "rollout", "reward"]
+        if self.needs_reference:
+            roles.append("ref")
+        if traits.critic:
+            roles.append("critic")
+        if self.reward_model.path is not None:
+            roles.append("reward_model")
+        return roles
 
     @property
     def old_log_probs_from_update(self) -> bool:
@@ -758,15 +787,17 @@ class Config(_Section):
         starts from are the ones the pass would use), synchronous generation, and nothing before
         the update that reads them (a KL penalty in the reward does)."""
         a = self.actor
-        return (a.recompute_old_log_prob == "auto" and self.algorithm.name in ("grpo", "ppo")
+        return (a.recompute_old_log_prob == "auto" and self.traits.generates
                 and self.trainer.off_policy == "sync" and a.ppo_epochs == 1
                 and self.data.train_batch_size == a.ppo_mini_batch_size and not self.algorithm.use_kl_in_reward)
 
     @property
     def needs_reference(self) -> bool:
+        """`algorithm.use_reference`; by default on when the algorithm always needs one (DPO, KTO) or a KL term is used."""
         if self.algorithm.use_reference is not None:
             return self.algorithm.use_reference
-        return self.actor.use_kl_loss or self.algorithm.use_kl_in_reward or self.algorithm.name in ("dpo", "kto")
+        reference = self.traits.reference
+        return reference == "always" or (reference == "with_kl" and (self.actor.use_kl_loss or self.algorithm.use_kl_in_reward))
 
 
 class SFTDataConfig(_Section):

@@ -1,5 +1,5 @@
 """Imports point one way: cli -> flows -> example -> lifecycle -> trainer -> workers ->
-controller/rollout/data/rewards/kernels -> packing/checkpoint/tracking -> config -> algos/protocol.
+controller/rollout/data/rewards/kernels -> packing/checkpoint/tracking -> config -> algos/protocol/algorithms.
 
 Every import in the package (module level and inside functions) is read from the source; an
 import of a higher layer from a lower one fails the test, naming both modules. Inside a layer no
@@ -27,7 +27,7 @@ LAYERS: dict[str, int] = {
     "packing": 3, "checkpoint": 3, "tracking": 3, "flops": 3, "cpus": 3,
     "chat": 3,  # the one rendering of chat messages into ids: RL prompts, agent turns (rollout) and SFT rows (data)
     "config": 2,
-    "algos": 1, "protocol": 1, "redact": 1,
+    "algos": 1, "protocol": 1, "redact": 1, "algorithms": 1,  # algorithms: the per-algorithm traits table
     "native": 0, "_native": -1,  # the Rust extension and its loader (version check)
     "errors": 0,  # RLCoreError, the base every layer's user-facing errors derive from; imports nothing
     "__init__": 99,  # the package root: its version string and the native check at import; exempt

@@ -32,10 +32,10 @@ from rlcore.controller import InProcessWorkerGroup
 from rlcore.data.preference import sequence_tensors
 from rlcore.example.tokenizer import build_tokenizer
 from rlcore.protocol import Batch
+from rlcore.trainer.groups import WorkerGroups
 from rlcore.trainer.metrics import Timer
 from rlcore.trainer.preflight import preflight_problems
 from rlcore.trainer.rm_scoring import NonFiniteRewardModelScore, RewardModelScoring
-from rlcore.trainer.roles import WorkerGroups
 from rlcore.workers.forward import NotASequenceClassifier, sequence_scores
 from rlcore.workers.loading import load_sequence_classifier
 from rlcore.workers.reward_model import RewardModelInputError, RewardModelWorker

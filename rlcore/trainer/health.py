@@ -48,7 +48,7 @@ class HealthBreach(TrainingStopped):
                else "; this check is always on")
         super().__init__(f"run health: {check} at step {step}: {metric}={value:.4g} (limit {limit:.4g}{how})")
 
-    def __reduce__(self):  # keep the fields through pickling (Prefect results, Ray)
+    def __reduce__(self) -> tuple[Any, ...]:  # keep the fields through pickling (Prefect results, Ray)
         return (HealthBreach, (self.metric, self.value, self.limit, self.step, self.check, self.setting))
 
     def to_dict(self) -> dict[str, Any]:
@@ -190,5 +190,5 @@ class HealthGuard:
         growth, limit = metrics.get(keys[GROWTH_KEY]), self.max_param_norm_growth
         if growth is not None and limit is not None and float(growth) > limit:
             raise HealthBreach(keys[GROWTH_KEY], float(growth), limit, step,
-                               f"the update grew the {who}'s parameter norm {float(growth):.3g}x (to {float(norm):.4g})",
+                               f"the update grew the {who}'s parameter norm {float(growth):.3g}x (to {float(norm or 0):.4g})",
                                f"health.max_param_norm_growth={limit:g}")

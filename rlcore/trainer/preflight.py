@@ -25,6 +25,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
+from rlcore.algorithms import DataKind
 from rlcore.checkpoint import MANIFEST, CheckpointError, step_of
 from rlcore.config import Config, SFTConfig
 from rlcore.data import RL_FIELDS, DatasetError, peek_fields, read_column
@@ -68,12 +69,13 @@ def preflight(config: Config) -> None:
 
 def preflight_problems(config: Config) -> list[str]:
     """Every problem found, one line each, starting with the config key."""
+    traits = config.traits
     problems = model_folder_problems("model.path", config.model.path, tokenizer=True)
-    if config.algorithm.name == "ppo" and config.critic.model_path is not None:
+    if traits.critic and config.critic.model_path is not None:
         problems += model_folder_problems("critic.model_path", config.critic.model_path, tokenizer=False)
     if config.reward_model.path is not None:
         problems += reward_model_problems("reward_model.path", config.reward_model.path)
-    if config.algorithm.name == "rm" and not problems:  # the reward model to train renders with model.path's template
+    if "reward_model" in traits.trains and not problems:  # the reward model to train renders with model.path's template
         problems += chat_template_problems("model.path", config.model.path)
     problems += sequence_parallel_problems(config)
     problems += data_problems(config)
@@ -89,7 +91,7 @@ def sequence_parallel_problems(config: Config) -> list[str]:
     """A sequence-parallel size the model's attention heads cannot be split by (read from its
     config.json; an unreadable one is reported by `model_folder_problems`)."""
     roles = [("actor", config.actor.ulysses_sequence_parallel_size, config.model.path)]
-    if config.algorithm.name == "ppo":
+    if config.traits.critic:
         roles.append(("critic", config.critic_sequence_parallel_size, config.critic.model_path or config.model.path))
     problems = []
     for role, size, path in roles:
@@ -185,20 +187,10 @@ def chat_template_problems(key: str, path: str) -> list[str]:
 
 def data_problems(config: Config) -> list[str]:
     """Each data file the run reads: there, readable, in a known format, with the fields its rows need."""
-    algorithm = config.algorithm.name
-    preference = algorithm in ("dpo", "kto", "rm")
-    either = [PREFERENCE_FIELDS["pairwise"], PREFERENCE_FIELDS["unpaired"]]
-    if algorithm == "rm":  # a reward model learns from pairs and is validated on pairs
-        train = either = [PREFERENCE_FIELDS["pairwise"]]
-    elif algorithm == "dpo":
-        train = [PREFERENCE_FIELDS["pairwise"]]
-    elif algorithm == "kto":
-        train = [PREFERENCE_FIELDS["unpaired"]]
-    else:
-        train = [RL_FIELDS]
-    lists = [("data.train_files", config.data.train_files, train),
-             ("data.val_files", config.data.val_files, either if preference else [RL_FIELDS])]
-    if algorithm in ("dpo", "kto"):
+    traits = config.traits
+    lists = [("data.train_files", config.data.train_files, [DATA_FIELDS[traits.data]]),
+             ("data.val_files", config.data.val_files, [DATA_FIELDS[kind] for kind in traits.val_data])]
+    if traits.task_validation:
         lists.append(("preference.task_val_files", config.preference.task_val_files, [RL_FIELDS]))
     problems = [] if config.data.train_files else ["data.train_files: empty (give at least one .parquet or .jsonl file)"]
     for key, files, needed in lists:
@@ -207,6 +199,12 @@ def data_problems(config: Config) -> list[str]:
             if problem is not None:
                 problems.append(problem)
     return problems
+
+
+# The fields a file of each kind of rows must have (an SFT file's depend on its config: see sft_preflight).
+DATA_FIELDS: dict[DataKind, tuple[str, ...]] = {
+    "prompts": RL_FIELDS, "pairwise": PREFERENCE_FIELDS["pairwise"], "unpaired": PREFERENCE_FIELDS["unpaired"],
+}
 
 
 def data_file_problem(key: str, file: str, needed: list[tuple[str, ...]]) -> str | None:
@@ -329,13 +327,16 @@ def column_type_problem(key: str, file: str, column: str, bad: list[tuple[int, A
 
 def rl_schema_files(config: Config) -> list[tuple[str, str]]:
     """(config key, file) of the data whose rows are scored by the reward: RL prompts (GRPO, PPO),
-    or the preference runs' task validation prompts."""
-    if config.algorithm.name == "rm":  # a reward model learns from pairs: no rule scorer runs
-        return []
-    if config.algorithm.name in ("dpo", "kto"):
-        return [(f"preference.task_val_files[{i}]", f) for i, f in enumerate(config.preference.task_val_files)]
-    return ([(f"data.train_files[{i}]", f) for i, f in enumerate(config.data.train_files)]
-            + [(f"data.val_files[{i}]", f) for i, f in enumerate(config.data.val_files)])
+    or the preference runs' task validation prompts (a reward model's training run scores none)."""
+    traits = config.traits
+    keyed = []
+    if traits.data == "prompts":
+        keyed += [(f"data.train_files[{i}]", f) for i, f in enumerate(config.data.train_files)]
+    if "prompts" in traits.val_data:
+        keyed += [(f"data.val_files[{i}]", f) for i, f in enumerate(config.data.val_files)]
+    if traits.task_validation:
+        keyed += [(f"preference.task_val_files[{i}]", f) for i, f in enumerate(config.preference.task_val_files)]
+    return keyed
 
 
 def resume_problems(resume: str, algorithm: str) -> list[str]:

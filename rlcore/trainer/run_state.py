@@ -28,8 +28,8 @@ from rlcore.checkpoint import (
 from rlcore.config import Config, SFTConfig, dump_config
 from rlcore.controller.errors import WorkerError
 from rlcore.tracking import truncate_jsonl
+from rlcore.trainer.groups import WorkerGroups
 from rlcore.trainer.model_folders import WeightFileError, safetensors_header
-from rlcore.trainer.roles import WorkerGroups
 from rlcore.workers.checkpointing import adapter_folder
 
 log = logging.getLogger(__name__)

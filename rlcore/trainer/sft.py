@@ -32,9 +32,10 @@ from rlcore.config import SFTConfig
 from rlcore.data.schema import DatasetError
 from rlcore.data.sft import SFTDataset, SFTExample, collate_sft
 from rlcore.rewards.tools import tool_schemas
+from rlcore.trainer.groups import WorkerGroups, required
 from rlcore.trainer.health import HealthGuard
 from rlcore.trainer.metrics import mean_over_ranks
-from rlcore.trainer.roles import WorkerGroups, build_worker_groups
+from rlcore.trainer.roles import build_worker_groups
 from rlcore.trainer.run_state import BadStepGuard, RunCheckpoints, prepare_run_dir
 from rlcore.trainer.step_log import StepHook, StepLog
 from rlcore.workers.checkpointing import adapter_folder
@@ -128,7 +129,7 @@ class SFTTrainer:
 
     def train_step(self, examples: list[SFTExample]) -> dict[str, Any]:
         start = time.perf_counter()
-        actor = mean_over_ranks(self.groups.actor.update_sft(collate_sft(examples, self.pad_id)))
+        actor = mean_over_ranks(required(self.groups.actor, "actor").update_sft(collate_sft(examples, self.pad_id)))
         seconds = time.perf_counter() - start
         tokens = sum(len(e.input_ids) for e in examples)
         return {**actor, "train/target_tokens": float(sum(e.num_targets for e in examples)), "train/tokens": float(tokens),
@@ -140,8 +141,8 @@ class SFTTrainer:
         the actor's log-probs under the current weights (`compute_log_prob`, named for RL's old policy)."""
         assert self.val_set is not None
         batch = collate_sft(self.val_set.examples, self.pad_id)
-        log_probs = self.groups.actor.compute_log_prob(batch)["old_log_probs"]
-        mask = batch["response_mask"]
+        log_probs = required(self.groups.actor, "actor").compute_log_prob(batch).tensors["old_log_probs"]
+        mask = batch.tensors["response_mask"]
         return {"val/loss": float(-(log_probs * mask).sum() / mask.sum().clamp(min=1))}
 
     def export(self) -> Path:

@@ -10,7 +10,7 @@ from typing import Any
 
 from rlcore.config import Config
 from rlcore.tracking import Tracker, open_tracker
-from rlcore.trainer.roles import WorkerGroups
+from rlcore.trainer.groups import WorkerGroups
 from rlcore.trainer.tracing import step_record, worker_identities
 
 StepHook = Callable[[int, dict[str, Any]], None]

@@ -22,9 +22,9 @@ import torch
 
 from rlcore.config import Config
 from rlcore.data import PromptLoader
+from rlcore.trainer.groups import WorkerGroups
 from rlcore.trainer.metrics import Timer, agent_episode_metrics
 from rlcore.trainer.rl_steps import score
-from rlcore.trainer.roles import WorkerGroups
 from rlcore.trainer.rollout_parts import generate, val_sampling
 
 
@@ -67,7 +67,11 @@ class RLValidator:
 
     def run(self, groups: WorkerGroups, step: int, policy_version: int) -> dict[str, float]:
         timer = Timer()
-        scores, accs, uids, sources, answers = [], [], [], [], []
+        scores: list[torch.Tensor] = []
+        accs: list[torch.Tensor] = []
+        uids: list[str] = []
+        sources: list[str] = []
+        answers: list[str] = []
         agent: dict[str, list[Any]] = {k: [] for k in AGENT_META}
         for prompts in self.loader.epoch_batches():
             gen = generate(groups, prompts, val_sampling(self.config, step), policy_version, timer)
@@ -75,8 +79,8 @@ class RLValidator:
             if AGENT_META[0] in gen.meta:
                 for key in AGENT_META:
                     agent[key].extend(gen.meta[key])
-            scores.append(gen["scores"])
-            accs.append(gen["acc"])
+            scores.append(gen.tensors["scores"])
+            accs.append(gen.tensors["acc"])
             uids.extend(str(u) for u in gen.meta["uid"])
             sources.extend(str(s) for s in gen.meta["data_source"])
             answers.extend(str(t) for t in gen.meta["response_text"])

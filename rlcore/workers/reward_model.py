@@ -241,7 +241,7 @@ class RewardModelWorker(Worker):
         super().__init__(rank=rank, world_size=world_size, role=ROLE)
         self.config = config
         self.device = resolve_device(config.trainer.device)
-        self.training = config.algorithm.name == "rm"
+        self.training = "reward_model" in config.traits.trains
         self.reader: RewardModelReader | None = None
         self.optimizer: torch.optim.Optimizer | None = None
         self.scheduler: torch.optim.lr_scheduler.LRScheduler | None = None

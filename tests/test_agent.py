@@ -399,12 +399,18 @@ def test_an_interaction_answers_turns_and_ends_the_episode_with_a_reward(llama_c
 
 def test_the_reward_sees_the_whole_trajectory_and_the_final_answer(rollout):
     gen = rollout[0]
-    i = int(np.flatnonzero(gen.meta["agent_tool_calls"] > 0)[0])
+    # A sample whose first turn made a call the parser reads (an unreadable one is answered with
+    # its parse error and leaves the message's tool_calls empty: test_parse_tool_calls).
+    readable = [j for j in np.flatnonzero(gen.meta["agent_tool_calls"] > 0)
+                if gen.meta["agent_messages"][j][1].get("tool_calls")]
+    assert readable, "no sample's first turn called a tool readably"
+    i = int(readable[0])
     messages = gen.meta["agent_messages"][i]
     info = trajectory_info(gen.meta, i, None)
     assert info["messages"] == list(messages) and info["num_tool_calls"] >= 1
     assert [m["role"] for m in messages[:3]] == ["user", "assistant", "tool"]
-    assert messages[1]["tool_calls"][0]["name"] == "calculator" if messages[1]["tool_calls"] else True
+    call = messages[1]["tool_calls"][0]  # the assistant message names its call; the tool's answer names the tool
+    assert call["name"] == "calculator" and messages[2]["name"] == "calculator"
     assert final_answer(messages) == [m for m in messages if m["role"] == "assistant"][-1]["content"]
     metrics = agent_metrics(gen)
     assert metrics["agent/tool_calls"] == gen.meta["agent_tool_calls"].sum() > 0

@@ -101,6 +101,7 @@ def test_tokenizer_round_trips_through_auto_tokenizer(tmp_path):
     assert auto.convert_ids_to_tokens(tok("é")["input_ids"]) == ["<unk>"]
 
 
+@pytest.mark.slow  # four quick builds, two of them in fresh processes (~16 CPU-s measured)
 def test_quick_build_is_deterministic_cached_and_loadable(tmp_path, monkeypatch):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -132,6 +133,7 @@ def test_quick_build_is_deterministic_cached_and_loadable(tmp_path, monkeypatch)
     torch.testing.assert_close(model.state_dict()["model.embed_tokens.weight"], wa["model.embed_tokens.weight"])
 
 
+@pytest.mark.slow  # a build process that fails, then a build (~8 CPU-s measured)
 def test_failed_or_partial_builds_are_never_used(tmp_path):
     out = tmp_path / "ex"
     out.mkdir()

@@ -209,6 +209,7 @@ def test_cli_config_errors_keep_their_message(capsys):
     assert capsys.readouterr().err == "rlcore: error: invalid config: actor.optim.lrr: unknown key\n"
 
 
+@pytest.mark.slow  # a fresh process importing torch (~10 CPU-s measured)
 def test_rlcore_train_with_a_missing_model_path(setup):
     """The real command, in its own process: a one-line message and a non-zero exit."""
     args = [sys.executable, "-m", "rlcore.cli", "train", str(CONFIG_DIR / "tiny_grpo.yaml"), *setup.args(),

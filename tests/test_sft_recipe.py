@@ -168,6 +168,7 @@ def test_rlcore_sft_learns_resumes_exactly_and_writes_a_folder_rl_starts_from(ow
 
 
 @pytest.mark.slow
+@pytest.mark.pipeline  # the lifecycle's SFT warm-start stage
 def test_pipeline_warm_start_stage_trains_once_per_inputs(own_model, tmp_path):
     from rlcore.config import load_config
     from rlcore.lifecycle.stages import sft_stage

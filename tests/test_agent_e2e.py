@@ -102,6 +102,8 @@ def test_sampled_validation_reports_the_agent_numbers(tool_example, tmp_path):
     assert 0.15 < val["val/agent/tool_call_rate"] < 0.7 and val["val/agent/tool_calls_mean"] >= val["val/agent/tool_call_rate"]
     assert 1 < val["val/agent/turns_mean"] < 2 and "val/tiny_tool_arith/agent/tool_error_rate" in val
     assert "val/mean@4" in val and val["val/tiny_tool_arith/agent/tool_call_rate"] == val["val/agent/tool_call_rate"]
+    # accuracy per data source beside the agent numbers (the example has one source: its numbers are the overall ones)
+    assert val["val/tiny_tool_arith/acc"] == val["val/acc"] and val["val/tiny_tool_arith/mean@4"] == val["val/mean@4"]
 
 
 @pytest.mark.skipif(not HAS_VLLM, reason="vllm is not installed")
@@ -189,3 +191,6 @@ def test_agent_rollouts_on_ray_one_step_off_policy_with_the_vllm_rollout_in_its_
     assert os.getpid() not in pids and {w["pid"] for w in trace[0]["workers"]["rollout"]} == pids
     tool_turns = [t for rec in trace for s in rec["samples"] for t in s["turns"] if t["kind"] == "tool"]
     assert tool_turns and all(t["tool"] for t in tool_turns)
+    # the conversations' texts cross from the Ray rollout workers: the prompt and the model's text of each turn
+    recorded = [s for rec in trace for s in rec["samples"] if s.get("conversation")]
+    assert len(recorded) == 4 * len(trace) and all(s["prompt"][0]["role"] == "user" and "text" in s["turns"][0] for s in recorded)

@@ -14,7 +14,7 @@ import torch
 from own_model import ENDOFTEXT, IM_END  # tests/ is on sys.path (pytest rootdir conftest)
 
 from rlcore.cli import CONFIG_DIR, main
-from rlcore.config import ConfigError, load_sft_config
+from rlcore.config import ConfigError, load_sft_config, sft_config_from_dict
 from rlcore.data import RLDataset, write_rows
 from rlcore.data.schema import DataValidationError
 from rlcore.data.sft import IGNORE_INDEX, SFTDataset, collate_sft, tokenize_messages, tokenize_prompt_response
@@ -124,6 +124,12 @@ def test_config_keys_and_paths_are_checked_before_anything_loads(own_model, tmp_
     err = capsys.readouterr().err
     assert "data.train_files[0]:" in err and "rows here need (messages) or (prompt, response)" in err
     assert not (tmp_path / "run").exists()
+    # a loaded config survives a dump and reload (the pipeline passes configs as dicts): its
+    # default RL-only keys are not mistaken for settings, one that was set still is
+    loaded = load_sft_config(SFT_CONFIG, base)
+    assert sft_config_from_dict(loaded.model_dump(mode="json")) == loaded
+    with pytest.raises(ConfigError, match="actor.ppo_epochs is an RL setting"):
+        sft_config_from_dict({**loaded.model_dump(mode="json"), "actor": {"ppo_epochs": 2}})
 
 
 @pytest.mark.slow

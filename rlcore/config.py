@@ -476,7 +476,7 @@ class TrainerConfig(_Section):
         the defaults, so a dumped config.yaml loads again."""
         if not self.trace:
             for key in ("trace_samples", "trace_max_chars"):
-                if getattr(self, key) != type(self).model_fields[key].default:
+                if _differs_from_default(self, key):
                     raise ValueError(f"{key} is set, but trainer.trace is off (no trace.jsonl is written)")
         return self
 

@@ -463,6 +463,22 @@ class TrainerConfig(_Section):
         "breakpoint in the rollout stops here); process: a child process (no GIL shared with the trainer; ~4 s to start, "
         "batches and weights pickled across). The cores are split between it and the training thread either way")
     trace: bool = Field(True, description="write trace.jsonl in the run dir: per step, phase timings, workers, and every sample")
+    trace_samples: int = Field(4, ge=0, description="trajectories per step (evenly spread over the batch) whose "
+                               "conversation trace.jsonl records: the prompt, the model's text of every turn, each tool "
+                               "call's arguments and result (the response, without an agent); `rlcore trace RUN_DIR` "
+                               "prints one. 0: none")
+    trace_max_chars: int = Field(2000, ge=16, description="each text of a recorded conversation is cut to this many "
+                                 "characters, after the secrets in it are redacted (rlcore.redact)")
+
+    @model_validator(mode="after")
+    def _check_trace(self) -> TrainerConfig:
+        """A trace setting is refused when trace.jsonl is off (it would change nothing); compared with
+        the defaults, so a dumped config.yaml loads again."""
+        if not self.trace:
+            for key in ("trace_samples", "trace_max_chars"):
+                if _differs_from_default(self, key):
+                    raise ValueError(f"{key} is set, but trainer.trace is off (no trace.jsonl is written)")
+        return self
 
 
 ROLES: tuple[Role, ...] = get_args(Role)
@@ -808,7 +824,13 @@ class SFTDataConfig(_Section):
     prompt_key: str = Field("prompt", description="chat messages or a string; a string is used as is (as RL prompts are)")
     response_key: str = Field("response", description="the text to learn; followed by the tokenizer's EOS unless it ends "
                               "with one of the model's end tokens")
-    messages_key: str = Field("messages", description="a file with this column is multi-turn: [{role, content}, ...]")
+    messages_key: str = Field("messages", description="a file with this column is multi-turn (verl's schema): "
+                              "[{role, content}, ...]; an assistant turn may carry OpenAI-style tool_calls")
+    tools: list[str] = Field([], description="tools whose schemas the chat template renders with every prompt, as "
+                             "rollout.agent.tools gives them to RL: 'module:function', 'path/to/file.py:function', or a "
+                             ".json file of OpenAI-style schemas")
+    tools_key: str = Field("tools", description="a row's own tool schemas (verl's column: a list or its JSON text), "
+                           "rendered instead of data.tools for that row")
     max_length: int = Field(512, ge=2, description="tokens per sequence (prompt + response)")
     truncation: Literal["error", "drop", "right"] = Field(
         "error", description="a longer sequence: error (naming the row), drop it (counted), or cut it from the right "

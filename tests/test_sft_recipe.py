@@ -51,9 +51,10 @@ def test_messages_rows_train_on_every_assistant_turn_only(tok):
                 {"role": "assistant", "content": "blue"}, {"role": "user", "content": "And the grass?"},
                 {"role": "assistant", "content": "green"}]
     ids, labels = tokenize_messages(messages, tok)
-    assert ids == tok.apply_chat_template(messages, tokenize=True, return_dict=False)  # the whole conversation, as rendered
+    # the whole conversation as rendered, up to the last turn's end token: where a rollout of it stops
+    assert ids == tok.apply_chat_template(messages, tokenize=True, return_dict=False)[:-1]
     trained = [tok.convert_ids_to_tokens(t) for t, y in zip(ids, labels) if y != IGNORE_INDEX]
-    assert trained == ["blue", IM_END, "Ċ", "green", IM_END, "Ċ"]  # each turn's answer and the template's closing tokens
+    assert trained == ["blue", IM_END, "green", IM_END]  # each turn's answer and its end token (the newline after is the template's)
     first_answer = labels.index(tok.convert_tokens_to_ids("blue"))
     generation_prompt = tok.apply_chat_template(messages[:2], tokenize=True, add_generation_prompt=True, return_dict=False)
     assert ids[:first_answer] == generation_prompt  # the context is the prompt RL samples with

@@ -31,11 +31,14 @@ from pathlib import Path
 from rlcore.cli import CONFIG_DIR, tiny_example_overrides
 from rlcore.example import build_tiny_example
 
+# six Ray workers start at once (four actor ranks, rollout, reward): at load 17-21 on 2 cores the
+# actor's did not finish starting within the default 600 s (ray.init_timeout_s), so allow longer
+SLOW_START = "ray.init_timeout_s=2400"
 TP_RUNS = {
     "grpo": ["trainer.backend=ray", "actor.layout={data_parallel: 2, tensor_parallel: 2}", "ray.colocate=[[actor, ref]]",
-             "rollout.backend=vllm", "rollout.layout={tensor_parallel: 2}", "rollout.vllm.kv_cache_gib=0.25"],
+             "rollout.backend=vllm", "rollout.layout={tensor_parallel: 2}", "rollout.vllm.kv_cache_gib=0.25", SLOW_START],
     "ppo": ["trainer.backend=ray", "actor.layout={tensor_parallel: 2}", "critic.layout={tensor_parallel: 2}",
-            "ray.colocate=[[actor, critic]]"],
+            "ray.colocate=[[actor, critic]]", SLOW_START],
 }
 
 

@@ -78,7 +78,7 @@ def test_pipeline_trains_gates_and_uses_a_reward_model(tiny_example, tmp_path):
     # A second reward model: the same gate, against the champion's pairwise accuracy on the same pairs
     from rlcore.config import load_config
     from rlcore.example.overrides import example_rm_overrides
-    from rlcore.lifecycle import rm_stages
+    from rlcore.lifecycle import promotion, rm_stages
     from rlcore.lifecycle import stages as lifecycle
 
     rm_config = load_config(CONFIG_DIR / "tiny_rm.yaml", example_rm_overrides() + [
@@ -90,7 +90,7 @@ def test_pipeline_trains_gates_and_uses_a_reward_model(tiny_example, tmp_path):
     evaluation = rm_stages.evaluate_reward_model_stage(rm_config, train["candidate_dir"], champion, work, ctx)
     assert evaluation["baseline_name"] == "champion"
     assert evaluation["baseline"]["pairwise_accuracy"] == pytest.approx(summary["reward_model_pairwise_accuracy"])
-    decided = rm_stages.promote_reward_model_stage(rm_config, train, evaluation, work, ctx)
+    decided = promotion.promote_stage(rm_config, train, evaluation, work, ctx)  # the policy's promotion, by the trained role
     assert decided["version"] == "2" and decided["promoted"] is False and decided["check"] == "margin"
     assert rm_registry.by_alias("champion").version == "1" and rm_registry.by_alias("challenger").version == "2"
     assert rm_stages.reward_model_in_use(rm_config, work)["uri"] == "models:/rlcore-tiny-rm/1"

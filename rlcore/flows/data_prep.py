@@ -12,6 +12,7 @@ from prefect import flow, task
 from rlcore.config import config_from_dict
 from rlcore.lifecycle import stages
 from rlcore.lifecycle.data_prep import retry_if_transient
+from rlcore.lifecycle.results import PipelineContext, PreparedData
 
 
 def _cache_key(context: Any, parameters: dict[str, Any]) -> str:
@@ -26,12 +27,12 @@ def _cache_key(context: Any, parameters: dict[str, Any]) -> str:
 @task(name="data_prep", cache_key_fn=_cache_key, persist_result=True, retries=1, retry_delay_seconds=2,
       retry_condition_fn=retry_if_transient)
 def prepare_data_task(config: dict[str, Any], workdir: str, val_fraction: float = 0.1,
-                      ctx: dict[str, Any] | None = None) -> dict[str, Any]:
+                      ctx: PipelineContext | None = None) -> PreparedData:
     return stages.prepare_data_stage(config_from_dict(config), workdir, val_fraction, ctx)
 
 
 @flow(name="data_prep")
 def data_prep(config_path: str | None = None, overrides: list[str] | None = None, data_path: str | None = None,
-              workdir: str = "runs/pipeline", val_fraction: float = 0.1) -> dict[str, Any]:
+              workdir: str = "runs/pipeline", val_fraction: float = 0.1) -> PreparedData:
     config = stages.load_pipeline_config(config_path, overrides or [], data_path)
     return prepare_data_task(config.model_dump(mode="json"), workdir, val_fraction)

@@ -24,15 +24,11 @@ from rlcore.example.overrides import example_overrides, example_rm_overrides
 from rlcore.flows.data_prep import prepare_data_task
 from rlcore.flows.evaluate import evaluate_task
 from rlcore.flows.promote import promote_task
-from rlcore.flows.reward_model import (
-    evaluate_reward_model_task,
-    promote_reward_model_task,
-    reward_model_in_use_task,
-    train_reward_model_task,
-)
+from rlcore.flows.reward_model import evaluate_reward_model_task, reward_model_in_use_task, train_reward_model_task
 from rlcore.flows.train import champion_task, sft_task, train_task
 from rlcore.lifecycle import rm_plan, stages
 from rlcore.lifecycle.automations import failures_notified_by_server
+from rlcore.lifecycle.results import Evaluation, Promotion, RewardModelInUse, Summary
 
 
 def pipeline_run_name() -> str:
@@ -63,7 +59,7 @@ def rl_pipeline(
     reward: str = "rule",
     reward_config_path: str | None = None,
     reward_overrides: list[str] | None = None,
-) -> dict[str, Any]:
+) -> Summary:
     """`example=True` points the config at the built-in tiny example (before `overrides`; and the
     reward model's config at its preference set).
     `sft`: {"data_path", "config_path", "overrides"} of a supervised warm start (see
@@ -92,33 +88,35 @@ def rl_pipeline(
         if sft:
             warm = sft_task(tree, sft, workdir, ctx)
             tree = {**tree, "model": {**tree["model"], "path": warm["model_dir"]}}
-        reward_model = rm_promotion = None
+        reward_model: RewardModelInUse | None = None
+        rm_promotion: Promotion | None = None
         if rm_config is not None:
             rm_tree = rm_config.model_dump(mode="json")
             rm_champion = champion_task(rm_tree, workdir)
             rm_train = train_reward_model_task(rm_tree, workdir, ctx, rm_champion)
             if rm_train["candidate_dir"] and rm_train["model_logged"]:
                 rm_eval = evaluate_reward_model_task(rm_tree, rm_train["candidate_dir"], rm_champion, workdir, ctx)
-                rm_promotion = promote_reward_model_task(rm_tree, rm_train, rm_eval, workdir, ctx)
+                rm_promotion = promote_task.with_options(name="promote_reward_model")(rm_tree, rm_train, rm_eval, workdir, ctx)
             reward_model = reward_model_in_use_task(rm_tree, workdir)  # the champion, this run's or an earlier one
         champion = champion_task(tree, workdir)
         train = train_task(tree, prepared, workdir, ctx, champion, reward_model)
-        evaluation = promotion = None
+        evaluation: Evaluation | None = None
+        promotion: Promotion | None = None
         if train["candidate_dir"]:  # None: stopped by the health guard before any checkpoint
             baseline_dir, baseline_name = (champion["path"], "champion") if champion else (train["reference_model"], "base")
             evaluation = evaluate_task(tree, train["candidate_dir"], baseline_dir, baseline_name,
                                        train["reference_model"], prepared["val_file"], workdir, ctx)
             if train["model_logged"]:  # a version's files are the train run's `model` artifact
-                promotion = promote_task(tree, train, evaluation, prepared, workdir, ctx)
+                promotion = promote_task(tree, train, evaluation, workdir, ctx)
         summary = stages.summarize(ctx, prepared, train, evaluation, promotion, champion, workdir)
         if sft:
             summary["sft_model"] = warm["model_dir"]
         if rm_config is not None:
-            summary.update(reward_model=reward_model["uri"] if reward_model else None,
-                           reward_model_version=rm_promotion["version"] if rm_promotion else None,
-                           reward_model_champion=rm_promotion["promoted"] if rm_promotion else False,
-                           reward_model_pairwise_accuracy=rm_promotion["pairwise_accuracy"] if rm_promotion else None,
-                           reward_model_reason=rm_promotion["reason"] if rm_promotion else None)
+            summary["reward_model"] = reward_model["uri"] if reward_model else None
+            summary["reward_model_version"] = rm_promotion["version"] if rm_promotion else None
+            summary["reward_model_champion"] = rm_promotion["promoted"] if rm_promotion else False
+            summary["reward_model_pairwise_accuracy"] = rm_promotion["candidate_score"] if rm_promotion else None
+            summary["reward_model_reason"] = rm_promotion["reason"] if rm_promotion else None
     except BaseException as err:
         # Served with a failure automation, the server sends `failed` for this run (and `crashed`
         # when its process dies); one notification per failure, not two.

@@ -12,6 +12,7 @@ over response tokens.
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Iterator
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -153,24 +154,23 @@ def evaluate_model(
 @torch.no_grad()
 def evaluate_reward_model(model_dir: str | Path, pair_files: list[str], config: Any, batch_size: int = 256) -> dict[str, float]:
     """Held-out numbers of the reward model in `model_dir` on the pairwise rows of `pair_files`,
-    read as in training and RL (its own template, `config.reward_model`'s limits): what the
-    reward-model gate compares (`pairwise_accuracy`), plus loss, score gap and the pair count."""
+    read as in training and RL (its own template, `config.reward_model`'s limits and margin): what
+    the reward-model gate compares (`pairwise_accuracy`), plus loss, score gap and the pair count,
+    computed by the same function as training's `val/*` (`held_out_pair_metrics`)."""
     from rlcore.data.preference import PreferenceDataset, collate_rm_pairs
-    from rlcore.workers.reward_model import open_reward_model, pair_metrics
+    from rlcore.workers.reward_model import held_out_pair_metrics, open_reward_model
 
     reader = open_reward_model(model_dir, key="reward_model.path", config=config, device=torch.device("cpu"))
     limit = config.reward_model.max_length
     dataset = PreferenceDataset(pair_files, reader.tokenizer, kind="pairwise", max_prompt_length=limit,
                                 max_response_length=limit, apply_chat_template=config.data.apply_chat_template,
                                 on_bad_row="skip")
-    chosen, rejected, margins = [], [], []
-    for start in range(0, len(dataset), batch_size):
-        items = [dataset[i] for i in range(start, min(len(dataset), start + batch_size))]
-        batch = collate_rm_pairs(items, [str(it.index) for it in items])
-        c, r = reader.pair_scores(batch)
-        chosen.append(c)
-        rejected.append(r)
-        margins.append(torch.where(batch["margin_given"] > 0, batch["margin"], torch.zeros_like(batch["margin"])))
-    out = pair_metrics(torch.cat(chosen), torch.cat(rejected), torch.cat(margins), prefix="")
+
+    def batches() -> Iterator[Batch]:
+        for start in range(0, len(dataset), batch_size):
+            items = [dataset[i] for i in range(start, min(len(dataset), start + batch_size))]
+            yield collate_rm_pairs(items, [str(it.index) for it in items])
+
+    out = held_out_pair_metrics(batches(), reader.pair_scores, config.reward_model.margin)
     return {"pairwise_accuracy": out["pairwise_acc"], "rm_loss": out["rm_loss"], "score_margin": out["score_margin"],
-            "num_pairs": float(len(dataset))}
+            "num_pairs": out["num_pairs"]}

@@ -16,9 +16,10 @@ from rlcore.lifecycle.results import Evaluation, PipelineContext
 
 @task(name="evaluate", retries=1, retry_delay_seconds=2, retry_condition_fn=retry_if_transient, timeout_seconds=3600, cache_policy=NO_CACHE)
 def evaluate_task(config: dict[str, Any], candidate_dir: str, baseline_dir: str, baseline_name: str,
-                  reference_dir: str, val_file: str, workdir: str, ctx: PipelineContext | None = None) -> Evaluation:
+                  reference_dir: str, val_file: str, workdir: str, ctx: PipelineContext | None = None,
+                  start_dir: str | None = None, reward_model_dir: str | None = None) -> Evaluation:
     return stages.evaluate_stage(config_from_dict(config), candidate_dir, baseline_dir, baseline_name,
-                                 reference_dir, val_file, workdir, ctx)
+                                 reference_dir, val_file, workdir, ctx, start_dir=start_dir, reward_model_dir=reward_model_dir)
 
 
 @flow(name="evaluate")

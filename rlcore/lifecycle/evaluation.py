@@ -30,6 +30,7 @@ from rlcore.rollout import HFRolloutEngine, SamplingParams
 from rlcore.rollout.agent import AgentLoop, AgentSettings
 from rlcore.tracking import progress
 from rlcore.workers.reward import final_answer, trajectory_info
+from rlcore.workers.reward_model import RewardModelReader
 from rlcore.workers.tokenizer import cut_at_end, end_token_ids, load_tokenizer, pad_token_id
 
 
@@ -41,12 +42,13 @@ class EvalResult:
     kl_to_reference: float  # mean per-token KL(model || reference) on the model's responses
     response_length: float  # mean response tokens (EOS included)
     num_prompts: int
+    reward_model_score: float | None = None  # mean raw score of the responses by a reward model, when given one
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
 
     def metrics(self) -> dict[str, float]:
-        return {k: float(v) for k, v in asdict(self).items() if k != "model_dir"}
+        return {k: float(v) for k, v in asdict(self).items() if k != "model_dir" and v is not None}
 
 
 def _load_lm(path: str | Path):
@@ -86,6 +88,7 @@ def evaluate_model(
     limit: int | None = None,
     label: str | None = None,
     agent: AgentConfig | None = None,
+    reward_model: RewardModelReader | None = None,
 ) -> EvalResult:
     """Greedy evaluation of `model_dir` on `val_file` (the first `limit` prompts, if given), with
     a progress bar over prompts named by `label` (default: the folder's last two parts).
@@ -93,6 +96,8 @@ def evaluate_model(
     `reference_dir`: the model KL is measured against (None: KL is not measured, reported 0).
     `agent`: the run's `rollout.agent`; when on, responses are agent trajectories (tools in a
     sandboxed pool), KL and length are over the model's own tokens.
+    `reward_model`: a loaded reward model (`open_reward_model`) that also scores each (prompt,
+    response) conversation as in RL (`reward_model_score`: the mean raw score; not for agent runs).
     """
     model_dir = str(Path(model_dir).resolve())
     tokenizer = load_tokenizer(model_dir)
@@ -109,6 +114,7 @@ def evaluate_model(
     params = SamplingParams(n=1, do_sample=False, max_new_tokens=max_new_tokens, seed=0)
     scores: list[float] = []
     accs: list[float] = []
+    rm_scores: list[float] = []
     kl_sum = tokens = 0.0
     label = label or "/".join(Path(model_dir).parts[-2:])
     pool = ToolPool(agent.tools, num_workers=agent.tool_workers, timeout_s=agent.tool_timeout_s, memory_mb=agent.tool_memory_mb,
@@ -133,6 +139,9 @@ def evaluate_model(
                      for ds, text, gt, ei in zip(gen.meta["data_source"], texts, gen.meta["ground_truth"], extra_info)]
             result = scorer.score(items)
             scores.extend(result.scores.tolist())
+            if reward_model is not None and loop is None:
+                enc = reward_model.encode(list(gen.meta["prompt_messages"]), texts)
+                rm_scores.extend(reward_model.scores(enc).tolist())
             batch_acc = result.extra["acc"] if "acc" in result.extra else (result.scores >= 1.0)
             accs.extend(float(a) for a in batch_acc)
             tokens += float(sum(lengths))
@@ -148,6 +157,7 @@ def evaluate_model(
         kl_to_reference=kl_sum / tokens if tokens else 0.0,
         response_length=tokens / n,
         num_prompts=n,
+        reward_model_score=sum(rm_scores) / len(rm_scores) if rm_scores else None,
     )
 
 

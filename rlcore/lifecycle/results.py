@@ -24,6 +24,7 @@ class PipelineContext(TypedDict):
     run_id: str
     run_name: str
     tracking_uri: str
+    experiment_id: str
     workdir: str
     prefect_flow_run_id: str | None
 
@@ -99,8 +100,9 @@ class TrainResult(TypedDict):
 class Evaluation(TypedDict):
     """A candidate and its baseline on the same held-out data, metric name -> value.
 
-    Policy: `EvalResult.metrics()` (accuracy, mean reward, KL, length), against the champion or
-    the base model.
+    Policy: `EvalResult.metrics()` (accuracy, mean reward, KL, length; `reward_model_score` when
+    trained against a reward model), against the champion or the base model; `start` is the model
+    training started from when that is not the baseline (the RLHF demo's before -> after).
     Reward model: pairwise accuracy, loss and score gap (`held_out_pair_metrics`), against the
     champion reward model or chance."""
 
@@ -109,6 +111,7 @@ class Evaluation(TypedDict):
     baseline_name: str  # "champion", "base" or "chance"
     candidate_dir: str
     held_out: list[str]  # the held-out data files
+    start: NotRequired[dict[str, float]]
     run_id: NotRequired[str]
 
 
@@ -133,12 +136,16 @@ class Summary(TypedDict, total=False):
 
     pipeline_run: str
     dataset_fingerprint: str
-    warm_start: str | None
+    warm_start: str | None  # the champion training started from (`models:/name/version`), else None
+    warm_start_accuracy: float | None  # its accuracy (the baseline's) before this run
     steps: int
     health_stop: str | None
     baseline: str | None
-    accuracy_before: float | None
+    accuracy_start: float | None  # of the model training started from, when that is not the baseline
+    accuracy_before: float | None  # of the gate's baseline (the champion, else the base model)
     accuracy_after: float | None
+    reward_model_score_start: float | None  # mean score of greedy answers by the reward model trained against
+    reward_model_score_after: float | None
     kl_to_reference: float | None
     version: str | None
     champion: bool
@@ -147,6 +154,7 @@ class Summary(TypedDict, total=False):
     run_dir: str
     mlflow_run_id: str
     prefect_flow_run_id: str | None
+    links: dict[str, str]  # mlflow_run, model_version, prefect_flow_run: pages in the UIs
     mlflow_ui: str
     prefect_ui: str
     sft_model: str

@@ -18,7 +18,6 @@ import os
 import secrets
 import shutil
 import time
-import traceback
 from collections.abc import Sequence
 from functools import partial
 from pathlib import Path
@@ -102,7 +101,7 @@ def prefect_flow_run() -> dict[str, str]:
         return {}
     found = {"id": str(flow_run.id), "name": str(flow_run.name)}
     if PREFECT_API_URL.value() and PREFECT_UI_URL.value():
-        found["url"] = f"{PREFECT_UI_URL.value()}/flow-runs/flow-run/{flow_run.id}"
+        found["url"] = f"{str(PREFECT_UI_URL.value()).rstrip('/')}/runs/flow-run/{flow_run.id}"
     return found
 
 
@@ -113,11 +112,48 @@ def stage_tags(ctx: PipelineContext, stage: str) -> dict[str, str]:
             **{f"prefect.flow_run_{k}": v for k, v in prefect_flow_run().items()}}
 
 
+MLFLOW_UI_DEFAULT = "http://127.0.0.1:5000"  # where `mlflow ui` serves a local store
+PREFECT_UI_DEFAULT = "http://127.0.0.1:4200"  # where `prefect server start` serves its UI
+# MLflow 3.17's UI shows an experiment as GenAI (traces, evaluations) or model training by a switch of
+# its own, kept per browser and GenAI by default; a link can choose (the experiment's
+# `mlflow.experimentKind` tag no longer decides it).
+MLFLOW_TRAINING_VIEW = "?workflowType=machine_learning"
+
+
+def mlflow_ui_base(tracking_uri: str) -> str:
+    """The MLflow UI of a store: the tracking server itself, or `mlflow ui` on a local one."""
+    return tracking_uri.rstrip("/") if tracking_uri.startswith(("http://", "https://")) else MLFLOW_UI_DEFAULT
+
+
+def mlflow_run_url(tracking_uri: str, experiment_id: str, run_id: str) -> str:
+    return f"{mlflow_ui_base(tracking_uri)}/#/experiments/{experiment_id}/runs/{run_id}{MLFLOW_TRAINING_VIEW}"
+
+
+def model_version_url(tracking_uri: str, model: str, version: str) -> str:
+    return f"{mlflow_ui_base(tracking_uri)}/#/models/{model}/versions/{version}{MLFLOW_TRAINING_VIEW}"
+
+
+def prefect_flow_run_url(flow_run_id: str) -> str:
+    """The flow run's page: on the server in use, or on `prefect server start` over the database
+    the ephemeral API wrote to."""
+    return prefect_flow_run().get("url") or f"{PREFECT_UI_DEFAULT}/runs/flow-run/{flow_run_id}"
+
+
 def _mlflow_run_link(store: MlflowStore, run_id: str) -> str:
     """The run's page on a tracking server, or how to open the UI on a local store."""
+    url = mlflow_run_url(store.tracking_uri, store.experiment_id, run_id)
     if store.tracking_uri.startswith(("http://", "https://")):
-        return f"[MLflow run {run_id}]({store.tracking_uri.rstrip('/')}/#/experiments/{store.experiment_id}/runs/{run_id})"
-    return f"MLflow run `{run_id}` (experiment `{store.experiment_id}`): `{store.run_url_hint()}`"
+        return f"[MLflow run {run_id}]({url})"
+    return f"[MLflow run {run_id}]({url}) once `{store.run_url_hint()}` serves it"
+
+
+def notification_fields(ctx: PipelineContext, event: str, about: str) -> dict[str, str | None]:
+    """What every webhook notification of a pipeline run carries: its name, an `id` a receiver can
+    drop repeats by (flow run, event and what it is about: a stage or a model), and the flow run's
+    page in the Prefect UI when a server is in use."""
+    run = ctx["prefect_flow_run_id"] or ctx["run_name"]
+    return {"pipeline_run": ctx["run_name"], "id": f"{run}:{event}:{about}", "flow_run_id": ctx["prefect_flow_run_id"],
+            "prefect_ui": prefect_flow_run().get("url")}
 
 
 def _link_flow_run_to_mlflow(store: MlflowStore, run_id: str, run_name: str) -> None:
@@ -162,8 +198,8 @@ def start_pipeline(config: Config, workdir: str | Path, run_name: str, trigger: 
                                              **{f"trigger.{k}": str(v) for k, v in (trigger or {}).items()}})
     store.log_params(run_id, flatten(config.model_dump(mode="json")))
     _link_flow_run_to_mlflow(store, run_id, run_name)
-    return {"run_id": run_id, "run_name": run_name, "tracking_uri": store.tracking_uri, "workdir": str(Path(workdir).resolve()),
-            "prefect_flow_run_id": prefect_flow_run().get("id")}
+    return {"run_id": run_id, "run_name": run_name, "tracking_uri": store.tracking_uri, "experiment_id": store.experiment_id,
+            "workdir": str(Path(workdir).resolve()), "prefect_flow_run_id": prefect_flow_run().get("id")}
 
 
 def finish_pipeline(config: Config, ctx: PipelineContext, summary: Summary | dict[str, Any], status: str = "FINISHED") -> None:
@@ -175,19 +211,27 @@ def finish_pipeline(config: Config, ctx: PipelineContext, summary: Summary | dic
     store.end_run(ctx["run_id"], status)
 
 
-def fail_pipeline(config: Config, ctx: PipelineContext, error: BaseException, notify_webhook: bool = True) -> None:
-    """Record the failure on the run and notify (unless `notify_webhook` is False: a server-side
-    automation reports it, see rlcore.lifecycle.automations); never raises (the original error
-    matters)."""
-    text = "".join(traceback.format_exception_only(type(error), error)).strip()
-    try:
-        store = open_store(config, ctx["workdir"])
-        store.set_tags(ctx["run_id"], {"failure": text[:4000]})
-        store.end_run(ctx["run_id"], "FAILED")
-    except Exception as err:  # noqa: BLE001
-        log.warning("could not record the failure in MLflow: %s", err)
-    if notify_webhook:
-        notify(config.registry.webhook_url, "failed", {"pipeline_run": ctx.get("run_name"), "error": text})
+def open_runs(config: Config) -> dict[str, dict[str, str]]:
+    """The MLflow runs of the config's experiment still RUNNING: run id -> tags (none when the
+    default SQLite store was never created)."""
+    uri = tracking_uri(config)
+    if uri.startswith("sqlite:///") and not Path(uri.removeprefix("sqlite:///")).is_file():
+        return {}
+    store = MlflowStore(uri, experiment=config.tracking.experiment)
+    runs = store.client.search_runs([store.experiment_id], "attributes.status = 'RUNNING'", max_results=10000)
+    return {run.info.run_id: dict(run.data.tags) for run in runs}
+
+
+def end_open_runs(config: Config, tags: dict[str, str], status: str, reason: str) -> list[str]:
+    """End every MLflow run still RUNNING that carries `tags` (a pipeline run's own and its stages'),
+    with `status` (FAILED, KILLED) and `reason` as its `failure` tag; returns their ids."""
+    ended = [run_id for run_id, found in open_runs(config).items() if all(found.get(k) == v for k, v in tags.items())]
+    if ended:
+        store = MlflowStore(tracking_uri(config), experiment=config.tracking.experiment)
+        for run_id in ended:
+            store.set_tags(run_id, {"failure": reason[:4000]})
+            store.end_run(run_id, status)
+    return ended
 
 
 # ---------------------------------------------------------------------- data prep
@@ -362,7 +406,7 @@ def train_stage(config: Config, prepared: PreparedData, workdir: str | Path, ctx
                                 "health.candidate": str(checkpoint) if checkpoint else "none"})
         store.set_tags(ctx["run_id"], {"health.reason": stopped["reason"]})
         notify(config.registry.webhook_url, "health_stop", {
-            "pipeline_run": ctx["run_name"], "reason": stopped["reason"], "health": stopped,
+            **notification_fields(ctx, "health_stop", stage), "reason": stopped["reason"], "health": stopped,
             "candidate_checkpoint": str(checkpoint) if checkpoint else None})
     store.end_run(run_id)
     val_key = "val/pairwise_acc" if role == "reward_model" else "val/acc"
@@ -427,22 +471,37 @@ def _log_datasets(store: MlflowStore, run_id: str, prepared: PreparedData | dict
 # ---------------------------------------------------------------------- evaluate
 def evaluate_stage(config: Config, candidate_dir: str, baseline_dir: str, baseline_name: str, reference_dir: str,
                    val_file: str, workdir: str | Path, ctx: PipelineContext | None = None,
-                   limit: int | None = None) -> Evaluation:
-    """Candidate and baseline (champion, or the base model when there is none) on the same data."""
+                   limit: int | None = None, start_dir: str | None = None,
+                   reward_model_dir: str | None = None) -> Evaluation:
+    """Candidate and baseline (champion, or the base model when there is none) on the same data;
+    also the model training started from (`start_dir`) when that is not the baseline (a policy
+    trained from the base while a champion exists). With `reward_model_dir` (the reward model the
+    policy was trained against), each model's greedy answers are scored by it too
+    (`reward_model_score`): what RLHF optimised, beside the rule-judged accuracy."""
+    import torch
+
+    from rlcore.workers.reward_model import open_reward_model
+
+    reader = (open_reward_model(reward_model_dir, key="reward_model.path", config=config, device=torch.device("cpu"))
+              if reward_model_dir else None)
     evaluate = partial(evaluate_model, val_file=val_file, reference_dir=reference_dir,
                        max_prompt_length=config.data.max_prompt_length, max_new_tokens=config.rollout.max_new_tokens,
                        batch_size=config.data.val_batch_size, reward_function=config.reward.function,
-                       apply_chat_template=config.data.apply_chat_template, limit=limit, agent=config.rollout.agent)
+                       apply_chat_template=config.data.apply_chat_template, limit=limit, agent=config.rollout.agent,
+                       reward_model=reader)
     candidate = evaluate(candidate_dir)
     baseline = evaluate(baseline_dir)
     out: Evaluation = {"candidate": candidate.metrics(), "baseline": baseline.metrics(), "baseline_name": baseline_name,
                        "candidate_dir": candidate_dir, "held_out": [val_file]}
+    if start_dir is not None and Path(start_dir).resolve() != Path(baseline_dir).resolve():
+        out["start"] = evaluate(start_dir).metrics()
     if ctx is not None:
         store = open_store(config, workdir)
         run_id = store.start_run("evaluate", ctx["run_id"], {**stage_tags(ctx, "evaluate"), "baseline": baseline_name})
         _log_datasets(store, run_id, {"val_file": val_file}, {"val": "evaluation"})
         store.log_metrics(run_id, {**{f"candidate/{k}": v for k, v in out["candidate"].items()},
-                                   **{f"{baseline_name}/{k}": v for k, v in out["baseline"].items()}})
+                                   **{f"{baseline_name}/{k}": v for k, v in out["baseline"].items()},
+                                   **{f"start/{k}": v for k, v in out.get("start", {}).items()}})
         store.log_json(run_id, out, "evaluation.json")
         store.end_run(run_id)
         out["run_id"] = run_id
@@ -475,13 +534,19 @@ def _prefect_ui_hint() -> str:
 def summarize(ctx: PipelineContext, prepared: PreparedData, train: TrainResult, evaluation: Evaluation | None,
               promotion: Promotion | None, champion: RegisteredVersion | None, workdir: str | Path) -> Summary:
     """What a person wants to know after a run, and where to look for more."""
+    warm = champion is not None and train["start_model"] != train["reference_model"]
+    # the model training started from: the baseline itself, or (a champion exists but training
+    # started from the base or SFT model) evaluated on its own
+    start = (evaluation.get("start") or evaluation["baseline"]) if evaluation else None
     summary: Summary = {
         "pipeline_run": ctx["run_name"],
         "dataset_fingerprint": prepared["fingerprint"],
-        "warm_start": train["parent_model"] if champion is not None and train["start_model"] != train["reference_model"] else None,
+        "warm_start": train["parent_model"] if warm else None,
+        "warm_start_accuracy": evaluation["baseline"]["accuracy"] if warm and evaluation else None,
         "steps": train["steps"],
         "health_stop": train["stopped"]["reason"] if train["stopped"] else None,
         "baseline": evaluation["baseline_name"] if evaluation else None,
+        "accuracy_start": evaluation["start"]["accuracy"] if evaluation and "start" in evaluation else None,
         "accuracy_before": evaluation["baseline"]["accuracy"] if evaluation else None,
         "accuracy_after": evaluation["candidate"]["accuracy"] if evaluation else None,
         "kl_to_reference": evaluation["candidate"]["kl_to_reference"] if evaluation else None,
@@ -491,15 +556,25 @@ def summarize(ctx: PipelineContext, prepared: PreparedData, train: TrainResult, 
         "model_uri": promotion["uri"] if promotion else None,
         "run_dir": train["output_dir"],
         "mlflow_run_id": ctx["run_id"],
-        "prefect_flow_run_id": ctx.get("prefect_flow_run_id"),
+        "prefect_flow_run_id": ctx["prefect_flow_run_id"],
+        "links": {"mlflow_run": mlflow_run_url(ctx["tracking_uri"], ctx["experiment_id"], ctx["run_id"])},
         "mlflow_ui": f"mlflow ui --backend-store-uri {ctx['tracking_uri']}",
         "prefect_ui": _prefect_ui_hint(),
     }
+    if promotion:
+        summary["links"]["model_version"] = model_version_url(ctx["tracking_uri"], promotion["model"], promotion["version"])
+    if ctx["prefect_flow_run_id"]:
+        summary["links"]["prefect_flow_run"] = prefect_flow_run_url(ctx["prefect_flow_run_id"])
+    if train["reward_model"] and evaluation and "reward_model_score" in evaluation["candidate"]:
+        summary["reward_model_score_start"] = start.get("reward_model_score") if start else None
+        summary["reward_model_score_after"] = evaluation["candidate"]["reward_model_score"]
     return summary
 
 
 __all__ = [
-    "PIPELINE_TAG", "STAGE_TAG", "announce", "champion_stage", "data_prep_key", "evaluate_stage", "fail_pipeline",
-    "finish_pipeline", "load_pipeline_config", "new_run_name", "open_store", "prefect_flow_run", "prepare_data_stage",
-    "sft_stage", "sft_stage_config", "stage_tags", "start_pipeline", "summarize", "train_stage",
+    "PIPELINE_TAG", "STAGE_TAG", "announce", "champion_stage", "data_prep_key", "end_open_runs", "evaluate_stage",
+    "finish_pipeline", "load_pipeline_config", "mlflow_run_url", "model_version_url", "new_run_name", "notification_fields",
+    "open_runs",
+    "open_store", "prefect_flow_run", "prefect_flow_run_url", "prepare_data_stage", "sft_stage", "sft_stage_config",
+    "stage_tags", "start_pipeline", "summarize", "train_stage",
 ]

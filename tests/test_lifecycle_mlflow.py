@@ -117,6 +117,7 @@ class _Hook(BaseHTTPRequestHandler):
         pass
 
 
+@pytest.mark.pipeline  # the lifecycle's data-prep and train stages
 def test_health_stop_keeps_last_healthy_checkpoint(store, tiny_example, tmp_path):
     from rlcore.cli import CONFIG_DIR
     from rlcore.example.overrides import example_overrides
@@ -191,6 +192,7 @@ def test_runs_left_open_by_a_failed_pipeline_end_with_the_reason(store, tmp_path
     assert store.client.get_run(ctx["run_id"]).data.params["data.train_files"] == '["/t.parquet"]'
 
 
+@pytest.mark.vllm
 def test_champion_folder_is_served_by_vllm_as_is(store, tiny_example, tmp_path):
     """The downloaded champion, an MLflow model as the pipeline logs it, is still a plain HF
     folder: vLLM starts on it and decodes like HF."""

@@ -20,10 +20,11 @@ import torch
 from rlcore.config import Config
 from rlcore.data.preference import PreferenceLoader, collate_rm_pairs
 from rlcore.protocol import Batch
+from rlcore.trainer.groups import WorkerGroups, required
 from rlcore.trainer.health import HealthGuard
 from rlcore.trainer.loaders import preference_loader
 from rlcore.trainer.metrics import Timer, mean_over_ranks
-from rlcore.trainer.roles import WorkerGroups, build_worker_groups
+from rlcore.trainer.roles import build_worker_groups
 from rlcore.trainer.run_state import BadStepGuard, RunCheckpoints, prepare_run_dir
 from rlcore.trainer.step_log import StepHook, StepLog
 from rlcore.workers.reward_model import held_out_pair_metrics
@@ -42,6 +43,7 @@ class RewardModelTrainer:
         self.val_loader = (preference_loader(config, tokenizer, data.val_files, "pairwise", train=False, collate=collate_rm_pairs)
                            if data.val_files else None)
         self.groups = groups or build_worker_groups(config)
+        self.reward_model = required(self.groups.reward_model, "reward_model")  # the model this run trains
         self.guard = BadStepGuard(config.reward_model.max_consecutive_bad_steps, self.run_dir / "checkpoints", role="reward_model")
         self.health = HealthGuard.from_config(config.health, role="reward_model")
         self.checkpoints = RunCheckpoints(config, self.run_dir, self.groups, self.algorithm,
@@ -75,7 +77,7 @@ class RewardModelTrainer:
     def train_step(self, batch: Batch) -> dict[str, Any]:
         timer = Timer()
         with timer.phase("update_reward_model"):
-            metrics = mean_over_ranks(self.groups.reward_model.update_reward_model(batch))
+            metrics = mean_over_ranks(self.reward_model.update_reward_model(batch))
         return {**metrics, **timer.metrics()}
 
     def validate(self) -> dict[str, float]:
@@ -87,9 +89,11 @@ class RewardModelTrainer:
 def pair_validation(groups: WorkerGroups, loader: PreferenceLoader, margin: float) -> dict[str, float]:
     """`held_out_pair_metrics` of the reward model being trained over every held-out pair, as `val/*`
     (the promotion gate computes the same numbers from the registered folder)."""
+    reward_model = required(groups.reward_model, "reward_model")
+
     def score_pairs(batch: Batch) -> tuple[torch.Tensor, torch.Tensor]:
-        out = groups.reward_model.score_pairs(batch)
-        return out["chosen_scores"], out["rejected_scores"]
+        out = reward_model.score_pairs(batch)
+        return out.tensors["chosen_scores"], out.tensors["rejected_scores"]
 
     timer = Timer()
     with timer.phase("validate"):

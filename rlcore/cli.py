@@ -1,4 +1,4 @@
-"""`rlcore` command line: train from a config (RL or SFT), build the tiny example, run the pipeline.
+"""`rlcore` command line: train from a config (RL or SFT), read a run's trace, build the tiny example, run the pipeline.
 
 rlcore's own errors (a bad config, data file, reward function, checkpoint or path, and a run
 that stopped itself) are printed as their message alone, the traceback only with -v (anywhere
@@ -62,6 +62,15 @@ def _cmd_sft(args: argparse.Namespace) -> int:
     last = history[-1] if history else {}
     shown = {k: v for k, v in last.items() if k.endswith("/loss")}
     print(json.dumps({"model": str(model_dir.resolve()), "steps": last.get("step", 0), **shown}, indent=1))
+    return 0
+
+
+def _cmd_trace(args: argparse.Namespace) -> int:
+    """One recorded trajectory of a run's trace.jsonl as a readable conversation."""
+    from rlcore.trainer.tracing import format_trajectory, recorded_conversation
+
+    step, record, recorded = recorded_conversation(args.run_dir, args.step, args.sample)
+    print(format_trajectory(step, record, args.sample, recorded))
     return 0
 
 
@@ -335,6 +344,13 @@ def build_parser() -> argparse.ArgumentParser:
     sft.add_argument("config")
     sft.add_argument("overrides", nargs="*")
     sft.set_defaults(func=_cmd_sft)
+
+    trace = sub.add_parser("trace", help="print one recorded trajectory of a run (trace.jsonl) as a conversation: "
+                           "rlcore trace RUN_DIR [--step N] [--sample K]")
+    trace.add_argument("run_dir", help="the run's trainer.output_dir")
+    trace.add_argument("--step", type=int, default=None, help="default: the last step that recorded conversations")
+    trace.add_argument("--sample", type=int, default=0, help="which of the step's trainer.trace_samples conversations")
+    trace.set_defaults(func=_cmd_trace)
 
     example = sub.add_parser("example", help="the built-in tiny example")
     example_sub = example.add_subparsers(dest="example_command", required=True)

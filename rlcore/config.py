@@ -77,8 +77,9 @@ class ModelConfig(_Section):
         "installed, causal SDPA per sequence otherwise), so the tokens computed are the real ones. false: the "
         "padded [rows, batch-wide prompt + response] forward. A model whose outputs packing would change is "
         "refused at load")
-    share_prompt_prefix: bool = Field(
-        True, description="with use_remove_padding: rows of a micro-batch whose prompts are the same tokens (the "
+    share_prompt_prefix: bool | None = Field(
+        None, description="null (default): on wherever use_remove_padding packs rows; true/false: asked for. "
+        "With packing: rows of a micro-batch whose prompts are the same tokens (the "
         "rollout.n samples of a prompt, DPO's chosen and rejected) hold the prompt once in the packed row, their "
         "responses attending to it, so its forward and backward run once, not once per row; the results are the "
         "unshared ones (float tolerance). Not on the flash-attn path (CUDA bf16/fp16 with flash-attn installed), "
@@ -88,7 +89,7 @@ class ModelConfig(_Section):
     def _check_pure_bf16(self) -> ModelConfig:
         if self.pure_bf16 and self.dtype != "bfloat16":
             raise ValueError(f"model.pure_bf16=true needs model.dtype=bfloat16 (got {self.dtype})")
-        if self.share_prompt_prefix and not self.use_remove_padding and "share_prompt_prefix" in self.model_fields_set:
+        if self.share_prompt_prefix and not self.use_remove_padding:
             raise ValueError("model.share_prompt_prefix=true needs model.use_remove_padding=true (prompts are shared "
                              "within a packed row)")
         return self
@@ -96,7 +97,7 @@ class ModelConfig(_Section):
     @property
     def shares_prompts(self) -> bool:
         """Whether packed rows hold a prompt once for all its rows (`share_prompt_prefix` on packed rows)."""
-        return self.use_remove_padding and self.share_prompt_prefix
+        return self.use_remove_padding and self.share_prompt_prefix is not False
 
 
 class DataConfig(_Section):
@@ -152,6 +153,58 @@ class LoraConfig(_Section):
         return self.rank > 0
 
 
+class LayoutConfig(_Section):
+    """How a role's ranks share its work: one device mesh named ("dp", "sp", "tp") whose size is the
+    role's world size (the product). Tensor-parallel ranks vary fastest, then sequence-parallel ones,
+    so the `sequence_parallel * tensor_parallel` consecutive ranks of a data-parallel shard receive
+    the same rows. `rlcore.workers.parallel` builds the mesh and applies it (README: "Layouts")."""
+
+    data_parallel: int = Field(1, ge=1, description="FSDP2 shards: groups of ranks that get different rows; the "
+                               "parameters, gradients and optimizer state are sharded over data_parallel x "
+                               "sequence_parallel ranks")
+    sequence_parallel: int = Field(1, ge=1, description="Ulysses sequence parallelism: ranks that split each packed "
+                                   "row along its tokens (all-to-all over attention heads); needs "
+                                   "model.use_remove_padding, and the attention and key/value heads of a "
+                                   "tensor-parallel rank divisible by it")
+    tensor_parallel: int = Field(1, ge=1, description="tensor parallelism (DTensor): ranks that split every "
+                                 "attention, MLP, embedding and LM-head matrix; the model's attention heads, "
+                                 "key/value heads, vocabulary and intermediate size must be divisible by it")
+
+    @property
+    def world_size(self) -> int:
+        return self.data_parallel * self.sequence_parallel * self.tensor_parallel
+
+    @property
+    def ranks_per_shard(self) -> int:
+        """Consecutive ranks that receive the same rows (a sequence- and tensor-parallel group)."""
+        return self.sequence_parallel * self.tensor_parallel
+
+    def describe(self) -> str:
+        return (f"data_parallel={self.data_parallel} x sequence_parallel={self.sequence_parallel} x "
+                f"tensor_parallel={self.tensor_parallel} = {self.world_size} ranks")
+
+
+def _layout_fills_legacy_keys(data: Any, section: str, sp_key: str | None, engines: bool = False) -> Any:
+    """A role section's `layout` sets its `world_size` (the product; a rollout's: its engines, each
+    of `tensor_parallel` ranks of vLLM's own) and Ulysses size; a legacy key given beside it must
+    agree (a dumped config.yaml has both), else it is refused naming both."""
+    if not isinstance(data, dict) or data.get("layout") is None:
+        return data
+    try:
+        layout = data["layout"] if isinstance(data["layout"], LayoutConfig) else LayoutConfig.model_validate(data["layout"])
+    except ValidationError:
+        return data  # reported by the field's own validation, under its full key
+    filled = {"world_size": layout.data_parallel if engines else layout.world_size}
+    if sp_key is not None:
+        filled[sp_key] = layout.sequence_parallel
+    for key, value in filled.items():
+        given = data.get(key)
+        if given is not None and given != value:
+            raise ValueError(f"{section}.{key}={given} disagrees with {section}.layout ({layout.describe()}); "
+                             f"set {section}.layout alone ({section}.{key} follows from it)")
+    return {**data, **filled, "layout": layout}
+
+
 class ActorConfig(_Section):
     optim: OptimConfig = OptimConfig()
     ppo_epochs: int = Field(1, ge=1)
@@ -172,7 +225,11 @@ class ActorConfig(_Section):
     fused_kernels: bool = False
     max_consecutive_bad_steps: int = Field(3, ge=1, description="NaN/inf loss or grad steps in a row before the run stops")
     tis_cap: float | None = Field(None, gt=0, description="truncated importance sampling cap for rollout/actor mismatch")
-    world_size: int = Field(1, ge=1, description="data-parallel ranks of actor (and reference); FSDP2 when > 1 (Ray backend)")
+    world_size: int = Field(1, ge=1, description="ranks of the actor (and, unless ref.layout, the reference); FSDP2 "
+                            "when > 1 (Ray backend). Set by actor.layout when that is given (its product)")
+    layout: LayoutConfig | None = Field(
+        None, description="data-parallel x sequence-parallel x tensor-parallel ranks of the actor (one device mesh). "
+        "Default: world_size / ulysses_sequence_parallel_size data-parallel ranks, no tensor parallelism")
     ulysses_sequence_parallel_size: int = Field(
         1, ge=1, description="Ulysses sequence parallelism for actor and reference: each group of this many "
         "consecutive ranks gets the same rows and splits every packed micro-batch along its tokens, with an "
@@ -198,6 +255,11 @@ class ActorConfig(_Section):
         "per-module copies in one process). Needs a CUDA device: refused with trainer.device=cpu")
     lora: LoraConfig = Field(LoraConfig(), description="LoRA on the actor; the reference is then the actor's own "
                              "base model with the adapter disabled (no second copy)")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _from_layout(cls, data: Any) -> Any:
+        return _layout_fills_legacy_keys(data, "actor", "ulysses_sequence_parallel_size")
 
     @field_validator("policy_loss")
     @classmethod
@@ -275,7 +337,13 @@ class RolloutConfig(_Section):
         None, description="rollout engine dtype; default model.dtype. bfloat16 is what GPU rollouts run (and is ~1.7x "
         "faster on AMX CPUs); the actor still recomputes log-probs in model.dtype, rollout/logprob_diff_* shows the gap "
         "and actor.tis_cap corrects for it")
-    world_size: int = Field(1, ge=1, description="rollout ranks (data parallel; Ray backend)")
+    world_size: int = Field(1, ge=1, description="rollout engines (data parallel; Ray backend); set by rollout.layout "
+                            "when that is given (its data_parallel)")
+    layout: LayoutConfig | None = Field(
+        None, description="data_parallel: rollout engines (Ray workers), each serving a share of the prompts; "
+        "tensor_parallel: ranks of each vLLM engine (vLLM's tensor_parallel_size; on CPU each engine rank gets its "
+        "worker's cores as VLLM_CPU_OMP_THREADS_BIND). sequence_parallel must be 1. Default: world_size engines, "
+        "tensor_parallel 1")
     n: int = Field(8, ge=1)
     temperature: float = Field(1.0, gt=0)
     top_p: float = Field(1.0, gt=0, le=1)
@@ -294,6 +362,27 @@ class RolloutConfig(_Section):
         None, description="sleep the engine from after generation until the weight sync; "
         "default: on when actor and rollout share a GPU (in-process on CUDA, or one GPU pool on Ray)")
 
+    @model_validator(mode="before")
+    @classmethod
+    def _from_layout(cls, data: Any) -> Any:
+        return _layout_fills_legacy_keys(data, "rollout", None, engines=True)
+
+    @model_validator(mode="after")
+    def _check_layout(self) -> RolloutConfig:
+        if self.layout is not None and self.layout.sequence_parallel != 1:
+            raise ValueError(f"rollout.layout.sequence_parallel={self.layout.sequence_parallel}: rollout engines split "
+                             "a model by tensor parallelism only (rollout.layout.tensor_parallel)")
+        if self.tensor_parallel_size > 1 and self.backend == "hf":
+            raise ValueError(f"rollout.layout.tensor_parallel={self.tensor_parallel_size} needs rollout.backend=vllm: "
+                             "the hf backend generates with one whole model per rank (scale it with "
+                             "rollout.layout.data_parallel)")
+        return self
+
+    @property
+    def tensor_parallel_size(self) -> int:
+        """Ranks of each rollout engine (vLLM's tensor_parallel_size)."""
+        return 1 if self.layout is None else self.layout.tensor_parallel
+
 
 class CriticConfig(_Section):
     model_path: str | None = Field(None, description="defaults to the actor model")
@@ -305,11 +394,20 @@ class CriticConfig(_Section):
     max_tokens_per_micro_batch: int | None = Field(None, ge=1, description="default: actor's")
     cliprange_value: float = Field(0.5, gt=0)
     loss_agg_mode: Literal["token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm"] = "token-mean"
-    world_size: int = Field(1, ge=1, description="data-parallel ranks of the critic; FSDP2 when > 1 (Ray backend)")
+    world_size: int = Field(1, ge=1, description="ranks of the critic; FSDP2 when > 1 (Ray backend); set by "
+                            "critic.layout when that is given")
+    layout: LayoutConfig | None = Field(
+        None, description="data-parallel x sequence-parallel x tensor-parallel ranks of the critic (see actor.layout). "
+        "Default: world_size / its Ulysses size data-parallel ranks, no tensor parallelism")
     ulysses_sequence_parallel_size: int | None = Field(
         None, ge=1, description="the critic's Ulysses sequence-parallel size (see actor.ulysses_sequence_parallel_size); "
         "default: the actor's. Must divide critic.world_size")
     lora: LoraConfig = Field(LoraConfig(), description="LoRA on the critic (its value head trains in full)")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _from_layout(cls, data: Any) -> Any:
+        return _layout_fills_legacy_keys(data, "critic", "ulysses_sequence_parallel_size")
 
 
 class RewardConfig(_Section):
@@ -361,8 +459,11 @@ class RewardModelConfig(_Section):
     micro_batch_size: int = Field(64, ge=1, description="sequences per forward without dynamic batching")
     dynamic_batch_size: bool = True
     max_tokens_per_micro_batch: int = Field(8192, ge=1)
-    world_size: int = Field(1, ge=1, description="data-parallel ranks of the reward model (Ray backend); FSDP2 when "
-                            "training with > 1")
+    world_size: int = Field(1, ge=1, description="ranks of the reward model (Ray backend); FSDP2 when training with "
+                            "> 1; set by reward_model.layout when that is given")
+    layout: LayoutConfig | None = Field(
+        None, description="data-parallel x tensor-parallel ranks of the reward model (scoring and training; see "
+        "actor.layout; sequence_parallel must be 1). Default: world_size data-parallel ranks")
     # training (algorithm.name: rm)
     optim: OptimConfig = OptimConfig(lr=1e-5)
     margin: float = Field(0.0, ge=0, description="training: chosen must outscore rejected by this; a row's own "
@@ -377,6 +478,27 @@ class RewardModelConfig(_Section):
     # the settings that only mean something when RL runs score with a reward model
     SCORING_KEYS: ClassVar[tuple[str, ...]] = ("weight", "rule_weight", "normalize", "clip", "on_nonfinite", "overlap")
     TRAINING_KEYS: ClassVar[tuple[str, ...]] = ("optim", "margin", "mini_batch_size", "max_consecutive_bad_steps", "lora")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _from_layout(cls, data: Any) -> Any:
+        return _layout_fills_legacy_keys(data, "reward_model", None)
+
+    @model_validator(mode="after")
+    def _check_layout(self) -> RewardModelConfig:
+        if self.layout is not None and self.layout.sequence_parallel != 1:
+            raise ValueError(f"reward_model.layout.sequence_parallel={self.layout.sequence_parallel}: the reward model "
+                             "scores whole sequences without sequence parallelism; use data_parallel or tensor_parallel")
+        return self
+
+
+class RefConfig(_Section):
+    """The reference model's worker group (KL and the preference losses)."""
+
+    layout: LayoutConfig | None = Field(
+        None, description="data-parallel x sequence-parallel x tensor-parallel ranks of the reference (see "
+        "actor.layout); default: the actor's. Its own world size makes it a group of its own on Ray (it cannot then "
+        "be colocated with the actor)")
 
 
 class KLControlConfig(_Section):
@@ -408,6 +530,14 @@ class AlgorithmConfig(_Section):
     @classmethod
     def _known_kl_penalty(cls, name: str) -> str:
         return check_registered("KL estimator", name)
+
+
+def _differs_from_default(section: BaseModel, key: str) -> bool:
+    """`section.key` is not its field's default: a setting the user made. By value, not by
+    `model_fields_set`, so a config dumped and loaded again (as the flows pass it) reads the same."""
+    field = type(section).model_fields[key]
+    default = field.get_default(call_default_factory=True)
+    return bool(getattr(section, key) != default)
 
 
 class PreferenceConfig(_Section):
@@ -454,6 +584,22 @@ class TrainerConfig(_Section):
         "breakpoint in the rollout stops here); process: a child process (no GIL shared with the trainer; ~4 s to start, "
         "batches and weights pickled across). The cores are split between it and the training thread either way")
     trace: bool = Field(True, description="write trace.jsonl in the run dir: per step, phase timings, workers, and every sample")
+    trace_samples: int = Field(4, ge=0, description="trajectories per step (evenly spread over the batch) whose "
+                               "conversation trace.jsonl records: the prompt, the model's text of every turn, each tool "
+                               "call's arguments and result (the response, without an agent); `rlcore trace RUN_DIR` "
+                               "prints one. 0: none")
+    trace_max_chars: int = Field(2000, ge=16, description="each text of a recorded conversation is cut to this many "
+                                 "characters, after the secrets in it are redacted (rlcore.redact)")
+
+    @model_validator(mode="after")
+    def _check_trace(self) -> TrainerConfig:
+        """A trace setting is refused when trace.jsonl is off (it would change nothing); compared with
+        the defaults, so a dumped config.yaml loads again."""
+        if not self.trace:
+            for key in ("trace_samples", "trace_max_chars"):
+                if _differs_from_default(self, key):
+                    raise ValueError(f"{key} is set, but trainer.trace is off (no trace.jsonl is written)")
+        return self
 
 
 ROLES: tuple[Role, ...] = get_args(Role)
@@ -602,6 +748,7 @@ class Config(_Section):
     critic: CriticConfig = CriticConfig()
     reward: RewardConfig = RewardConfig()
     reward_model: RewardModelConfig = RewardModelConfig()
+    ref: RefConfig = RefConfig()
     algorithm: AlgorithmConfig = AlgorithmConfig()
     trainer: TrainerConfig = TrainerConfig()
     health: HealthConfig = HealthConfig()
@@ -618,6 +765,12 @@ class Config(_Section):
                                     ("algorithm.use_kl_in_reward", self.algorithm.use_kl_in_reward)) if on]
         if self.algorithm.use_reference is False and kl_terms:
             raise ValueError(f"algorithm.use_reference=false, but {' and '.join(kl_terms)} need the reference model")
+        unread = [k for k in type(self.preference).model_fields
+                  if k not in self.traits.preference_keys and _differs_from_default(self.preference, k)]
+        if unread:
+            readers = [n for n in names_where() if unread[0] in traits_of(n).preference_keys]
+            raise ValueError(f"preference.{unread[0]}: algorithm.name={self.traits.name} does not read it"
+                             + (f" (a setting of {' and '.join(readers)})" if readers else ""))
         if self.preference.loss_type == "ipo" and self.preference.label_smoothing:
             raise ValueError("preference.label_smoothing applies to loss_type sigmoid or robust, not ipo")
         return self
@@ -645,7 +798,8 @@ class Config(_Section):
             for key, ws in (("actor", self.actor.world_size), ("critic", self.critic.world_size), ("rollout", self.rollout.world_size),
                             ("reward_model", self.reward_model.world_size)):
                 if ws > 1:
-                    raise ValueError(f"{key}.world_size={ws} needs trainer.backend=ray (the in-process backend runs one rank)")
+                    what = f"{key}.layout ({getattr(self, key).layout.describe()})" if getattr(self, key).layout else f"{key}.world_size={ws}"
+                    raise ValueError(f"{what} needs trainer.backend=ray (the in-process backend runs one rank)")
         if self.trainer.backend == "ray" and "default" not in self.ray.pools:
             unmapped = [r for r in self.present_roles if r not in self.ray.roles]
             if unmapped:
@@ -683,15 +837,69 @@ class Config(_Section):
         if self.traits.critic:
             roles.append(("critic", self.critic_sequence_parallel_size, self.critic.world_size))
         for role, sp, ws in roles:
-            key = f"{role}.ulysses_sequence_parallel_size"
+            key = f"{role}.layout.sequence_parallel" if getattr(self, role).layout is not None else f"{role}.ulysses_sequence_parallel_size"
             if ws % sp:
                 default = " (default: the actor's)" if role == "critic" and self.critic.ulysses_sequence_parallel_size is None else ""
                 raise ValueError(f"{key}={sp}{default} does not divide {role}.world_size={ws}: each sequence-parallel "
                                  f"group is {sp} of the {role}'s ranks")
+        for role in self.trained_roles:
+            sp = self.layout_of(role).sequence_parallel
             if sp > 1 and not self.model.use_remove_padding:
-                raise ValueError(f"{key}={sp} needs model.use_remove_padding=true: sequence parallelism splits the packed "
-                                 "row of a micro-batch along its tokens")
+                raise ValueError(f"{self.layout_key(role, 'sequence_parallel')}={sp} needs model.use_remove_padding=true: "
+                                 "sequence parallelism splits the packed row of a micro-batch along its tokens")
         return self
+
+    @model_validator(mode="after")
+    def _check_layouts(self) -> Config:
+        """Layouts of roles this run does not have are refused (they would be ignored); tensor
+        parallelism with LoRA is refused; several ranks need the Ray backend."""
+        roles = set(self.present_roles)
+        for role in ("critic", "reward_model", "ref"):
+            if getattr(self, role).layout is not None and role not in roles:
+                raise ValueError(f"{role}.layout is set, but this run has no {role} worker group")
+        if self.ref.layout is not None and self.actor.lora.enabled:
+            raise ValueError("ref.layout is set, but with actor.lora the reference is the actor's own base (its adapter "
+                             "disabled), on the actor's ranks and layout")
+        for role in self.trained_roles:
+            tp = self.layout_of(role).tensor_parallel
+            lora = {"actor": self.actor.lora, "critic": self.critic.lora, "reward_model": self.reward_model.lora}.get(role)
+            if tp > 1 and lora is not None and lora.enabled:
+                raise ValueError(f"{self.layout_key(role, 'tensor_parallel')}={tp} with {role}.lora: peft's adapter "
+                                 "layers wrap the very linear layers tensor parallelism splits, so rlcore does not "
+                                 "combine them; train a LoRA adapter data-parallel (FSDP2 shards the frozen base)")
+            if self.trainer.backend == "inprocess" and self.layout_of(role).world_size > 1:
+                raise ValueError(f"{role}.layout: {self.layout_of(role).describe()} needs trainer.backend=ray (the "
+                                 "in-process backend runs one rank)")
+        return self
+
+    @property
+    def trained_roles(self) -> list[str]:
+        """The roles of this run that hold a model on a device mesh (the ones with a `layout`)."""
+        return [r for r in self.present_roles if r in ("actor", "ref", "critic", "reward_model")]
+
+    def layout_of(self, role: str) -> LayoutConfig:
+        """The device-mesh layout of `role` ("actor", "ref", "critic", "reward_model", "rollout"):
+        its `layout` key, else what its legacy keys (`world_size`, Ulysses size) say."""
+        if role == "ref":
+            return self.ref.layout or self.layout_of("actor")
+        section = getattr(self, role)
+        if section.layout is not None:
+            layout: LayoutConfig = section.layout
+            return layout
+        sp = {"actor": self.actor.ulysses_sequence_parallel_size, "critic": self.critic_sequence_parallel_size}.get(role, 1)
+        sp = sp if section.world_size % sp == 0 else 1
+        return LayoutConfig(data_parallel=section.world_size // sp, sequence_parallel=sp)
+
+    def layout_key(self, role: str, part: str) -> str:
+        """The key a user set `part` of `role`'s layout with (the legacy key when no layout is given)."""
+        if role == "ref" and self.ref.layout is None:
+            return self.layout_key("actor", part)
+        if role != "ref" and getattr(self, role).layout is None:
+            if part == "sequence_parallel" and role in ("actor", "critic"):
+                return f"{role}.ulysses_sequence_parallel_size"
+            if part == "data_parallel":
+                return f"{role}.world_size"
+        return f"{role}.layout.{part}"
 
     @property
     def critic_sequence_parallel_size(self) -> int:
@@ -829,7 +1037,13 @@ class SFTDataConfig(_Section):
     prompt_key: str = Field("prompt", description="chat messages or a string; a string is used as is (as RL prompts are)")
     response_key: str = Field("response", description="the text to learn; followed by the tokenizer's EOS unless it ends "
                               "with one of the model's end tokens")
-    messages_key: str = Field("messages", description="a file with this column is multi-turn: [{role, content}, ...]")
+    messages_key: str = Field("messages", description="a file with this column is multi-turn (verl's schema): "
+                              "[{role, content}, ...]; an assistant turn may carry OpenAI-style tool_calls")
+    tools: list[str] = Field([], description="tools whose schemas the chat template renders with every prompt, as "
+                             "rollout.agent.tools gives them to RL: 'module:function', 'path/to/file.py:function', or a "
+                             ".json file of OpenAI-style schemas")
+    tools_key: str = Field("tools", description="a row's own tool schemas (verl's column: a list or its JSON text), "
+                           "rendered instead of data.tools for that row")
     max_length: int = Field(512, ge=2, description="tokens per sequence (prompt + response)")
     truncation: Literal["error", "drop", "right"] = Field(
         "error", description="a longer sequence: error (naming the row), drop it (counted), or cut it from the right "
@@ -926,28 +1140,28 @@ class SFTConfig(_Section):
 
     @model_validator(mode="after")
     def _check_sft(self) -> SFTConfig:
-        rl_only = [k for k in self.actor.RL_ONLY if k in self.actor.model_fields_set]
+        rl_only = [k for k in self.actor.RL_ONLY if _differs_from_default(self.actor, k)]
         if rl_only:
             raise ValueError(f"actor.{rl_only[0]} is an RL setting; rlcore sft takes one optimizer step per "
                              "trainer.batch_size sequences on their mean response-token loss")
         health = [k for k in self.HEALTH_RL_ONLY if getattr(self.health, k) is not None
-                  and (k != "jump_window" or k in self.health.model_fields_set)]
+                  and (k != "jump_window" or _differs_from_default(self.health, k))]
         if health:
             raise ValueError(f"health.{health[0]} reads a metric of RL runs (KL, entropy, reward); an SFT run has none")
         others = [r for r in self.ray.roles if r != "actor"]
         if others or self.ray.colocate:
             raise ValueError(f"ray.{f'roles.{others[0]}' if others else 'colocate'}: rlcore sft runs the actor alone")
-        if self.model.share_prompt_prefix and "share_prompt_prefix" in self.model.model_fields_set:
+        if self.model.share_prompt_prefix:
             raise ValueError("model.share_prompt_prefix=true: SFT rows are whole sequences, with no prompt shared "
                              "between rows")
         try:  # what the actor and the run parts would refuse (world size without Ray, sequence parallel sizes, ...)
-            self.worker_config(self.trainer.total_steps or 1)
+            worker = self.worker_config(self.trainer.total_steps or 1)
         except ValidationError as err:
             raise ValueError(_format_validation_error(err).removeprefix("invalid config: ").removeprefix("<root>: ")) from None
-        shards = self.actor.world_size // self.actor.ulysses_sequence_parallel_size
+        shards = worker.layout_of("actor").data_parallel
         if self.trainer.batch_size % shards:  # else the dispatch would pad the batch with repeated rows
             raise ValueError(f"trainer.batch_size={self.trainer.batch_size} is not a multiple of the actor's {shards} "
-                             "data-parallel ranks (actor.world_size / actor.ulysses_sequence_parallel_size)")
+                             f"data-parallel ranks ({worker.layout_key('actor', 'data_parallel')})")
         return self
 
     def worker_config(self, total_steps: int) -> Config:

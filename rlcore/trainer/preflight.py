@@ -21,6 +21,7 @@ import json
 import logging
 import os
 import time
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -31,8 +32,9 @@ from rlcore.data import RL_FIELDS, DatasetError, peek_fields, read_column
 from rlcore.data.preference import PREFERENCE_FIELDS
 from rlcore.errors import RLCoreError
 from rlcore.rewards.registry import builtin_data_sources, load_function, load_reward_fn, resolve_spec
-from rlcore.rewards.tools import load_tools
+from rlcore.rewards.tools import load_tools, tool_schemas
 from rlcore.trainer.model_folders import read_model_config, reward_model_config_problems, weight_problems
+from rlcore.workers.parallel.shapes import layout_problems
 from rlcore.workers.ulysses import head_problem
 
 log = logging.getLogger(__name__)
@@ -77,6 +79,7 @@ def preflight_problems(config: Config) -> list[str]:
     if "reward_model" in traits.trains and not problems:  # the reward model to train renders with model.path's template
         problems += chat_template_problems("model.path", config.model.path)
     problems += sequence_parallel_problems(config)
+    problems += layout_problems(config)
     problems += data_problems(config)
     problems += reward_problems(config.reward.function)
     problems += scorer_problems(config)
@@ -94,7 +97,7 @@ def sequence_parallel_problems(config: Config) -> list[str]:
         roles.append(("critic", config.critic_sequence_parallel_size, config.critic.model_path or config.model.path))
     problems = []
     for role, size, path in roles:
-        if size == 1:
+        if size == 1 or config.layout_of(role).tensor_parallel > 1:  # then `layout_problems` checks each rank's heads
             continue
         try:
             model_config = json.loads((Path(path) / "config.json").read_text(encoding="utf-8"))
@@ -238,17 +241,7 @@ def agent_problems(config: Config) -> list[str]:
     """Each `rollout.agent.tools` entry loads and has a schema, no two share a name, and the
     interaction factory loads (user code is imported here, in the driver, as a reward file is)."""
     agent = config.rollout.agent
-    problems = []
-    for i, spec in enumerate(agent.tools):
-        try:
-            load_tools([spec])
-        except Exception as err:  # noqa: BLE001 - user code may raise anything while it is imported
-            problems.append(f"rollout.agent.tools[{i}]: {str(err).removeprefix('tool spec ')}")
-    if not problems and len(agent.tools) > 1:
-        try:
-            load_tools(agent.tools)
-        except Exception as err:  # noqa: BLE001
-            problems.append(f"rollout.agent.tools: {str(err).removeprefix('tool spec ')}")
+    problems = tool_spec_problems("rollout.agent.tools", agent.tools, load_tools)
     if agent.interaction is not None:
         try:
             load_function(str(resolve_spec(agent.interaction)), "interaction")
@@ -256,6 +249,24 @@ def agent_problems(config: Config) -> list[str]:
             problems.append(f"rollout.agent.interaction: {str(err).removeprefix('interaction spec ')}")
     if agent.enabled:
         problems += agent_length_problems(config)
+    return problems
+
+
+def tool_spec_problems(key: str, specs: Sequence[str], load: Callable[[Sequence[str]], Any] = tool_schemas) -> list[str]:
+    """Each tool spec under `key` loads by `load` (`load_tools` where the tools run, RL's agent;
+    `tool_schemas` where only their schemas are rendered, SFT, which also reads .json schema files)
+    and no two tools share a name."""
+    problems = []
+    for i, spec in enumerate(specs):
+        try:
+            load([spec])
+        except Exception as err:  # noqa: BLE001 - user code may raise anything while it is imported
+            problems.append(f"{key}[{i}]: {str(err).removeprefix('tool spec ')}")
+    if not problems and len(specs) > 1:
+        try:
+            load(specs)
+        except Exception as err:  # noqa: BLE001
+            problems.append(f"{key}: {str(err).removeprefix('tool spec ')}")
     return problems
 
 
@@ -377,6 +388,7 @@ def sft_preflight(config: SFTConfig) -> None:
             problem = data_file_problem(f"{key}[{i}]", file, needed)
             if problem is not None:
                 problems.append(problem)
+    problems += tool_spec_problems("data.tools", data.tools)
     problems += [p.replace("this run is algorithm.name=sft", "this is an SFT run")
                  for p in resume_problems(config.trainer.resume, "sft")]
     problems += output_dir_problems(config.trainer.output_dir)

@@ -4,7 +4,7 @@
 Scoring never re-uses the policy's token ids. Each sample's response is decoded with the policy's
 tokenizer up to its first end token, and the conversation (the prompt's messages, then the
 response as the assistant's turn) is rendered with the reward model's own tokenizer and chat
-template (`rlcore.data.chat.render_conversation`), exactly as its training pairs were. A reward
+template (`rlcore.chat.render_conversation`), exactly as its training pairs were. A reward
 model with another vocabulary or template than the policy's therefore scores what it learned to.
 
 The model is built in one place (`rlcore.workers.loading.load_sequence_classifier`) and read the
@@ -18,6 +18,7 @@ beside it (`rlcore.workers.lora.apply_lora`); checkpoints hold the two as one pe
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
@@ -28,14 +29,13 @@ import torch
 from torch import nn
 
 from rlcore.algos import bradley_terry_loss
+from rlcore.chat import has_chat_template, render_conversation
 from rlcore.config import Config, RewardModelConfig
 from rlcore.controller import Dispatch, Worker, register
-from rlcore.data.chat import has_chat_template, render_conversation
 from rlcore.errors import RLCoreError
 from rlcore.protocol import Batch
 from rlcore.workers.checkpointing import adapter_folder, load_training_state, save_trained
 from rlcore.workers.forward import SCORE_FORWARD_METHODS, sequence_scores
-from rlcore.workers.fsdp import shard_model
 from rlcore.workers.loading import compute_precision, load_sequence_classifier, resolve_device, scored_pad_token_id, trained_dtype
 from rlcore.workers.loops import (
     GlobalCounts,
@@ -50,6 +50,7 @@ from rlcore.workers.loops import (
 from rlcore.workers.lora import Adapter, apply_lora, merge_adapter, parameter_counts
 from rlcore.workers.optim import build_optimizer, build_scheduler
 from rlcore.workers.packed import forward_token_metrics
+from rlcore.workers.parallel.apply import apply_role_layout
 from rlcore.workers.ranks import global_sum
 from rlcore.workers.tokenizer import cut_at_end, end_token_ids, load_tokenizer
 from rlcore.workers.trainable import Trainable
@@ -115,8 +116,7 @@ class BradleyTerryObjective:
 
     def micro_loss(self, mb: Batch, global_pairs: float) -> MicroLoss:
         chosen, rejected = score_pair_sides(self.model, mb, self.remove_padding)
-        margin = torch.where(mb["margin_given"] > 0, mb["margin"], torch.full_like(mb["margin"], self.margin))
-        losses = bradley_terry_loss(chosen, rejected, margin)
+        losses = bradley_terry_loss(chosen, rejected, pair_margins(mb, self.margin))
         stats = value_stats({
             "reward_model/accuracy": (chosen > rejected).float().detach(),
             "reward_model/margin": (chosen - rejected).detach(),
@@ -144,16 +144,34 @@ def rm_micro_batching(rm: RewardModelConfig) -> MicroBatching:
     return MicroBatching(rm.micro_batch_size, rm.dynamic_batch_size, rm.max_tokens_per_micro_batch)
 
 
-def pair_metrics(chosen: torch.Tensor, rejected: torch.Tensor, margin: torch.Tensor | float = 0.0,
-                 prefix: str = "val/") -> dict[str, float]:
-    """Held-out numbers of a reward model on pairs: pairwise accuracy (chosen scored strictly
-    above rejected), the Bradley-Terry loss, the mean score gap and the mean scores."""
+def pair_margins(batch: Batch, margin: float) -> torch.Tensor:
+    """Each pair's margin as the loss reads it: the row's own (`margin` column), else `margin`
+    (`reward_model.margin`)."""
+    given, own = batch.tensors["margin_given"], batch.tensors["margin"]
+    return torch.where(given > 0, own, torch.full_like(own, margin))
+
+
+def held_out_pair_metrics(batches: Iterable[Batch], score_pairs: Callable[[Batch], tuple[torch.Tensor, torch.Tensor]],
+                          margin: float) -> dict[str, float]:
+    """A reward model's numbers over held-out pairs (`collate_rm_pairs` batches scored by
+    `score_pairs` into (chosen, rejected) scores): pairwise accuracy (chosen scored strictly above
+    rejected), the Bradley-Terry loss with the margins training used (`pair_margins`), the mean
+    score gap, the mean scores and the pair count. The one copy behind both training's `val/*`
+    and the promotion gate's numbers, so the two agree on one checkpoint."""
+    chosen, rejected, margins = [], [], []
+    for batch in batches:
+        c, r = score_pairs(batch)
+        chosen.append(c.float())
+        rejected.append(r.float())
+        margins.append(pair_margins(batch, margin))
+    c, r, m = torch.cat(chosen), torch.cat(rejected), torch.cat(margins)
     return {
-        f"{prefix}pairwise_acc": float((chosen > rejected).float().mean()),
-        f"{prefix}rm_loss": float(bradley_terry_loss(chosen, rejected, margin).mean()),
-        f"{prefix}score_margin": float((chosen - rejected).mean()),
-        f"{prefix}chosen_score": float(chosen.mean()),
-        f"{prefix}rejected_score": float(rejected.mean()),
+        "pairwise_acc": float((c > r).float().mean()),
+        "rm_loss": float(bradley_terry_loss(c, r, m).mean()),
+        "score_margin": float((c - r).mean()),
+        "chosen_score": float(c.mean()),
+        "rejected_score": float(r.mean()),
+        "num_pairs": float(len(c)),
     }
 
 
@@ -240,6 +258,7 @@ class RewardModelWorker(Worker):
     def __init__(self, config: Config, rank: int = 0, world_size: int = 1) -> None:
         super().__init__(rank=rank, world_size=world_size, role=ROLE)
         self.config = config
+        self.ranks_per_shard = config.layout_of(ROLE).ranks_per_shard  # a tensor-parallel group shares its rows
         self.device = resolve_device(config.trainer.device)
         self.training = "reward_model" in config.traits.trains
         self.reader: RewardModelReader | None = None
@@ -265,12 +284,13 @@ class RewardModelWorker(Worker):
             if self.adapter is not None and adapter_dir is not None:
                 self.adapter.load(Path(adapter_dir))
             self.param_counts = parameter_counts(model)
-            model = shard_model(model, self.device, precision, forward_methods=SCORE_FORWARD_METHODS)
+            model = apply_role_layout(model, cfg, ROLE, self.device, mixed_precision=precision,
+                                      forward_methods=SCORE_FORWARD_METHODS)
             self.optimizer = build_optimizer(model, cfg.reward_model.optim)
             self.scheduler = build_scheduler(self.optimizer, cfg.reward_model.optim, cfg.trainer.total_steps)
         else:
             model.requires_grad_(False)
-            model = shard_model(model, self.device, forward_methods=SCORE_FORWARD_METHODS)
+            model = apply_role_layout(model, cfg, ROLE, self.device, forward_methods=SCORE_FORWARD_METHODS)
             self.policy_tokenizer = load_tokenizer(cfg.model.path)
             self.end_ids = end_token_ids(cfg.model.path)
         self.reader.model = model
@@ -302,13 +322,14 @@ class RewardModelWorker(Worker):
         settings = rm_settings(self.config)
         pairs, _ = self.reader.encode_pairs(batch)
         objective = BradleyTerryObjective(self.model, self.config.reward_model.margin, self.config.model.use_remove_padding)
-        result = run_update(self.trained, pairs, objective, settings, mini_batch_rows=settings.mini_batch_rows(1, self.world_size),
+        shards = self.world_size // self.ranks_per_shard
+        result = run_update(self.trained, pairs, objective, settings, mini_batch_rows=settings.mini_batch_rows(1, shards),
                             device=self.device, lengths=objective.lengths)
         return {**result.metrics, "reward_model/loss": result.loss, "reward_model/grad_norm": result.grad_norm,
                 "reward_model/lr": self.trained.lr, "reward_model/bad_updates": float(result.skipped_steps),
                 "reward_model/param_norm": result.param_norm, "reward_model/param_norm_growth": result.param_norm_growth,
                 "reward_model/nonfinite_state": result.nonfinite_state,
-                "reward_model/truncated": global_sum(float(pairs["truncated"].sum()), self.device),
+                "reward_model/truncated": global_sum(float(pairs["truncated"].sum()), self.device) / self.ranks_per_shard,
                 "reward_model/trainable_params": float(self.param_counts[0]), "reward_model/total_params": float(self.param_counts[1]),
                 **forward_token_metrics(ROLE, self.model, self.device)}
 
@@ -334,5 +355,6 @@ class RewardModelWorker(Worker):
 
 __all__ = [
     "BradleyTerryObjective", "Encoded", "RewardModelInputError", "RewardModelReader", "RewardModelWorker",
-    "decode_responses", "encode_conversations", "merge_reward_model", "open_reward_model", "pair_metrics", "rm_settings",
+    "decode_responses", "encode_conversations", "held_out_pair_metrics", "merge_reward_model", "open_reward_model",
+    "pair_margins", "rm_settings",
 ]

@@ -30,6 +30,7 @@ from typing import Any
 from rlcore.config import config_from_dict
 from rlcore.errors import RLCoreError
 from rlcore.lifecycle import stages
+from rlcore.lifecycle.results import PipelineContext
 
 log = logging.getLogger(__name__)
 
@@ -96,7 +97,7 @@ def run_stage_file(path: str | Path) -> dict[str, Any]:
 
 # ---------------------------------------------------------------------- the flow's side
 def run_stage_as_job(address: str, stage: str, config: dict[str, Any], kwargs: dict[str, Any], *,
-                     workdir: str | Path, ctx: dict[str, Any] | None, log_line: Callable[[str], None] = log.info,
+                     workdir: str | Path, ctx: PipelineContext | None, log_line: Callable[[str], None] = log.info,
                      poll_s: float = 1.0) -> dict[str, Any]:
     """Run `stage` (see STAGES) as a Ray job on the cluster whose job server is `address`; its log
     goes to `log_line` as it is written; the job id is tagged (`ray.job_id`) on the MLflow runs
@@ -104,8 +105,8 @@ def run_stage_as_job(address: str, stage: str, config: dict[str, Any], kwargs: d
     refused its input, RayJobStopped when someone stopped the job: neither is retried)."""
     client = job_client(address)
     spec = write_stage_file(workdir, stage, {"config": config, **kwargs})
-    run_name = (ctx or {}).get("run_name", "run")
-    tracking = (ctx or {}).get("tracking_uri") or stages.tracking_uri(config_from_dict(config))
+    run_name = ctx["run_name"] if ctx else "run"
+    tracking = (ctx["tracking_uri"] if ctx else None) or stages.tracking_uri(config_from_dict(config))
     started = int(time.time() * 1000)
     job_id = submit(
         client, entrypoint=f"python -m rlcore.cli pipeline stage {shlex.quote(str(spec))}",
@@ -254,7 +255,7 @@ def stage_result(logs: str, job_id: str) -> dict[str, Any]:
                       "SUCCEEDED", 0)
 
 
-def record_job(config: dict[str, Any], ctx: dict[str, Any], stage: str, job_id: str, client: Any, address: str,
+def record_job(config: dict[str, Any], ctx: PipelineContext, stage: str, job_id: str, client: Any, address: str,
                started_ms: int) -> None:
     """Tag the MLflow runs the job's stage made (this pipeline run's runs of `stage` that started
     since the submission, give or take a minute of clock skew) with the job's id, status and server, and with this flow run's Prefect

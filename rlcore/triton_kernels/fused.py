@@ -107,7 +107,7 @@ class _FusedLogprobFunction(torch.autograd.Function):
         return grad_hidden, grad_weight, grad_bias, None, None
 
 
-def _check_inputs(hidden, weight, bias, targets, chunk_tokens, chunk_vocab):
+def _check_inputs(hidden, weight, bias, targets, chunk_tokens, chunk_vocab, check_targets=True):
     if hidden.dim() < 2:
         raise ValueError(f"hidden must be [N, H] (or [..., H]), got shape {tuple(hidden.shape)}")
     if weight.dim() != 2:
@@ -124,7 +124,7 @@ def _check_inputs(hidden, weight, bias, targets, chunk_tokens, chunk_vocab):
         )
     if targets.dtype.is_floating_point or targets.dtype == torch.bool:
         raise TypeError(f"targets must be an integer tensor, got {targets.dtype}")
-    if targets.numel():
+    if check_targets and targets.numel():
         lo, hi = (int(x) for x in torch.aminmax(targets))  # one host sync; bad ids would be silent
         if lo < 0 or hi >= weight.shape[0]:
             raise ValueError(f"targets must lie in [0, {weight.shape[0]}) (vocab size), got range [{lo}, {hi}]")
@@ -153,6 +153,7 @@ def fused_token_logprobs(
     chunk_tokens: int = 1024,
     chunk_vocab: int | None = None,
     backend: str = "auto",
+    check_targets: bool = True,
 ) -> FusedOutput:
     """Per-token log p(target) and softmax entropy from the last hidden state and the LM head.
 
@@ -164,9 +165,11 @@ def fused_token_logprobs(
     ``chunk_tokens``/``chunk_vocab`` bound the torch path's temporaries to a float32
     [chunk_tokens, chunk_vocab or V] tile (two in the backward, three when soft-capped). The
     triton backend tiles on its own and ignores them. ``hidden`` may carry leading dims
-    ([B, T, H] with targets [B, T]); outputs take the shape of ``targets``.
+    ([B, T, H] with targets [B, T]); outputs take the shape of ``targets``. ``check_targets=False``
+    skips the one host sync that checks the target ids lie in the vocabulary: for a caller that
+    checked them itself, or tensors without data (the memory planner's fake tensors).
     """
-    _check_inputs(hidden, weight, bias, targets, chunk_tokens, chunk_vocab)
+    _check_inputs(hidden, weight, bias, targets, chunk_tokens, chunk_vocab, check_targets)
     lmap = LogitMap.of(float(temperature), float(logit_scale), None if softcap is None else float(softcap))
     chosen = resolve_backend(backend, hidden.device)
     out_shape = targets.shape

@@ -38,7 +38,8 @@ import torch
 
 from rlcore.config import load_config
 from rlcore.protocol import Batch
-from rlcore.trainer.roles import WorkerGroups, build_worker_groups
+from rlcore.trainer.groups import WorkerGroups
+from rlcore.trainer.roles import build_worker_groups
 
 
 def cpu_seconds() -> float:

@@ -40,9 +40,8 @@ def make_reward_model(example, folder: Path) -> Path:
     """The SFT backbone under a fresh score head, saved as a reward model folder (tokenizer included)."""
     import torch
 
-    from rlcore.workers.checkpointing import copy_tokenizer
-    from rlcore.workers.modeling import load_sequence_classifier
-    from rlcore.workers.tokenizer import load_tokenizer
+    from rlcore.workers.loading import load_sequence_classifier
+    from rlcore.workers.tokenizer import copy_tokenizer, load_tokenizer
 
     if (folder / "config.json").is_file():
         return folder

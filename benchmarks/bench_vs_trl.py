@@ -220,7 +220,7 @@ def build_longtail(n_train: int) -> dict[str, Any]:
     from rlcore.data.chat import prompt_ids
     from rlcore.data.io import write_rows
     from rlcore.example.tokenizer import build_tokenizer
-    from rlcore.trainer.sft import save_model
+    from rlcore.example.warm_start import save_model
 
     root = CACHE / "bench-vs-trl" / f"longtail-v{LONGTAIL_VERSION}"
     first, last, max_new = 32, 256, 1024

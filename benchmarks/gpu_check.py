@@ -39,7 +39,6 @@ import sys
 import tempfile
 import time
 import traceback
-import types
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -336,17 +335,17 @@ def fsdp2_bf16(model, device):
     leaves the model unsharded, and so without a mixed-precision policy)."""
     import torch
     from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard, register_fsdp_forward_method
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
-    from rlcore.workers import fsdp as rl_fsdp
+    from rlcore.workers.forward import POLICY_FORWARD_METHODS
+    from rlcore.workers.fsdp import register_forward_methods
 
     mesh = init_device_mesh(device.type, (1,))
     mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
     for layer in getattr(model, model.base_model_prefix).layers:
         fully_shard(layer, mesh=mesh, mp_policy=mp)
     fully_shard(model, mesh=mesh, mp_policy=mp)
-    model.rlcore_response_log_probs = types.MethodType(rl_fsdp.sharded_log_probs, model)
-    register_fsdp_forward_method(model, "rlcore_response_log_probs")
+    register_forward_methods(model, POLICY_FORWARD_METHODS)
     return model
 
 

@@ -24,7 +24,7 @@ import random
 import re
 import shutil
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -84,12 +84,46 @@ def check_finite_weights(path: Path) -> None:
         raise CheckpointError(f"{path}: unreadable safetensors file: {err}") from None
 
 
-class CheckpointManager:
-    """Saves, finds and prunes the checkpoints of one run directory."""
+def weights_only_reason(err: BaseException) -> str:
+    """The one line of torch's "Weights only load failed..." text that says what was refused."""
+    text = str(err)
+    found = re.search(r"WeightsUnpickler error:\s*(.+)", text)
+    line = found.group(1) if found else (text.strip().splitlines() or [type(err).__name__])[0]
+    return line.split(" Please ")[0].strip().rstrip(".")[:300]
 
-    def __init__(self, root: str | Path, keep_last: int = 2) -> None:
+
+def check_torch_file(folder: Path, rel: str) -> None:
+    """A `.pt` file of a checkpoint is a `torch.save` archive whose pickle holds plain data only
+    (tensors, numbers, strings, containers): read with `weights_only=True` (memory-mapped, so only
+    its pickle is read), never run. Raises CheckpointError naming the folder and file."""
+    import pickle
+    import warnings
+    import zipfile
+
+    path = folder / rel
+    if not zipfile.is_zipfile(path):
+        raise CheckpointError(f"{folder}: file {rel} is not a torch.save archive (refused without unpickling it)")
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # torch's notes on pickle protocols
+            torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+    except pickle.UnpicklingError as err:
+        raise CheckpointError(f"{folder}: file {rel} holds more than plain data and was refused without running it "
+                              f"({weights_only_reason(err)})") from None
+    except Exception as err:  # noqa: BLE001 - any other failure: the file is unusable
+        first = (str(err).strip().splitlines() or [""])[0][:300]
+        raise CheckpointError(f"{folder}: file {rel} is not a readable torch file ({type(err).__name__}: {first})") from None
+
+
+class CheckpointManager:
+    """Saves, finds and prunes the checkpoints of one run directory. `state_keys`: what a
+    checkpoint's trainer state must hold for this run to resume from it (its data loader, KL
+    controller, guards...): one without them is damaged, for this run."""
+
+    def __init__(self, root: str | Path, keep_last: int = 2, state_keys: tuple[str, ...] = ()) -> None:
         self.root = Path(root)
         self.keep_last = keep_last
+        self.state_keys = tuple(state_keys)
 
     def path_for(self, step: int) -> Path:
         return self.root / f"step_{step:08d}"
@@ -148,28 +182,44 @@ class CheckpointManager:
                 raise CheckpointError(f"{path}: file {rel} has {f.stat().st_size} bytes, manifest says {size}")
             if isinstance(expected, dict) and file_sha256(f) != expected["sha256"]:
                 raise CheckpointError(f"{path}: file {rel} does not match its SHA-256 in {MANIFEST} (changed or corrupted)")
+        for rel in files:
+            if rel.endswith(".pt"):
+                check_torch_file(path, rel)
+        if TRAINER_STATE in files:
+            state = load_trainer_state(path)
+            missing = [key for key in ("step", "rng", *self.state_keys) if key not in state]
+            if missing:
+                raise CheckpointError(f"{path}: file {TRAINER_STATE} lacks {', '.join(map(repr, missing))} (not this "
+                                      "run's trainer state: written by another recipe, or edited)")
         if weights:
             for rel in files:
                 if rel.endswith(".safetensors"):
                     check_finite_weights(path / rel)
         return manifest
 
-    def latest(self) -> Path | None:
-        """Newest checkpoint that verifies; damaged ones are skipped with a warning naming the bad
-        file. None when there is no checkpoint; CheckpointError when there are some but none is intact."""
+    def intact(self) -> Iterator[Path]:
+        """Checkpoints that verify, newest first; damaged ones are skipped with a warning naming the
+        bad file. Once every one has been offered: CheckpointError if some exist but none is intact."""
         problems = []
+        offered = False
         for path in reversed(self.complete()):
             try:
                 self.verify(path)
-                if problems:
-                    log.warning("falling back to the intact checkpoint %s", path)
-                return path
             except CheckpointError as err:
                 log.warning("skipping damaged checkpoint: %s", err)
                 problems.append(str(err))
-        if problems:
+                continue
+            if problems:
+                log.warning("falling back to the intact checkpoint %s", path)
+            offered = True
+            yield path
+        if problems and not offered:
             raise CheckpointError(f"no intact checkpoint in {self.root}: " + "; ".join(problems))
-        return None
+
+    def latest(self) -> Path | None:
+        """Newest checkpoint that verifies (`intact`); None when there is no checkpoint;
+        CheckpointError when there are some but none is intact."""
+        return next(self.intact(), None)
 
     def newest_healthy(self) -> Path | None:
         """The newest complete checkpoint marked healthy in its manifest."""

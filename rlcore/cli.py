@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any, TextIO
 
 import rlcore
+from rlcore.algorithms import names_where
 from rlcore.config import Config, load_config, load_sft_config
 from rlcore.errors import RLCoreError
 
@@ -358,7 +359,7 @@ def build_parser() -> argparse.ArgumentParser:
     pipeline_sub = pipeline.add_subparsers(dest="pipeline_command", required=True)
     def common(p: argparse.ArgumentParser) -> None:
         p.add_argument("--config", default=None, help="a training config (default: the tiny example's embedded one)")
-        p.add_argument("--algorithm", choices=["grpo", "ppo"], default="grpo", help="which tiny-example config")
+        p.add_argument("--algorithm", choices=names_where(generates=True), default="grpo", help="which tiny-example config")
         p.add_argument("--output-dir", default="runs/pipeline", help="work directory: prepared data, runs, champion cache")
         p.add_argument("--sft-data", default=None, help="first fine-tune the base model on this SFT file (verl's SFT schema): "
                        "RL then starts from, and measures KL against, that warm start (reused while its inputs are the same)")

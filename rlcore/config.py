@@ -7,11 +7,12 @@ the key instead of a silently ignored setting.
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any, ClassVar, Literal
+from typing import Any, ClassVar, Literal, get_args
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
+from rlcore.algorithms import AlgorithmName, AlgorithmTraits, Role, names_where, traits_of
 from rlcore.errors import RLCoreError
 from rlcore.redact import redact_tree
 
@@ -38,6 +39,14 @@ def registered_names(kind: Literal["advantage estimator", "policy loss", "KL est
     if kind == "KL estimator":
         return list(algos.KL_KINDS)
     raise ValueError(f"no registry of {kind!r}")
+
+
+def estimator_inputs(name: str) -> frozenset[str]:
+    """What advantage estimator `name` reads beyond the rewards ("values": a critic's; "reward_baselines":
+    ReMax's greedy baseline), as rlcore.algos registered it (imported here: see `registered_names`)."""
+    from rlcore import algos
+
+    return algos.advantage_estimator_inputs(name)
 
 
 def check_registered(kind: Literal["advantage estimator", "policy loss", "KL estimator"], name: str) -> str:
@@ -378,7 +387,7 @@ class KLControlConfig(_Section):
 
 
 class AlgorithmConfig(_Section):
-    name: Literal["grpo", "ppo", "dpo", "kto", "rm"] = Field(
+    name: AlgorithmName = Field(
         "grpo", description="the control flow: grpo (and its critic-free relatives), ppo, dpo, kto, or rm (train a "
         "reward model on pairwise preference rows)")
     adv_estimator: str = "grpo"
@@ -447,7 +456,7 @@ class TrainerConfig(_Section):
     trace: bool = Field(True, description="write trace.jsonl in the run dir: per step, phase timings, workers, and every sample")
 
 
-ROLES = ("actor", "ref", "critic", "rollout", "reward", "reward_model")
+ROLES: tuple[Role, ...] = get_args(Role)
 
 
 class RayPoolConfig(_Section):
@@ -497,15 +506,30 @@ class HealthConfig(_Section):
     """Run-health limits checked after every training step of every run, `rlcore train` and the
     pipeline alike (None switches a check off; `enabled: false` all of them).
 
-    `max_kl` reads `actor/kl` (present only when a reference model is used), `min_entropy`
-    reads `actor/entropy`, `max_reward_jump` compares `reward/mean` of consecutive steps,
+    `max_kl` reads `actor/kl` (present only when a reference model is used; nats per token, the
+    same unit whatever the reward's scale), `min_entropy` reads `actor/entropy`. The jump checks
+    scale with the run: `reward_jump_sigmas` stops a step whose `reward/mean` moved by more than
+    that many times the spread of the last `jump_window` steps' rewards (every sample's reward in
+    those steps together), `kl_jump_sigmas` the same for `actor/kl` (per-sequence KL); both are off
+    for the first `jump_window` steps and while that spread is 0. `max_reward_jump` is an absolute
+    limit on the reward's move, off by default (set it when the reward's scale is known).
     `max_param_norm_growth` compares the actor's parameter norm `actor/param_norm` of consecutive
     steps (and a non-finite weight or optimizer state always stops the run)."""
 
     enabled: bool = True
     max_kl: float | None = Field(1.0, gt=0, description="KL to the reference above this stops the run")
     min_entropy: float | None = Field(0.01, ge=0, description="policy entropy below this (collapse) stops the run")
-    max_reward_jump: float | None = Field(0.75, gt=0, description="|reward/mean change| between consecutive steps above this stops the run")
+    max_reward_jump: float | None = Field(None, gt=0, description="|reward/mean change| between consecutive steps above "
+                                          "this stops the run (absolute, in the reward's units; off by default: "
+                                          "reward_jump_sigmas scales with the run)")
+    reward_jump_sigmas: float | None = Field(
+        3.0, gt=0, description="reward/mean moving by more than this many times the spread of the last jump_window "
+        "steps' rewards in one step stops the run (a reward exploit found, a collapse)")
+    kl_jump_sigmas: float | None = Field(
+        6.0, gt=0, description="actor/kl moving by more than this many times the spread of the last jump_window "
+        "steps' per-sequence KL in one step stops the run (the policy lurching away)")
+    jump_window: int = Field(5, ge=1, description="steps whose spread is the jump checks' baseline; the checks start "
+                             "after this many steps")
     max_param_norm_growth: float | None = Field(
         2.0, gt=1, description="the actor's parameter norm growing by more than this factor in one step stops the run")
 
@@ -552,7 +576,7 @@ class Config(_Section):
 
     @model_validator(mode="after")
     def _check_preference(self) -> Config:
-        if self.algorithm.name in ("dpo", "kto") and self.algorithm.use_reference is False:
+        if self.traits.reference == "always" and self.algorithm.use_reference is False:
             raise ValueError(f"algorithm.use_reference=false: {self.algorithm.name} needs the reference model")
         kl_terms = [k for k, on in (("actor.use_kl_loss", self.actor.use_kl_loss),
                                     ("algorithm.use_kl_in_reward", self.algorithm.use_kl_in_reward)) if on]
@@ -564,19 +588,23 @@ class Config(_Section):
 
     @model_validator(mode="after")
     def _check_consistency(self) -> Config:
-        rm_batch = self.reward_model.mini_batch_size
-        if self.algorithm.name == "rm" and rm_batch is not None and self.data.train_batch_size % rm_batch:
+        traits, rm_batch = self.traits, self.reward_model.mini_batch_size
+        if "reward_model" in traits.trains and rm_batch is not None and self.data.train_batch_size % rm_batch:
             raise ValueError(f"data.train_batch_size ({self.data.train_batch_size}) must be a multiple of "
                              f"reward_model.mini_batch_size ({rm_batch})")
-        if self.algorithm.name != "rm" and self.data.train_batch_size % self.actor.ppo_mini_batch_size:
+        if traits.trains_policy and self.data.train_batch_size % self.actor.ppo_mini_batch_size:
             raise ValueError(
                 f"data.train_batch_size ({self.data.train_batch_size}) must be a multiple of "
                 f"actor.ppo_mini_batch_size ({self.actor.ppo_mini_batch_size})"
             )
-        if self.algorithm.name == "ppo" and self.algorithm.adv_estimator != "gae":
-            raise ValueError("algorithm.adv_estimator must be 'gae' when algorithm.name is 'ppo' (the critic needs it)")
-        if self.algorithm.name == "grpo" and self.algorithm.adv_estimator == "gae":
-            raise ValueError("algorithm.adv_estimator 'gae' needs a critic: use algorithm.name=ppo")
+        estimator = self.algorithm.adv_estimator
+        reads_values = "values" in estimator_inputs(estimator)
+        if traits.generates and traits.critic and not reads_values:
+            raise ValueError(f"algorithm.adv_estimator={estimator!r} reads no values: algorithm.name={traits.name} trains "
+                             f"a critic for an estimator that does (gae)")
+        if traits.generates and not traits.critic and reads_values:
+            raise ValueError(f"algorithm.adv_estimator {estimator!r} needs a critic: use algorithm.name="
+                             f"{' or '.join(names_where(generates=True, critic=True))}")
         if self.trainer.backend == "inprocess":
             for key, ws in (("actor", self.actor.world_size), ("critic", self.critic.world_size), ("rollout", self.rollout.world_size),
                             ("reward_model", self.reward_model.world_size)):
@@ -590,14 +618,14 @@ class Config(_Section):
 
     @model_validator(mode="after")
     def _check_agent(self) -> Config:
-        if self.rollout.agent.enabled and self.algorithm.name not in ("grpo", "ppo"):
+        if self.rollout.agent.enabled and not self.traits.generates:
             raise ValueError(f"rollout.agent: the {self.algorithm.name!r} control flow generates nothing (agent rollouts "
-                             "need algorithm.name grpo or ppo)")
+                             f"need algorithm.name {' or '.join(names_where(generates=True))})")
         return self
 
     @model_validator(mode="after")
     def _check_off_policy(self) -> Config:
-        if self.trainer.off_policy != "sync" and self.algorithm.name not in ("grpo", "ppo"):
+        if self.trainer.off_policy != "sync" and not self.traits.generates:
             raise ValueError(f"trainer.off_policy={self.trainer.off_policy!r} is not supported by the "
                              f"{self.algorithm.name!r} control flow (no generation to overlap); use trainer.off_policy=sync")
         if self.trainer.off_policy == "one_step" and self.rollout.free_memory_when_idle:
@@ -616,7 +644,7 @@ class Config(_Section):
     @model_validator(mode="after")
     def _check_sequence_parallel(self) -> Config:
         roles = [("actor", self.actor.ulysses_sequence_parallel_size, self.actor.world_size)]
-        if self.algorithm.name == "ppo":
+        if self.traits.critic:
             roles.append(("critic", self.critic_sequence_parallel_size, self.critic.world_size))
         for role, sp, ws in roles:
             key = f"{role}.ulysses_sequence_parallel_size"
@@ -655,12 +683,13 @@ class Config(_Section):
     @model_validator(mode="after")
     def _check_lora_roles(self) -> Config:
         """LoRA set on a role this run does not train is refused: it would be ignored."""
-        name = self.algorithm.name
-        if name == "rm" and self.actor.lora != LoraConfig():
-            raise ValueError("actor.lora: algorithm.name=rm trains a reward model, not the policy; LoRA on it is "
+        name, traits = self.algorithm.name, self.traits
+        if not traits.trains_policy and self.actor.lora != LoraConfig():
+            raise ValueError(f"actor.lora: algorithm.name={name} trains a reward model, not the policy; LoRA on it is "
                              "reward_model.lora")
-        if "critic" not in self.present_roles and self.critic.lora != LoraConfig():
-            raise ValueError(f"critic.lora: algorithm.name={name} has no critic (ppo has one)")
+        if not traits.critic and self.critic.lora != LoraConfig():
+            raise ValueError(f"critic.lora: algorithm.name={name} has no critic "
+                             f"({' and '.join(names_where(critic=True))} has one)")
         return self
 
     @property
@@ -673,13 +702,14 @@ class Config(_Section):
 
     @model_validator(mode="after")
     def _check_reward_model(self) -> Config:
-        rm, name = self.reward_model, self.algorithm.name
+        rm, name, traits = self.reward_model, self.algorithm.name, self.traits
         defaults = RewardModelConfig()
         set_keys = {k for k in (*rm.SCORING_KEYS, *rm.TRAINING_KEYS) if getattr(rm, k) != getattr(defaults, k)}
-        if name != "rm" and self.registry.metric == "pairwise_accuracy":
+        trains_rm = "reward_model" in traits.trains
+        if not trains_rm and self.registry.metric == "pairwise_accuracy":
             raise ValueError("registry.metric=pairwise_accuracy gates reward models (algorithm.name=rm); a policy is "
                              "gated on accuracy or mean_reward")
-        if name == "rm":
+        if trains_rm:
             if rm.path is not None:
                 raise ValueError("reward_model.path is the reward model an RL run scores with; algorithm.name=rm trains "
                                  "a new one from model.path (unset reward_model.path)")
@@ -701,23 +731,37 @@ class Config(_Section):
                 raise ValueError(f"reward_model.{ignored[0]} is set but reward_model.path is not: no reward model "
                                  "scores this run")
             return self
-        if name not in ("grpo", "ppo"):
+        if not traits.reward:
             raise ValueError(f"reward_model.path: algorithm.name={name} learns from offline preference rows and "
-                             "generates nothing to score; a reward model scores grpo and ppo runs")
+                             f"generates nothing to score; a reward model scores {' and '.join(names_where(reward=True))} runs")
         if rm.weight == 0 and rm.rule_weight == 0:
             raise ValueError("reward_model.weight and reward_model.rule_weight are both 0: every reward would be 0")
-        if self.algorithm.adv_estimator == "remax":
-            raise ValueError("reward_model.path with algorithm.adv_estimator=remax: ReMax's greedy baseline is scored "
-                             "by the rule scorer alone, not by the reward model")
+        if "reward_baselines" in estimator_inputs(self.algorithm.adv_estimator):
+            raise ValueError(f"reward_model.path with algorithm.adv_estimator={self.algorithm.adv_estimator}: ReMax's "
+                             "greedy baseline is scored by the rule scorer alone, not by the reward model")
         return self
 
     @property
-    def present_roles(self) -> list[str]:
-        """The worker roles this run has."""
-        if self.algorithm.name == "rm":
-            return ["reward_model"]
-        roles = ["actor", "rollout", "reward"] + ["ref"] * self.needs_reference + ["critic"] * (self.algorithm.name == "ppo")
-        return roles + ["reward_model"] * (self.reward_model.path is not None)
+    def traits(self) -> AlgorithmTraits:
+        """What `algorithm.name` is (`rlcore.algorithms`): generates? critic? which role trains? ..."""
+        return traits_of(self.algorithm.name)
+
+    @property
+    def present_roles(self) -> list[Role]:
+        """The worker roles this run has: a reward model's training run has that model alone; a policy's
+        has actor, rollout and reward (the rollout and rule scorer validate even an offline run), and
+        as its algorithm and config need, the reference, the critic and a reward model to score with."""
+        traits = self.traits
+        if not traits.trains_policy:
+            return list(traits.trains)
+        roles: list[Role] = ["actor", "rollout", "reward"]
+        if self.needs_reference:
+            roles.append("ref")
+        if traits.critic:
+            roles.append("critic")
+        if self.reward_model.path is not None:
+            roles.append("reward_model")
+        return roles
 
     @property
     def old_log_probs_from_update(self) -> bool:
@@ -727,15 +771,17 @@ class Config(_Section):
         starts from are the ones the pass would use), synchronous generation, and nothing before
         the update that reads them (a KL penalty in the reward does)."""
         a = self.actor
-        return (a.recompute_old_log_prob == "auto" and self.algorithm.name in ("grpo", "ppo")
+        return (a.recompute_old_log_prob == "auto" and self.traits.generates
                 and self.trainer.off_policy == "sync" and a.ppo_epochs == 1
                 and self.data.train_batch_size == a.ppo_mini_batch_size and not self.algorithm.use_kl_in_reward)
 
     @property
     def needs_reference(self) -> bool:
+        """`algorithm.use_reference`; by default on when the algorithm always needs one (DPO, KTO) or a KL term is used."""
         if self.algorithm.use_reference is not None:
             return self.algorithm.use_reference
-        return self.actor.use_kl_loss or self.algorithm.use_kl_in_reward or self.algorithm.name in ("dpo", "kto")
+        reference = self.traits.reference
+        return reference == "always" or (reference == "with_kl" and (self.actor.use_kl_loss or self.algorithm.use_kl_in_reward))
 
 
 class SFTDataConfig(_Section):
@@ -758,12 +804,45 @@ class SFTDataConfig(_Section):
                                       "folder's tokenizer.json must agree on at start-up (rlcore.trainer.tokenizer_check); 0: off")
 
 
+class SFTOptimConfig(OptimConfig):
+    """The actor's optimizer, with a supervised run's defaults (a higher rate, warmup and cosine decay)."""
+
+    lr: float = Field(1e-5, gt=0)
+    warmup_steps: int = Field(10, ge=0)
+    schedule: Literal["constant", "cosine"] = "cosine"
+    min_lr_ratio: float = Field(0.1, ge=0, le=1)
+
+
+class SFTActorConfig(ActorConfig):
+    """The actor section of an SFT run: the RL actor's own settings (world size, LoRA, precision,
+    sequence parallelism, offload, kernels, micro-batching, the bad-step limit, optimizer), with SFT's
+    defaults. The RL-only keys (`RL_ONLY`) are refused when set."""
+
+    RL_ONLY: ClassVar[tuple[str, ...]] = (
+        "ppo_epochs", "ppo_mini_batch_size", "policy_loss", "clip_ratio_low", "clip_ratio_high", "clip_ratio_c",
+        "loss_agg_mode", "entropy_coeff", "use_kl_loss", "kl_loss_coef", "kl_loss_type", "tis_cap",
+        "weight_sync_bucket_mb", "recompute_old_log_prob")
+
+    optim: SFTOptimConfig = SFTOptimConfig()
+    max_tokens_per_micro_batch: int = Field(
+        4096, ge=1, description="micro-batches are packed to this many real tokens (a longer sequence goes alone)")
+
+
+class SFTHealthConfig(HealthConfig):
+    """Run health of an SFT run: the actor's weights (parameter-norm growth, non-finite state); the
+    limits on RL's KL, entropy and reward are off (and refused when set: an SFT run has none)."""
+
+    max_kl: float | None = None
+    min_entropy: float | None = None
+    max_reward_jump: float | None = None
+    reward_jump_sigmas: float | None = None
+    kl_jump_sigmas: float | None = None
+
+
 class SFTTrainerConfig(_Section):
     epochs: int = Field(1, ge=1)
     total_steps: int | None = Field(None, ge=1, description="optimizer steps; default: epochs x full batches per epoch")
-    batch_size: int = Field(32, ge=1, description="sequences per optimizer step")
-    max_tokens_per_micro_batch: int = Field(
-        4096, ge=1, description="micro-batches are packed to this many real tokens (a longer sequence goes alone)")
+    batch_size: int = Field(32, ge=1, description="sequences per optimizer step, over all ranks")
     seed: int = 0
     output_dir: str = "runs/sft"
     save_every: int = Field(100, ge=1)
@@ -773,17 +852,115 @@ class SFTTrainerConfig(_Section):
     resume: str = Field("auto", description="'auto' (newest complete checkpoint), 'disable', or a checkpoint path")
     loggers: list[Literal["console", "jsonl", "mlflow"]] = ["console", "jsonl"]
     device: Literal["auto", "cpu", "cuda"] = "auto"
+    backend: Literal["inprocess", "ray"] = Field("inprocess", description="where the actor runs: this process, or Ray "
+                                                 "actors (actor.world_size FSDP2 ranks)")
 
 
-class SFTRunConfig(_Section):
-    """`rlcore sft CONFIG`: supervised fine-tuning whose output folder (`trainer.output_dir/model`)
-    is a Hugging Face model that an RL config's `model.path` can start from."""
+# Older spellings of SFT keys, still read (in files and overrides): the optimizer and the micro-batch
+# budget were SFT's own sections before SFT trained on the actor worker.
+SFT_KEY_SPELLINGS: dict[tuple[str, ...], tuple[str, ...]] = {
+    ("optim",): ("actor", "optim"),
+    ("trainer", "max_tokens_per_micro_batch"): ("actor", "max_tokens_per_micro_batch"),
+}
+
+
+class SFTConfig(_Section):
+    """`rlcore sft CONFIG`: supervised fine-tuning on the actor worker, whose output folder
+    (`trainer.output_dir/model`) is a Hugging Face model that an RL config's `model.path` can start
+    from. It reads the sections an RL run's actor reads (`model`, `actor`, `ray`, `health`,
+    `tracking`; `worker_config` is the RL `Config` the actor worker and the shared run parts get), so
+    what configures the actor's layout (world size, LoRA, precision, sequence parallelism) configures
+    SFT alike."""
+
+    HEALTH_RL_ONLY: ClassVar[tuple[str, ...]] = ("max_kl", "min_entropy", "max_reward_jump", "reward_jump_sigmas",
+                                                 "kl_jump_sigmas", "jump_window")
 
     model: ModelConfig
     data: SFTDataConfig
-    optim: OptimConfig = OptimConfig(lr=1e-5, warmup_steps=10, schedule="cosine", min_lr_ratio=0.1)
+    actor: SFTActorConfig = SFTActorConfig()
     trainer: SFTTrainerConfig = SFTTrainerConfig()
+    health: SFTHealthConfig = SFTHealthConfig()
     tracking: TrackingConfig = TrackingConfig()
+    ray: RayConfig = RayConfig()
+
+    @model_validator(mode="before")
+    @classmethod
+    def _older_spellings(cls, tree: Any) -> Any:
+        return sft_key_spellings(tree) if isinstance(tree, dict) else tree
+
+    @model_validator(mode="after")
+    def _check_sft(self) -> SFTConfig:
+        rl_only = [k for k in self.actor.RL_ONLY if k in self.actor.model_fields_set]
+        if rl_only:
+            raise ValueError(f"actor.{rl_only[0]} is an RL setting; rlcore sft takes one optimizer step per "
+                             "trainer.batch_size sequences on their mean response-token loss")
+        health = [k for k in self.HEALTH_RL_ONLY if getattr(self.health, k) is not None
+                  and (k != "jump_window" or k in self.health.model_fields_set)]
+        if health:
+            raise ValueError(f"health.{health[0]} reads a metric of RL runs (KL, entropy, reward); an SFT run has none")
+        others = [r for r in self.ray.roles if r != "actor"]
+        if others or self.ray.colocate:
+            raise ValueError(f"ray.{f'roles.{others[0]}' if others else 'colocate'}: rlcore sft runs the actor alone")
+        if self.model.share_prompt_prefix and "share_prompt_prefix" in self.model.model_fields_set:
+            raise ValueError("model.share_prompt_prefix=true: SFT rows are whole sequences, with no prompt shared "
+                             "between rows")
+        try:  # what the actor and the run parts would refuse (world size without Ray, sequence parallel sizes, ...)
+            self.worker_config(self.trainer.total_steps or 1)
+        except ValidationError as err:
+            raise ValueError(_format_validation_error(err).removeprefix("invalid config: ").removeprefix("<root>: ")) from None
+        shards = self.actor.world_size // self.actor.ulysses_sequence_parallel_size
+        if self.trainer.batch_size % shards:  # else the dispatch would pad the batch with repeated rows
+            raise ValueError(f"trainer.batch_size={self.trainer.batch_size} is not a multiple of the actor's {shards} "
+                             "data-parallel ranks (actor.world_size / actor.ulysses_sequence_parallel_size)")
+        return self
+
+    def worker_config(self, total_steps: int) -> Config:
+        """The RL `Config` the actor worker, the worker groups and the run parts (checkpoints, step
+        log) read: this config's model, actor, ray, health and tracking sections as they are, its
+        trainer's run settings with `total_steps` resolved. Rows share no prompt (packed alone)."""
+        t = self.trainer
+        return Config(
+            model=self.model.model_copy(update={"share_prompt_prefix": False}),
+            data=DataConfig(train_files=self.data.train_files, val_files=self.data.val_files,
+                            apply_chat_template=self.data.apply_chat_template, tokenizer_check_rows=0),
+            actor=self.actor,
+            trainer=TrainerConfig(total_steps=total_steps, seed=t.seed, output_dir=t.output_dir, save_every=t.save_every,
+                                  keep_last=t.keep_last, val_every=t.val_every, val_before_train=t.val_before_train,
+                                  resume=t.resume, loggers=t.loggers, device=t.device, backend=t.backend, trace=False),
+            health=self.health,
+            tracking=self.tracking,
+            # the actor is the only role that runs; the RL roles the Config knows of go to its pool
+            ray=self.ray.model_copy(update={"roles": {role: self.ray.pool_of("actor") for role in ROLES}}),
+        )
+
+
+def sft_key_spellings(tree: dict[str, Any]) -> dict[str, Any]:
+    """`tree` with the older spellings of SFT keys (`SFT_KEY_SPELLINGS`) moved to the current ones;
+    both spellings in one tree is an error naming them."""
+    tree = {k: dict(v) if isinstance(v, dict) else v for k, v in tree.items()}
+    for old, new in SFT_KEY_SPELLINGS.items():
+        parent = tree.get(old[0]) if len(old) == 2 else tree
+        if not isinstance(parent, dict) or old[-1] not in parent:
+            continue
+        value = parent.pop(old[-1])
+        target = tree.setdefault(new[0], {})
+        if not isinstance(target, dict):
+            raise ValueError(f"{new[0]}: expected a section")
+        if new[1] in target:
+            raise ValueError(f"{'.'.join(old)} and {'.'.join(new)} are the same setting (the first its older "
+                             "spelling); give one")
+        target[new[1]] = value
+        if len(old) == 2 and not parent:
+            tree.pop(old[0])
+    return tree
+
+
+def sft_key_path(parts: list[str]) -> list[str]:
+    """A dotted key's parts with an older SFT spelling (`SFT_KEY_SPELLINGS`) replaced by the current one."""
+    for old, new in SFT_KEY_SPELLINGS.items():
+        if tuple(parts[:len(old)]) == old:
+            return [*new, *parts[len(old):]]
+    return parts
 
 
 def parse_override(text: str) -> tuple[list[str], Any]:
@@ -828,9 +1005,9 @@ def config_from_dict(tree: dict[str, Any]) -> Config:
         raise ConfigError(_format_validation_error(err)) from None
 
 
-def sft_config_from_dict(tree: dict[str, Any]) -> SFTRunConfig:
+def sft_config_from_dict(tree: dict[str, Any]) -> SFTConfig:
     try:
-        return SFTRunConfig.model_validate(tree)
+        return SFTConfig.model_validate(tree)
     except ValidationError as err:
         raise ConfigError(_format_validation_error(err)) from None
 
@@ -857,12 +1034,21 @@ def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str
     return config_from_dict(_config_tree(path, overrides))
 
 
-def load_sft_config(path: str | Path | None = None, overrides: list[str] | tuple[str, ...] = ()) -> SFTRunConfig:
-    """`load_config` for an SFT run (`rlcore sft`)."""
-    return sft_config_from_dict(_config_tree(path, overrides))
+def load_sft_config(path: str | Path | None = None, overrides: list[str] | tuple[str, ...] = ()) -> SFTConfig:
+    """`load_config` for an SFT run (`rlcore sft`). An older spelling of a key (`optim.lr` for
+    `actor.optim.lr`) addresses the same setting, in the file and in an override alike."""
+    tree = _config_tree(path, ())
+    try:
+        tree = sft_key_spellings(tree)
+    except ValueError as err:
+        raise ConfigError(f"invalid config: {err}") from None
+    for text in overrides:
+        parts, value = parse_override(text)
+        _apply_override(tree, sft_key_path(parts), value)
+    return sft_config_from_dict(tree)
 
 
-def dump_config(config: Config | SFTRunConfig) -> str:
+def dump_config(config: Config | SFTConfig) -> str:
     """The resolved config as YAML, secrets redacted (`rlcore.redact`): the run folder's
     `config.yaml` is read, shared and logged as an MLflow artifact, so it must not carry the
     webhook's credentials. A run reloaded from it gets its secrets from its overrides again."""

@@ -1,9 +1,29 @@
-"""Shared fixtures. `tiny_example` builds (or reuses from the cache) the built-in example once per
-test session; tests that use it should be marked slow."""
+"""Shared fixtures and helpers. Expensive things are started once per session and shared:
+
+- `tiny_example` (session): the built-in example for seed 0, built once (or reused from the cache).
+- `own_model` (session): a user's own Qwen2 model, BPE tokenizer, data and reward (tests/own_model.py).
+- `prefect_server_session` (session): one `prefect server start` on 127.0.0.1 for the whole
+  session (its scheduler loop every 5 s); `.api`, `.env` (what a client needs), `.log`.
+- `prefect_api` (per test): that server, emptied of what earlier tests made (deployments, flow
+  runs, automations, work pools, flows, blocks, variables, artifacts), and a client environment
+  whose Prefect home (result storage, task cache) is the test's own: `api, env = prefect_api`.
+  Events cannot be deleted: filter them by the resource or run a test made.
+- `ray_local` (session): the address of one local Ray cluster (`ray start --head` on 127.0.0.1,
+  4 logical CPUs, no dashboard, no token auth) outside this process; pass it as `ray.address` in
+  a config, or connect this process with `ray_driver`. What a test made on it belongs to that
+  test's Ray job and is freed when its driver disconnects.
+- `ray_driver` (per test): this process connected to `ray_local` (disconnected after the test).
+
+Tests that must watch a server or a cluster of their own start, die or listen (test_ray_binding,
+multi-node clusters) start their own and say why. Every test that starts Ray, vLLM, a Prefect
+server or flow, the pipeline or several torch.distributed processes carries the matching marker
+(`ray`, `vllm`, `prefect`, `pipeline`, `distributed`) beside `slow`; tests that use the fixtures
+above get the marker automatically (`pytest_collection_modifyitems`)."""
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import os
 import signal
 import subprocess
@@ -94,18 +114,21 @@ def prefect_env(home: Path) -> dict[str, str]:
     }
 
 
-def train_on_ray(config: Path, overrides: list[str], timeout: float = 600) -> None:
-    """`rlcore train CONFIG OVERRIDES` in a subprocess on a fresh local Ray (its own short temp
-    dir: Ray's socket paths must fit 107 bytes; no token auth); fails the test with its stderr."""
+def train_on_ray(config: Path, overrides: list[str], timeout: float = 600, address: str | None = None,
+                 command: str = "train") -> None:
+    """`rlcore train CONFIG OVERRIDES` (or `rlcore sft`: `command`) in a subprocess, as a user runs
+    it: on the Ray cluster at `address` (the session's `ray_local`), or on a fresh local Ray of its
+    own when None (its own short temp dir: Ray's socket paths must fit 107 bytes); no token auth.
+    Fails the test with the command's stderr."""
     import os
     import shutil
-    import subprocess
     import sys
     import tempfile
 
     ray_tmp = tempfile.mkdtemp(prefix="rl-", dir="/tmp")
-    args = [sys.executable, "-m", "rlcore.cli", "train", str(config), *overrides,
-            f"ray.temp_dir={ray_tmp}", "ray.call_timeout_s=300", "ray.init_timeout_s=300"]
+    where = [f"ray.address={address}"] if address else [f"ray.temp_dir={ray_tmp}"]
+    args = [sys.executable, "-m", "rlcore.cli", command, str(config), *overrides, *where,
+            "ray.call_timeout_s=300", "ray.init_timeout_s=300"]
     env = dict(os.environ, PYTHONPATH=str(Path(__file__).resolve().parents[1]), RAY_AUTH_MODE="disabled")
     try:
         done = subprocess.run(args, env=env, capture_output=True, text=True, timeout=timeout)
@@ -134,7 +157,7 @@ def prefect_server(home: Path, **env: str) -> Iterator[tuple[str, dict[str, str]
         proc = subprocess.Popen([sys.executable, "-m", "prefect", "server", "start", "--host", "127.0.0.1", "--port", str(port)],
                                 env=server_env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
         try:
-            deadline = time.monotonic() + 90
+            deadline = time.monotonic() + 180  # ~11 s on a quiet machine; much longer on a loaded one
             while True:
                 if proc.poll() is not None:
                     raise AssertionError(f"the Prefect server exited with {proc.returncode}: see {log_path}")
@@ -144,7 +167,7 @@ def prefect_server(home: Path, **env: str) -> Iterator[tuple[str, dict[str, str]
                 except requests.RequestException:
                     pass
                 if time.monotonic() > deadline:
-                    raise AssertionError(f"the Prefect server did not answer within 90 s: see {log_path}")
+                    raise AssertionError(f"the Prefect server did not answer within 180 s: see {log_path}")
                 time.sleep(0.5)
             yield api, dict(server_env, PREFECT_API_URL=api), log_path
         finally:
@@ -157,9 +180,205 @@ def prefect_server(home: Path, **env: str) -> Iterator[tuple[str, dict[str, str]
                     proc.wait(timeout=10)
 
 
+@dataclasses.dataclass(frozen=True)
+class PrefectServer:
+    """A running `prefect server start`: its API URL, the environment a client of it needs, its log."""
+
+    api: str
+    env: dict[str, str]
+    log: Path
+
+
+# What a test can make on a Prefect server, in an order deletion allows: (collection, the field
+# that names a record, the path that deletes it). Deleting an automation through the API also
+# drops it from the server's trigger service (clearing the database behind it would not).
+_PREFECT_OBJECTS = (
+    ("automations", "id", "automations/{}"),
+    ("deployments", "id", "deployments/{}"),  # and their scheduled runs
+    ("flow_runs", "id", "flow_runs/{}"),
+    ("work_pools", "name", "work_pools/{}"),
+    ("flows", "id", "flows/{}"),
+    ("block_documents", "id", "block_documents/{}"),
+    ("variables", "name", "variables/name/{}"),
+    ("artifacts", "id", "artifacts/{}"),
+)
+
+
+def _prefect_records(api: str, collection: str) -> list[dict[str, Any]]:
+    got = PREFECT_HTTP.post(f"{api}/{collection}/filter", json={"limit": 200}, timeout=30)
+    got.raise_for_status()
+    return got.json()
+
+
+def prefect_keys(api: str) -> dict[str, set[str]]:
+    """Every record a test could have made, by collection (see `reset_prefect`)."""
+    return {c: {str(r[key]) for r in _prefect_records(api, c)} for c, key, _ in _PREFECT_OBJECTS}
+
+
+def reset_prefect(api: str, keep: dict[str, set[str]]) -> None:
+    """Delete every deployment, flow run, automation, work pool, flow, block document, variable
+    and artifact on the server that is not in `keep` (what it held when it started)."""
+    for collection, key, path in _PREFECT_OBJECTS:
+        while True:
+            extra = [str(r[key]) for r in _prefect_records(api, collection) if str(r[key]) not in keep[collection]]
+            if not extra:
+                break
+            for name in extra:
+                done = PREFECT_HTTP.delete(f"{api}/{path.format(name)}", timeout=30)
+                assert done.status_code in (200, 204, 404), f"deleting {collection} {name}: {done.status_code} {done.text}"
+
+
+@pytest.fixture(scope="session")
+def prefect_server_session(tmp_path_factory: pytest.TempPathFactory) -> Iterator[PrefectServer]:
+    """One Prefect server for the whole session (a start costs ~10 s). Its scheduler runs every
+    5 s (Prefect's default is 60 s), so that cron schedules make runs within a test's patience.
+    Tests reach it through `prefect_api`, which clears what earlier tests left."""
+    with prefect_server(tmp_path_factory.mktemp("prefect_server"), PREFECT_API_SERVICES_SCHEDULER_LOOP_SECONDS="5") as (
+            api, env, log):
+        yield PrefectServer(api, env, log)
+
+
+@pytest.fixture(scope="session")
+def _prefect_start_state(prefect_server_session: PrefectServer) -> dict[str, set[str]]:
+    return prefect_keys(prefect_server_session.api)
+
+
 @pytest.fixture
-def prefect_api(tmp_path: Path) -> Iterator[tuple[str, dict[str, str]]]:
-    """A Prefect server for one test (`prefect_server` under tmp_path): its API URL and the
-    environment a client of it needs."""
-    with prefect_server(tmp_path / "prefect") as (api, env, _log):
+def prefect_api(prefect_server_session: PrefectServer, _prefect_start_state: dict[str, set[str]],
+                tmp_path: Path) -> Iterator[tuple[str, dict[str, str]]]:
+    """The session's Prefect server as this test's own: emptied of what earlier tests made (and
+    emptied again after this one), with a client environment whose Prefect home, result storage
+    and task cache are under this test's tmp_path. Yields the API URL and that environment."""
+    api = prefect_server_session.api
+    reset_prefect(api, _prefect_start_state)
+    env = dict(prefect_server_session.env, **prefect_env(tmp_path / "prefect_client"), PREFECT_API_URL=api)
+    try:
         yield api, env
+    finally:
+        reset_prefect(api, _prefect_start_state)
+
+
+# ----------------------------------------------------------------------------------------- Ray
+
+
+def _stop_process_group(pgid: int, grace_s: float = 5) -> None:
+    """SIGTERM, then SIGKILL after `grace_s`, to every process of group `pgid` (not `ray stop`,
+    which would stop every Ray on this shared machine)."""
+    import psutil
+
+    def members() -> list[psutil.Process]:
+        found = []
+        for p in psutil.process_iter():
+            try:
+                if os.getpgid(p.pid) == pgid:
+                    found.append(p)
+            except (ProcessLookupError, psutil.Error):
+                pass
+        return found
+
+    for sig, wait_s in ((signal.SIGTERM, grace_s), (signal.SIGKILL, 10)):
+        try:
+            os.killpg(pgid, sig)
+        except ProcessLookupError:
+            return
+        _, alive = psutil.wait_procs(members(), timeout=wait_s)
+        if not alive:
+            return
+
+
+def _start_ray_head(temp: str) -> tuple[subprocess.Popen, str]:
+    """`ray start --head` (see `ray_local`): the finished `ray start` process, whose id names the
+    process group the cluster runs in, and the cluster's address."""
+    import socket
+    import sys
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    ray_bin = str(Path(sys.executable).with_name("ray"))
+    with open(Path(temp) / "start.log", "w") as log:
+        starter = subprocess.Popen([ray_bin, "start", "--head", "--node-ip-address", "127.0.0.1", "--port", str(port),
+                                    "--num-cpus", "4", "--disable-usage-stats", "--include-dashboard=false",
+                                    "--temp-dir", temp], stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    try:
+        starter.wait(timeout=300)
+    except subprocess.TimeoutExpired:
+        pass  # no return code: a failed start
+    return starter, f"127.0.0.1:{port}"
+
+
+@pytest.fixture(scope="session")
+def ray_local() -> Iterator[str]:
+    """One Ray cluster for the session: `ray start --head` on 127.0.0.1 with 4 logical CPUs, no
+    dashboard and no token auth (the token file lives in the shared home folder), its files in a
+    short /tmp folder (Ray's socket paths must fit 107 bytes). `ray start` leaves its processes
+    in a process group of their own outside this process's tree (stopped by that group at the
+    end), as a user's cluster would be. Yields its address, "127.0.0.1:PORT".
+
+    Ray gives its raylet a fixed 30 s to register (ray/_private/node.py), which a loaded machine
+    can miss: a start that failed is cleaned up and tried again, three times at most."""
+    import shutil
+    import tempfile
+
+    pytest.importorskip("ray")
+    saved = {k: os.environ.get(k) for k in ("RAY_AUTH_MODE", "RAY_USAGE_STATS_ENABLED")}
+    os.environ.update(RAY_AUTH_MODE="disabled", RAY_USAGE_STATS_ENABLED="0")  # for every process that connects
+    temp = ""
+    starter = None
+    try:
+        for _attempt in range(3):
+            temp = tempfile.mkdtemp(prefix="rls", dir="/tmp")
+            starter, address = _start_ray_head(temp)
+            if starter.returncode == 0:
+                break
+            _stop_process_group(starter.pid)
+            log = (Path(temp) / "start.log").read_text()[-3000:]
+            shutil.rmtree(temp, ignore_errors=True)
+        else:
+            raise AssertionError(f"ray start failed three times ({starter.returncode}); the last said:\n{log}")
+        yield address
+    finally:
+        if starter is not None:
+            _stop_process_group(starter.pid)
+        shutil.rmtree(temp, ignore_errors=True)
+        for key, value in saved.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
+
+
+@pytest.fixture
+def ray_driver(ray_local: str) -> Iterator[str]:
+    """This process connected to the session's Ray (`ray_local`) for one test; yields the
+    address. Disconnecting ends the test's Ray job: its actors and placement groups go with it."""
+    import gc
+
+    import ray
+
+    from rlcore.controller.ray_backend import ensure_ray
+
+    assert not ray.is_initialized(), "an earlier test left this process connected to Ray"
+    ensure_ray(address=ray_local)
+    try:
+        yield ray_local
+    finally:
+        gc.collect()  # free this job's object refs while it is still connected
+        ray.shutdown()
+
+
+# ------------------------------------------------------------------------------------ markers
+
+# Fixtures that start (or reach) something an area marker names.
+_FIXTURE_MARKERS = {"prefect_server_session": "prefect", "prefect_api": "prefect", "ray_local": "ray", "ray_driver": "ray"}
+_AREA_MARKERS = ("ray", "prefect", "vllm", "pipeline", "distributed")
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Tests using the fixtures above get their area marker; every test with an area marker is
+    `slow` (what `./dev fast` leaves out), whether or not it says so itself."""
+    for item in items:
+        for fixture in _FIXTURE_MARKERS.keys() & set(getattr(item, "fixturenames", ())):
+            item.add_marker(_FIXTURE_MARKERS[fixture])
+        if item.get_closest_marker("slow") is None and any(item.get_closest_marker(m) for m in _AREA_MARKERS):
+            item.add_marker("slow")

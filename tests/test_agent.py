@@ -26,13 +26,13 @@ from rlcore.data.sft import tokenize_messages
 from rlcore.example.model import TinyModelSpec, make_model
 from rlcore.example.tokenizer import build_tool_tokenizer
 from rlcore.example.tool_task import draw_problems, rl_row, sft_rows
+from rlcore.example.warm_start import backward_batch, save_model
 from rlcore.protocol import Batch
 from rlcore.rewards.tools import ToolPool, ToolSpecError, load_tools
 from rlcore.rollout import HFRolloutEngine, SamplingParams
 from rlcore.rollout.agent import AgentLoop, AgentSettings, ChatTurns, InteractionReply, parse_tool_calls, sample_key
 from rlcore.trainer.metrics import agent_metrics
 from rlcore.trainer.preflight import preflight_problems
-from rlcore.trainer.sft import backward_batch, save_model
 from rlcore.workers.reward import final_answer, trajectory_info
 
 CALC = "rlcore.example.tools:calculator"
@@ -291,7 +291,7 @@ def test_tool_pool_turns_every_failure_into_an_error_the_model_reads(tmp_path):
     assert "tool returned object" in by_mode["object"].text
     assert by_mode["json"].ok and by_mode["json"].text == '{"a": [1, 2]}'
     assert by_mode["long"].ok and by_mode["long"].truncated and by_mode["long"].text == "x" * 100
-    assert by_mode["fine"].ok and by_mode["fine"].text == "fine" and by_mode["fine"].latency_s < 1.5
+    assert by_mode["fine"].ok and by_mode["fine"].text == "fine" and not by_mode["fine"].timed_out
     assert "UnknownTool" in got[100].text and "unexpected keyword argument 'wrong'" in got[101].text
     assert again == [] and [o.text for o in after] == ["fine"]
 
@@ -399,12 +399,18 @@ def test_an_interaction_answers_turns_and_ends_the_episode_with_a_reward(llama_c
 
 def test_the_reward_sees_the_whole_trajectory_and_the_final_answer(rollout):
     gen = rollout[0]
-    i = int(np.flatnonzero(gen.meta["agent_tool_calls"] > 0)[0])
+    # A sample whose first turn made a call the parser reads (an unreadable one is answered with
+    # its parse error and leaves the message's tool_calls empty: test_parse_tool_calls).
+    readable = [j for j in np.flatnonzero(gen.meta["agent_tool_calls"] > 0)
+                if gen.meta["agent_messages"][j][1].get("tool_calls")]
+    assert readable, "no sample's first turn called a tool readably"
+    i = int(readable[0])
     messages = gen.meta["agent_messages"][i]
     info = trajectory_info(gen.meta, i, None)
     assert info["messages"] == list(messages) and info["num_tool_calls"] >= 1
     assert [m["role"] for m in messages[:3]] == ["user", "assistant", "tool"]
-    assert messages[1]["tool_calls"][0]["name"] == "calculator" if messages[1]["tool_calls"] else True
+    call = messages[1]["tool_calls"][0]  # the assistant message names its call; the tool's answer names the tool
+    assert call["name"] == "calculator" and messages[2]["name"] == "calculator"
     assert final_answer(messages) == [m for m in messages if m["role"] == "assistant"][-1]["content"]
     metrics = agent_metrics(gen)
     assert metrics["agent/tool_calls"] == gen.meta["agent_tool_calls"].sum() > 0

@@ -51,10 +51,16 @@ def test_grpo_with_the_calculator_raises_greedy_val_acc_by_more_than_25_points(t
     kinds = [t["kind"] for t in sample["turns"]]
     assert kinds[:4] == ["assistant", "tool", "rendered", "assistant"] and sample["request_id"].startswith(sample["uid"])
     tool = sample["turns"][1]
-    assert tool["tool"] == "calculator" and tool["latency_s"] >= 0 and tool["ok"] in (True, False)
+    assert tool["tool"] == "calculator" and tool["latency_s"] >= 0
+    # each tool turn says whether the call succeeded: ok exactly when it recorded no error, and the
+    # trained model's calls mostly do
+    tool_turns = [t for rec in trace for s in rec["samples"] for t in s["turns"] if t["kind"] == "tool"]
+    assert all(t["ok"] is (t["error"] is None) for t in tool_turns)
+    assert sum(t["ok"] for t in tool_turns) > len(tool_turns) / 2
 
 
 @pytest.mark.skipif(not HAS_VLLM, reason="vllm is not installed")
+@pytest.mark.vllm
 def test_vllm_turns_are_what_the_actor_scores_and_their_log_probs_the_actors(tool_example):
     from transformers import AutoModelForCausalLM
 
@@ -115,7 +121,9 @@ def test_vllm_turns_are_what_the_actor_scores_and_their_log_probs_the_actors(too
 
 
 @pytest.mark.skipif(not HAS_VLLM, reason="vllm is not installed")
-def test_agent_rollouts_on_ray_one_step_off_policy_with_the_vllm_rollout_in_its_own_pool(tool_example, tmp_path):
+@pytest.mark.ray
+@pytest.mark.vllm
+def test_agent_rollouts_on_ray_one_step_off_policy_with_the_vllm_rollout_in_its_own_pool(tool_example, tmp_path, ray_local):
     pytest.importorskip("ray")
     from rlcore.example.tool_build import tool_example_overrides
 
@@ -124,9 +132,9 @@ def test_agent_rollouts_on_ray_one_step_off_policy_with_the_vllm_rollout_in_its_
         *tool_example_overrides(tool_example, str(out)), "trainer.loggers=[jsonl]",
         "trainer.total_steps=2", "trainer.save_every=100", "trainer.val_before_train=false", "trainer.val_every=100",
         "trainer.off_policy=one_step", "trainer.backend=ray", "rollout.backend=vllm", "rollout.vllm.kv_cache_gib=0.125",
-        "rollout.vllm.max_model_len=128", "data.train_batch_size=16", "actor.ppo_mini_batch_size=8", "ray.num_cpus=3",
+        "rollout.vllm.max_model_len=128", "data.train_batch_size=16", "actor.ppo_mini_batch_size=8",
         "ray.pools={default: {cpus_per_bundle: 1}, gen: {cpus_per_bundle: 1}}", "ray.roles={rollout: gen, reward: gen}",
-    ])
+    ], address=ray_local)
     metrics = [m for m in read_jsonl(out / "metrics.jsonl") if m["step"] > 0]
     assert [m["rollout/staleness_max"] for m in metrics] == [0.0, 1.0]  # step 2 was generated during step 1's update
     assert all(m["agent/tool_calls"] > 0 and m["agent/turns_mean"] > 1 for m in metrics)

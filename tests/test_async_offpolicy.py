@@ -106,7 +106,8 @@ def test_config_rejects_an_unknown_mode(tiny_example, tmp_path):
         _config(tiny_example, tmp_path / "run", ("trainer.off_policy=two_step",))
 
 
-def test_one_step_on_ray_with_separate_rollout_pool(tiny_example, tmp_path):
+@pytest.mark.ray
+def test_one_step_on_ray_with_separate_rollout_pool(tiny_example, tmp_path, ray_local):
     """The real overlap path: rollout and reward in their own Ray pool, the next generation in
     flight while the actor updates; staleness and the trace record which workers did it."""
     import os
@@ -116,9 +117,9 @@ def test_one_step_on_ray_with_separate_rollout_pool(tiny_example, tmp_path):
     out = tmp_path / "run"
     train_on_ray(CONFIG_DIR / "tiny_grpo.yaml", tiny_example_overrides(tiny_example, str(out)) + QUICK + [
         "trainer.off_policy=one_step", "trainer.total_steps=3", "trainer.save_every=100",
-        "trainer.backend=ray", "rollout.backend=hf", "ray.num_cpus=3",
+        "trainer.backend=ray", "rollout.backend=hf",
         "ray.pools={default: {cpus_per_bundle: 1}, gen: {cpus_per_bundle: 1}}", "ray.roles={rollout: gen, reward: gen}",
-    ])
+    ], address=ray_local)
     metrics = [r for r in read_jsonl(out / "metrics.jsonl") if r["step"] > 0]
     assert [m["rollout/staleness_max"] for m in metrics] == [0.0, 1.0, 1.0]  # step 1 on-policy, then one update old
     trace = read_jsonl(out / "trace.jsonl")

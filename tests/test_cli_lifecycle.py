@@ -16,7 +16,7 @@ import time
 from pathlib import Path
 
 import pytest
-from conftest import PREFECT_HTTP, prefect_env, prefect_server  # tests/ is on sys.path (pytest rootdir conftest)
+from conftest import PREFECT_HTTP, prefect_env  # tests/ is on sys.path (pytest rootdir conftest)
 
 import rlcore
 from rlcore import cli
@@ -44,6 +44,7 @@ def test_version(tmp_path: Path) -> None:
     assert done.returncode == 0 and done.stdout.strip() == f"rlcore {rlcore.__version__}"
 
 
+@pytest.mark.slow  # three CLI processes
 def test_pipeline_run_reports_a_config_typo_in_one_line_before_prefect_starts(tmp_path: Path) -> None:
     env = cli_env(tmp_path)
     done = rlcore_cli(["pipeline", "run", "trainer.total_stepz=2"], tmp_path, env)
@@ -93,6 +94,7 @@ def test_ephemeral_start_up_timeout_defaults_longer_unless_set(monkeypatch: pyte
 
 
 @pytest.mark.slow
+@pytest.mark.prefect  # Prefect's ephemeral server (in the CLI's process), the behaviour under test: not the session's
 def test_ephemeral_server_timeout_names_the_setting_and_prefect_logs_keep_their_format(tmp_path: Path) -> None:
     env = cli_env(tmp_path, PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS="0")
     done = rlcore_cli(["pipeline", "run", "--config", TINY_GRPO], tmp_path, env)
@@ -106,36 +108,44 @@ def test_ephemeral_server_timeout_names_the_setting_and_prefect_logs_keep_their_
 
 
 @pytest.mark.slow
-def test_pipeline_emit_reaches_the_server_without_importing_torch(tmp_path: Path) -> None:
+@pytest.mark.prefect
+def test_pipeline_emit_reaches_the_server_without_importing_torch(tmp_path: Path, prefect_api) -> None:
+    from rlcore.lifecycle.events import data_resource
+
+    api, _ = prefect_api
     data = tmp_path / "batch.jsonl"
     data.write_text("{}\n")
     probe = ("import json, sys; from rlcore.cli import main; rc = main(['pipeline', 'emit', sys.argv[1]]); "
              "print(json.dumps({'rc': rc, 'heavy': sorted(m for m in ('torch', 'transformers', 'mlflow', 'pyarrow') "
              "if m in sys.modules)}))")
-    with prefect_server(tmp_path / "server") as (api, env, _log):
-        env = dict(cli_env(tmp_path, PREFECT_API_URL=api), PREFECT_HOME=str(tmp_path / "client"))
-        done = subprocess.run([sys.executable, "-c", probe, str(data)], cwd=tmp_path, env=env, capture_output=True,
-                              text=True, timeout=120)
-        assert done.returncode == 0, done.stderr[-2000:]
-        *event_id, report = done.stdout.strip().splitlines()
-        assert json.loads(report) == {"rc": 0, "heavy": []}
-        body = {"filter": {"event": {"name": ["rlcore.data.arrived"]}}}
-        deadline = time.monotonic() + 30  # the server stores events in batches
-        while not (events := PREFECT_HTTP.post(f"{api}/events/filter", json=body, timeout=10).json()["events"]):
-            assert time.monotonic() < deadline, "the event never reached the server"
-            time.sleep(1)
+    env = dict(cli_env(tmp_path, PREFECT_API_URL=api), PREFECT_HOME=str(tmp_path / "client"))
+    done = subprocess.run([sys.executable, "-c", probe, str(data)], cwd=tmp_path, env=env, capture_output=True,
+                          text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
+    *event_id, report = done.stdout.strip().splitlines()
+    assert json.loads(report) == {"rc": 0, "heavy": []}
+    # Every event about this file (the server is the session's: other tests' events are there too).
+    resource = data_resource(data)["prefect.resource.id"]
+    body = {"filter": {"event": {"name": ["rlcore.data.arrived"]}, "resource": {"id": [resource]}}}
+    deadline = time.monotonic() + 30  # the server stores events in batches
+    while not (events := PREFECT_HTTP.post(f"{api}/events/filter", json=body, timeout=10).json()["events"]):
+        assert time.monotonic() < deadline, "the event never reached the server"
+        time.sleep(1)
     assert [e["id"] for e in events] == event_id
     assert events[0]["payload"]["path"] == str(data.resolve())
 
 
 @pytest.mark.slow
-def test_data_prep_does_not_retry_a_data_error(tmp_path: Path) -> None:
+@pytest.mark.prefect
+@pytest.mark.pipeline
+def test_data_prep_does_not_retry_a_data_error(tmp_path: Path, prefect_api) -> None:
     """A bad row fails data prep at once (the same file would fail again), one attempt, one
     task run; the error reaches the user as rlcore's own message."""
+    api, _ = prefect_api
     bad = tmp_path / "bad.jsonl"
     bad.write_text(json.dumps({"data_source": "x", "prompt": [{"role": "user", "content": "1+1"}]}) + "\n")
     done = rlcore_cli(["pipeline", "run", "--config", TINY_GRPO, "--data", str(bad), "data.val_files=[]"], tmp_path,
-                      cli_env(tmp_path))
+                      cli_env(tmp_path, PREFECT_API_URL=api))
     assert done.returncode == 2, done.stderr[-3000:]
     assert "rlcore: error: 1 bad row(s) in the dataset:" in done.stderr
     assert "field 'reward_model': missing" in done.stderr

@@ -150,3 +150,39 @@ def test_unusable_files_are_refused_naming_them(tmp_path, tok):
     with pytest.raises(DatasetError, match="no usable prompts"):
         RLDataset([empty], tok, max_prompt_length=32)
     assert peek_fields(good)[:3] == ["prompt", "data_source", "reward_model"]
+
+
+def test_a_data_source_column_of_the_wrong_type_is_named_with_its_rows_and_skip_skips_it(tmp_path, tok, tiny_example, caplog):
+    """An integer data_source (all rows of a parquet column, some rows of a JSON-lines file) is
+    refused before any model loads naming the key, file, column, type and first rows (not as "no
+    built-in scorer"); with data.on_bad_row=skip those rows are skipped when the data loads, counted."""
+    from rlcore.cli import CONFIG_DIR, tiny_example_overrides
+    from rlcore.config import load_config
+    from rlcore.trainer.preflight import preflight_problems
+
+    def row(i: int, source: object) -> dict:
+        return {"prompt": [{"role": "user", "content": f"{i}+1="}], "data_source": source,
+                "reward_model": {"ground_truth": str(i + 1), "style": "rule"}}
+
+    ints = write_rows([row(i, 7) for i in range(6)], tmp_path / "ints.parquet")
+    mixed = tmp_path / "mixed.jsonl"
+    mixed.write_text("".join(json.dumps(row(i, 3 if i in (2, 4) else "tiny_arith")) + "\n" for i in range(6)))
+    base = tiny_example_overrides(tiny_example, str(tmp_path / "run"))
+    config = load_config(CONFIG_DIR / "tiny_grpo.yaml", base + [f"data.train_files=[{ints}]", f"data.val_files=[{mixed}]"])
+    problems = preflight_problems(config)
+    assert problems == [
+        f"data.train_files[0]: {ints}: column 'data_source' holds int values where a non-empty string (the scorer's "
+        "name) is expected, in 6 row(s), first rows 0 (int 7), 1 (int 7), 2 (int 7); write them as strings, or set "
+        "data.on_bad_row=skip to skip such rows (counted)",
+        f"data.val_files[0]: {mixed}: column 'data_source' holds int values where a non-empty string (the scorer's "
+        "name) is expected, in 2 row(s), first rows 2 (int 3), 4 (int 3); write them as strings, or set "
+        "data.on_bad_row=skip to skip such rows (counted)",
+    ]
+    skipping = load_config(CONFIG_DIR / "tiny_grpo.yaml", base + [f"data.val_files=[{mixed}]", "data.on_bad_row=skip"])
+    assert preflight_problems(skipping) == []
+    with caplog.at_level("WARNING", logger="rlcore.data.dataset"):
+        data = RLDataset([mixed], tok, max_prompt_length=64, on_bad_row="skip")
+    assert len(data) == 4 and data.stats["bad_rows"] == 2 and [item.row for item in data.items] == [0, 1, 3, 5]
+    assert "skipped 2 bad row(s)" in caplog.text and "row 2: field 'data_source': expected a non-empty string, got int 3" in caplog.text
+    with pytest.raises(DataValidationError, match=r"mixed.jsonl: row 2: field 'data_source': expected a non-empty string, got int 3"):
+        RLDataset([mixed], tok, max_prompt_length=64)

@@ -101,6 +101,7 @@ def test_tokenizer_round_trips_through_auto_tokenizer(tmp_path):
     assert auto.convert_ids_to_tokens(tok("é")["input_ids"]) == ["<unk>"]
 
 
+@pytest.mark.slow  # four quick builds, two of them in fresh processes (~16 CPU-s measured)
 def test_quick_build_is_deterministic_cached_and_loadable(tmp_path, monkeypatch):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -132,12 +133,13 @@ def test_quick_build_is_deterministic_cached_and_loadable(tmp_path, monkeypatch)
     torch.testing.assert_close(model.state_dict()["model.embed_tokens.weight"], wa["model.embed_tokens.weight"])
 
 
+@pytest.mark.slow  # a build process that fails, then a build (~8 CPU-s measured)
 def test_failed_or_partial_builds_are_never_used(tmp_path):
     out = tmp_path / "ex"
     out.mkdir()
     (out / "junk").write_text("from an interrupted build")  # no .complete marker
     # No SFT rows: SFT fails inside the build process, and its error reaches the caller.
-    with pytest.raises(RuntimeError, match="run_sft got no rows"):
+    with pytest.raises(RuntimeError, match="run_warm_start got no rows"):
         build_tiny_example(out, seed=0, recipe=replace(QUICK, sft_steps=0))
     assert sorted(p.name for p in tmp_path.iterdir()) == ["ex"]  # the temp folder was cleaned up
     assert load_tiny_example(out) is None

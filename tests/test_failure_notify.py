@@ -31,7 +31,7 @@ ROOT = Path(__file__).resolve().parents[1]
 LONG = ["trainer.total_steps=1000", "data.train_batch_size=8", "actor.ppo_mini_batch_size=4", "rollout.n=4",
         "data.val_batch_size=128", "trainer.val_every=1000"]
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.prefect, pytest.mark.pipeline]
 
 
 class Receiver:

@@ -133,9 +133,13 @@ def test_a_pickle_payload_in_a_state_file_is_refused_and_never_runs(two_checkpoi
         manifest = json.loads((newest / MANIFEST).read_text())
         manifest["files"][rel] = {"size": (newest / rel).stat().st_size, "sha256": file_sha256(newest / rel)}
         (newest / MANIFEST).write_text(json.dumps(manifest))
-        with pytest.raises(Exception, match=r"trainer_state.json|Weights only load failed|weights_only") as info:
+        with pytest.raises(CheckpointError) as info:
             make_trainer(_config(tiny_example, run, "trainer.total_steps=3", f"trainer.resume={newest}")).fit()
         assert not marker.exists(), f"{rel}: unpickling ran code ({info.value})"
+        # one line naming the checkpoint and the file, not torch's "Weights only load failed..." essay
+        message = str(info.value)
+        assert message.startswith(f"{newest}") and rel in message and "\n" not in message, message
+        assert "Weights only load failed" not in message and len(message) < 400, message
         (newest / rel).write_bytes(pristine)
         (newest / MANIFEST).write_text(pristine_manifest)
 
@@ -201,3 +205,62 @@ def test_rlcore_train_applies_the_health_settings(tiny_example, tmp_path, capsys
     assert "entropy collapse at step 1" in err and "Traceback" not in err
     assert not (tmp_path / "run" / "checkpoints" / "step_00000001").exists()
     assert main([*args[:-1], "health.enabled=false"]) == 0
+
+
+def _forge(checkpoint: Path, rel: str, content: bytes) -> None:
+    """Replace a file of a checkpoint and rewrite its manifest to match (an attacker with write access)."""
+    (checkpoint / rel).write_bytes(content)
+    manifest = json.loads((checkpoint / MANIFEST).read_text())
+    manifest["files"][rel] = {"size": len(content), "sha256": file_sha256(checkpoint / rel)}
+    (checkpoint / MANIFEST).write_text(json.dumps(manifest))
+
+
+def _forged_trainer_state(checkpoint: Path) -> bytes:
+    state = json.loads((checkpoint / "trainer_state.json").read_text())
+    state.pop("train_loader")
+    return json.dumps(state).encode()
+
+
+def _forged_weights(checkpoint: Path) -> bytes:
+    """The actor's weights with one tensor of another shape, saved as a valid safetensors file."""
+    from safetensors.torch import load_file, save
+    weights = load_file(checkpoint / "actor" / "model.safetensors")
+    name = next(n for n in sorted(weights) if weights[n].dim() == 2)
+    weights[name] = weights[name][:-1].clone()
+    return save(weights, metadata={"format": "pt"})
+
+
+@pytest.mark.parametrize("forged", ["trainer state of another shape", "weights of another shape"])
+def test_a_forged_checkpoint_is_refused_in_one_line_and_auto_resume_falls_back(two_checkpoints, tiny_example, tmp_path,
+                                                                               forged, capsys):
+    """A checkpoint whose manifest was rewritten to match forged content verifies, but cannot be
+    restored: refused in one line naming the folder and file (not `KeyError: 'train_loader'` or a
+    raw `size mismatch for ...`); `trainer.resume: auto` falls back to the older intact one."""
+    run = _copy(two_checkpoints, tmp_path)
+    newest = run / "checkpoints" / "step_00000002"
+    rel, content = (("trainer_state.json", _forged_trainer_state(newest)) if forged.startswith("trainer")
+                    else ("actor/model.safetensors", _forged_weights(newest)))
+    _forge(newest, rel, content)
+    with pytest.raises(CheckpointError) as info:
+        make_trainer(_config(tiny_example, run, "trainer.total_steps=3", f"trainer.resume={newest}")).fit()
+    message = str(info.value)
+    assert message.startswith(str(newest)) and f"file {rel}" in message and "\n" not in message, message
+    assert ("lacks 'train_loader'" if forged.startswith("trainer") else "does not fit this run's model: tensor") in message, message
+    capsys.readouterr()
+    history = make_trainer(_config(tiny_example, run, "trainer.total_steps=3", "trainer.save_every=1")).fit()
+    assert len(history) == 2 and [r["step"] for r in read_jsonl(run / "metrics.jsonl")] == [1, 2, 3]  # from step 1
+    err = capsys.readouterr().err
+    assert f"resumed from checkpoint step 1 ({run / 'checkpoints' / 'step_00000001'}, trainer.resume=auto)" in err
+
+
+def test_a_resumed_run_says_which_step_it_continued_from_and_where(two_checkpoints, tiny_example, tmp_path, capsys):
+    """`rlcore train` on a run folder with checkpoints: the console says the step and the folder."""
+    from rlcore.cli import main
+
+    run = _copy(two_checkpoints, tmp_path)
+    args = ["train", str(CONFIG_DIR / "tiny_grpo.yaml"), *tiny_example_overrides(tiny_example, str(run)), *QUICK,
+            "trainer.total_steps=3"]
+    assert main(args) == 0
+    err = capsys.readouterr().err
+    line = f"resumed from checkpoint step 2 ({run / 'checkpoints' / 'step_00000002'}, trainer.resume=auto)"
+    assert err.count(f"rlcore: {line}") == 1

@@ -19,7 +19,7 @@ ROOT = Path(__file__).resolve().parents[1]
 QUICK = ["trainer.total_steps=2", "data.train_batch_size=8", "actor.ppo_mini_batch_size=4", "rollout.n=4",
          "data.val_batch_size=128", "registry.promotion_margin=-1"]
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.prefect, pytest.mark.pipeline]
 
 
 def test_data_event_runs_pipeline_and_registers_version(prefect_api, tiny_example, tmp_path):
@@ -39,7 +39,7 @@ def test_data_event_runs_pipeline_and_registers_version(prefect_api, tiny_exampl
             got = PREFECT_HTTP.get(f"{api}/deployments/name/rl_pipeline/rl-pipeline", timeout=5)
             return got.json() if got.ok else None
 
-        dep = wait_for("the deployment", deployment, 120, procs=[serve])
+        dep = wait_for("the deployment", deployment, 180, procs=[serve])  # the serving process imports torch first
         assert [s["schedule"]["cron"] for s in dep["schedules"]] == ["0 3 * * *"]
         time.sleep(3)  # the watcher has taken its first look at the (empty) directory
 

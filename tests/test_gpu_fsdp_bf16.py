@@ -49,8 +49,9 @@ def _compare(tmp_path: Path, device: torch.device) -> None:
 
     from rlcore.algos import get_policy_loss
     from rlcore.workers.actor import ActorWorker
+    from rlcore.workers.forward import response_log_probs
     from rlcore.workers.fsdp import is_sharded, to_full
-    from rlcore.workers.modeling import load_causal_lm, response_log_probs
+    from rlcore.workers.loading import load_causal_lm
     from rlcore.workers.optim import build_optimizer, build_scheduler
 
     gc = _gpu_check()

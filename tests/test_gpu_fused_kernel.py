@@ -109,7 +109,7 @@ def test_auto_backend_is_triton_on_cuda_and_model_log_probs_agree():
 
     from rlcore.protocol import Batch
     from rlcore.triton_kernels import resolve_backend
-    from rlcore.workers.modeling import response_log_probs
+    from rlcore.workers.forward import response_log_probs
 
     assert resolve_backend("auto", torch.device("cuda")) == "triton"
     torch.manual_seed(0)

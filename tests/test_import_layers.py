@@ -1,8 +1,9 @@
 """Imports point one way: cli -> flows -> example -> lifecycle -> trainer -> workers ->
-controller/rollout/data/rewards/kernels -> packing/checkpoint/tracking -> config -> algos/protocol.
+controller/rollout/data/rewards/kernels -> packing/checkpoint/tracking -> config -> algos/protocol/algorithms.
 
 Every import in the package (module level and inside functions) is read from the source; an
-import of a higher layer from a lower one fails the test, naming both modules."""
+import of a higher layer from a lower one fails the test, naming both modules. Inside a layer no
+module may reach itself through its imports (a cycle), function-level imports counted."""
 
 from __future__ import annotations
 
@@ -25,7 +26,7 @@ LAYERS: dict[str, int] = {
     "controller": 4, "rollout": 4, "data": 4, "rewards": 4, "triton_kernels": 4,
     "packing": 3, "checkpoint": 3, "tracking": 3, "flops": 3, "cpus": 3,
     "config": 2,
-    "algos": 1, "protocol": 1, "redact": 1,
+    "algos": 1, "protocol": 1, "redact": 1, "algorithms": 1,  # algorithms: the per-algorithm traits table
     "native": 0, "_native": -1,  # the Rust extension and its loader (version check)
     "errors": 0,  # RLCoreError, the base every layer's user-facing errors derive from; imports nothing
     "__init__": 99,  # the package root: its version string and the native check at import; exempt
@@ -75,3 +76,84 @@ def test_imports_point_one_way():
             if LAYERS[there] >= LAYERS[here]:
                 upward.append(f"{path.relative_to(PACKAGE.parent)}:{line} ({here}) imports {module} ({there})")
     assert not upward, "imports against the layering:\n" + "\n".join(upward)
+
+
+# ---------------------------------------------------------------------- no cycles inside a layer
+def _module_names() -> dict[str, Path]:
+    """Dotted name -> file of every module in the package (a package by its `__init__.py`; the
+    native extension too, which imports nothing)."""
+    names: dict[str, Path] = {}
+    for path in PACKAGE.rglob("*.py"):
+        parts = path.relative_to(PACKAGE.parent).with_suffix("").parts
+        names[".".join(parts[:-1] if parts[-1] == "__init__" else parts)] = path
+    for path in PACKAGE.glob("_native*.so"):
+        names[f"rlcore.{path.name.split('.')[0]}"] = path
+    return names
+
+
+def _module_imports(name: str, path: Path, known: dict[str, Path]) -> list[tuple[int, str]]:
+    """(line, module) of every rlcore module `name` imports, at module level or inside functions,
+    relative imports resolved; `from pkg import mod` is an import of `pkg.mod` when that is a module."""
+    package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+    found = []
+    for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
+        if isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                anchor = package.rsplit(".", node.level - 1)[0] if node.level > 1 else package
+                base = f"{anchor}.{base}" if base else anchor
+            for alias in node.names:
+                target = f"{base}.{alias.name}" if f"{base}.{alias.name}" in known else base
+                found.append((node.lineno, target))
+        elif isinstance(node, ast.Import):
+            found += [(node.lineno, alias.name) for alias in node.names]
+    return [(line, target) for line, target in found if target in known and target != name]
+
+
+def _path_between(graph: dict[str, set[str]], start: str, goal: str) -> list[str] | None:
+    """A shortest import chain start -> ... -> goal (breadth first), or None."""
+    previous: dict[str, str | None] = {start: None}
+    frontier = [start]
+    while frontier:
+        following = []
+        for module in frontier:
+            for nxt in sorted(graph.get(module, ())):
+                if nxt in previous:
+                    continue
+                previous[nxt] = module
+                if nxt == goal:
+                    chain = [nxt]
+                    while previous[chain[-1]] is not None:
+                        chain.append(previous[chain[-1]])  # type: ignore[arg-type]
+                    return chain[::-1]
+                following.append(nxt)
+        frontier = following
+    return None
+
+
+def test_no_import_cycle_inside_a_subpackage():
+    """No module reaches itself through imports, function-level ones counted: a cycle hidden inside
+    a function is still two modules that cannot be understood (or split, or reused) one without the
+    other. Across subpackages the layering above already forbids it; this catches the cycles inside
+    one (the package root's `__init__`, which imports the native check, is exempt as above)."""
+    known = _module_names()
+    graph: dict[str, set[str]] = {}
+    lines: dict[tuple[str, str], int] = {}
+    for name, path in known.items():
+        if name == "rlcore" or path.suffix != ".py":
+            continue
+        for line, target in _module_imports(name, path, known):
+            if target != "rlcore":
+                graph.setdefault(name, set()).add(target)
+                lines.setdefault((name, target), line)
+    cycles = set()
+    for module, targets in graph.items():
+        for target in targets:
+            back = _path_between(graph, target, module)
+            if back is not None:
+                cycle = [module, *back[:-1]]  # back ends where the cycle started
+                at = cycle.index(min(cycle))  # one spelling per cycle: from its first name
+                cycle = cycle[at:] + cycle[:at]
+                steps = [f"{m} (line {lines[(m, cycle[(i + 1) % len(cycle)])]})" for i, m in enumerate(cycle)]
+                cycles.add(" -> ".join([*steps, cycle[0]]))
+    assert not cycles, "import cycles (each module listed with the line of its import of the next):\n" + "\n".join(sorted(cycles))

@@ -117,6 +117,7 @@ class _Hook(BaseHTTPRequestHandler):
         pass
 
 
+@pytest.mark.pipeline  # the lifecycle's data-prep and train stages
 def test_health_stop_keeps_last_healthy_checkpoint(store, tiny_example, tmp_path):
     from rlcore.cli import CONFIG_DIR
     from rlcore.example.overrides import example_overrides
@@ -189,6 +190,7 @@ def test_failure_is_recorded_and_notified(store, tmp_path):
     assert event["event"] == "failed" and event["pipeline_run"] == "failing-run" and "/t.parquet" in event["error"]
 
 
+@pytest.mark.vllm
 def test_champion_folder_is_served_by_vllm_as_is(store, tiny_example, tmp_path):
     """The downloaded champion, an MLflow model as the pipeline logs it, is still a plain HF
     folder: vLLM starts on it and decodes like HF."""

@@ -39,15 +39,9 @@ from transformers import (
 from rlcore.protocol import Batch
 from rlcore.triton_kernels import fused_token_logprobs
 from rlcore.workers.attention import use_packed_attention
-from rlcore.workers.modeling import (
-    LMHead,
-    check_lm_head,
-    check_packed_forward,
-    lm_head_semantics,
-    load_causal_lm,
-    response_hidden_states,
-    response_log_probs,
-)
+from rlcore.workers.forward import LMHead, lm_head_semantics, response_hidden_states, response_log_probs
+from rlcore.workers.loading import load_causal_lm
+from rlcore.workers.model_checks import check_lm_head, check_packed_forward
 
 VOCAB = 96
 SMALL = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,

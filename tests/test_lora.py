@@ -20,8 +20,9 @@ from rlcore.rollout import SamplingParams
 from rlcore.rollout.hf import HFRolloutEngine
 from rlcore.workers.actor import ActorWorker, ReferenceWorker
 from rlcore.workers.attention import use_packed_attention
+from rlcore.workers.forward import response_log_probs
 from rlcore.workers.lora import apply_lora, merge_adapter
-from rlcore.workers.modeling import check_lm_head, check_packed_forward, response_log_probs
+from rlcore.workers.model_checks import check_lm_head, check_packed_forward
 from rlcore.workers.packed import pack_rows
 
 VOCAB = 96

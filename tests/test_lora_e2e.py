@@ -42,6 +42,7 @@ def _prompts(vocab: int) -> Batch:
 
 
 @pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="vllm is not installed")
+@pytest.mark.vllm
 def test_vllm_live_sync_merged_and_adapter_equal_a_fresh_engine_on_the_merged_model(tmp_path):
     from test_rollout_vllm import vllm_warnings  # tests/ is on sys.path (pytest rootdir conftest)
     from transformers import LlamaConfig, LlamaForCausalLM

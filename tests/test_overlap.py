@@ -137,36 +137,29 @@ def test_thread_sizing_survives_vllms_patch(monkeypatch):
 
 
 @pytest.mark.slow
-def test_ray_workers_size_torch_threads_from_their_bundle(monkeypatch):
+@pytest.mark.ray
+def test_ray_workers_size_torch_threads_from_their_bundle(monkeypatch, ray_driver):
     """OMP_NUM_THREADS unset: two workers sharing a 2-CPU bundle run 1 torch thread each, one
-    worker with a 2-CPU bundle to itself runs 2; with it set, every worker runs that many."""
-    import gc
-    import shutil
+    worker with a 2-CPU bundle to itself runs 2; with it set, every worker runs that many. (The
+    driver decides: a worker's thread count and environment come from this process, not from
+    the cluster's.)"""
     import sys
-    import tempfile
 
     ray = pytest.importorskip("ray")
     from rlcore.controller import RayWorkerGroup, ResourcePool
 
     ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])  # workers cannot import tests/
-    temp = tempfile.mkdtemp(prefix="rlthr", dir="/tmp")
     monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
-    ray.init(num_cpus=4, include_dashboard=False, _temp_dir=temp, log_to_driver=False)
-    try:
-        shared, alone = ResourcePool("shared", 1, 2.0, 0.0, "PACK"), ResourcePool("alone", 1, 2.0, 0.0, "PACK")
-        groups = [RayWorkerGroup(_Probe, 1, f"half{i}", pool=shared, share=0.5) for i in range(2)]
-        groups.append(RayWorkerGroup(_Probe, 1, "whole", pool=alone))
-        assert [g.call("record")[0][1] for g in groups] == [1, 1, 2]
-        monkeypatch.setenv("OMP_NUM_THREADS", "1")
-        groups[2].shutdown()
-        explicit = RayWorkerGroup(_Probe, 1, "explicit", pool=alone)
-        assert explicit.call("record")[0][1] == 1
-        for g in [*groups, explicit]:
-            g.shutdown()
-    finally:
-        gc.collect()
-        ray.shutdown()
-        shutil.rmtree(temp, ignore_errors=True)
+    shared, alone = ResourcePool("shared", 1, 2.0, 0.0, "PACK"), ResourcePool("alone", 1, 2.0, 0.0, "PACK")
+    groups = [RayWorkerGroup(_Probe, 1, f"half{i}", pool=shared, share=0.5) for i in range(2)]
+    groups.append(RayWorkerGroup(_Probe, 1, "whole", pool=alone))
+    assert [g.call("record")[0][1] for g in groups] == [1, 1, 2]
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+    groups[2].shutdown()
+    explicit = RayWorkerGroup(_Probe, 1, "explicit", pool=alone)
+    assert explicit.call("record")[0][1] == 1
+    for g in [*groups, explicit]:
+        g.shutdown()
 
 
 @pytest.mark.slow

@@ -2,8 +2,9 @@
 grouped-query attention and tied embeddings, a byte-level BPE with ChatML, two end tokens, a
 data source only the user's reward file scores):
 
-1. `rlcore pipeline run --sft-data ... --sft-config ...`: SFT warm start -> GRPO (hf rollout) ->
-   evaluate -> promote; RL learns what the flawed SFT teacher got wrong, and is promoted;
+1. `rlcore pipeline run --sft-data ... --sft-config ...` (on the session's Prefect server): SFT warm
+   start -> GRPO (hf rollout) -> evaluate -> promote; RL learns what the flawed SFT teacher got
+   wrong, and is promoted;
 2. GRPO with the vLLM rollout from the same SFT model learns too;
 3. the GRPO checkpoint served by a plain `vllm.LLM` on CPU (its own tokenizer, chat template and
    end tokens; the KV cache sized with kv_cache_memory_bytes) answers as rlcore's evaluation said.
@@ -24,7 +25,7 @@ import pytest
 import yaml
 from conftest import prefect_env  # tests/ is on sys.path (pytest rootdir conftest)
 
-pytestmark = [pytest.mark.slow,
+pytestmark = [pytest.mark.slow, pytest.mark.prefect, pytest.mark.pipeline,  # every test reads the pipeline's run
               pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="vllm is not installed")]
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -53,15 +54,14 @@ def grpo_config(own_model) -> dict:
 
 
 @pytest.fixture(scope="module")
-def pipeline(own_model, tmp_path_factory):
+def pipeline(own_model, tmp_path_factory, prefect_server_session):
     """The pipeline run's summary, and its work folder."""
     root = tmp_path_factory.mktemp("own_pipeline")
     (root / "sft.yaml").write_text(yaml.safe_dump(sft_config(own_model)))
     (root / "grpo.yaml").write_text(yaml.safe_dump(grpo_config(own_model)))
-    env = dict(os.environ, **prefect_env(root / "prefect"), OMP_NUM_THREADS="1",
+    env = dict(prefect_server_session.env, **prefect_env(root / "prefect"), OMP_NUM_THREADS="1",
                PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    for key in ("PREFECT_API_URL", "MLFLOW_TRACKING_URI"):
-        env.pop(key, None)
+    env.pop("MLFLOW_TRACKING_URI", None)
     args = [sys.executable, "-m", "rlcore.cli", "pipeline", "run", "--json", "--config", str(root / "grpo.yaml"),
             "--sft-data", str(own_model.sft_file), "--sft-config", str(root / "sft.yaml"), "--output-dir", str(root / "work")]
     done = subprocess.run(args, cwd=root, env=env, capture_output=True, text=True, timeout=600)
@@ -108,6 +108,7 @@ def test_sft_then_grpo_in_the_pipeline_learns_and_is_promoted(own_model, pipelin
     assert score(own_model, texts, rows) == pytest.approx(before, abs=1.5 / len(rows))
 
 
+@pytest.mark.vllm
 def test_grpo_with_the_vllm_rollout_learns_from_the_sft_model(own_model, pipeline, tmp_path, capsys):
     from rlcore.cli import main
     from rlcore.tracking import read_jsonl
@@ -129,6 +130,7 @@ def test_grpo_with_the_vllm_rollout_learns_from_the_sft_model(own_model, pipelin
     assert last >= first + 0.1, (first, last)
 
 
+@pytest.mark.vllm
 def test_the_grpo_checkpoint_served_in_vllm_answers_as_rlcore_evaluated_it(own_model, pipeline):
     import vllm
 

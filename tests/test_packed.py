@@ -22,8 +22,9 @@ from rlcore.config import ActorConfig, CriticConfig, PreferenceConfig, load_conf
 from rlcore.protocol import Batch
 from rlcore.workers.actor import ActorWorker, PolicyObjective
 from rlcore.workers.critic import CriticWorker, ValueObjective
+from rlcore.workers.forward import response_values
+from rlcore.workers.loading import load_causal_lm
 from rlcore.workers.loops import GlobalCounts, prompt_units
-from rlcore.workers.modeling import load_causal_lm, response_values
 from rlcore.workers.packed import pack_rows
 from rlcore.workers.policy import PolicyLogProbs
 from rlcore.workers.preference import DPOObjective

@@ -1,6 +1,6 @@
 """`rlcore pipeline run --reward model` on the tiny example: data_prep -> reward-model training ->
 policy training (PPO against the champion reward model) -> evaluation -> promotion, in one run
-(ephemeral Prefect, SQLite MLflow in the working directory). The reward model is registered as its
+(the session's Prefect server, SQLite MLflow in the working directory). The reward model is registered as its
 own MLflow model (a folder transformers loads, an MLflow model that scores pairs), the policy
 version's lineage names the reward-model version it was trained against, and a later reward-model
 candidate goes through the same champion/challenger gate on pairwise accuracy."""
@@ -14,7 +14,7 @@ from test_pipeline_run import pipeline_env, run_cli  # tests/ is on sys.path (py
 
 from rlcore.cli import CONFIG_DIR
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.prefect, pytest.mark.pipeline]
 
 POLICY = ["trainer.total_steps=2", "data.train_batch_size=8", "actor.ppo_mini_batch_size=4", "rollout.n=4",
           "data.val_batch_size=400"]
@@ -22,8 +22,8 @@ RM = ["trainer.total_steps=30", "trainer.val_every=30", "trainer.save_every=30",
       "registry.promotion_margin=-1"]  # the first reward model becomes champion whatever 30 steps did
 
 
-def test_pipeline_trains_gates_and_uses_a_reward_model(tiny_example, tmp_path):
-    env = pipeline_env(tmp_path)
+def test_pipeline_trains_gates_and_uses_a_reward_model(tiny_example, tmp_path, prefect_api):
+    env = pipeline_env(prefect_api)
     work = tmp_path / "work"
     work.mkdir()
     args = ["pipeline", "run", "--json", "--algorithm", "ppo", "--reward", "model"]

@@ -1,9 +1,10 @@
-"""`rlcore pipeline run` end to end on the tiny example (ephemeral Prefect, SQLite MLflow in the
-working directory), twice: the second run warm-starts from the first one's champion. What a user
-then finds: the champion loads with `mlflow.pyfunc.load_model` and generates, and with
-transformers; versions described, with a few `rlcore.*` tags; the data as MLflow datasets; one
-MLflow run per stage, the train run's steps logged while training ran; Prefect and MLflow runs
-pointing at each other; the promotion decision in the log."""
+"""`rlcore pipeline run` end to end on the tiny example (the session's Prefect server, SQLite MLflow
+in the working directory; Prefect's ephemeral mode, with no server, is test_wheel's), twice: the
+second run warm-starts from the first one's champion. What a user then finds: the champion loads
+with `mlflow.pyfunc.load_model` and generates, and with transformers; versions described, with a
+few `rlcore.*` tags; the data as MLflow datasets; one MLflow run per stage, the train run's steps
+logged while training ran; Prefect and MLflow runs pointing at each other; the promotion decision
+in the log."""
 
 from __future__ import annotations
 
@@ -14,19 +15,19 @@ import sys
 from pathlib import Path
 
 import pytest
-from conftest import prefect_env  # tests/ is on sys.path (pytest rootdir conftest)
+from conftest import PREFECT_HTTP  # tests/ is on sys.path (pytest rootdir conftest)
 
 ROOT = Path(__file__).resolve().parents[1]
 QUICK = ["trainer.total_steps=2", "data.train_batch_size=8", "actor.ppo_mini_batch_size=4", "rollout.n=4",
          "data.val_batch_size=128"]
 
 
-def pipeline_env(tmp_path: Path) -> dict[str, str]:
-    env = dict(os.environ)
-    env.update(prefect_env(tmp_path / "prefect"), PYTHONPATH=str(ROOT) + os.pathsep + env.get("PYTHONPATH", ""),
-               OMP_NUM_THREADS="1")
-    for key in ("PREFECT_API_URL", "MLFLOW_TRACKING_URI"):
-        env.pop(key, None)
+def pipeline_env(prefect_api: tuple[str, dict[str, str]]) -> dict[str, str]:
+    """A pipeline's environment: a client of the session's Prefect server (`prefect_api`, with this
+    test's own Prefect home), MLflow's default store (./mlflow.db)."""
+    _, env = prefect_api
+    env = dict(env, PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""), OMP_NUM_THREADS="1")
+    env.pop("MLFLOW_TRACKING_URI", None)
     return env
 
 
@@ -38,8 +39,10 @@ def run_cli(args: list[str], cwd: Path, env: dict[str, str], timeout: float = 24
 
 
 @pytest.mark.slow
-def test_pipeline_run_twice_warm_starts_from_champion(tiny_example, tmp_path):
-    env = pipeline_env(tmp_path)
+@pytest.mark.prefect
+@pytest.mark.pipeline
+def test_pipeline_run_twice_warm_starts_from_champion(tiny_example, tmp_path, prefect_api):
+    env = pipeline_env(prefect_api)
     work = tmp_path / "work"
     work.mkdir()
     # A negative margin makes the first candidate the champion whatever 2 steps did to it.
@@ -134,10 +137,10 @@ def test_pipeline_run_twice_warm_starts_from_champion(tiny_example, tmp_path):
     flow_run_id = parent.data.tags["prefect.flow_run_id"]
     assert flow_run_id == second["prefect_flow_run_id"]
     assert {r.data.tags["prefect.flow_run_id"] for r in children} == {flow_run_id}
-    import sqlite3
-
-    with sqlite3.connect(tmp_path / "prefect" / "prefect.db") as db:
-        artifacts = db.execute("SELECT key, description, flow_run_id FROM artifact WHERE key = 'mlflow-run'").fetchall()
+    api, _ = prefect_api
+    body = {"artifacts": {"key": {"any_": ["mlflow-run"]}}}
+    artifacts = [(a["key"], a["description"], a["flow_run_id"])
+                 for a in PREFECT_HTTP.post(f"{api}/artifacts/filter", json=body, timeout=10).json()]
     assert (f"mlflow_run_id={second['mlflow_run_id']}" in [a[1] for a in artifacts])
     assert {str(a[2]).replace("-", "") for a in artifacts if a[1].endswith(second["mlflow_run_id"])} == {
         flow_run_id.replace("-", "")}

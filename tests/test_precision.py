@@ -26,8 +26,8 @@ from rlcore.config import Config, ConfigError, config_from_dict
 from rlcore.protocol import Batch
 from rlcore.workers.actor import ActorWorker, ReferenceWorker
 from rlcore.workers.critic import CriticWorker
+from rlcore.workers.forward import response_log_probs, response_values
 from rlcore.workers.fsdp import shard_model
-from rlcore.workers.modeling import response_log_probs, response_values
 
 VOCAB = 64
 P, R, N = 6, 5, 8
@@ -131,7 +131,7 @@ def test_actor_mixed_precision_bf16_without_process_group(model_dir, tmp_path):
 def test_mixed_precision_gradients_are_bf16_compute_accumulated_in_fp32(model_dir):
     """Two micro-batches: each gradient is the bf16-compute gradient, summed in float32 on the
     master (exact for one micro-batch; bf16 accumulation would round the sum)."""
-    from rlcore.workers.modeling import load_causal_lm
+    from rlcore.workers.loading import load_causal_lm
 
     model = shard_model(load_causal_lm(model_dir, "float32", torch.device("cpu")), torch.device("cpu"), "bf16")
     reference = _plain_copy(model, torch.bfloat16)
@@ -150,7 +150,7 @@ def test_mixed_precision_gradients_are_bf16_compute_accumulated_in_fp32(model_di
 
 def test_mixed_precision_with_gradient_checkpointing(model_dir):
     """Recomputed layers are cast again (the hooks run in the recompute): same gradients."""
-    from rlcore.workers.modeling import load_causal_lm
+    from rlcore.workers.loading import load_causal_lm
 
     grads = []
     for checkpointing in (False, True):

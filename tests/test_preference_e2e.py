@@ -111,7 +111,9 @@ def test_preference_accuracy_rises_and_task_accuracy_does_not_fall(tiny_example,
     assert after["accuracy"] >= tiny_example.sft_greedy_accuracy
 
 
-def test_dpo_on_ray_with_two_ranks_matches_one_process(tiny_example, pref_files, tmp_path):
+@pytest.mark.ray
+@pytest.mark.distributed  # 2 FSDP2 ranks on gloo
+def test_dpo_on_ray_with_two_ranks_matches_one_process(tiny_example, pref_files, tmp_path, ray_local):
     """2 data-parallel FSDP2 ranks (gloo, Ray actors) give the loss of the single-process run."""
     pytest.importorskip("ray")
     steps = ["trainer.total_steps=2", "actor.ppo_mini_batch_size=16", "preference.ref_cache=false"]
@@ -119,7 +121,7 @@ def test_dpo_on_ray_with_two_ranks_matches_one_process(tiny_example, pref_files,
 
     out = tmp_path / "two"
     train_on_ray(CONFIG_DIR / "tiny_dpo.yaml", train_overrides(tiny_example, pref_files, "dpo", str(out)) + QUICK + steps
-                 + ["trainer.backend=ray", "actor.world_size=2", "ray.num_cpus=4"])
+                 + ["trainer.backend=ray", "actor.world_size=2"], address=ray_local)
     on_ray = [r for r in read_jsonl(out / "metrics.jsonl") if r["step"] > 0]
     assert len(on_ray) == 2
     for one, two in zip(inproc, on_ray):

@@ -13,6 +13,8 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
+from safetensors.torch import save_file
 
 from rlcore.cli import CONFIG_DIR, main
 from rlcore.config import load_config
@@ -38,7 +40,7 @@ class Setup:
         self.model = root / "model"
         self.model.mkdir()
         (self.model / "config.json").write_text(json.dumps({"model_type": "llama"}))
-        (self.model / "model.safetensors").write_bytes(b"not loaded: preflight only looks for it")
+        save_file({"stand_in": torch.zeros(2)}, self.model / "model.safetensors")  # preflight reads its header only
         build_tokenizer().save_pretrained(str(self.model))
         self.train = write_rows([rl_row(f"{i}+1=", str(i + 1)) for i in range(8)], root / "train.parquet")
         self.val = write_rows([rl_row()], root / "val.jsonl")
@@ -207,6 +209,7 @@ def test_cli_config_errors_keep_their_message(capsys):
     assert capsys.readouterr().err == "rlcore: error: invalid config: actor.optim.lrr: unknown key\n"
 
 
+@pytest.mark.slow  # a fresh process importing torch (~10 CPU-s measured)
 def test_rlcore_train_with_a_missing_model_path(setup):
     """The real command, in its own process: a one-line message and a non-zero exit."""
     args = [sys.executable, "-m", "rlcore.cli", "train", str(CONFIG_DIR / "tiny_grpo.yaml"), *setup.args(),

@@ -23,7 +23,9 @@ from rlcore.controller.ray_backend import RayWorkerGroup, ResourcePool, address_
 
 ray = pytest.importorskip("ray")
 psutil = pytest.importorskip("psutil")
-pytestmark = pytest.mark.slow
+# These tests start their own Ray clusters (not the session's `ray_local`): what they judge is how
+# rlcore starts a local cluster (its sockets) and how it joins one given by address.
+pytestmark = [pytest.mark.slow, pytest.mark.ray]
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -78,6 +80,7 @@ def test_is_loopback():
         == ["127.0.0.1", "::1", "10.1.2.3", "", ""]
 
 
+@pytest.mark.distributed  # a 2-rank gloo group between the Ray workers
 def test_local_cluster_and_distributed_workers_listen_on_loopback_only(ray_temp):
     assert not ray.is_initialized(), "another test left Ray running"
     ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])  # workers cannot import tests/

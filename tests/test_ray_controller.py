@@ -1,13 +1,11 @@
 """RayWorkerGroup on a local Ray cluster: dispatch, futures passed between groups, colocation,
 remote exceptions with their traceback, a killed worker, and FSDP2 (2 ranks on gloo) giving the
-same update as one process. One cluster for the module."""
+same update as one process. On the session's cluster, one connection for the module."""
 
 from __future__ import annotations
 
 import os
-import shutil
 import signal
-import tempfile
 
 import numpy as np
 import pytest
@@ -19,22 +17,22 @@ from rlcore.controller.ray_backend import RayWorkerGroup, ResourcePool, WorkerDi
 from rlcore.protocol import Batch
 
 ray = pytest.importorskip("ray")
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.ray]
 
 
 @pytest.fixture(scope="module")
-def cluster():
+def cluster(ray_local):
+    """This process connected to the session's Ray (`ray_local`, 4 CPUs) for the module."""
+    import gc
     import sys
 
-    ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])  # workers cannot import tests/
-    temp = tempfile.mkdtemp(prefix="rlray", dir="/tmp")
-    ray.init(num_cpus=4, include_dashboard=False, _temp_dir=temp, log_to_driver=False)
-    yield
-    import gc
+    from rlcore.controller.ray_backend import ensure_ray
 
-    gc.collect()  # stale refs of this session must not outlive it (ids repeat in the next one)
+    ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])  # workers cannot import tests/
+    ensure_ray(address=ray_local)
+    yield
+    gc.collect()  # free this job's object refs while it is still connected
     ray.shutdown()
-    shutil.rmtree(temp, ignore_errors=True)
 
 
 def _explode(rank: int) -> None:
@@ -172,6 +170,7 @@ def _adam_first_step(g: torch.Tensor, eps: float) -> torch.Tensor:
     return g / (g.abs() + eps)
 
 
+@pytest.mark.distributed  # 2 FSDP2 ranks on gloo
 def test_fsdp2_two_ranks_update_equals_one_process(cluster, tmp_path):
     from rlcore.cli import CONFIG_DIR
     from rlcore.config import load_config
@@ -242,6 +241,7 @@ def test_fsdp2_two_ranks_update_equals_one_process(cluster, tmp_path):
         one.shutdown(), two.shutdown()
 
 
+@pytest.mark.distributed  # 2 FSDP2 ranks on gloo
 def test_fsdp2_lora_two_ranks_update_equals_one_process(cluster, tmp_path):
     """LoRA under FSDP2 (frozen sharded base, sharded adapter): 2 gloo ranks take the 1-process step
     (loss, grad norm, adapter gradients and Adam's step), serve the same reference log-probs with the

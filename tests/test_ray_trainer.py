@@ -1,19 +1,13 @@
-"""The GRPO trainer on Ray against an externally started head node (`ray start --head`), with
-2 FSDP2 actor ranks: a worker killed mid-run is a clear error, and the next run resumes from
-the last checkpoint (the sharded one) and finishes."""
+"""The GRPO trainer on Ray against an externally started head node (`ray start --head`: the
+session's `ray_local`), with 2 FSDP2 actor ranks: a worker killed mid-run is a clear error, and
+the next run resumes from the last checkpoint (the sharded one) and finishes."""
 
 from __future__ import annotations
 
 import json
 import math
-import os
-import shutil
-import signal
-import socket
 import subprocess
 import sys
-import tempfile
-import time
 from pathlib import Path
 
 import pytest
@@ -27,58 +21,7 @@ from rlcore.tracking import read_jsonl
 from rlcore.trainer.run import make_trainer
 
 pytest.importorskip("ray")
-pytestmark = pytest.mark.slow
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-@pytest.fixture(scope="module")
-def head_node():
-    """A head node in its own session, stopped by process group (not `ray stop`, which would
-    stop every Ray process on this shared machine)."""
-    port = _free_port()
-    temp = tempfile.mkdtemp(prefix="rlhead", dir="/tmp")
-    ray_bin = str(Path(sys.executable).with_name("ray"))
-    cmd = [ray_bin, "start", "--head", "--block", "--node-ip-address", "127.0.0.1", "--port", str(port),
-           "--num-cpus", "2", "--disable-usage-stats", "--include-dashboard=false", "--temp-dir", temp]
-    log = open(Path(temp) / "head.log", "w")
-    # No token auth on this loopback-only head: the token file lives in the shared home folder,
-    # where another Ray on this machine may replace it between start and connect.
-    env = {"RAY_USAGE_STATS_ENABLED": "0", "RAY_AUTH_MODE": "disabled"}
-    saved = {k: os.environ.get(k) for k in env}
-    os.environ.update(env)
-    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True, env=dict(os.environ))
-    try:
-        deadline = time.monotonic() + 90
-        while True:
-            assert proc.poll() is None, (Path(temp) / "head.log").read_text()
-            with socket.socket() as s:
-                if s.connect_ex(("127.0.0.1", port)) == 0:
-                    break
-            assert time.monotonic() < deadline, "head node did not come up in 90 s"
-            time.sleep(0.5)
-        time.sleep(2)  # raylet registers after the GCS port opens
-        yield f"127.0.0.1:{port}"
-    finally:
-        # `ray start --block` takes longer than 30 s to leave on SIGTERM here: a short grace, then KILL
-        for sig, wait in ((signal.SIGTERM, 5), (signal.SIGKILL, 10)):
-            try:
-                os.killpg(proc.pid, sig)
-                proc.wait(timeout=wait)
-                break
-            except (ProcessLookupError, subprocess.TimeoutExpired):
-                continue
-        log.close()
-        shutil.rmtree(temp, ignore_errors=True)
-        for k, v in saved.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
+pytestmark = [pytest.mark.slow, pytest.mark.ray, pytest.mark.distributed]  # 2 FSDP2 actor ranks on gloo
 
 
 _CHILD = r"""
@@ -123,9 +66,10 @@ def _overrides(example, out: Path, address: str) -> list[str]:
     ]
 
 
-def test_grpo_on_external_head_resumes_after_a_killed_worker(head_node, tiny_example, tmp_path):
+@pytest.mark.timeout(900)  # two trainings in fresh processes (up to 300 s each), then a resume here
+def test_grpo_on_external_head_resumes_after_a_killed_worker(ray_local, tiny_example, tmp_path):
     run = tmp_path / "run"
-    first = _train(_overrides(tiny_example, run, head_node), kill_at=2)
+    first = _train(_overrides(tiny_example, run, ray_local), kill_at=2)
     # saving step 2 needs the killed rank: the run stops with the death, not a hang
     assert not first["ok"] and first["type"] == "WorkerDiedError"
     assert (first["role"], first["rank"]) == ("actor", 1)
@@ -134,7 +78,7 @@ def test_grpo_on_external_head_resumes_after_a_killed_worker(head_node, tiny_exa
     assert step_of(manager.latest()) == 1
     assert (manager.latest() / "actor_dcp").is_dir()  # the sharded training state
 
-    second = _train(_overrides(tiny_example, run, head_node))  # trainer.resume=auto
+    second = _train(_overrides(tiny_example, run, ray_local))  # trainer.resume=auto
     assert second["ok"]
     history = second["history"]
     assert len(history) == 2  # steps 2 and 3
@@ -151,7 +95,7 @@ def test_grpo_on_external_head_resumes_after_a_killed_worker(head_node, tiny_exa
     assert any(not torch.equal(start[k], saved[k]) for k in saved)
 
     # the sharded checkpoint of 2 ranks resumes in one process (in-process backend)
-    one_rank = [o for o in _overrides(tiny_example, run, head_node)
+    one_rank = [o for o in _overrides(tiny_example, run, ray_local)
                 if not o.startswith(("trainer.backend", "ray.", "actor.world_size", "trainer.total_steps"))]
     more = make_trainer(load_config(CONFIG_DIR / "tiny_grpo.yaml", one_rank + ["trainer.total_steps=4"])).fit()
     assert len(more) == 1 and math.isfinite(more[0]["actor/pg_loss"])

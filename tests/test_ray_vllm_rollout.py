@@ -13,20 +13,20 @@ from conftest import train_on_ray  # tests/ is on sys.path (pytest rootdir conft
 from rlcore.cli import CONFIG_DIR, tiny_example_overrides
 from rlcore.tracking import read_jsonl
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.ray, pytest.mark.vllm]
 pytest.importorskip("ray")
 if importlib.util.find_spec("vllm") is None:
     pytest.skip("vllm is not installed", allow_module_level=True)
 
 
-def test_two_vllm_rollout_ranks_share_the_batch_and_both_get_the_weights(tiny_example, tmp_path):
+def test_two_vllm_rollout_ranks_share_the_batch_and_both_get_the_weights(tiny_example, tmp_path, ray_local):
     out = tmp_path / "run"
     train_on_ray(CONFIG_DIR / "tiny_grpo.yaml", [
         *tiny_example_overrides(tiny_example, str(out)),
         "trainer.backend=ray", "rollout.backend=vllm", "rollout.world_size=2", "rollout.vllm.kv_cache_gib=0.25",
         "trainer.total_steps=3", "trainer.save_every=100", "trainer.val_every=100", "trainer.val_before_train=false",
-        "trainer.loggers=[jsonl]", "data.train_batch_size=16", "actor.ppo_mini_batch_size=8", "ray.num_cpus=4",
-    ])
+        "trainer.loggers=[jsonl]", "data.train_batch_size=16", "actor.ppo_mini_batch_size=8",
+    ], address=ray_local)
 
     trace = read_jsonl(out / "trace.jsonl")
     workers = trace[0]["workers"]["rollout"]

@@ -32,11 +32,12 @@ from rlcore.data.chat import prompt_ids
 from rlcore.data.preference import sequence_tensors
 from rlcore.example.tokenizer import build_tokenizer
 from rlcore.protocol import Batch
+from rlcore.trainer.groups import WorkerGroups
 from rlcore.trainer.metrics import Timer
 from rlcore.trainer.preflight import preflight_problems
 from rlcore.trainer.rm_scoring import NonFiniteRewardModelScore, RewardModelScoring
-from rlcore.trainer.roles import WorkerGroups
-from rlcore.workers.modeling import NotASequenceClassifier, load_sequence_classifier, sequence_scores
+from rlcore.workers.forward import NotASequenceClassifier, sequence_scores
+from rlcore.workers.loading import load_sequence_classifier
 from rlcore.workers.reward_model import RewardModelInputError, RewardModelWorker
 
 CHATML = ("{% for m in messages %}{{ '<|im_start|>' + m['role'] + '\\n' + m['content'] + '<|im_end|>' + '\\n' }}"

@@ -113,6 +113,7 @@ def test_lora_on_a_role_the_run_does_not_train_is_refused_naming_the_key(overrid
 
 
 @pytest.mark.slow  # ~30 s: two reward-model trainings of two steps, evaluations and MLflow's SQLite registry
+@pytest.mark.pipeline  # the lifecycle's reward-model stages
 def test_pipeline_registers_a_lora_reward_model_merged_with_its_adapter_beside_and_warm_starts_from_it(tiny_example, tmp_path):
     """The reward-model stages with `reward_model.lora` (a real SQLite MLflow registry here): the
     registered version is a plain classifier folder transformers loads as is, and the run's

@@ -4,9 +4,6 @@ in-process group does: the dispatch splits the rows by tokens and puts them back
 
 from __future__ import annotations
 
-import shutil
-import tempfile
-
 import pytest
 import torch
 from test_reward_model import _generated, _policy_dir, other_tokenizer, rl_config, save_rm
@@ -15,12 +12,12 @@ from rlcore.controller import InProcessWorkerGroup
 from rlcore.example.tokenizer import build_tokenizer
 from rlcore.workers.reward_model import RewardModelWorker
 
-ray = pytest.importorskip("ray")
-pytestmark = pytest.mark.slow
+pytest.importorskip("ray")
+pytestmark = [pytest.mark.slow, pytest.mark.ray, pytest.mark.distributed]  # 2 reward-model ranks on gloo
 
 
-def test_reward_model_pool_with_two_ranks_scores_as_one_process(tmp_path):
-    from rlcore.controller.ray_backend import RayWorkerGroup, ResourcePool, ensure_ray
+def test_reward_model_pool_with_two_ranks_scores_as_one_process(tmp_path, ray_driver):
+    from rlcore.controller.ray_backend import RayWorkerGroup, ResourcePool
 
     rm_dir = save_rm(tmp_path / "rm", other_tokenizer())
     config = rl_config(_policy_dir(tmp_path), rm_dir)
@@ -37,8 +34,6 @@ def test_reward_model_pool_with_two_ranks_scores_as_one_process(tmp_path):
     finally:
         local.shutdown()
 
-    temp = tempfile.mkdtemp(prefix="rlrm", dir="/tmp")
-    started = ensure_ray(None, 2, temp)
     pool = None
     try:
         pool = ResourcePool("rm", 2, cpus_per_bundle=1.0)
@@ -52,9 +47,6 @@ def test_reward_model_pool_with_two_ranks_scores_as_one_process(tmp_path):
     finally:
         if pool is not None:
             pool.remove()
-        if started:
-            ray.shutdown()
-        shutil.rmtree(temp, ignore_errors=True)
     assert len(pids) == 2  # two ranks, two processes
     torch.testing.assert_close(got["rm_scores"], want, rtol=1e-5, atol=1e-5)  # 5 rows over 2 ranks (one padded), order kept
     assert list(got.meta["rm_response_text"]) == [f"#### {a + b + k}" for k, (a, b) in

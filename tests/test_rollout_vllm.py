@@ -23,7 +23,7 @@ from rlcore.protocol import Batch  # noqa: E402
 from rlcore.rollout import RolloutEngine, SamplingParams, make_rollout_engine, register_backend  # noqa: E402
 from rlcore.rollout.vllm import VLLMRolloutEngine  # noqa: E402
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.vllm]
 
 PAD, BOS, EOS = 0, 1, 2
 VOCAB = 128

@@ -9,12 +9,11 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
-from conftest import PREFECT_HTTP, prefect_server, stop_process_group, wait_for  # tests/ is on sys.path (pytest rootdir conftest)
+from conftest import PREFECT_HTTP, PrefectServer, stop_process_group, wait_for  # tests/ is on sys.path (pytest rootdir conftest)
 
 ROOT = Path(__file__).resolve().parents[1]
 # As short as the pipeline allows: one training step on few prompts, a negative promotion margin
@@ -22,19 +21,15 @@ ROOT = Path(__file__).resolve().parents[1]
 QUICK = ["trainer.total_steps=1", "data.train_batch_size=8", "actor.ppo_mini_batch_size=4", "rollout.n=4",
          "data.val_batch_size=128", "registry.promotion_margin=-1"]
 
-pytestmark = pytest.mark.slow
-
-
-@pytest.fixture
-def scheduling_server(tmp_path: Path) -> Iterator[tuple[str, dict[str, str], Path]]:
-    """A Prefect server on 127.0.0.1 whose scheduler service runs every 5 s (default 60 s)."""
-    with prefect_server(tmp_path / "prefect", PREFECT_API_SERVICES_SCHEDULER_LOOP_SECONDS="5") as server:
-        yield server
+pytestmark = [pytest.mark.slow, pytest.mark.prefect, pytest.mark.pipeline]
 
 
 def test_cron_schedule_creates_runs_that_register_a_model_version(
-        scheduling_server: tuple[str, dict[str, str], Path], tiny_example: Any, tmp_path: Path) -> None:
-    api, env, server_log = scheduling_server
+        prefect_api: tuple[str, dict[str, str]], prefect_server_session: PrefectServer, tiny_example: Any,
+        tmp_path: Path) -> None:
+    api, env = prefect_api  # the session's server: its scheduler service runs every 5 s (default 60 s)
+    server_log = prefect_server_session.log
+    log_start = server_log.stat().st_size  # what the server logs from here on is this test's
     work = tmp_path / "work"
     work.mkdir()
     env = dict(env, PREFECT_RUNNER_POLL_FREQUENCY="2", OMP_NUM_THREADS="1",
@@ -49,7 +44,7 @@ def test_cron_schedule_creates_runs_that_register_a_model_version(
                 got = PREFECT_HTTP.get(f"{api}/deployments/name/rl_pipeline/rl-pipeline", timeout=5)
                 return got.json() if got.ok else None
 
-            dep = wait_for("the deployment", deployment, 120, procs=[serve])
+            dep = wait_for("the deployment", deployment, 180, procs=[serve])  # the serving process imports torch first
             assert [s["schedule"]["cron"] for s in dep["schedules"]] == ["* * * * *"]
 
             def runs() -> list[dict[str, Any]]:
@@ -73,7 +68,7 @@ def test_cron_schedule_creates_runs_that_register_a_model_version(
         finally:
             stop_process_group(serve)
     assert run["auto_scheduled"] and run["id"] == scheduled[0]["id"]
-    assert "Can't evaluate bulk DML" not in server_log.read_text()
+    assert b"Can't evaluate bulk DML" not in server_log.read_bytes()[log_start:]
 
     from rlcore.lifecycle.mlflow_store import MlflowStore, ModelRegistry
 

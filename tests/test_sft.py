@@ -1,4 +1,4 @@
-"""SFT warm start: response-only loss, micro-batching, schedule, determinism, saving."""
+"""The tiny example's SFT warm start (rlcore.example.warm_start): response-only loss, micro-batching, schedule, determinism, saving."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import torch
 
 from rlcore.example.model import TinyModelSpec, make_model
 from rlcore.example.tokenizer import build_tokenizer
-from rlcore.trainer.sft import IGNORE_INDEX, SFTConfig, backward_batch, lr_at, run_sft, tokenize_sft_row
+from rlcore.example.warm_start import IGNORE_INDEX, WarmStartSettings, backward_batch, lr_at, run_warm_start, tokenize_sft_row
 
 SPEC = TinyModelSpec(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2)
 
@@ -38,7 +38,7 @@ def test_labels_cover_response_and_eos_only(tok):
 
 
 def test_lr_schedule_warmup_then_cosine():
-    cfg = SFTConfig(lr=1e-3, warmup_steps=4, min_lr_ratio=0.1)
+    cfg = WarmStartSettings(lr=1e-3, warmup_steps=4, min_lr_ratio=0.1)
     assert [lr_at(s, 24, cfg) for s in range(4)] == pytest.approx([2.5e-4, 5e-4, 7.5e-4, 1e-3])
     assert lr_at(14, 24, cfg) == pytest.approx(1e-4 + 9e-4 * 0.5 * (1 + math.cos(math.pi * 0.5)))
     assert lr_at(24, 24, cfg) == pytest.approx(1e-4)
@@ -46,7 +46,7 @@ def test_lr_schedule_warmup_then_cosine():
 
 def test_loss_decreases_on_a_tiny_batch(tok):
     model = make_model(tok, SPEC, seed=0)
-    m = run_sft(model, tok, rows(8), SFTConfig(lr=1e-2, batch_size=8, micro_batch_size=4, epochs=40, warmup_steps=2))
+    m = run_warm_start(model, tok, rows(8), WarmStartSettings(lr=1e-2, batch_size=8, micro_batch_size=4, epochs=40, warmup_steps=2))
     assert m["steps"] == 40
     assert m["loss_last"] < 0.3 * m["loss_first"]
     assert m["tokens"] == 40 * sum(len(r["response"]) - 3 + 1 for r in rows(8))  # "####" is one token; + EOS
@@ -81,7 +81,7 @@ def test_deterministic_given_seed_and_saved_model_reloads(tok, tmp_path):
     out = []
     for i in range(2):
         model = make_model(tok, SPEC, seed=1)
-        run_sft(model, tok, rows(12), SFTConfig(batch_size=4, micro_batch_size=2, epochs=2, seed=5,
+        run_warm_start(model, tok, rows(12), WarmStartSettings(batch_size=4, micro_batch_size=2, epochs=2, seed=5,
                                                 output_dir=str(tmp_path / f"m{i}")))
         out.append(params(model))
     for k in out[0]:
@@ -94,4 +94,4 @@ def test_deterministic_given_seed_and_saved_model_reloads(tok, tmp_path):
 def test_bad_batch_config_is_rejected(tok):
     model = make_model(tok, SPEC, seed=0)
     with pytest.raises(ValueError, match="not a multiple of micro_batch_size 3"):
-        run_sft(model, tok, rows(8), SFTConfig(batch_size=8, micro_batch_size=3))
+        run_warm_start(model, tok, rows(8), WarmStartSettings(batch_size=8, micro_batch_size=3))

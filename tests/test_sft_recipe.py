@@ -17,8 +17,11 @@ from rlcore.cli import CONFIG_DIR, main
 from rlcore.config import ConfigError, load_sft_config
 from rlcore.data import RLDataset, write_rows
 from rlcore.data.schema import DataValidationError
-from rlcore.data.sft import IGNORE_INDEX, SFTDataset, tokenize_messages, tokenize_prompt_response
-from rlcore.trainer.sft import backward_micro_batches, collate, packed_micro_batches
+from rlcore.data.sft import IGNORE_INDEX, SFTDataset, collate_sft, tokenize_messages, tokenize_prompt_response
+from rlcore.workers.loading import load_causal_lm
+from rlcore.workers.loops import GlobalCounts, MicroBatching
+from rlcore.workers.policy import PolicyLogProbs
+from rlcore.workers.sft import SFTObjective
 from rlcore.workers.tokenizer import end_token_ids, load_tokenizer
 
 SFT_CONFIG = CONFIG_DIR / "tiny_sft.yaml"
@@ -76,24 +79,39 @@ def test_bad_rows_are_named_and_long_rows_follow_truncation(own_model, tok, tmp_
 
 
 def test_packed_micro_batches_fit_the_budget_and_give_the_whole_batchs_gradient(own_model, tok):
-    from transformers import AutoModelForCausalLM
-
+    """The actor's SFT step as `update_sft` runs it: micro-batches packed to the token budget
+    (`MicroBatching`), each one's summed loss over the batch's labelled tokens (`SFTObjective`)."""
+    cpu = torch.device("cpu")
     data = SFTDataset(own_model.sft_file, tok, max_length=64, end_ids=end_token_ids(str(own_model.model_dir)))
     examples = data.examples[:24]
-    micro = packed_micro_batches(examples, max_tokens=128, pad_id=tok.pad_token_id)
-    assert len(micro) > 3 and all(int(mb["attention_mask"].sum()) <= 128 for mb in micro)
-    assert sorted(int(mb["attention_mask"].sum()) for mb in micro)[-1] > 100  # packed, not one sequence each
-    whole = [collate([(e.input_ids, e.labels) for e in examples], tok.pad_token_id)]
+    batch = collate_sft(examples, tok.pad_token_id)
+    tokens = batch["attention_mask"].sum(-1)
+    model = load_causal_lm(own_model.model_dir, "float32", cpu)
+    micro = MicroBatching(len(examples), dynamic=True, max_tokens=128).split(tokens, model, cpu)
+    assert len(micro) > 3 and all(int(tokens[mb].sum()) <= 128 for mb in micro)
+    assert sorted(int(tokens[mb].sum()) for mb in micro)[-1] > 100  # packed, not one sequence each
+    whole = [list(range(len(examples)))]
     grads, losses = [], []
     for split in (whole, micro):
-        model = AutoModelForCausalLM.from_pretrained(own_model.model_dir)
-        loss, targets = backward_micro_batches(model, split)
+        model = load_causal_lm(own_model.model_dir, "float32", cpu)
+        targets = float(batch["response_mask"].sum())
+        loss_of = SFTObjective(PolicyLogProbs(1.0, 1024, "torch"), model)(batch, GlobalCounts(targets, float(len(batch))))
+        loss = 0.0
+        for mb in split:
+            share = loss_of(batch.take(mb)).loss
+            share.backward()
+            loss += float(share.detach())
         grads.append({k: p.grad.clone() for k, p in model.named_parameters()})
         losses.append(loss)
     assert targets == sum(e.num_targets for e in examples) == 2 * len(examples)  # color + <|endoftext|>
     assert losses[1] == pytest.approx(losses[0], rel=1e-5)
     for k in grads[0]:
         torch.testing.assert_close(grads[1][k], grads[0][k], atol=1e-6, rtol=1e-4)
+    # the mean token loss transformers' own forward gives on the padded batch
+    with torch.no_grad():
+        logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits[:, :-1].float()
+    nll = torch.nn.functional.cross_entropy(logits.transpose(1, 2), batch["responses"], reduction="none")
+    assert losses[0] == pytest.approx(float((nll * batch["response_mask"]).sum() / targets), rel=1e-5)
 
 
 def test_config_keys_and_paths_are_checked_before_anything_loads(own_model, tmp_path, capsys):
@@ -149,6 +167,7 @@ def test_rlcore_sft_learns_resumes_exactly_and_writes_a_folder_rl_starts_from(ow
 
 
 @pytest.mark.slow
+@pytest.mark.pipeline  # the lifecycle's SFT warm-start stage
 def test_pipeline_warm_start_stage_trains_once_per_inputs(own_model, tmp_path):
     from rlcore.config import load_config
     from rlcore.lifecycle.stages import sft_stage

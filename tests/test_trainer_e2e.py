@@ -182,7 +182,7 @@ def test_reward_function_that_raises_is_counted_and_training_goes_on(tiny_exampl
     assert any(m["reward/mean"] < 1.0 for m in history)  # the failed items got error_score
 
 
-@pytest.mark.parametrize("backend", ["hf", "vllm"])
+@pytest.mark.parametrize("backend", ["hf", pytest.param("vllm", marks=pytest.mark.vllm)])
 def test_bfloat16_rollout_beside_a_float32_actor(tiny_example, tmp_path, backend):
     """rollout.dtype=bfloat16: the engine samples in bf16, the actor keeps float32 weights and
     recomputes the log-probs; the gap is small, nonzero, and reported every step."""

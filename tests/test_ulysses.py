@@ -14,9 +14,7 @@ parameter's largest entry).
 
 from __future__ import annotations
 
-import shutil
 import socket
-import tempfile
 from pathlib import Path
 
 import pytest
@@ -31,8 +29,8 @@ from rlcore.controller.dispatch import plan_dispatch
 from rlcore.data.preference import sequence_tensors
 from rlcore.protocol import Batch
 from rlcore.workers.actor import PolicyObjective
+from rlcore.workers.forward import response_values
 from rlcore.workers.loops import GlobalCounts
-from rlcore.workers.modeling import response_values
 from rlcore.workers.packed import pack_rows
 from rlcore.workers.policy import PolicyLogProbs
 from rlcore.workers.ulysses import enable_sequence_parallel, head_problem
@@ -228,6 +226,7 @@ def _sp_rank(rank: int, world_size: int, port: int, work: Path) -> None:
 
 
 @pytest.mark.slow
+@pytest.mark.distributed  # 2 gloo processes (mp.spawn)
 def test_two_sequence_parallel_ranks_compute_what_one_process_does(tmp_path):
     import torch.multiprocessing as mp
 
@@ -302,7 +301,9 @@ def _step(group) -> dict:
 
 
 @pytest.mark.slow
-def test_sequence_parallel_workers_step_as_one_process(tmp_path):
+@pytest.mark.ray
+@pytest.mark.distributed  # 2 sequence-parallel ranks on gloo
+def test_sequence_parallel_workers_step_as_one_process(tmp_path, ray_driver):
     """Two Ray ranks, one sequence-parallel group (actor.world_size=2, size 2, FSDP2 over both),
     gradient checkpointing on, several micro-batches: log-probs, reference log-probs, values, the
     critic's and the actor's update (loss, gradient norm, full gradients, new weights) are the
@@ -328,16 +329,10 @@ def test_sequence_parallel_workers_step_as_one_process(tmp_path):
     one = _step(InProcessWorkerGroup(_colocated(one_cfg), 1, "actor+ref+critic"))
 
     ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])  # workers cannot import tests/
-    temp = tempfile.mkdtemp(prefix="rlray", dir="/tmp")  # short: Ray's socket paths must fit 107 bytes
-    ray.init(num_cpus=2, include_dashboard=False, _temp_dir=temp, log_to_driver=False)
-    try:
-        group = RayWorkerGroup(_colocated(sp_cfg), 2, "actor+ref+critic", call_timeout_s=300)
-        assert group.methods["actor.update_actor"].ranks_per_shard == group.methods["critic.compute_values"].ranks_per_shard == 2
-        two = _step(group)
-        group.shutdown()
-    finally:
-        ray.shutdown()
-        shutil.rmtree(temp, ignore_errors=True)
+    group = RayWorkerGroup(_colocated(sp_cfg), 2, "actor+ref+critic", call_timeout_s=300)
+    assert group.methods["actor.update_actor"].ranks_per_shard == group.methods["critic.compute_values"].ranks_per_shard == 2
+    two = _step(group)
+    group.shutdown()
 
     for key, name in (("old", "old_log_probs"), ("old", "entropy"), ("ref", "ref_log_probs"), ("values", "values"),
                       ("values_after", "values")):

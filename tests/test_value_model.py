@@ -9,7 +9,7 @@ import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
-from rlcore.workers.modeling import load_sequence_classifier, load_value_model
+from rlcore.workers.loading import load_sequence_classifier, load_value_model
 
 SIZES = dict(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
              num_key_value_heads=2, max_position_embeddings=32)

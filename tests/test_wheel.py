@@ -25,7 +25,7 @@ CACHE = Path(os.environ.get("RLCORE_CACHE", Path.home() / ".cache" / "rlcore"))
 QUICK = ["trainer.total_steps=2", "data.train_batch_size=8", "actor.ppo_mini_batch_size=4", "rollout.n=4",
          "data.val_batch_size=128", "registry.promotion_margin=-1"]
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.prefect, pytest.mark.pipeline]  # a pipeline run in Prefect's ephemeral mode
 
 
 def _run(args: list[str], timeout: float, **kwargs) -> subprocess.CompletedProcess:

@@ -206,6 +206,7 @@ def _rank_main(rank: int, world_size: int, port: int, policy: Path, critic: Path
 
 
 @pytest.mark.slow
+@pytest.mark.distributed  # 2 FSDP2 ranks on gloo (mp.spawn)
 def test_two_fsdp2_ranks_report_and_step_as_one_process(tmp_path):
     import torch.multiprocessing as mp
 

@@ -18,7 +18,7 @@ from transformers import (
 
 from rlcore.data.preference import sequence_tensors
 from rlcore.workers.attention import use_packed_attention
-from rlcore.workers.modeling import check_packed_forward
+from rlcore.workers.model_checks import check_packed_forward
 
 VOCAB = 64
 SIZES = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2, max_position_embeddings=512,

@@ -9,6 +9,7 @@ inputs (see :mod:`rlcore.native`).
 
 from rlcore.algos.advantages import (
     GROUP_MODES,
+    advantage_estimator_inputs,
     advantage_estimator_names,
     compute_advantage,
     discounted_returns,
@@ -45,6 +46,7 @@ __all__ = [
     "KL_KINDS",
     "AdaptiveKLController",
     "FixedKLController",
+    "advantage_estimator_inputs",
     "advantage_estimator_names",
     "agg_loss",
     "apply_kl_penalty",

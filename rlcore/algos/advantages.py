@@ -17,7 +17,7 @@ Everything here runs under ``torch.no_grad``: advantages are targets, never diff
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from typing import Any, Literal
+from typing import Any, Literal, get_args
 
 import numpy as np
 import torch
@@ -34,6 +34,7 @@ __all__ = [
     "register_advantage_estimator",
     "get_advantage_estimator",
     "advantage_estimator_names",
+    "advantage_estimator_inputs",
     "compute_advantage",
     "GROUP_MODES",
 ]
@@ -239,22 +240,33 @@ def group_ids_from_uids(uids: Sequence[str] | np.ndarray) -> np.ndarray:
 # ----------------------------------------------------------------------------- estimator registry
 
 AdvantageEstimator = Callable[..., tuple[torch.Tensor, torch.Tensor]]
+# What an estimator reads beyond the rewards and the response mask (keywords of compute_advantage):
+# a run must supply them (the critic's values, ReMax's greedy baseline, the prompt of each sample).
+EstimatorInput = Literal["values", "group_ids", "reward_baselines"]
 _ESTIMATORS: dict[str, AdvantageEstimator] = {}
+_INPUTS: dict[str, frozenset[str]] = {}
 
 
 def register_advantage_estimator(
-    name: str, *, overwrite: bool = False
+    name: str, *, overwrite: bool = False, reads: Sequence[EstimatorInput] = ()
 ) -> Callable[[AdvantageEstimator], AdvantageEstimator]:
     """Decorator: register ``fn(**kwargs) -> (advantages, returns)`` under ``name``.
 
     The function receives every keyword of :func:`compute_advantage` plus ``name`` (take
-    ``**_`` for the ones you don't use). Registering a taken name raises unless ``overwrite=True``.
+    ``**_`` for the ones you don't use). ``reads``: the inputs it needs beyond the rewards
+    ("values": only a run with a critic has them; "reward_baselines": ReMax's greedy baseline,
+    which the recipe then generates; "group_ids"). Registering a taken name raises unless
+    ``overwrite=True``.
     """
+    unknown = set(reads) - set(get_args(EstimatorInput))
+    if unknown:
+        raise ValueError(f"advantage estimator {name!r}: unknown inputs {sorted(unknown)}; known: {get_args(EstimatorInput)}")
 
     def deco(fn: AdvantageEstimator) -> AdvantageEstimator:
         if name in _ESTIMATORS and _ESTIMATORS[name] is not fn and not overwrite:
             raise ValueError(f"advantage estimator {name!r} is already registered")
         _ESTIMATORS[name] = fn
+        _INPUTS[name] = frozenset(reads)
         return fn
 
     return deco
@@ -262,6 +274,12 @@ def register_advantage_estimator(
 
 def advantage_estimator_names() -> list[str]:
     return sorted(_ESTIMATORS)
+
+
+def advantage_estimator_inputs(name: str) -> frozenset[str]:
+    """What estimator ``name`` reads beyond the rewards (see `register_advantage_estimator`)."""
+    get_advantage_estimator(name)
+    return _INPUTS[name]
 
 
 def get_advantage_estimator(name: str) -> AdvantageEstimator:
@@ -330,7 +348,7 @@ def _outcome(scores_adv: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     return scores_adv.unsqueeze(-1) * mask.to(dtype=scores_adv.dtype)
 
 
-@register_advantage_estimator("gae")
+@register_advantage_estimator("gae", reads=("values",))
 @torch.no_grad()
 def _gae(
     *,
@@ -371,7 +389,7 @@ def _group_estimator(
     return adv, adv
 
 
-@register_advantage_estimator("grpo")
+@register_advantage_estimator("grpo", reads=("group_ids",))
 @torch.no_grad()
 def _grpo(*, token_level_rewards: torch.Tensor, response_mask: torch.Tensor, group_ids: Any,
           norm_adv_by_std: bool = True, epsilon: float = 1e-6, backend: Backend = "auto", name: str = "grpo",
@@ -381,7 +399,7 @@ def _grpo(*, token_level_rewards: torch.Tensor, response_mask: torch.Tensor, gro
     return _group_estimator(token_level_rewards, response_mask, group_ids, mode, epsilon, backend, name)
 
 
-@register_advantage_estimator("drgrpo")
+@register_advantage_estimator("drgrpo", reads=("group_ids",))
 @torch.no_grad()
 def _drgrpo(*, token_level_rewards: torch.Tensor, response_mask: torch.Tensor, group_ids: Any,
             epsilon: float = 1e-6, backend: Backend = "auto", name: str = "drgrpo",
@@ -390,7 +408,7 @@ def _drgrpo(*, token_level_rewards: torch.Tensor, response_mask: torch.Tensor, g
     return _group_estimator(token_level_rewards, response_mask, group_ids, "drgrpo", epsilon, backend, name)
 
 
-@register_advantage_estimator("rloo")
+@register_advantage_estimator("rloo", reads=("group_ids",))
 @torch.no_grad()
 def _rloo(*, token_level_rewards: torch.Tensor, response_mask: torch.Tensor, group_ids: Any,
           epsilon: float = 1e-6, backend: Backend = "auto", name: str = "rloo",
@@ -409,7 +427,7 @@ def _reinforce_pp(*, token_level_rewards: torch.Tensor, response_mask: torch.Ten
     return masked_whiten(returns, m) * m, returns
 
 
-@register_advantage_estimator("reinforce_plus_plus_baseline")
+@register_advantage_estimator("reinforce_plus_plus_baseline", reads=("group_ids",))
 @torch.no_grad()
 def _reinforce_pp_baseline(*, token_level_rewards: torch.Tensor, response_mask: torch.Tensor, group_ids: Any,
                            epsilon: float = 1e-6, backend: Backend = "auto",
@@ -425,7 +443,7 @@ def _reinforce_pp_baseline(*, token_level_rewards: torch.Tensor, response_mask: 
     return adv, adv
 
 
-@register_advantage_estimator("remax")
+@register_advantage_estimator("remax", reads=("reward_baselines",))
 @torch.no_grad()
 def _remax(*, token_level_rewards: torch.Tensor, response_mask: torch.Tensor,
            reward_baselines: torch.Tensor | None, name: str = "remax",

@@ -10,25 +10,27 @@ from __future__ import annotations
 import abc
 import functools
 from collections.abc import Callable
-from typing import Any
+from typing import Any, Generic, TypeVar
 
 from rlcore.controller.dispatch import Dispatch, MethodSpec, plan_dispatch
 
 __all__ = ["GroupFuture", "RoleView", "WorkerGroup"]
 
 _UNSET = object()
+T_co = TypeVar("T_co", covariant=True)
 
 
-class GroupFuture:
+class GroupFuture(Generic[T_co]):
     """Result of `call_async`: `.result()` waits, merges per-rank results and returns them,
-    or raises the `WorkerError` of the first failing rank."""
+    or raises the `WorkerError` of the first failing rank. `GroupFuture[Batch]`: what the typed
+    group interfaces (`rlcore.trainer.groups`) say it will return."""
 
     def __init__(self, wait: Callable[[], Any]):
         self._wait = wait
         self._value: Any = _UNSET
         self._error: BaseException | None = None
 
-    def result(self) -> Any:
+    def result(self) -> T_co:
         if self._value is _UNSET and self._error is None:
             try:
                 self._value = self._wait()
@@ -86,7 +88,7 @@ class WorkerGroup(abc.ABC):
             )
         return spec
 
-    def call_async(self, method: str, *args: Any, **kwargs: Any) -> GroupFuture:
+    def call_async(self, method: str, *args: Any, **kwargs: Any) -> GroupFuture[Any]:
         """Dispatch per the method's registration; returns a future."""
         spec = self._spec(method)
         args, kwargs = self._prepare_args(spec.dispatch, args, kwargs)
@@ -102,7 +104,7 @@ class WorkerGroup(abc.ABC):
 
         return tuple(resolve(a) for a in args), {k: resolve(v) for k, v in kwargs.items()}
 
-    def _make_future(self, dispatch: Dispatch, wait: Callable[[], Any]) -> GroupFuture:
+    def _make_future(self, dispatch: Dispatch, wait: Callable[[], Any]) -> GroupFuture[Any]:
         return GroupFuture(wait)
 
     def call(self, method: str, *args: Any, **kwargs: Any) -> Any:
@@ -162,13 +164,15 @@ class RoleView:
     def call(self, method: str, *args: Any, **kwargs: Any) -> Any:
         return self._group.call(f"{self._role}.{method}", *args, **kwargs)
 
-    def call_async(self, method: str, *args: Any, **kwargs: Any) -> GroupFuture:
+    def call_async(self, method: str, *args: Any, **kwargs: Any) -> GroupFuture[Any]:
         return self._group.call_async(f"{self._role}.{method}", *args, **kwargs)
 
     def __getattr__(self, name: str) -> Callable[..., Any]:
         if name.startswith("_"):
             raise AttributeError(name)
         full = f"{self._role}.{name}"
-        if full not in self._group.methods:
-            raise AttributeError(f"role {self._role!r} has no registered method {name!r}")
-        return functools.partial(self._group.call, full)
+        if full in self._group.methods:
+            return functools.partial(self._group.call, full)
+        if name.endswith("_async") and full[: -len("_async")] in self._group.methods:  # view.generate_async(b), as on a group
+            return functools.partial(self._group.call_async, full[: -len("_async")])
+        raise AttributeError(f"role {self._role!r} has no registered method {name!r}")

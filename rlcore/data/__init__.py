@@ -2,7 +2,7 @@
 
 from rlcore.data.chat import prompt_ids, render_prompt
 from rlcore.data.dataset import PromptItem, RLDataset
-from rlcore.data.io import check_data_file, column_values, peek_fields, peek_rows, read_rows, write_rows
+from rlcore.data.io import check_data_file, peek_fields, peek_rows, read_column, read_rows, write_rows
 from rlcore.data.loader import PromptLoader, collate_prompts
 from rlcore.data.schema import (
     RL_FIELDS,
@@ -17,6 +17,6 @@ from rlcore.data.schema import (
 
 __all__ = [
     "RL_FIELDS", "DataError", "DataValidationError", "DatasetError", "PromptItem", "PromptLoader", "RLDataset",
-    "UnreadableRow", "apply_policy", "check_data_file", "collate_prompts", "column_values", "peek_fields", "peek_rows",
-    "prompt_ids", "read_rows", "render_prompt", "validate_row", "validate_rows", "write_rows",
+    "UnreadableRow", "apply_policy", "check_data_file", "collate_prompts", "peek_fields", "peek_rows", "prompt_ids",
+    "read_column", "read_rows", "render_prompt", "validate_row", "validate_rows", "write_rows",
 ]

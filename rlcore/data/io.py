@@ -116,21 +116,21 @@ def peek_rows(path: str | Path, n: int, columns: Sequence[str] | None = None) ->
     return picked if columns is None else [{k: r[k] for k in columns if k in r} for r in picked]
 
 
-def column_values(path: str | Path, column: str) -> set[Any]:
-    """The distinct values of one top-level field (parquet: that column alone is read), e.g. the
-    data sources a file holds; rows without it or that cannot be decoded are left out."""
+def read_column(path: str | Path, column: str) -> list[Any]:
+    """One top-level field of every row, in row order (parquet: that column alone is read); None
+    where a row lacks it or cannot be decoded. For start-up checks that name rows."""
     path = check_data_file(path)
     if path.suffix.lower() in PARQUET:
         pf = _open_parquet(path)
         if column not in pf.schema_arrow.names:
-            return set()
+            return [None] * pf.metadata.num_rows
         try:
-            values = pf.read(columns=[column]).column(column).to_pylist()
+            return [_to_python(v) for v in pf.read(columns=[column]).column(column).to_pylist()]
         except UnicodeDecodeError:
-            values = [r.get(column) for r in _read_parquet(path) if isinstance(r, dict)]
+            rows = _read_parquet(path)
     else:
-        values = [r.get(column) for r in _read_jsonl(path) if isinstance(r, dict)]
-    return {v for v in values if v is not None and not isinstance(v, (list, dict))}
+        rows = _read_jsonl(path)
+    return [r.get(column) if isinstance(r, dict) else None for r in rows]
 
 
 # ----------------------------------------------------------------------------- parquet
@@ -283,4 +283,4 @@ def write_rows(rows: list[dict], path: str | Path) -> Path:
     return path
 
 
-__all__ = ["JSONL", "PARQUET", "check_data_file", "column_values", "peek_fields", "peek_rows", "read_rows", "write_rows"]
+__all__ = ["JSONL", "PARQUET", "check_data_file", "peek_fields", "peek_rows", "read_column", "read_rows", "write_rows"]

@@ -12,6 +12,8 @@ Two row shapes, chosen per file by its columns (keys configurable, `data.*_key`)
   context. Each assistant turn's prefix is the template's generation prompt, as at sampling time.
 
 Bad rows are reported all at once, each naming file, row and field (or skipped and counted).
+
+`collate_sft` makes a batch of examples the `Batch` the actor's supervised update takes.
 """
 
 from __future__ import annotations
@@ -22,9 +24,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
+import torch
+
 from rlcore.data.chat import has_chat_template, prompt_ids
 from rlcore.data.io import peek_fields, read_rows
 from rlcore.data.schema import ROLES, BadRowPolicy, DataError, DatasetError, DataValidationError, UnreadableRow
+from rlcore.protocol import Batch
 
 log = logging.getLogger(__name__)
 
@@ -43,6 +48,25 @@ class SFTExample:
     def num_targets(self) -> int:
         """Tokens the loss is taken on (a label at position t is predicted from the tokens before it)."""
         return sum(label != IGNORE_INDEX for label in self.labels[1:])
+
+
+def collate_sft(examples: Sequence[SFTExample], pad_token_id: int) -> Batch:
+    """Examples as one right-padded `Batch` in the RL layout with a one-token prompt, which the
+    log-prob path (`rlcore.workers.forward`) reads as it reads RL responses: `input_ids`,
+    `attention_mask`, `position_ids` [N, T]; `responses` = every token after the first [N, T-1],
+    and `response_mask` = 1 on those with a label (each is predicted from the tokens before it)."""
+    width = max(len(e.input_ids) for e in examples)
+    input_ids = torch.full((len(examples), width), pad_token_id, dtype=torch.long)
+    labels = torch.full((len(examples), width), IGNORE_INDEX, dtype=torch.long)
+    attention_mask = torch.zeros((len(examples), width), dtype=torch.long)
+    for i, e in enumerate(examples):
+        input_ids[i, : len(e.input_ids)] = torch.tensor(e.input_ids)
+        labels[i, : len(e.labels)] = torch.tensor(e.labels)
+        attention_mask[i, : len(e.input_ids)] = 1
+    position_ids = (attention_mask.cumsum(1) - 1).clamp(min=0)
+    return Batch(tensors={"input_ids": input_ids, "attention_mask": attention_mask, "position_ids": position_ids,
+                          "responses": input_ids[:, 1:].clone(), "response_mask": (labels[:, 1:] != IGNORE_INDEX).float()},
+                 info={"temperature": 1.0})
 
 
 def tokenize_prompt_response(prompt: str | list[dict[str, str]], response: str, tokenizer: Any,
@@ -185,4 +209,4 @@ class SFTDataset:
         return self.examples[i]
 
 
-__all__ = ["IGNORE_INDEX", "SFTDataset", "SFTExample", "tokenize_messages", "tokenize_prompt_response"]
+__all__ = ["IGNORE_INDEX", "SFTDataset", "SFTExample", "collate_sft", "tokenize_messages", "tokenize_prompt_response"]

@@ -41,8 +41,8 @@ from rlcore.example.evaluate import evaluate_accuracy
 from rlcore.example.model import TinyModelSpec, make_model
 from rlcore.example.task import format_response, prompt_messages, rl_row, sft_rows, split_problems
 from rlcore.example.tokenizer import build_tokenizer
+from rlcore.example.warm_start import WarmStartSettings, run_warm_start, save_model
 from rlcore.tracking import progress
-from rlcore.trainer.sft import SFTConfig, run_sft, save_model
 
 log = logging.getLogger(__name__)
 
@@ -303,13 +303,13 @@ def _build_into(root: Path, seed: int, recipe: Recipe, say: Callable[[str], None
     # fork_rng: building the example leaves the caller's torch RNG untouched.
     with torch.random.fork_rng(devices=[]):
         model = make_model(tokenizer, recipe.model, seed)
-        cfg = SFTConfig(lr=recipe.sft_lr, batch_size=recipe.sft_batch_size, micro_batch_size=recipe.sft_batch_size,
-                        epochs=1, max_steps=recipe.sft_steps, warmup_steps=recipe.sft_warmup_steps, seed=seed,
-                        log_every=250)
+        cfg = WarmStartSettings(lr=recipe.sft_lr, batch_size=recipe.sft_batch_size, micro_batch_size=recipe.sft_batch_size,
+                                epochs=1, max_steps=recipe.sft_steps, warmup_steps=recipe.sft_warmup_steps, seed=seed,
+                                log_every=250)
         say(f"tiny example: SFT of a {sum(p.numel() for p in model.parameters()):,}-parameter Llama "
             f"for {recipe.sft_steps} steps")
         with progress(recipe.sft_steps, "tiny example SFT", unit="steps", say=say, every_s=10.0) as bar:
-            metrics = run_sft(model, tokenizer, sft, cfg, log=say, on_step=lambda step, total: bar.update(1))
+            metrics = run_warm_start(model, tokenizer, sft, cfg, log=say, on_step=lambda step, total: bar.update(1))
         model_dir = root / "model"
         save_model(model, tokenizer, model_dir)
         greedy = evaluate_accuracy(model, tokenizer, val_file, greedy=True, max_new_tokens=recipe.max_new_tokens)

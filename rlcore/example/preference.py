@@ -21,11 +21,14 @@ import shutil
 from dataclasses import dataclass
 from pathlib import Path
 
+from rlcore.algorithms import ALGORITHMS, names_where, traits_of
 from rlcore.data.io import read_rows, write_rows
 from rlcore.example.build import TinyExample, build_tiny_example
 from rlcore.example.task import DATA_SOURCE, Problem, format_response
 
 PREFERENCE_VERSION = 1
+# the algorithms that train on this set: DPO, KTO, a reward model
+PREFERENCE_ALGORITHMS = [name for name in names_where() if ALGORITHMS[name].data in ("pairwise", "unpaired")]
 _QUESTION = re.compile(r"^(\d+)\+(\d+)=$")
 
 
@@ -109,8 +112,9 @@ def train_overrides(example: TinyExample, files: PreferenceFiles, algorithm: str
     """`rlcore train rlcore/configs/tiny_<algorithm>.yaml <these>`: the held-out pairs validate every
     algorithm (preference accuracy needs pairs); for DPO and KTO the example's RL validation file
     gives task accuracy. `rm` (a reward model) trains on the pairs."""
-    train = files.kto_train if algorithm == "kto" else files.dpo_train
-    task = [] if algorithm == "rm" else [f"preference.task_val_files=[{example.val_file}]"]
+    traits = traits_of(algorithm)
+    train = files.kto_train if traits.data == "unpaired" else files.dpo_train
+    task = [f"preference.task_val_files=[{example.val_file}]"] if traits.task_validation else []
     return [
         f"model.path={example.model_dir}",
         f"data.train_files=[{train}]",
@@ -123,7 +127,7 @@ def train_overrides(example: TinyExample, files: PreferenceFiles, algorithm: str
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m rlcore.example.preference", description=__doc__.splitlines()[0])
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--algorithm", choices=["dpo", "kto", "rm"], default="dpo")
+    parser.add_argument("--algorithm", choices=PREFERENCE_ALGORITHMS, default="dpo")
     parser.add_argument("--output-dir", default="runs/tiny_pref")
     parser.add_argument("--force", action="store_true")
     args = parser.parse_args(argv)

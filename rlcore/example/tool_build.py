@@ -45,16 +45,17 @@ from rlcore.example.build import (
 from rlcore.example.model import TinyModelSpec, make_model
 from rlcore.example.tokenizer import build_tool_tokenizer
 from rlcore.example.tool_task import TOOL_NAME, draw_problems, rl_row, sft_rows
+from rlcore.example.warm_start import save_model
 from rlcore.rewards.gsm8k import compute_score
 from rlcore.rewards.tools import ToolPool
 from rlcore.rollout import HFRolloutEngine, SamplingParams
 from rlcore.rollout.agent import AgentLoop, AgentSettings
-from rlcore.trainer.sft import run_sft_config, save_model
+from rlcore.trainer.sft import run_sft_config
 
 log = logging.getLogger(__name__)
 
 # Bump whenever anything below changes what gets built (task, tokenizer, model, SFT recipe).
-TOOL_BUILDER_VERSION = 1
+TOOL_BUILDER_VERSION = 2  # 2: the SFT recipe trains on the actor worker (same loss to float tolerance, other bits)
 TOOL_SPEC = "rlcore.example.tools:calculator"
 
 
@@ -234,8 +235,8 @@ def _build_tool_into(root: Path, seed: int, recipe: ToolRecipe, say: Callable[[s
             "model": {"path": str(init)},
             "data": {"train_files": [str(sft_file)], "max_length": recipe.model.max_position_embeddings,
                      "tokenizer_check_rows": 0},
-            "optim": {"lr": recipe.sft_lr, "warmup_steps": recipe.sft_warmup_steps, "schedule": "cosine",
-                      "min_lr_ratio": 0.1},
+            "actor": {"optim": {"lr": recipe.sft_lr, "warmup_steps": recipe.sft_warmup_steps, "schedule": "cosine",
+                                "min_lr_ratio": 0.1}},
             "trainer": {"total_steps": recipe.sft_steps, "batch_size": recipe.sft_batch_size, "seed": seed,
                         "output_dir": str(root / "sft"), "save_every": recipe.sft_steps, "keep_last": 1,
                         "val_before_train": False, "loggers": ["jsonl"], "device": "cpu", "resume": "disable"},

@@ -1,5 +1,7 @@
 """data_prep: validate every row (fail or skip by policy), deduplicate, split, write parquet,
-fingerprint. Cached by input fingerprint: the same files and settings reuse the prepared data."""
+fingerprint. Cached by input fingerprint: the same files and settings reuse the prepared data.
+The cached result is JSON under the pipeline's working folder, read back only if it is data
+(`rlcore.flows.results`): a planted record is refused with a warning and the task runs again."""
 
 from __future__ import annotations
 
@@ -10,6 +12,7 @@ from typing import Any
 from prefect import flow, task
 
 from rlcore.config import config_from_dict
+from rlcore.flows.results import DATA_ONLY_JSON, result_storage_for
 from rlcore.lifecycle import stages
 from rlcore.lifecycle.data_prep import retry_if_transient
 
@@ -23,15 +26,23 @@ def _cache_key(context: Any, parameters: dict[str, Any]) -> str:
 
 
 # Retried once for a transient failure (I/O, the tracking store); a data or config error is final.
-@task(name="data_prep", cache_key_fn=_cache_key, persist_result=True, retries=1, retry_delay_seconds=2,
-      retry_condition_fn=retry_if_transient)
+# Call it through `prepare_data`, which stores its result under the workdir.
+@task(name="data_prep", cache_key_fn=_cache_key, persist_result=True, result_serializer=DATA_ONLY_JSON,
+      retries=1, retry_delay_seconds=2, retry_condition_fn=retry_if_transient)
 def prepare_data_task(config: dict[str, Any], workdir: str, val_fraction: float = 0.1,
                       ctx: dict[str, Any] | None = None) -> dict[str, Any]:
     return stages.prepare_data_stage(config_from_dict(config), workdir, val_fraction, ctx)
+
+
+def prepare_data(config: dict[str, Any], workdir: str, val_fraction: float = 0.1, ctx: dict[str, Any] | None = None,
+                 *, refresh: bool = False) -> dict[str, Any]:
+    """The data_prep task, its cached result kept in `<workdir>/task-results` (`refresh`: recompute)."""
+    task = prepare_data_task.with_options(result_storage=result_storage_for(workdir), refresh_cache=refresh or None)
+    return task(config, workdir, val_fraction, ctx)
 
 
 @flow(name="data_prep")
 def data_prep(config_path: str | None = None, overrides: list[str] | None = None, data_path: str | None = None,
               workdir: str = "runs/pipeline", val_fraction: float = 0.1) -> dict[str, Any]:
     config = stages.load_pipeline_config(config_path, overrides or [], data_path)
-    return prepare_data_task(config.model_dump(mode="json"), workdir, val_fraction)
+    return prepare_data(config.model_dump(mode="json"), workdir, val_fraction)

@@ -21,7 +21,7 @@ from typing import Any
 from prefect import flow
 
 from rlcore.example.overrides import example_overrides, example_rm_overrides
-from rlcore.flows.data_prep import prepare_data_task
+from rlcore.flows.data_prep import prepare_data
 from rlcore.flows.evaluate import evaluate_task
 from rlcore.flows.promote import promote_task
 from rlcore.flows.reward_model import (
@@ -86,9 +86,9 @@ def rl_pipeline(
     ctx = stages.start_pipeline(config, workdir, run_name or _current_run_name(),
                                 trigger={"data_path": data_path} if data_path else None)
     try:
-        prepared = prepare_data_task(tree, workdir, val_fraction, ctx)
+        prepared = prepare_data(tree, workdir, val_fraction, ctx)
         if not (Path(prepared["train_file"]).is_file() and Path(prepared["val_file"]).is_file()):
-            prepared = prepare_data_task.with_options(refresh_cache=True)(tree, workdir, val_fraction, ctx)
+            prepared = prepare_data(tree, workdir, val_fraction, ctx, refresh=True)
         if sft:
             warm = sft_task(tree, sft, workdir, ctx)
             tree = {**tree, "model": {**tree["model"], "path": warm["model_dir"]}}

@@ -17,7 +17,7 @@ class RewardModelStageError(RLCoreError):
 def check_reward_model_config(rm_config: Config, policy_config: Config) -> None:
     """The reward model's config trains one (`algorithm.name: rm`), has held-out pairs to be gated
     on, and registers under a name of its own."""
-    if rm_config.algorithm.name != "rm":
+    if "reward_model" not in rm_config.traits.trains:
         raise RewardModelStageError(f"--reward-config: algorithm.name is {rm_config.algorithm.name}; the reward "
                                     "model's config must train one (algorithm.name: rm)")
     if not rm_config.data.val_files:

@@ -20,7 +20,7 @@ import traceback
 from pathlib import Path
 from typing import Any
 
-from rlcore.config import Config, LoraConfig, SFTRunConfig, config_from_dict, load_config, load_sft_config, sft_config_from_dict
+from rlcore.config import Config, LoraConfig, SFTConfig, config_from_dict, load_config, load_sft_config
 from rlcore.lifecycle.data_prep import prepare_dataset
 from rlcore.lifecycle.evaluation import evaluate_model
 from rlcore.lifecycle.fingerprint import files_fingerprint
@@ -206,7 +206,7 @@ def prepare_data_stage(config: Config, workdir: str | Path, val_fraction: float 
 
 
 # ---------------------------------------------------------------------- SFT warm start
-def sft_stage_config(config: Config, sft: dict[str, Any], workdir: str | Path) -> SFTRunConfig:
+def sft_stage_config(config: Config, sft: dict[str, Any], workdir: str | Path) -> SFTConfig:
     """The warm start's SFT config: `sft["config_path"]` (else the SFT defaults) from the RL
     config's `model.path`, on `sft["data_path"]` when given, then `sft["overrides"]`; its output
     folder is keyed by what decides the result (data content, settings, base model), so a later
@@ -243,10 +243,11 @@ def sft_stage(config: Config, sft: dict[str, Any], workdir: str | Path, ctx: dic
         store = open_store(config, workdir)
         run_id = store.start_run("sft", ctx["run_id"], {**stage_tags(ctx, "sft"), "base_model": result["base_model"]})
         loggers = list(sft_config.trainer.loggers) + ([] if "mlflow" in sft_config.trainer.loggers else ["mlflow"])
-        tree = sft_config.model_dump(mode="json")
-        tree["trainer"]["loggers"] = loggers
-        tree["tracking"].update(mlflow_uri=store.tracking_uri, run_id=run_id)
-        sft_config = sft_config_from_dict(tree)
+        # model_copy, not a dump and reload: a reload would see every default as set, and the SFT
+        # config refuses RL-only keys that are set
+        sft_config = sft_config.model_copy(update={
+            "trainer": sft_config.trainer.model_copy(update={"loggers": loggers}),
+            "tracking": sft_config.tracking.model_copy(update={"mlflow_uri": store.tracking_uri, "run_id": run_id})})
     try:
         model_dir, history = run_sft_config(sft_config)
     except BaseException as err:

@@ -21,7 +21,7 @@ from rlcore.flops import ModelFlops, causal_pairs
 from rlcore.plan.models import Head, config_dict
 from rlcore.workers.critic import critic_settings
 from rlcore.workers.loops import MicroBatching
-from rlcore.workers.modeling import compute_precision, trained_dtype
+from rlcore.workers.loading import compute_precision, trained_dtype
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 

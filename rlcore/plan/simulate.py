@@ -43,7 +43,7 @@ from rlcore.plan.roles import RolePlan
 from rlcore.triton_kernels import fused_token_logprobs
 from rlcore.workers.attention import SEQUENCE_PARALLEL_KWARG, use_packed_attention
 from rlcore.workers.fsdp import is_sharded, shard_model
-from rlcore.workers.modeling import lm_head_semantics, score_head
+from rlcore.workers.forward import lm_head_semantics, score_head
 from rlcore.workers.optim import build_optimizer
 from rlcore.workers.packed import PackedRows, pack_rows
 from rlcore.workers.ulysses import SequenceParallel, enable_sequence_parallel, sequence_parallel_of

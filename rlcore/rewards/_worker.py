@@ -51,15 +51,38 @@ def score_row(fn: RewardFn, row: Row) -> tuple[int, bool, Any]:
 
 def tool_text(result: Any) -> str:
     """What a tool returned, as the text the model reads: a string as is, JSON values as JSON;
-    anything else is an error (a tool must answer in text the chat template can render)."""
+    anything else is an error (a tool must answer in text the chat template can render), and so
+    is text that is not valid Unicode (lone surrogates, as `surrogateescape` decoding of bytes that
+    are not UTF-8 leaves them: no tokenizer can encode it)."""
     if isinstance(result, str):
-        return result
-    if result is None or isinstance(result, (bool, int, float, list, dict)):
+        text = str.__str__(result)  # a plain str, also of a str subclass (whose pickle the driver could not load)
+    elif result is None or isinstance(result, (bool, int, float, list, dict)):
         try:
-            return json.dumps(result, ensure_ascii=False, allow_nan=False)
-        except (TypeError, ValueError) as e:
-            raise TypeError(f"tool returned {type(result).__name__} that is not JSON: {e}") from None
-    raise TypeError(f"tool returned {type(result).__name__}, expected a string or a JSON value")
+            text = json.dumps(result, ensure_ascii=False, allow_nan=False)
+        except (TypeError, ValueError, RecursionError) as e:
+            raise TypeError(f"tool returned {type(result).__name__} that is not JSON: {type(e).__name__}: {e}") from None
+    elif isinstance(result, (bytes, bytearray, memoryview)):
+        raise TypeError(f"tool returned {type(result).__name__}, expected text: decode it first "
+                        "(e.g. .decode('utf-8', errors='replace'))")
+    else:
+        raise TypeError(f"tool returned {type(result).__name__}, expected a string or a JSON value")
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise ValueError(f"tool returned text that is not valid Unicode ({e.reason}: {text[e.start]!r} at "
+                         f"character {e.start}); decode bytes with errors='replace'") from None
+    return text
+
+
+def error_message(e: BaseException, max_chars: int) -> str:
+    """"<Type>: message" of a failed call, at most `max_chars` characters, whatever the exception's
+    `str` does (raise, run long, hold lone surrogates)."""
+    try:
+        detail = str(e)
+    except Exception:  # noqa: BLE001 - a user exception whose __str__ fails
+        detail = ""
+    message = f"{type(e).__name__}: {detail}" if detail else type(e).__name__
+    return message[:max_chars].encode("utf-8", "replace").decode("utf-8")
 
 
 def run_tool(tools: dict[str, Any], row: ToolRow, max_chars: int) -> tuple[int, bool, Any]:
@@ -71,8 +94,11 @@ def run_tool(tools: dict[str, Any], row: ToolRow, max_chars: int) -> tuple[int, 
         text = tool_text(tools[name](**arguments))
         return index, True, (text[:max_chars], len(text) > max_chars)
     except (Exception, SystemExit) as e:  # MemoryError included: the call, not the worker, failed
-        message = f"{type(e).__name__}: {e}" if str(e) else type(e).__name__
-        return index, False, (message, traceback.format_exc())
+        try:
+            trace = traceback.format_exc()[-20_000:]
+        except Exception:  # noqa: BLE001 - formatting a hostile exception
+            trace = ""
+        return index, False, (error_message(e, max_chars), trace.encode("utf-8", "replace").decode("utf-8"))
 
 
 def _limit_memory(memory_mb: float | None) -> None:

@@ -165,10 +165,13 @@ class ToolPool:
             name, start = self._submitted.pop(call_id)
             kind, payload = self._outcomes.pop(call_id)
             if kind == "ok":
-                text, truncated = payload
-                out.append(ToolOutcome(call_id, name, text, True, None, False, bool(truncated), now - start))
-                continue
+                text, truncated = payload if isinstance(payload, tuple) and len(payload) == 2 else (None, False)
+                if type(text) is str:
+                    out.append(ToolOutcome(call_id, name, text, True, None, False, bool(truncated), now - start))
+                    continue
+                kind, payload = "error", (f"InvalidToolResult: the worker sent {type(text).__name__}, not text", None)
             error = payload if kind == "timeout" else payload[0]
+            error = str(error)[: self._limits["max_chars"]]
             out.append(ToolOutcome(call_id, name, error_text(error), False, error, kind == "timeout", False, now - start))
         return out
 

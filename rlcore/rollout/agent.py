@@ -43,7 +43,6 @@ import itertools
 import json
 import logging
 import math
-import re
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -64,7 +63,7 @@ log = logging.getLogger(__name__)
 _QUIET_S = 0.02
 _WAIT_S = 1.0  # longest single wait on the tool pool (it polices timeouts in between)
 
-TOOL_CALL = re.compile(r"<tool_call>(.*?)</tool_call>", re.DOTALL)
+OPEN_TAG, CLOSE_TAG = "<tool_call>", "</tool_call>"
 _MARK = "RLCORE_AGENT_TURN"  # stand-in content whose rendering locates the template's own tokens
 
 
@@ -151,34 +150,94 @@ class ToolCall:
     error: str | None = None  # why the call could not be read (then it is not run)
 
 
+# Tool-call arguments nested deeper than this are refused as unreadable: no tool needs more, and
+# everything downstream (pickling to the tool worker, the trace, the reward's extra_info) stays
+# far from Python's recursion limit.
+MAX_ARGUMENT_DEPTH = 32
+
+
+def nesting_depth(value: Any, limit: int = MAX_ARGUMENT_DEPTH) -> int:
+    """How deep lists and dicts nest in `value` (a scalar: 0), counted without recursion; stops
+    counting once past `limit`."""
+    deepest, stack = 0, [(value, 1)]
+    while stack:
+        item, depth = stack.pop()
+        children = item.values() if isinstance(item, dict) else item if isinstance(item, list) else None
+        if children is None:
+            continue
+        deepest = max(deepest, depth)
+        if depth > limit:
+            return deepest
+        stack.extend((child, depth + 1) for child in children)
+    return deepest
+
+
+def _json(text: str) -> tuple[Any, str | None]:
+    """`text` parsed as JSON, or the reason it cannot be read (any input: never raises)."""
+    try:
+        value = json.loads(text)
+    except RecursionError:
+        return None, f"nested deeper than {MAX_ARGUMENT_DEPTH} levels"
+    except ValueError as e:
+        return None, f"not JSON ({str(e)[:200]})"
+    if nesting_depth(value) > MAX_ARGUMENT_DEPTH:
+        return None, f"nested deeper than {MAX_ARGUMENT_DEPTH} levels"
+    return value, None
+
+
+def _tool_call_bodies(text: str) -> list[str]:
+    """The text between each <tool_call> and the first </tool_call> after it, in order (as the
+    non-greedy pattern `<tool_call>(.*?)</tool_call>` finds them, in linear time: the pattern
+    rescans to the end of the text for every unclosed tag)."""
+    bodies, pos = [], 0
+    while (start := text.find(OPEN_TAG, pos)) >= 0:
+        end = text.find(CLOSE_TAG, start + len(OPEN_TAG))
+        if end < 0:
+            break
+        bodies.append(text[start + len(OPEN_TAG):end])
+        pos = end + len(CLOSE_TAG)
+    return bodies
+
+
 def parse_tool_calls(text: str) -> list[ToolCall]:
-    """The hermes-format tool calls in an assistant turn's text, in order; an unreadable one is a
-    `ToolCall` with `error` set (the model is told why, and it counts as a tool error)."""
+    """The hermes-format tool calls in an assistant turn's text, in order; an unreadable one (not
+    JSON, nested too deep, not a call) is a `ToolCall` with `error` set (the model is told why, and
+    it counts as a tool error). Never raises, whatever the text."""
     calls = []
-    for m in TOOL_CALL.finditer(text):
-        try:
-            call = json.loads(m.group(1))
-        except ValueError as e:
-            calls.append(ToolCall("", None, f"InvalidToolCall: not JSON ({e})"))
+    for body in _tool_call_bodies(text):
+        call, why = _json(body)
+        if why is not None:
+            calls.append(ToolCall("", None, f"InvalidToolCall: {why}"))
             continue
         if not isinstance(call, dict) or not isinstance(call.get("name"), str):
             calls.append(ToolCall("", None, 'InvalidToolCall: expected {"name": ..., "arguments": {...}}'))
             continue
         args = call.get("arguments", {})
         if isinstance(args, str):  # some models write the arguments as a JSON string
-            try:
-                args = json.loads(args)
-            except ValueError as e:
-                calls.append(ToolCall(call["name"], None, f"InvalidToolCall: arguments are not JSON ({e})"))
+            args, why = _json(args)
+            if why is not None:
+                calls.append(ToolCall(call["name"], None, f"InvalidToolCall: arguments are {why}"))
                 continue
         if not isinstance(args, dict):
             calls.append(ToolCall(call["name"], None, "InvalidToolCall: arguments must be a JSON object"))
             continue
         calls.append(ToolCall(call["name"], args))
-    opened, closed = text.count("<tool_call>"), text.count("</tool_call>")
+    opened, closed = text.count(OPEN_TAG), text.count(CLOSE_TAG)
     if opened > closed:
         calls.append(ToolCall("", None, "InvalidToolCall: <tool_call> without </tool_call>"))
     return calls
+
+
+def model_text(text: Any) -> tuple[str, bool]:
+    """(`text` as a string a tokenizer can encode, whether it had to change): lone surrogates (from
+    JSON escapes such as "\\udc80", or bytes decoded with `surrogateescape`) become U+FFFD."""
+    if type(text) is not str:
+        return repr(text) if not isinstance(text, str) else str.__str__(text), True
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return text.encode("utf-16", "surrogatepass").decode("utf-16", "replace"), True
+    return text, False
 
 
 class ChatTurns:
@@ -383,6 +442,15 @@ class AgentLoop:
 
     def _result(self, ep: _Episode, name: str, text: str, ok: bool, error: str | None, timed_out: bool,
                 latency_s: float) -> dict[str, Any]:
+        """The tool message the model reads. Whatever a tool or the model's call held, it is text
+        the tokenizer encodes: a result that is not (lone surrogates, not a string) is a counted
+        error; a name or error text that is not is repaired (U+FFFD)."""
+        name = model_text(name)[0]
+        text, changed = model_text(text)
+        if changed and ok:
+            ok, error = False, "InvalidToolResult: the tool's result is not valid Unicode text"
+            text = f"Error: {error}"
+        error = None if error is None else model_text(error)[0]
         if not ok:
             ep.tool_errors += 1
             ep.tool_timeouts += int(timed_out)
@@ -422,7 +490,14 @@ class AgentLoop:
 
     def _continue(self, ep: _Episode, new_messages: list[dict[str, Any]]) -> None:
         """Append the rendered messages and the next assistant header, if a turn still fits."""
-        ids = self.turns.between(ep.end_id, new_messages)
+        try:
+            ids = self.turns.between(ep.end_id, new_messages)
+        except Exception as e:  # noqa: BLE001 - the template refused this content: end this episode, not the run
+            ep.finish = "render_error"
+            ep.trace.append({"turn": ep.turns, "kind": "rendered", "ok": False, "error": model_text(f"{type(e).__name__}: {e}")[0]})
+            log.warning("agent: the chat template could not render sample %d's %s message: %s: %s", ep.row,
+                        new_messages[-1]["role"], type(e).__name__, e)
+            return
         if len(ep.ids) + len(ids) >= self.settings.max_total_tokens:
             ep.finish = "max_total_tokens"
             return
@@ -442,7 +517,7 @@ class AgentLoop:
         if reply.done or ep.turns >= self.settings.max_turns:
             ep.finish = "interaction" if reply.done else "max_turns"
             return
-        ep.messages.append({"role": "user", "content": reply.content})
+        ep.messages.append({"role": "user", "content": model_text(reply.content)[0]})
 
     # ------------------------------------------------------------------ the output batch
     def _output(self, batch: Batch, episodes: list[_Episode], params: SamplingParams) -> Batch:
@@ -476,5 +551,5 @@ class AgentLoop:
         return Batch(tensors=out.tensors, meta=meta, info=out.info)
 
 
-__all__ = ["AgentLoop", "AgentSettings", "ChatTurns", "InteractionReply", "ToolCall", "ToolResult", "ToolRunner",
-           "TurnEngine", "parse_tool_calls", "sample_key"]
+__all__ = ["MAX_ARGUMENT_DEPTH", "AgentLoop", "AgentSettings", "ChatTurns", "InteractionReply", "ToolCall", "ToolResult",
+           "ToolRunner", "TurnEngine", "model_text", "nesting_depth", "parse_tool_calls", "sample_key"]

@@ -20,10 +20,11 @@ import numpy as np
 import torch
 
 from rlcore.protocol import Batch
+from rlcore.trainer.groups import required
 
-if TYPE_CHECKING:  # annotations only: this part needs nothing of the trainer at run time
+if TYPE_CHECKING:  # annotations only
+    from rlcore.trainer.groups import WorkerGroups
     from rlcore.trainer.metrics import Timer
-    from rlcore.trainer.roles import WorkerGroups
 
 
 def greedy_sampling(sampling: dict[str, Any]) -> dict[str, Any]:
@@ -57,10 +58,10 @@ def greedy_reward_baselines(groups: WorkerGroups, prompts: Batch, sampling: dict
         raise ValueError("greedy baselines need the prompts' uids (meta 'uid') to match samples to their prompt")
     request = Batch(tensors=prompts.tensors, meta=prompts.meta, info={**prompts.info, "sampling": greedy_sampling(sampling)})
     with timer.phase("baseline_generate"):
-        greedy = groups.rollout.generate_sequences(request)
+        greedy = required(groups.rollout, "rollout").generate_sequences(request)
     with timer.phase("baseline_reward"):
-        scored = groups.reward.compute_reward(greedy)
-    scores = scored["scores"].float().tolist()
+        scored = required(groups.reward, "reward").compute_reward(greedy)
+    scores = scored.tensors["scores"].float().tolist()
     return GreedyBaselines({str(uid): score for uid, score in zip(greedy.meta["uid"], scores)})
 
 

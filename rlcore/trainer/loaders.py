@@ -31,7 +31,7 @@ def preference_loader(config: Config, tokenizer: Any, files: list[str], kind: Pr
     batches collated by the dataset, or by `collate` (`collate_rm_pairs` for a reward model)."""
     cfg = config.data
     # a reward model reads whole conversations up to reward_model.max_length tokens (longer ones keep their end)
-    rm = config.algorithm.name == "rm"
+    rm = "reward_model" in config.traits.trains
     dataset = PreferenceDataset(files, tokenizer, kind=kind,
                                 max_prompt_length=config.reward_model.max_length if rm else cfg.max_prompt_length,
                                 max_response_length=config.reward_model.max_length if rm else config.preference.max_response_length,

@@ -26,7 +26,7 @@ class Timer:
         self.seconds: dict[str, float] = {}
         self.peak_gib: dict[str, float] = {}
         if device_memory is None:
-            device_memory = torch.cuda.is_available() and torch.cuda.is_initialized()
+            device_memory = torch.cuda.is_available() and torch.cuda.is_initialized()  # type: ignore[no-untyped-call]
         self.device_memory = device_memory
 
     @contextmanager
@@ -60,29 +60,32 @@ def mean_over_ranks(per_rank: dict[str, float] | list[dict[str, float]]) -> dict
 def rl_batch_metrics(gen: Batch, timer: Timer, *, step: int, max_new_tokens: int) -> dict[str, float]:
     """Reward, accuracy, lengths, advantages, entropy, KL to the reference, rollout/actor log-prob
     gap, staleness and phase times of one RL step's scored samples."""
-    mask = gen["response_mask"].float()
+    mask = gen.tensors["response_mask"].float()
     valid = mask.bool()
     lengths = mask.sum(-1)
-    scores = gen["scores"]
+    scores = gen.tensors["scores"]
     m: dict[str, float] = {
         "reward/mean": float(scores.mean()),
         "reward/std": float(scores.std()) if len(scores) > 1 else 0.0,
-        "acc/mean": float(gen["acc"].mean()),
+        "acc/mean": float(gen.tensors["acc"].mean()),
         "response_length/mean": float(lengths.mean()),
         "response_length/max": float(lengths.max()),
         "response_length/clip_frac": float((lengths >= max_new_tokens).float().mean()),
     }
     if "advantages" in gen:
-        adv = gen["advantages"]
+        adv = gen.tensors["advantages"]
         m["advantages/mean"] = float(masked_mean(adv, mask))
         m["advantages/max"] = float(adv[valid].max()) if valid.any() else 0.0
         m["advantages/min"] = float(adv[valid].min()) if valid.any() else 0.0
     if "entropy" in gen:
-        m["actor/entropy"] = float(masked_mean(gen["entropy"], mask))
+        m["actor/entropy"] = float(masked_mean(gen.tensors["entropy"], mask))
     if "ref_log_probs" in gen:
-        m["actor/kl"] = float(masked_mean(kl_penalty(gen["old_log_probs"], gen["ref_log_probs"], "k3"), mask))
+        kl = kl_penalty(gen.tensors["old_log_probs"], gen.tensors["ref_log_probs"], "k3")
+        m["actor/kl"] = float(masked_mean(kl, mask))
+        per_sequence = (kl * mask).sum(-1) / mask.sum(-1).clamp(min=1)  # the health guard's KL spread
+        m["actor/kl_std"] = float(per_sequence.std()) if len(per_sequence) > 1 else 0.0
     if "rollout_log_probs" in gen and "old_log_probs" in gen:
-        diff = (gen["rollout_log_probs"] - gen["old_log_probs"]).abs()[valid]
+        diff = (gen.tensors["rollout_log_probs"] - gen.tensors["old_log_probs"]).abs()[valid]
         m["rollout/logprob_diff_mean"] = float(diff.mean()) if diff.numel() else 0.0
         m["rollout/logprob_diff_max"] = float(diff.max()) if diff.numel() else 0.0
     if "policy_version" in gen.meta:  # the actor trains on the weights after step-1 updates
@@ -103,9 +106,9 @@ def agent_metrics(gen: Batch) -> dict[str, float]:
     meta = gen.meta
     calls = float(meta["agent_tool_calls"].sum())
     errors = float(meta["agent_tool_errors"].sum())
-    prompt_len = gen["prompts"].shape[1]
-    attended = float(gen["attention_mask"][:, prompt_len:].float().sum())
-    trained = float(gen["response_mask"].float().sum())
+    prompt_len = gen.tensors["prompts"].shape[1]
+    attended = float(gen.tensors["attention_mask"][:, prompt_len:].float().sum())
+    trained = float(gen.tensors["response_mask"].float().sum())
     latencies = [t["latency_s"] for trace in meta["agent_trace"] for t in trace if t.get("kind") == "tool"]
     m = {
         "agent/turns_mean": float(meta["agent_turns"].mean()),

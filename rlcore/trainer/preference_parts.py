@@ -1,6 +1,6 @@
-"""What DPO and KTO recipes share: sequence log-probs of preference rows from the actor or the
-reference group, the reference log-probs cached per dataset fingerprint, and held-out
-preference metrics (policy vs reference on the validation rows)."""
+"""The parts of the preference recipe (DPO, KTO; `rlcore.trainer.preference`): sequence log-probs
+of preference rows from the actor or the reference group, the reference log-probs cached per
+dataset fingerprint, and held-out preference metrics (policy vs reference on the validation rows)."""
 
 from __future__ import annotations
 
@@ -9,20 +9,50 @@ import logging
 import os
 from collections.abc import Sequence
 from pathlib import Path
+from typing import cast
 
 import numpy as np
 import torch
 
+from rlcore.algorithms import DataKind
 from rlcore.config import Config
-from rlcore.data.preference import PreferenceDataset, PreferenceLoader, sequence_log_prob_sums, sequence_view
+from rlcore.data.preference import (
+    PreferenceDataset,
+    PreferenceKind,
+    PreferenceLoader,
+    sequence_log_prob_sums,
+    sequence_view,
+)
 from rlcore.protocol import Batch
+from rlcore.trainer.groups import WorkerGroups, required
 from rlcore.trainer.metrics import Timer
-from rlcore.trainer.roles import WorkerGroups
 
 log = logging.getLogger(__name__)
 
 SIDES: dict[str, tuple[str, ...]] = {"pairwise": ("chosen_", "rejected_"), "unpaired": ("",)}
+# Sequences whose reference log-probs depend on the batch, so no per-dataset cache holds them:
+# unpaired rows' mismatched pairs (`kl_`: each prompt with the previous row's completion, KTO's z0).
+BATCH_DEPENDENT: dict[PreferenceKind, tuple[str, ...]] = {"pairwise": (), "unpaired": ("kl_",)}
 REF_CACHE_VERSION = 1
+
+
+def preference_kind(data: DataKind) -> PreferenceKind:
+    """The preference rows of an algorithm's training data (`AlgorithmTraits.data`)."""
+    if data == "pairwise" or data == "unpaired":
+        return data
+    raise ValueError(f"{data!r} rows are not preference rows")
+
+
+def dataset_of(loader: PreferenceLoader) -> PreferenceDataset:
+    """The loader's rows (`PromptLoader` types its dataset as prompts; a `PreferenceLoader`'s are preference rows)."""
+    return cast(PreferenceDataset, loader.dataset)
+
+
+def sides_of(dataset: PreferenceDataset) -> tuple[str, ...]:
+    """The sequence prefixes of each row of `dataset`: chosen_ and rejected_ of a pair, or the one completion."""
+    if dataset.kind is None:
+        raise ValueError("a preference dataset without rows has no kind")
+    return SIDES[dataset.kind]
 
 
 def ref_key(prefix: str) -> str:
@@ -51,19 +81,19 @@ class SequenceLogProbs:
     group call per batch (the sides are stacked): the chunked per-token path of RL, summed (or
     length-averaged for IPO, as TRL does)."""
 
-    def __init__(self, config: Config, groups: WorkerGroups, algorithm: str) -> None:
+    def __init__(self, groups: WorkerGroups, *, average: bool) -> None:
         self.groups = groups
-        self.average = algorithm == "dpo" and config.preference.loss_type == "ipo"
+        self.average = average
 
     def __call__(self, batch: Batch, prefixes: Sequence[str], *, reference: bool) -> dict[str, torch.Tensor]:
         flat = Batch.concat([sequence_view(batch, p) for p in prefixes])
         flat.info["temperature"] = 1.0
         if reference:
-            token_lp = self.groups.ref.compute_ref_log_prob(flat)["ref_log_probs"]
+            token_lp = required(self.groups.ref, "ref").compute_ref_log_prob(flat).tensors["ref_log_probs"]
         else:
-            token_lp = self.groups.actor.compute_log_prob(flat)["old_log_probs"]
-        seq = sequence_log_prob_sums(token_lp, flat["response_mask"], self.average)
-        return dict(zip(prefixes, seq.split(len(batch))))
+            token_lp = required(self.groups.actor, "actor").compute_log_prob(flat).tensors["old_log_probs"]
+        seq = sequence_log_prob_sums(token_lp, flat.tensors["response_mask"], self.average)
+        return dict(zip(prefixes, torch.split(seq, len(batch))))
 
 
 class ReferenceLogProbs:
@@ -80,11 +110,12 @@ class ReferenceLogProbs:
 
     def attach(self, batch: Batch, loader: PreferenceLoader, extra_prefixes: Sequence[str] = ()) -> Batch:
         """`extra_prefixes` (KTO's mismatched pairs, which depend on the batch) are always computed now."""
-        sides = SIDES[loader.dataset.kind]
+        dataset = dataset_of(loader)
+        sides = sides_of(dataset)
         tensors: dict[str, torch.Tensor] = {}
         todo = list(sides) + list(extra_prefixes)
         if self.config.preference.ref_cache:
-            table = self.table(loader.dataset)
+            table = self.table(dataset)
             rows = torch.as_tensor(batch.meta["index"].astype(np.int64))
             for k, prefix in enumerate(sides):
                 tensors[ref_key(prefix)] = table[rows, k]
@@ -117,7 +148,7 @@ class ReferenceLogProbs:
         return table
 
     def _compute(self, dataset: PreferenceDataset) -> torch.Tensor:
-        sides = SIDES[dataset.kind]
+        sides = sides_of(dataset)
         table = torch.zeros(len(dataset), len(sides))
         size = self.config.data.val_batch_size
         for start in range(0, len(dataset), size):
@@ -134,7 +165,7 @@ def preference_validation(loader: PreferenceLoader, reference: ReferenceLogProbs
     """Held-out preference metrics: pairwise rows give preference accuracy by plain log-probs and by
     implicit reward, margins and log-ratios; unpaired rows give the rewards of desirable and
     undesirable completions and how often their sign is right."""
-    sides = SIDES[loader.dataset.kind]
+    sides = sides_of(dataset_of(loader))
     policy: dict[str, list[torch.Tensor]] = {p: [] for p in sides}
     ref: dict[str, list[torch.Tensor]] = {p: [] for p in sides}
     labels = []
@@ -143,9 +174,9 @@ def preference_validation(loader: PreferenceLoader, reference: ReferenceLogProbs
             batch = reference.attach(batch, loader)
             for p, v in logps(batch, sides, reference=False).items():
                 policy[p].append(v)
-                ref[p].append(batch[ref_key(p)])
+                ref[p].append(batch.tensors[ref_key(p)])
             if "label" in batch:
-                labels.append(batch["label"] > 0.5)
+                labels.append(batch.tensors["label"] > 0.5)
     pol = {p: torch.cat(v) for p, v in policy.items()}
     rat = {p: pol[p] - torch.cat(ref[p]) for p in sides}
     if sides == SIDES["pairwise"]:
@@ -171,7 +202,7 @@ def preference_validation(loader: PreferenceLoader, reference: ReferenceLogProbs
 def preference_step_metrics(batch: Batch, timer: Timer, ppo_epochs: int) -> dict[str, float]:
     """Phase times and update throughput (tokens of every sequence the update saw)."""
     m = timer.metrics()
-    tokens = sum(float(batch[k].sum()) for k in batch.keys() if k.endswith("attention_mask") and not k.startswith("kl_"))
+    tokens = sum(float(t.sum()) for k, t in batch.tensors.items() if k.endswith("attention_mask") and not k.startswith("kl_"))
     if timer.seconds.get("update_actor"):
         m["throughput/update_actor_tok_s"] = tokens * ppo_epochs / timer.seconds["update_actor"]
     return m

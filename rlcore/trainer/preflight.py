@@ -24,13 +24,15 @@ import time
 from pathlib import Path
 from typing import Any
 
+from rlcore.algorithms import DataKind
 from rlcore.checkpoint import MANIFEST, CheckpointError, step_of
-from rlcore.config import Config, SFTRunConfig
-from rlcore.data import RL_FIELDS, DatasetError, column_values, peek_fields
+from rlcore.config import Config, SFTConfig
+from rlcore.data import RL_FIELDS, DatasetError, peek_fields, read_column
 from rlcore.data.preference import PREFERENCE_FIELDS
 from rlcore.errors import RLCoreError
 from rlcore.rewards.registry import builtin_data_sources, load_function, load_reward_fn, resolve_spec
 from rlcore.rewards.tools import load_tools
+from rlcore.trainer.model_folders import read_model_config, reward_model_config_problems, weight_problems
 from rlcore.workers.ulysses import head_problem
 
 log = logging.getLogger(__name__)
@@ -66,12 +68,13 @@ def preflight(config: Config) -> None:
 
 def preflight_problems(config: Config) -> list[str]:
     """Every problem found, one line each, starting with the config key."""
+    traits = config.traits
     problems = model_folder_problems("model.path", config.model.path, tokenizer=True)
-    if config.algorithm.name == "ppo" and config.critic.model_path is not None:
+    if traits.critic and config.critic.model_path is not None:
         problems += model_folder_problems("critic.model_path", config.critic.model_path, tokenizer=False)
     if config.reward_model.path is not None:
         problems += reward_model_problems("reward_model.path", config.reward_model.path)
-    if config.algorithm.name == "rm" and not problems:  # the reward model to train renders with model.path's template
+    if "reward_model" in traits.trains and not problems:  # the reward model to train renders with model.path's template
         problems += chat_template_problems("model.path", config.model.path)
     problems += sequence_parallel_problems(config)
     problems += data_problems(config)
@@ -87,7 +90,7 @@ def sequence_parallel_problems(config: Config) -> list[str]:
     """A sequence-parallel size the model's attention heads cannot be split by (read from its
     config.json; an unreadable one is reported by `model_folder_problems`)."""
     roles = [("actor", config.actor.ulysses_sequence_parallel_size, config.model.path)]
-    if config.algorithm.name == "ppo":
+    if config.traits.critic:
         roles.append(("critic", config.critic_sequence_parallel_size, config.critic.model_path or config.model.path))
     problems = []
     for role, size, path in roles:
@@ -108,8 +111,10 @@ def sequence_parallel_problems(config: Config) -> list[str]:
 
 
 def model_folder_problems(key: str, path: str, *, tokenizer: bool) -> list[str]:
-    """A local Hugging Face model folder: config.json naming a model type, weights, and (for the
-    policy, whose folder the tokenizer is loaded from) a tokenizer."""
+    """A local Hugging Face model folder: config.json naming a model type that transformers reads,
+    weights whose files are whole and whose small tensors are finite (`model_folders`), and (for
+    the policy, whose folder the tokenizer is loaded from) a tokenizer. The policy's folder is
+    also the reference model's."""
     folder = Path(path)
     what = f"a local Hugging Face model folder with config.json, weights{' and a tokenizer' if tokenizer else ''}; " \
            "models are never downloaded"
@@ -129,8 +134,11 @@ def model_folder_problems(key: str, path: str, *, tokenizer: bool) -> list[str]:
         else:
             if not isinstance(model_config, dict) or "model_type" not in model_config:
                 problems.append(f"{key}: {config_file} names no model_type (not a transformers model config)")
+            else:
+                problems += read_model_config(key, folder)[1]
     if not any(next(folder.glob(pattern), None) is not None for pattern in WEIGHT_PATTERNS):
         problems.append(f"{key}: {path} holds no weights (*.safetensors or pytorch_model*.bin)")
+    problems += weight_problems(key, folder)
     if tokenizer:
         present = [name for name in TOKENIZER_FILES if (folder / name).is_file()]
         if not present:
@@ -153,17 +161,10 @@ def reward_model_problems(key: str, path: str) -> list[str]:
     folder = Path(path)
     if problems or not (folder / "config.json").is_file():
         return problems
-    try:
-        model_config = json.loads((folder / "config.json").read_text(encoding="utf-8"))
-    except (OSError, ValueError):
-        return problems
-    from rlcore.workers.modeling import is_sequence_classifier
-
-    if not is_sequence_classifier(model_config):
-        problems.append(f"{key}: {path} is not a reward model: config.json names {model_config.get('architectures')} "
-                        "with num_labels != 1 or no *ForSequenceClassification architecture; train one with "
-                        "algorithm.name=rm")
-    return problems + chat_template_problems(key, path)
+    model_config, unreadable = read_model_config(key, folder)
+    if model_config is None:
+        return unreadable
+    return reward_model_config_problems(key, folder, model_config) + chat_template_problems(key, path)
 
 
 def chat_template_problems(key: str, path: str) -> list[str]:
@@ -185,20 +186,10 @@ def chat_template_problems(key: str, path: str) -> list[str]:
 
 def data_problems(config: Config) -> list[str]:
     """Each data file the run reads: there, readable, in a known format, with the fields its rows need."""
-    algorithm = config.algorithm.name
-    preference = algorithm in ("dpo", "kto", "rm")
-    either = [PREFERENCE_FIELDS["pairwise"], PREFERENCE_FIELDS["unpaired"]]
-    if algorithm == "rm":  # a reward model learns from pairs and is validated on pairs
-        train = either = [PREFERENCE_FIELDS["pairwise"]]
-    elif algorithm == "dpo":
-        train = [PREFERENCE_FIELDS["pairwise"]]
-    elif algorithm == "kto":
-        train = [PREFERENCE_FIELDS["unpaired"]]
-    else:
-        train = [RL_FIELDS]
-    lists = [("data.train_files", config.data.train_files, train),
-             ("data.val_files", config.data.val_files, either if preference else [RL_FIELDS])]
-    if algorithm in ("dpo", "kto"):
+    traits = config.traits
+    lists = [("data.train_files", config.data.train_files, [DATA_FIELDS[traits.data]]),
+             ("data.val_files", config.data.val_files, [DATA_FIELDS[kind] for kind in traits.val_data])]
+    if traits.task_validation:
         lists.append(("preference.task_val_files", config.preference.task_val_files, [RL_FIELDS]))
     problems = [] if config.data.train_files else ["data.train_files: empty (give at least one .parquet or .jsonl file)"]
     for key, files, needed in lists:
@@ -207,6 +198,12 @@ def data_problems(config: Config) -> list[str]:
             if problem is not None:
                 problems.append(problem)
     return problems
+
+
+# The fields a file of each kind of rows must have (an SFT file's depend on its config: see sft_preflight).
+DATA_FIELDS: dict[DataKind, tuple[str, ...]] = {
+    "prompts": RL_FIELDS, "pairwise": PREFERENCE_FIELDS["pairwise"], "unpaired": PREFERENCE_FIELDS["unpaired"],
+}
 
 
 def data_file_problem(key: str, file: str, needed: list[tuple[str, ...]]) -> str | None:
@@ -282,37 +279,55 @@ def agent_length_problems(config: Config) -> list[str]:
 def scorer_problems(config: Config) -> list[str]:
     """Without `reward.function`, every `data_source` in the run's RL-schema data must have a
     built-in scorer: otherwise each of its samples would score `reward.error_score` and the run
-    would train on nothing. Reads the `data_source` column only; one line per unknown source."""
+    would train on nothing. Reads the `data_source` column only; one line per unknown source. A
+    value that is not a string (an integer column, say) is named with its type and first rows,
+    unless `data.on_bad_row: skip`, which drops (and counts) those rows when the data loads."""
     if config.reward.function is not None:
         return []
-    keyed = rl_schema_files(config)
+    problems: list[str] = []
     sources: dict[str, str] = {}
-    for key, file in keyed:
+    for key, file in rl_schema_files(config):
         try:
             if not all(name in peek_fields(file) for name in RL_FIELDS):
                 continue  # data_problems names what the file lacks
-            found = column_values(file, "data_source")
+            values = read_column(file, "data_source")
         except DatasetError:
             continue  # data_problems names the file
-        for source in sorted(map(str, found)):
+        bad = [(row, value) for row, value in enumerate(values) if value is not None and not isinstance(value, str)]
+        if bad and config.data.on_bad_row == "error":
+            problems.append(column_type_problem(key, file, "data_source", bad, "a non-empty string (the scorer's name)"))
+        for source in sorted({v for v in values if isinstance(v, str)}):
             sources.setdefault(source, key)
     known = set(builtin_data_sources())
-    return [f"reward.function: not set, and data_source {source!r} ({key}) has no built-in scorer (built-in: "
-            f"{', '.join(sorted(known))}); give yours as reward.function: 'path/to/file.py:compute_score' or "
-            f"'module:function', called as compute_score(data_source, solution_str, ground_truth, extra_info) (verl's "
-            f"signature), returning a number or a dict with a 'score'"
-            for source, key in sources.items() if source not in known]
+    return problems + [
+        f"reward.function: not set, and data_source {source!r} ({key}) has no built-in scorer (built-in: "
+        f"{', '.join(sorted(known))}); give yours as reward.function: 'path/to/file.py:compute_score' or "
+        f"'module:function', called as compute_score(data_source, solution_str, ground_truth, extra_info) (verl's "
+        f"signature), returning a number or a dict with a 'score'"
+        for source, key in sources.items() if source not in known]
+
+
+def column_type_problem(key: str, file: str, column: str, bad: list[tuple[int, Any]], expected: str) -> str:
+    """One line: the file's column holds values of the wrong type, which types, and the first rows."""
+    types = sorted({type(value).__name__ for _, value in bad})
+    first = ", ".join(f"{row} ({type(value).__name__} {value!r:.40})" for row, value in bad[:3])
+    return (f"{key}: {file}: column '{column}' holds {'/'.join(types)} values where {expected} is expected, in "
+            f"{len(bad)} row(s), first rows {first}; write them as strings, or set data.on_bad_row=skip to skip "
+            "such rows (counted)")
 
 
 def rl_schema_files(config: Config) -> list[tuple[str, str]]:
     """(config key, file) of the data whose rows are scored by the reward: RL prompts (GRPO, PPO),
-    or the preference runs' task validation prompts."""
-    if config.algorithm.name == "rm":  # a reward model learns from pairs: no rule scorer runs
-        return []
-    if config.algorithm.name in ("dpo", "kto"):
-        return [(f"preference.task_val_files[{i}]", f) for i, f in enumerate(config.preference.task_val_files)]
-    return ([(f"data.train_files[{i}]", f) for i, f in enumerate(config.data.train_files)]
-            + [(f"data.val_files[{i}]", f) for i, f in enumerate(config.data.val_files)])
+    or the preference runs' task validation prompts (a reward model's training run scores none)."""
+    traits = config.traits
+    keyed = []
+    if traits.data == "prompts":
+        keyed += [(f"data.train_files[{i}]", f) for i, f in enumerate(config.data.train_files)]
+    if "prompts" in traits.val_data:
+        keyed += [(f"data.val_files[{i}]", f) for i, f in enumerate(config.data.val_files)]
+    if traits.task_validation:
+        keyed += [(f"preference.task_val_files[{i}]", f) for i, f in enumerate(config.preference.task_val_files)]
+    return keyed
 
 
 def resume_problems(resume: str, algorithm: str) -> list[str]:
@@ -350,7 +365,7 @@ def resume_problems(resume: str, algorithm: str) -> list[str]:
     return []
 
 
-def sft_preflight(config: SFTRunConfig) -> None:
+def sft_preflight(config: SFTConfig) -> None:
     """`preflight` for an SFT run (`rlcore sft`): the model folder, the data files (a messages
     column, or prompt and response columns), the checkpoint to resume and the output folder."""
     problems = model_folder_problems("model.path", config.model.path, tokenizer=True)

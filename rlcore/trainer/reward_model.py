@@ -20,10 +20,11 @@ import torch
 from rlcore.config import Config
 from rlcore.data.preference import PreferenceLoader, collate_rm_pairs
 from rlcore.protocol import Batch
+from rlcore.trainer.groups import WorkerGroups, required
 from rlcore.trainer.health import HealthGuard
 from rlcore.trainer.loaders import preference_loader
 from rlcore.trainer.metrics import Timer, mean_over_ranks
-from rlcore.trainer.roles import WorkerGroups, build_worker_groups
+from rlcore.trainer.roles import build_worker_groups
 from rlcore.trainer.run_state import BadStepGuard, RunCheckpoints, prepare_run_dir
 from rlcore.trainer.step_log import StepHook, StepLog
 from rlcore.workers.reward_model import pair_metrics
@@ -42,6 +43,7 @@ class RewardModelTrainer:
         self.val_loader = (preference_loader(config, tokenizer, data.val_files, "pairwise", train=False, collate=collate_rm_pairs)
                            if data.val_files else None)
         self.groups = groups or build_worker_groups(config)
+        self.reward_model = required(self.groups.reward_model, "reward_model")  # the model this run trains
         self.guard = BadStepGuard(config.reward_model.max_consecutive_bad_steps, self.run_dir / "checkpoints", role="reward_model")
         self.health = HealthGuard.from_config(config.health, role="reward_model")
         self.checkpoints = RunCheckpoints(config, self.run_dir, self.groups, self.algorithm,
@@ -75,7 +77,7 @@ class RewardModelTrainer:
     def train_step(self, batch: Batch) -> dict[str, Any]:
         timer = Timer()
         with timer.phase("update_reward_model"):
-            metrics = mean_over_ranks(self.groups.reward_model.update_reward_model(batch))
+            metrics = mean_over_ranks(self.reward_model.update_reward_model(batch))
         return {**metrics, **timer.metrics()}
 
     def validate(self) -> dict[str, float]:
@@ -87,13 +89,14 @@ class RewardModelTrainer:
 def pair_validation(groups: WorkerGroups, loader: PreferenceLoader, margin: float) -> dict[str, float]:
     """`pair_metrics` of the reward model being trained over every held-out pair (margins as in training)."""
     timer = Timer()
+    reward_model = required(groups.reward_model, "reward_model")
     chosen, rejected, margins = [], [], []
     with timer.phase("validate"):
         for batch in loader.epoch_batches():
-            out = groups.reward_model.score_pairs(batch)
-            chosen.append(out["chosen_scores"])
-            rejected.append(out["rejected_scores"])
-            margins.append(torch.where(batch["margin_given"] > 0, batch["margin"], torch.full_like(batch["margin"], margin)))
+            out = reward_model.score_pairs(batch)
+            chosen.append(out.tensors["chosen_scores"])
+            rejected.append(out.tensors["rejected_scores"])
+            margins.append(torch.where(batch.tensors["margin_given"] > 0, batch.tensors["margin"], torch.full_like(batch.tensors["margin"], margin)))
     metrics = pair_metrics(torch.cat(chosen), torch.cat(rejected), torch.cat(margins))
     metrics["time/validate_s"] = timer.seconds["validate"]
     return metrics

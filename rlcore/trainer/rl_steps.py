@@ -11,8 +11,8 @@ from rlcore.algos import apply_kl_penalty
 from rlcore.algos.kl import AdaptiveKLController, FixedKLController
 from rlcore.config import Config, RewardConfig
 from rlcore.protocol import Batch
+from rlcore.trainer.groups import WorkerGroups, required
 from rlcore.trainer.metrics import Timer, mean_over_ranks
-from rlcore.trainer.roles import WorkerGroups
 from rlcore.trainer.run_state import TrainingStopped
 
 log = logging.getLogger(__name__)
@@ -27,7 +27,7 @@ def score(groups: WorkerGroups, gen: Batch, timer: Timer, reward: RewardConfig) 
     """Rewards for generated samples, joined to them; reward metrics and the first error (logged).
     Raises `RewardFailures` when the failed calls exceed `reward.max_error_fraction` of the batch."""
     with timer.phase("reward"):
-        scored = groups.reward.compute_reward(gen)
+        scored = required(groups.reward, "reward").compute_reward(gen)
     metrics: dict[str, float | str] = dict(scored.info.pop("reward_metrics", {}))
     first_error = scored.info.pop("reward_first_error", None)
     if first_error:
@@ -48,7 +48,7 @@ def old_and_ref_log_probs(groups: WorkerGroups, gen: Batch, timer: Timer, *, rec
     `Config.old_log_probs_from_update`): no old-log-prob pass; `update_actor` supplies them."""
     if recompute:
         with timer.phase("old_log_prob"):
-            gen = gen.union(groups.actor.compute_log_prob(gen))
+            gen = gen.union(required(groups.actor, "actor").compute_log_prob(gen))
     if groups.ref is not None:
         with timer.phase("ref_log_prob"):
             gen = gen.union(groups.ref.compute_ref_log_prob(gen))
@@ -60,9 +60,9 @@ def rewards_with_kl(config: Config, gen: Batch, kl_ctrl: FixedKLController | Ada
     `algorithm.use_kl_in_reward` (rlcore.algos.apply_kl_penalty); the controller then sees this
     batch's KL (adaptive: the coefficient moves toward `kl_ctrl.target_kl`)."""
     if not config.algorithm.use_kl_in_reward:
-        return gen["token_level_scores"], {}
-    rewards, metrics = apply_kl_penalty(gen["token_level_scores"], gen["old_log_probs"], gen["ref_log_probs"],
-                                        gen["response_mask"], kl_coef=kl_ctrl.value, kind=config.algorithm.kl_penalty)
+        return gen.tensors["token_level_scores"], {}
+    rewards, metrics = apply_kl_penalty(gen.tensors["token_level_scores"], gen.tensors["old_log_probs"], gen.tensors["ref_log_probs"],
+                                        gen.tensors["response_mask"], kl_coef=kl_ctrl.value, kind=config.algorithm.kl_penalty)
     kl_ctrl.update(metrics["actor/reward_kl_penalty"], n_steps=len(gen))
     return rewards, metrics
 
@@ -71,10 +71,11 @@ def update_actor(groups: WorkerGroups, gen: Batch, timer: Timer, *, on_policy: b
     """The actor's update; its metrics. `on_policy`: the batch has no old log-probs, the update's
     forward gives them (and the entropy), joined to the batch as if the pass had run, so the
     step reports the same entropy, KL and rollout/actor gap."""
+    actor = required(groups.actor, "actor")
     with timer.phase("update_actor"):
         if not on_policy:
-            return gen, mean_over_ranks(groups.actor.update_actor(gen))
-        out = groups.actor.update_actor_on_policy(gen)
+            return gen, mean_over_ranks(actor.update_actor(gen))
+        out = actor.update_actor_on_policy(gen)
     metrics: dict[str, float] = out.info.pop("metrics")
     return gen.union(out), metrics
 

@@ -28,8 +28,8 @@ from rlcore.controller import GroupFuture
 from rlcore.errors import RLCoreError
 from rlcore.protocol import Batch
 from rlcore.rewards import scores_to_token_rewards
+from rlcore.trainer.groups import WorkerGroups, required
 from rlcore.trainer.metrics import Timer
-from rlcore.trainer.roles import WorkerGroups
 
 log = logging.getLogger(__name__)
 
@@ -59,19 +59,18 @@ class RewardModelScoring:
         if self.enabled and groups.reward_model is None:
             raise ValueError("reward_model.path is set but the run has no reward_model worker group")
 
-    def launch(self, gen: Batch, timer: Timer) -> GroupFuture | None:
+    def launch(self, gen: Batch, timer: Timer) -> GroupFuture[Batch] | None:
         """Start scoring `gen` (None when the run has no reward model). In one process the call
         runs here and now; on Ray it runs on the reward model's ranks while the caller goes on."""
         if not self.enabled:
             return None
-        assert self.groups.reward_model is not None
         with timer.phase("reward_model"):
-            pending = self.groups.reward_model.call_async("compute_rm_score", gen)
+            pending = required(self.groups.reward_model, "reward_model").compute_rm_score_async(gen)
             if not self.config.overlap:
                 pending.result()
         return pending
 
-    def collect(self, pending: GroupFuture | None, gen: Batch, timer: Timer) -> tuple[Batch, dict[str, float]]:
+    def collect(self, pending: GroupFuture[Batch] | None, gen: Batch, timer: Timer) -> tuple[Batch, dict[str, float]]:
         """Wait for the scores and make the reward: `scores` and `token_level_scores` replaced,
         `rule_scores` and `rm_scores` beside them; the running statistics take this batch in."""
         if pending is None:
@@ -79,7 +78,7 @@ class RewardModelScoring:
         with timer.phase("reward_model"):
             out = pending.result()
         cfg = self.config
-        raw = out["rm_scores"].float()
+        raw = out.tensors["rm_scores"].float()
         finite = torch.isfinite(raw)
         bad = int((~finite).sum())
         if bad:
@@ -87,17 +86,17 @@ class RewardModelScoring:
         if cfg.normalize:
             self.moments.update(raw[finite])
         mean, std = (self.moments.mean, self.moments.std) if cfg.normalize else (0.0, 1.0)
-        rule = gen["scores"].float()
+        rule = gen.tensors["scores"].float()
         reward, clipped = combine_reward_scores(rule, torch.where(finite, raw, torch.zeros_like(raw)), weight=cfg.weight,
                                                 rule_weight=cfg.rule_weight, mean=mean, std=std, clip=cfg.clip)
-        response_mask = gen["response_mask"]
+        response_mask = gen.tensors["response_mask"]
         if bad:  # skipped samples: no loss, and a reward that moves no group baseline
             reward = torch.where(finite, reward, reward[finite].mean())
             response_mask = response_mask * finite[:, None].to(response_mask.dtype)
         tensors = dict(gen.tensors)
         tensors.update(scores=reward, rule_scores=rule, rm_scores=raw, response_mask=response_mask,
                        token_level_scores=scores_to_token_rewards(reward, response_mask))
-        metrics = self._metrics(gen, raw, finite, clipped, out["rm_truncated"], mean, std)
+        metrics = self._metrics(gen, raw, finite, clipped, out.tensors["rm_truncated"], mean, std)
         return Batch(tensors=tensors, meta={**gen.meta, "rm_response_text": out.meta["rm_response_text"]}, info=dict(gen.info)), metrics
 
     def _refuse_or_count(self, gen: Batch, finite: torch.Tensor) -> None:
@@ -124,10 +123,10 @@ class RewardModelScoring:
             "reward_model/clipped": float((clipped & finite).sum()),
             "reward_model/truncated": float(truncated.sum()),
             "reward_model/nonfinite": float((~finite).sum()),
-            "reward/rule_mean": float(gen["scores"].float().mean()),
+            "reward/rule_mean": float(gen.tensors["scores"].float().mean()),
         }
         if "uid" in gen.meta:
-            agree, pairs = rule_agreement(gen.meta["uid"][finite.numpy()], gen["scores"].float()[finite], scores)
+            agree, pairs = rule_agreement(gen.meta["uid"][finite.numpy()], gen.tensors["scores"].float()[finite], scores)
             if pairs:
                 m["reward_model/rule_agreement"] = agree / pairs
             m["reward_model/rule_pairs"] = pairs

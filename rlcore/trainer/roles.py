@@ -1,17 +1,15 @@
 """Which worker groups a run has, and how they are built: in this process, or as Ray actors
-placed on resource pools (`trainer.backend`). The control flow sees the same `WorkerGroups`.
+placed on resource pools (`trainer.backend`). The control flow sees the same `WorkerGroups`
+(`rlcore.trainer.groups`: one typed interface per role).
 
 With LoRA on the actor there is no reference worker: `ref` is the actor group itself, whose
 `compute_ref_log_prob` runs the base with the adapter disabled."""
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
 from functools import partial
-from pathlib import Path
-from typing import Any
 
 from rlcore.config import Config
 from rlcore.controller import (
@@ -23,104 +21,39 @@ from rlcore.controller import (
     WorkerGroup,
 )
 from rlcore.cpus import available_cpus, split_cores, use_cores
+from rlcore.trainer.groups import WorkerGroups
 from rlcore.workers.actor import ActorWorker, ReferenceWorker
 from rlcore.workers.critic import CriticWorker
 from rlcore.workers.reward import RewardWorker
 from rlcore.workers.reward_model import RewardModelWorker
 from rlcore.workers.rollout import RolloutWorker
 
-
-@dataclass
-class WorkerGroups:
-    """The groups of a run. Policy runs have actor, rollout and reward (and ref, critic,
-    reward_model as configured); a reward-model training run (`algorithm.name: rm`) has only
-    reward_model, which is then the trained role."""
-
-    actor: WorkerGroup | RoleView | None = None
-    rollout: WorkerGroup | RoleView | None = None
-    reward: WorkerGroup | RoleView | None = None
-    ref: WorkerGroup | RoleView | None = None
-    critic: WorkerGroup | RoleView | None = None
-    reward_model: WorkerGroup | RoleView | None = None
-    on_close: list[Callable[[], None]] = field(default_factory=list)  # pools, a Ray we started
-    weight_sync: str = "full"  # `Config.lora_sync`: every tensor, LoRA's merged modules, or the adapter
-
-    @property
-    def trains_reward_model(self) -> bool:
-        return self.actor is None and self.reward_model is not None
-
-    def save_checkpoint(self, folder: str, tokenizer_dir: str | None = None) -> None:
-        if self.trains_reward_model:
-            self.reward_model.save_checkpoint(folder)
-            return
-        self.actor.save_checkpoint(folder, tokenizer_dir=tokenizer_dir)
-        if self.critic is not None:
-            self.critic.save_checkpoint(folder)
-
-    def load_checkpoint(self, folder: str) -> None:
-        """The trained roles from the checkpoint (actor and critic; or the reward model being
-        trained); the rollout engine restarts on the saved policy (with LoRA: keeps the base it
-        started on and gets the restored adapter's weights)."""
-        if self.trains_reward_model:
-            self.reward_model.load_checkpoint(folder)
-            return
-        self.actor.load_checkpoint(folder)
-        if self.critic is not None:
-            self.critic.load_checkpoint(folder)
-        if self.weight_sync == "full":
-            self.rollout.load_model(str(Path(folder) / "actor"))
-        else:
-            self.sync_weights()
-
-    def sync_weights(self) -> None:
-        """Actor -> rollout, one bucket at a time (`actor.weight_sync_bucket_mb`): on Ray each bucket
-        goes worker to worker through the object store, never through the controller. With LoRA
-        only what the adapter changes: the merged adapted modules, or the adapter itself."""
-        assert self.actor is not None and self.rollout is not None
-        if self.weight_sync == "adapter":
-            self.rollout.load_adapter(self.actor.call_async("adapter_for_rollout"))
-            return
-        plan = self.actor.weight_bucket_plan()
-        if self.weight_sync == "merged":  # only part of the model: the engine can finish when it is in
-            self.rollout.begin_weight_sync([name for names in plan for name in names])
-        for names in plan:
-            self.rollout.update_weights(self.actor.call_async("gather_weight_bucket", names))
-
-    def close(self) -> None:
-        seen: set[int] = set()
-        try:
-            for group in (self.actor, self.rollout, self.reward, self.ref, self.critic, self.reward_model):
-                group = group.group if isinstance(group, RoleView) else group
-                if group is not None and id(group) not in seen:
-                    seen.add(id(group))
-                    group.shutdown()
-        finally:
-            for fn in reversed(self.on_close):
-                fn()
-            self.on_close.clear()
+Factory = Callable[[int, int], Worker]  # (rank, world size) -> the worker of that rank
 
 
-def _factories(config: Config) -> dict[str, tuple[Callable[[int, int], Worker], int]]:
-    """role -> (worker factory, world size) for the roles this run has (`Config.present_roles`)."""
-    reward_model = (lambda rank, ws: RewardModelWorker(config, rank, ws), config.reward_model.world_size)
-    if config.algorithm.name == "rm":
-        return {"reward_model": reward_model}
-    out: dict[str, tuple[Callable[[int, int], Worker], int]] = {
+def _factories(config: Config) -> dict[str, tuple[Factory, int]]:
+    """role -> (worker factory, world size) for the roles this run has (`Config.present_roles`);
+    with LoRA on the actor no reference worker: the actor serves that role."""
+    every: dict[str, tuple[Factory, int]] = {
         "actor": (lambda rank, ws: ActorWorker(config, rank, ws), config.actor.world_size),
         "rollout": (lambda rank, ws: RolloutWorker(config, rank, ws), config.rollout.world_size),
         "reward": (lambda rank, ws: RewardWorker(config, rank, ws), 1),
+        "ref": (lambda rank, ws: ReferenceWorker(config, rank, ws), config.actor.world_size),
+        "critic": (lambda rank, ws: CriticWorker(config, rank, ws), config.critic.world_size),
+        "reward_model": (lambda rank, ws: RewardModelWorker(config, rank, ws), config.reward_model.world_size),
     }
-    if config.needs_reference and not config.actor.lora.enabled:  # with LoRA the actor serves it
-        out["ref"] = (lambda rank, ws: ReferenceWorker(config, rank, ws), config.actor.world_size)
-    if config.algorithm.name == "ppo":
-        out["critic"] = (lambda rank, ws: CriticWorker(config, rank, ws), config.critic.world_size)
-    if config.reward_model.path is not None:
-        out["reward_model"] = reward_model
-    return out
+    return {role: every[role] for role in config.present_roles if not (role == "ref" and config.actor.lora.enabled)}
 
 
-def build_worker_groups(config: Config) -> WorkerGroups:
-    """The run's worker groups, and this (controller) thread's torch threads.
+def _factories_of(config: Config, only: Collection[str] | None) -> dict[str, tuple[Factory, int]]:
+    """`_factories`, or those of its roles in `only`."""
+    every = _factories(config)
+    return every if only is None else {role: made for role, made in every.items() if role in only}
+
+
+def build_worker_groups(config: Config, roles: Collection[str] | None = None) -> WorkerGroups:
+    """The run's worker groups, and this (controller) thread's torch threads. `roles`: only these
+    of the run's roles (`rlcore sft`: the actor alone).
 
     In process, `trainer.off_policy=one_step` gives the rollout worker a thread of its own, or a
     child process (`trainer.overlap_with`), so the next batch's generation overlaps this step's scoring
@@ -129,18 +62,18 @@ def build_worker_groups(config: Config) -> WorkerGroups:
     the workers compute in their own processes."""
     if config.trainer.backend == "ray":
         use_cores(1)
-        return build_ray_worker_groups(config)
+        return build_ray_worker_groups(config, roles)
     overlap = config.trainer.off_policy == "one_step"
     train_cores, rollout_cores = split_cores(2) if overlap else (available_cpus(), 0.0)
     use_cores(train_cores)
-    groups: dict[str, WorkerGroup] = {}
-    for role, (factory, _) in _factories(config).items():
+    groups: dict[str, WorkerGroup | RoleView] = {}
+    for role, (factory, _) in _factories_of(config, roles).items():
         if overlap and role == "rollout" and config.trainer.overlap_with == "process":
             groups[role] = SubprocessWorkerGroup(partial(RolloutWorker, config), role=role, cores=rollout_cores)
         else:
             groups[role] = InProcessWorkerGroup(factory, world_size=1, role=role, own_thread=overlap and role == "rollout",
                                                 cores=rollout_cores)
-    return _with_reference(WorkerGroups(**groups, weight_sync=config.lora_sync), config)
+    return _with_reference(WorkerGroups.of(groups, weight_sync=config.lora_sync), config)
 
 
 def _with_reference(groups: WorkerGroups, config: Config) -> WorkerGroups:
@@ -155,9 +88,10 @@ def _with_reference(groups: WorkerGroups, config: Config) -> WorkerGroups:
 DISTRIBUTED_ROLES = {"actor", "ref", "critic", "reward_model"}  # roles that shard their model over ranks (FSDP2)
 
 
-def _units(config: Config, roles: dict[str, tuple[Callable, int]]) -> list[list[str]]:
+def _units(config: Config, roles: dict[str, tuple[Factory, int]]) -> list[list[str]]:
     """Process groups to start: each colocated set (roles present in this run) and each other role."""
-    units, placed = [], set()
+    units: list[list[str]] = []
+    placed: set[str] = set()
     for group in config.ray.colocate:
         present = [r for r in group if r in roles]
         if present:
@@ -171,12 +105,12 @@ def _units(config: Config, roles: dict[str, tuple[Callable, int]]) -> list[list[
     return units
 
 
-def build_ray_worker_groups(config: Config) -> WorkerGroups:
-    """Ray actors for every role, on placement-group pools mapped by `ray.roles`."""
+def build_ray_worker_groups(config: Config, only: Collection[str] | None = None) -> WorkerGroups:
+    """Ray actors for every role (or those in `only`), on placement-group pools mapped by `ray.roles`."""
     from rlcore.controller.ray_backend import RayWorkerGroup, ResourcePool, ensure_ray
 
     rc = config.ray
-    roles = _factories(config)
+    roles = _factories_of(config, only)
     units = _units(config, roles)
     pool_units: dict[str, list[list[str]]] = {}
     for unit in units:
@@ -189,7 +123,7 @@ def build_ray_worker_groups(config: Config) -> WorkerGroups:
         import ray
 
         on_close.append(ray.shutdown)
-    made: dict[str, Any] = {}
+    made: dict[tuple[str, ...], RayWorkerGroup] = {}
     try:
         pools = {}
         for name, n in bundles.items():
@@ -223,11 +157,11 @@ def build_ray_worker_groups(config: Config) -> WorkerGroups:
                     errors.append(e)
             if errors:
                 raise errors[0]
-        views: dict[str, Any] = {}
-        for unit, group in made.items():
-            for role in unit:
-                views[role] = group if len(unit) == 1 else group.view(role)
-        return _with_reference(WorkerGroups(**views, on_close=on_close, weight_sync=config.lora_sync), config)
+        views: dict[str, WorkerGroup | RoleView] = {}
+        for roles_of_group, group in made.items():
+            for role in roles_of_group:
+                views[role] = group if len(roles_of_group) == 1 else group.view(role)
+        return _with_reference(WorkerGroups.of(views, on_close=on_close, weight_sync=config.lora_sync), config)
     except BaseException:
         for group in made.values():
             group.shutdown()
@@ -236,7 +170,7 @@ def build_ray_worker_groups(config: Config) -> WorkerGroups:
         raise
 
 
-def _colocated_factory(parts: dict[str, Callable[[int, int], Worker]]) -> Callable[[int, int], Worker]:
+def _colocated_factory(parts: dict[str, Factory]) -> Factory:
     def factory(rank: int, ws: int) -> Worker:
         return ColocatedWorker({r: f(rank, ws) for r, f in parts.items()}, rank, ws)
 

@@ -16,8 +16,8 @@ from rlcore.config import Config
 from rlcore.controller import GroupFuture
 from rlcore.data import PromptLoader
 from rlcore.protocol import Batch
+from rlcore.trainer.groups import WorkerGroups, required
 from rlcore.trainer.metrics import Timer
-from rlcore.trainer.roles import WorkerGroups
 
 
 def sampling_seed(seed: int, step: int) -> int:
@@ -50,7 +50,7 @@ def generate(groups: WorkerGroups, prompts: Batch, sampling: dict[str, Any], pol
     """Generate now (waiting for the result) with the given sampling parameters."""
     prompts.info["sampling"] = sampling
     with timer.phase("generate"):
-        gen = groups.rollout.generate_sequences(prompts)
+        gen = required(groups.rollout, "rollout").generate_sequences(prompts)
     return stamp_policy_version(gen, policy_version)
 
 
@@ -82,13 +82,13 @@ class RolloutSleep:
         """Sleep (queued behind any generation still running on the engine)."""
         if self.enabled:
             with timer.phase("rollout_sleep"):
-                self.groups.rollout.sleep()
+                required(self.groups.rollout, "rollout").sleep()
             self.asleep = True
 
     def wake(self, timer: Timer) -> None:
         if self.asleep:
             with timer.phase("rollout_wake"):
-                self.groups.rollout.wake()
+                required(self.groups.rollout, "rollout").wake()
             self.asleep = False
 
 
@@ -105,7 +105,7 @@ class PendingRollout:
 
     step: int
     prompts: Batch
-    future: GroupFuture
+    future: GroupFuture[Batch]
     policy_version: int
 
 
@@ -150,7 +150,7 @@ class Prefetcher:
 
     def _launch(self, prompts: Batch, step: int, policy_version: int) -> PendingRollout:
         prompts.info["sampling"] = train_sampling(self.config, step)
-        future = self.groups.rollout.call_async("generate_sequences", prompts)
+        future = required(self.groups.rollout, "rollout").generate_sequences_async(prompts)
         return PendingRollout(step, prompts, future, policy_version)
 
 

@@ -6,16 +6,31 @@ from __future__ import annotations
 
 import logging
 import math
+import sys
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, Protocol
 
 import numpy as np
 import torch
 
-from rlcore.checkpoint import CheckpointManager, load_trainer_state, rng_state, save_trainer_state, set_rng_state, step_of
-from rlcore.config import Config, dump_config
+from rlcore.checkpoint import (
+    TRAINER_STATE,
+    CheckpointError,
+    CheckpointManager,
+    load_trainer_state,
+    rng_state,
+    save_trainer_state,
+    set_rng_state,
+    step_of,
+    weights_only_reason,
+)
+from rlcore.config import Config, SFTConfig, dump_config
+from rlcore.controller.errors import WorkerError
 from rlcore.tracking import truncate_jsonl
-from rlcore.trainer.roles import WorkerGroups
+from rlcore.trainer.groups import WorkerGroups
+from rlcore.trainer.model_folders import WeightFileError, safetensors_header
+from rlcore.workers.checkpointing import adapter_folder
 
 log = logging.getLogger(__name__)
 
@@ -29,7 +44,7 @@ class Stateful(Protocol):
     def load_state_dict(self, state: dict[str, Any]) -> None: ...
 
 
-def prepare_run_dir(config: Config) -> Path:
+def prepare_run_dir(config: Config | SFTConfig) -> Path:
     """The run folder with the resolved `config.yaml`; seeds torch and numpy from `trainer.seed`."""
     run_dir = Path(config.trainer.output_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
@@ -78,7 +93,11 @@ class RunCheckpoints:
     controller-side object named in `state` (data loader, KL controller, guard...) and the RNG.
 
     Resuming also cuts `metrics.jsonl` and `trace.jsonl` back to the checkpoint's step, so a
-    resumed run's logs read like an uninterrupted run's; a fresh start empties them.
+    resumed run's logs read like an uninterrupted run's; a fresh start empties them. A checkpoint
+    that verifies but cannot be restored (content forged to match its manifest: trainer state of
+    another shape, weights of another model) is refused in one line naming the folder and file;
+    with `trainer.resume: auto` the run then falls back to the next older intact checkpoint. A
+    resumed run says which step it continued from, and where (console and logs).
     """
 
     LOGS = ("metrics.jsonl", "trace.jsonl")
@@ -89,25 +108,91 @@ class RunCheckpoints:
         self.groups = groups
         self.algorithm = algorithm
         self.state = state
-        self.manager = CheckpointManager(run_dir / "checkpoints", keep_last=config.trainer.keep_last)
+        self.manager = CheckpointManager(run_dir / "checkpoints", keep_last=config.trainer.keep_last, state_keys=tuple(state))
 
     def resume(self) -> int:
         """Restore the newest checkpoint (`trainer.resume`); returns its step (0: a fresh start)."""
-        path = self._resume_point()
-        if path is None:  # a fresh start: nothing of an earlier attempt stays in the logs
-            for name in self.LOGS:
-                truncate_jsonl(self.run_dir / name, -1)
-            return 0
+        mode = self.config.trainer.resume
+        refused = []
+        for path in self._resume_points():
+            try:
+                step = self._restore(path)
+            except CheckpointError as err:
+                if mode != "auto":
+                    raise
+                log.warning("cannot resume from %s: %s", path, err)
+                refused.append(str(err))
+                continue
+            if refused:
+                log.warning("fell back to the older checkpoint %s", path)
+            announce(f"resumed from checkpoint step {step} ({path}, trainer.resume={mode})")
+            return step
+        if refused:
+            raise CheckpointError(f"no checkpoint in {self.manager.root} could be resumed: " + "; ".join(refused))
+        for name in self.LOGS:  # a fresh start: nothing of an earlier attempt stays in the logs
+            truncate_jsonl(self.run_dir / name, -1)
+        return 0
+
+    def _restore(self, path: Path) -> int:
         saved = load_trainer_state(path)
-        self.groups.load_checkpoint(str(path))
+        problem = self._weights_problem(path)
+        if problem is not None:
+            raise CheckpointError(problem)
+        try:
+            self.groups.load_checkpoint(str(path))
+        except WorkerError as err:
+            raise CheckpointError(load_failure(path, err)) from None
         for name, obj in self.state.items():
-            obj.load_state_dict(saved[name])
-        set_rng_state(saved["rng"])
+            try:
+                obj.load_state_dict(saved[name])
+            except (KeyError, TypeError, ValueError, AttributeError, IndexError) as err:
+                raise CheckpointError(f"{path}: file {TRAINER_STATE}: entry {name!r} cannot be restored "
+                                      f"({type(err).__name__}: {err})") from None
+        try:
+            set_rng_state(saved["rng"])
+        except (KeyError, TypeError, ValueError, RuntimeError) as err:
+            raise CheckpointError(f"{path}: file {TRAINER_STATE}: entry 'rng' cannot be restored "
+                                  f"({type(err).__name__}: {err})") from None
         step = step_of(path)
         for name in self.LOGS:
             truncate_jsonl(self.run_dir / name, step)
-        log.info("resumed from %s (step %d)", path, step)
         return step
+
+    def _weights_problem(self, path: Path) -> str | None:
+        """The first weight file of the checkpoint that does not fit this run's model, read from the
+        safetensors headers (before any worker loads it: transformers would re-initialise a missing
+        tensor, and names a mismatched one only in a log): a trained role's full model must have
+        the start model's tensors at their shapes, a LoRA adapter the run's rank."""
+        cfg = self.config
+        roles = {"actor": (cfg.model.path, cfg.actor.lora.rank if cfg.actor.lora.enabled else 0, True),
+                 "critic": (cfg.critic.model_path or cfg.model.path, cfg.critic.lora.rank if cfg.critic.lora.enabled else 0, False),
+                 "reward_model": (cfg.model.path, cfg.reward_model.lora.rank if cfg.reward_model.lora.enabled else 0, False)}
+        for role, (start, rank, same_model) in roles.items():
+            for folder in (path / role, path / adapter_folder(role)):
+                if not folder.is_dir():
+                    continue
+                found = _shapes(folder)
+                if isinstance(found, str):
+                    return f"{path}: {found}"
+                if folder.name == role:
+                    base = _shapes(Path(start))
+                    if isinstance(base, str):
+                        continue  # the start model's own problems are preflight's to report
+                    for name, (file, shape) in found.items():
+                        if name in base and base[name][1] != shape:
+                            return (f"{path}: file {role}/{file} does not fit this run's model: tensor {name} is "
+                                    f"{shape}, {start} has {base[name][1]}")
+                    missing = sorted(set(base) - set(found)) if same_model else []
+                    if missing:
+                        return (f"{path}: file {role}/ lacks {len(missing)} tensor(s) of this run's model ({start}), "
+                                f"first {missing[0]!r}")
+                elif rank:
+                    for name, (file, shape) in found.items():
+                        r = shape[0] if "lora_A" in name else shape[-1] if "lora_B" in name else rank
+                        if r != rank:
+                            return (f"{path}: file {folder.name}/{file} does not fit this run's adapter: tensor {name} "
+                                    f"is {shape}, of rank {r}; this run's {role}.lora.rank is {rank}")
+        return None
 
     def save(self, step: int) -> Path:
         def write(folder: Path) -> None:
@@ -119,15 +204,60 @@ class RunCheckpoints:
         # checkpoint is unchecked, and pruning keeps the newest checked one.
         return self.manager.save(step, write, extra={"algorithm": self.algorithm}, healthy=self.config.health.enabled)
 
-    def _resume_point(self) -> Path | None:
+    def _resume_points(self) -> Iterator[Path]:
         mode = self.config.trainer.resume
         if mode == "disable":
-            return None
+            return
         if mode == "auto":
-            return self.manager.latest()
+            yield from self.manager.intact()
+            return
         path = Path(mode)
         self.manager.verify(path)
-        return path
+        yield path
 
 
-__all__ = ["BadStepGuard", "RunCheckpoints", "Stateful", "TrainingStopped", "prepare_run_dir"]
+def _shapes(folder: Path) -> dict[str, tuple[str, list[int]]] | str:
+    """tensor name -> (file, shape) over a folder's safetensors files; a problem line if one is unreadable."""
+    shapes: dict[str, tuple[str, list[int]]] = {}
+    for file in sorted(folder.glob("*.safetensors")):
+        try:
+            header = safetensors_header(file)
+        except (WeightFileError, OSError) as err:
+            return f"file {folder.name}/{file.name} is not a readable safetensors file ({err})"
+        shapes.update({name: (file.name, list(info["shape"])) for name, info in header.items()})
+    return shapes
+
+
+def load_failure(path: Path, err: WorkerError) -> str:
+    """One line for a checkpoint a worker could not load: the folder, the file of the role that
+    failed (its weights, or its optimizer state), and the library's first words on it."""
+    role = "actor" if err.role == "rollout" else err.role  # the rollout engine loads the actor's folder
+    lines = [ln.strip() for ln in err.error.splitlines() if ln.strip()]
+    detail = next((ln for ln in lines if "size mismatch" in ln), lines[0] if lines else "")
+    if "Weights only load failed" in err.error or "UnpicklingError" in err.error:
+        detail = f"holds more than plain data ({weights_only_reason(Exception(err.error))})"
+    optimizer = any(w in err.error for w in ("optimizer", "param_groups", "parameter group", "scheduler"))
+    candidates = ([f"{role}_optim.pt", f"{role}_scheduler.pt", f"{role}_dcp"] if optimizer else []) + [
+        f"{role}_adapter/adapter_model.safetensors", f"{role}/model.safetensors", adapter_folder(role), role]
+    where = next((c for c in candidates if (path / c).exists()), role)
+    return f"{path}: cannot resume from file {where} ({err.role} worker): {detail[:400]}"
+
+
+def announce(message: str) -> None:
+    """A fact a person must see about the run (not a problem): in rlcore's log, and on the console
+    (stderr), or inside a Prefect run in the flow run's log (which Prefect also prints)."""
+    log.info(message)
+    if "prefect" in sys.modules:
+        try:
+            from prefect.exceptions import MissingContextError
+            from prefect.logging import get_run_logger
+
+            get_run_logger().info(message)
+            return
+        except (ImportError, MissingContextError):
+            pass
+    if not log.isEnabledFor(logging.INFO):
+        print(f"rlcore: {message}", file=sys.stderr, flush=True)
+
+
+__all__ = ["BadStepGuard", "RunCheckpoints", "Stateful", "TrainingStopped", "announce", "load_failure", "prepare_run_dir"]

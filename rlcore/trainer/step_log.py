@@ -10,7 +10,7 @@ from typing import Any
 
 from rlcore.config import Config
 from rlcore.tracking import Tracker, open_tracker
-from rlcore.trainer.roles import WorkerGroups
+from rlcore.trainer.groups import WorkerGroups
 from rlcore.trainer.tracing import step_record, worker_identities
 
 StepHook = Callable[[int, dict[str, Any]], None]
@@ -23,8 +23,9 @@ class StepLog:
     guard's `TrainingStopped`) ends the run, and the step is still logged and traced."""
 
     def __init__(self, config: Config, run_dir: Path, algorithm: str, groups: WorkerGroups,
-                 step_hooks: Sequence[StepHook] = ()) -> None:
+                 step_hooks: Sequence[StepHook] = (), params: dict[str, Any] | None = None) -> None:
         self.config = config
+        self.params = config.model_dump(mode="json") if params is None else params  # the config as the tracker records it
         self.run_dir = run_dir
         self.algorithm = algorithm
         self.groups = groups
@@ -37,7 +38,7 @@ class StepLog:
         cfg = self.config
         self.tracker = open_tracker(cfg.trainer.loggers, self.run_dir, cfg.trainer.total_steps,
                                     mlflow_uri=cfg.tracking.mlflow_uri, experiment=cfg.tracking.experiment,
-                                    config_tree=cfg.model_dump(mode="json"), tags={"rlcore.algorithm": self.algorithm},
+                                    config_tree=self.params, tags={"rlcore.algorithm": self.algorithm},
                                     run_id=cfg.tracking.run_id)
         self.workers = worker_identities(self.groups) if cfg.trainer.trace else {}
         return self

@@ -69,7 +69,7 @@ class StepThroughput:
         a, c, r = config.actor.world_size, config.critic.world_size, config.rollout.world_size
         return cls(
             actor=_flops_of(config.model.path, "lm"),
-            critic=_flops_of(critic_path, "value") if config.algorithm.name == "ppo" else None,
+            critic=_flops_of(critic_path, "value") if config.traits.critic else None,
             peak_flops=detect_peak_flops(config),
             devices={"generate": r, "old_log_prob": a, "ref_log_prob": a, "update_actor": a, "values": c, "update_critic": c},
             actor_epochs=config.actor.ppo_epochs,
@@ -80,8 +80,8 @@ class StepThroughput:
     def metrics(self, gen: Batch, timer: Timer) -> dict[str, float]:
         """`throughput/<phase>_tok_s` and `throughput/<phase>_mfu` for the model phases this step
         timed, and the device numbers (see the module docstring)."""
-        seq = gen["attention_mask"].sum(-1).double().numpy()
-        resp = gen["response_mask"].sum(-1).double().numpy()
+        seq = gen.tensors["attention_mask"].sum(-1).double().numpy()
+        resp = gen.tensors["response_mask"].sum(-1).double().numpy()
         tokens, head_tokens, pairs = float(seq.sum()), float(resp.sum()), causal_pairs(seq.tolist())
         actor, critic = self.actor, self.critic
         work: dict[str, tuple[float, float | None]] = {}  # phase -> (tokens, FLOPs)
@@ -128,7 +128,7 @@ def device_stats() -> dict[str, float]:
     """GPU memory (torch, this process) and utilisation (NVML); {} on CPU or when unavailable."""
     out: dict[str, float] = {}
     try:
-        if torch.cuda.is_available() and torch.cuda.is_initialized():
+        if torch.cuda.is_available() and torch.cuda.is_initialized():  # type: ignore[no-untyped-call]
             out["memory/allocated_gib"] = torch.cuda.memory_allocated() / 2**30
             out["memory/reserved_gib"] = torch.cuda.memory_reserved() / 2**30
     except Exception as e:  # noqa: BLE001

@@ -153,7 +153,7 @@ def rl_prompt_files(config: Config) -> list[tuple[str, str]]:
     """(config key, file) of every file whose rows carry a `prompt` the run tokenizes."""
     keyed = [(f"data.train_files[{i}]", f) for i, f in enumerate(config.data.train_files)]
     keyed += [(f"data.val_files[{i}]", f) for i, f in enumerate(config.data.val_files)]
-    if config.algorithm.name in ("dpo", "kto"):
+    if config.traits.task_validation:
         keyed += [(f"preference.task_val_files[{i}]", f) for i, f in enumerate(config.preference.task_val_files)]
     return keyed
 

@@ -55,9 +55,9 @@ def sample_records(gen: Batch, groups: Any, n: int) -> list[dict[str, Any]]:
     agent rollout, how it ended and every turn (kind, tool, tokens, latency)."""
     rollout_rank = dp_ranks(groups.rollout, "generate_sequences", len(gen) // max(n, 1), None)
     actor_rank = dp_ranks(groups.actor, "update_actor", len(gen), gen)
-    lengths = gen["response_mask"].sum(-1).long().tolist()
-    scores = gen["scores"].tolist() if "scores" in gen.tensors else [None] * len(gen)
-    rm_scores = gen["rm_scores"].tolist() if "rm_scores" in gen.tensors else None
+    lengths = gen.tensors["response_mask"].sum(-1).long().tolist()
+    scores = gen.tensors["scores"].tolist() if "scores" in gen.tensors else [None] * len(gen)
+    rm_scores = gen.tensors["rm_scores"].tolist() if "rm_scores" in gen.tensors else None
     meta = gen.meta
     samples = []
     for j in range(len(gen)):
@@ -117,7 +117,7 @@ def dp_ranks(group: Any, method: str, rows: int, batch: Batch | None) -> np.ndar
     if spec.dispatch is Dispatch.DP_COMPUTE or (spec.dispatch is Dispatch.DP_BALANCED and ws == 1):
         return np.arange(padded)[:rows] // (padded // ws) * per_shard
     if spec.dispatch is Dispatch.DP_BALANCED and batch is not None and "attention_mask" in batch.tensors:
-        lengths = batch["attention_mask"].sum(-1).cpu().numpy().astype(np.int64)
+        lengths = batch.tensors["attention_mask"].sum(-1).cpu().numpy().astype(np.int64)
         lengths = np.concatenate([lengths, lengths[np.arange(padded - rows) % rows]])  # as pad_to_multiple
         ranks = np.empty(padded, dtype=np.int64)
         for r, part in enumerate(balanced_partitions(lengths, ws)):

@@ -16,9 +16,9 @@ import torch
 
 from rlcore.config import Config
 from rlcore.data import PromptLoader
+from rlcore.trainer.groups import WorkerGroups
 from rlcore.trainer.metrics import Timer
 from rlcore.trainer.rl_steps import score
-from rlcore.trainer.roles import WorkerGroups
 from rlcore.trainer.rollout_parts import generate, val_sampling
 
 
@@ -61,12 +61,16 @@ class RLValidator:
 
     def run(self, groups: WorkerGroups, step: int, policy_version: int) -> dict[str, float]:
         timer = Timer()
-        scores, accs, uids, sources, answers = [], [], [], [], []
+        scores: list[torch.Tensor] = []
+        accs: list[torch.Tensor] = []
+        uids: list[str] = []
+        sources: list[str] = []
+        answers: list[str] = []
         for prompts in self.loader.epoch_batches():
             gen = generate(groups, prompts, val_sampling(self.config, step), policy_version, timer)
             gen, _ = score(groups, gen, timer, self.config.reward)
-            scores.append(gen["scores"])
-            accs.append(gen["acc"])
+            scores.append(gen.tensors["scores"])
+            accs.append(gen.tensors["acc"])
             uids.extend(str(u) for u in gen.meta["uid"])
             sources.extend(str(s) for s in gen.meta["data_source"])
             answers.extend(str(t) for t in gen.meta["response_text"])

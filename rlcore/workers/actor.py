@@ -1,13 +1,14 @@
 """Actor and reference workers: log-probs of responses, the PPO-style policy update, the
-preference (DPO / KTO) update.
+preference (DPO / KTO) update, the supervised (SFT) update.
 
 A worker method does one thing to the batch it is given and returns a batch (or metrics);
 what happens next is the trainer's decision. The loops themselves are `rlcore.workers.loops`;
-the actor supplies the loss of one micro-batch (`PolicyObjective`, or a preference objective).
+the actor supplies the loss of one micro-batch (`PolicyObjective`, a preference objective, `SFTObjective`).
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
@@ -21,7 +22,9 @@ from rlcore.config import ActorConfig, Config
 from rlcore.controller import Dispatch, Worker, register
 from rlcore.protocol import Batch
 from rlcore.workers.checkpointing import adapter_folder, load_training_state, save_trained
+from rlcore.workers.forward import POLICY_FORWARD_METHODS
 from rlcore.workers.fsdp import gather_bucket, iter_full_state, plan_buckets, shard_model
+from rlcore.workers.loading import compute_precision, load_causal_lm, resolve_device, trained_dtype
 from rlcore.workers.loops import (
     GlobalCounts,
     MicroBatching,
@@ -33,11 +36,11 @@ from rlcore.workers.loops import (
     run_update,
 )
 from rlcore.workers.lora import Adapter, apply_lora, parameter_counts
-from rlcore.workers.modeling import compute_precision, load_causal_lm, resolve_device, trained_dtype
 from rlcore.workers.optim import build_optimizer, build_scheduler
 from rlcore.workers.packed import forward_token_metrics
 from rlcore.workers.policy import PolicyLogProbs
 from rlcore.workers.preference import preference_objective
+from rlcore.workers.sft import SFTObjective
 from rlcore.workers.trainable import Trainable
 from rlcore.workers.ulysses import enable_sequence_parallel
 
@@ -94,7 +97,7 @@ class PolicyObjective:
 
 
 class ActorWorker(Worker):
-    """The trained policy: log-probs under the current weights, the policy and preference updates,
+    """The trained policy: log-probs under the current weights, the policy, preference and supervised updates,
     its weights for the rollout engine, checkpoints. FSDP2 when its group has a process group.
 
     With LoRA (`actor.lora`) only the adapter trains, and this worker also serves the reference
@@ -126,7 +129,7 @@ class ActorWorker(Worker):
         self.param_counts = parameter_counts(model)
         enable_sequence_parallel(model, self.ranks_per_shard, self.device, "actor.ulysses_sequence_parallel_size")
         # FSDP2 when this group has a process group (or, on one rank, when bf16/offload is asked for)
-        self.model = shard_model(model, self.device, precision, cfg.actor.cpu_offload)
+        self.model = shard_model(model, self.device, precision, cfg.actor.cpu_offload, forward_methods=POLICY_FORWARD_METHODS)
         self.optimizer = build_optimizer(self.model, cfg.actor.optim)
         self.scheduler = build_scheduler(self.optimizer, cfg.actor.optim, cfg.trainer.total_steps)
         self.policy_loss = get_policy_loss(cfg.actor.policy_loss)
@@ -195,6 +198,17 @@ class ActorWorker(Worker):
         )
         return {**result.metrics, "pref/loss": result.loss, **self._step_metrics(result),
                 **forward_token_metrics("actor", self.model, self.device)}
+
+    @register(dispatch=Dispatch.DP_BALANCED)
+    def update_sft(self, batch: Batch) -> dict[str, float]:
+        """One supervised optimizer step on the whole batch (`rlcore.data.sft.collate_sft`): its mean
+        response-token negative log-likelihood (`SFTObjective`), micro-batched by the actor's token
+        budget. `rlcore sft`'s step."""
+        settings = UpdateSettings(1, len(batch), self.settings.micro, self.config.actor.optim.grad_clip)
+        result = run_update(self.trained, batch, SFTObjective(self.log_probs, self.model), settings,
+                            mini_batch_rows=len(batch), device=self.device)
+        return {"train/loss": result.loss, "train/micro_batches": result.metrics.get("micro_batches", math.nan),
+                **self._step_metrics(result), **forward_token_metrics("actor", self.model, self.device)}
 
     @property
     def data_parallel_size(self) -> int:
@@ -275,7 +289,7 @@ class ReferenceWorker(Worker):
         self.model = load_causal_lm(model_path or cfg.model.path, cfg.model.dtype, self.device, remove_padding=cfg.model.use_remove_padding)
         self.model.requires_grad_(False)
         enable_sequence_parallel(self.model, self.ranks_per_shard, self.device, "actor.ulysses_sequence_parallel_size")
-        self.model = shard_model(self.model, self.device)
+        self.model = shard_model(self.model, self.device, forward_methods=POLICY_FORWARD_METHODS)
 
     @register(dispatch=Dispatch.DP_BALANCED)
     def compute_ref_log_prob(self, batch: Batch) -> Batch:

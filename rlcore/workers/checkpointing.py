@@ -28,8 +28,6 @@ from __future__ import annotations
 
 import io
 import pickle
-import re
-import shutil
 from pathlib import Path
 from typing import Any
 
@@ -38,11 +36,11 @@ import torch.distributed as dist
 from torch.distributed.checkpoint import CheckpointException, DefaultLoadPlanner, FileSystemReader
 from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
 
+from rlcore.checkpoint import weights_only_reason
 from rlcore.errors import RLCoreError
 from rlcore.workers.fsdp import is_sharded
+from rlcore.workers.tokenizer import copy_tokenizer
 from rlcore.workers.trainable import Trainable
-
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja", "generation_config.json")
 
 
 def adapter_folder(name: str) -> str:
@@ -74,13 +72,6 @@ def load_training_state(trained: Trainable, folder: Path, name: str, device: tor
         state = torch.load(folder / f"{name}_optim.pt", map_location=device, weights_only=True)
         trained.optimizer.load_state_dict(state["optimizer"])
         trained.scheduler.load_state_dict(state["scheduler"])
-
-
-def copy_tokenizer(src: Path, dst: Path) -> None:
-    """The tokenizer files of `src` into the model folder `dst` (existing files are kept)."""
-    for file in TOKENIZER_FILES:
-        if (src / file).is_file() and not (dst / file).exists():
-            shutil.copy2(src / file, dst / file)
 
 
 def _save_pretrained(model: torch.nn.Module, dst: Path, tokenizer_dir: Path | None, state_dict: dict | None = None) -> None:
@@ -236,8 +227,7 @@ class SafeLoadPlanner(DefaultLoadPlanner):
         try:
             torch.load(io.BytesIO(value.getvalue()), weights_only=True)
         except pickle.UnpicklingError as err:
-            found = re.search(r"WeightsUnpickler error: ([^.\n]*)", str(err))
-            why = found.group(1) if found else str(err).splitlines()[0]
+            why = weights_only_reason(err)
             raise UnsafeCheckpointError(f"{self.folder}: refused to load the value of {read_item.dest_index.fqn!r} "
                                         f"from its data files: it is not plain data ({why})") from None
         value.seek(0)

@@ -19,7 +19,9 @@ from rlcore.config import Config, CriticConfig
 from rlcore.controller import Dispatch, Worker, register
 from rlcore.protocol import Batch
 from rlcore.workers.checkpointing import adapter_folder, load_training_state, save_trained
+from rlcore.workers.forward import response_values
 from rlcore.workers.fsdp import shard_model
+from rlcore.workers.loading import compute_precision, load_value_model, resolve_device, trained_dtype
 from rlcore.workers.loops import (
     GlobalCounts,
     MicroBatching,
@@ -31,7 +33,6 @@ from rlcore.workers.loops import (
     run_update,
 )
 from rlcore.workers.lora import Adapter, apply_lora, parameter_counts
-from rlcore.workers.modeling import compute_precision, load_value_model, resolve_device, response_values, trained_dtype
 from rlcore.workers.optim import build_optimizer, build_scheduler
 from rlcore.workers.packed import forward_token_metrics
 from rlcore.workers.trainable import Trainable

@@ -13,17 +13,15 @@ from __future__ import annotations
 
 import types
 from collections import defaultdict
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator, Mapping
 from functools import partial
+from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
-
-def distributed_world() -> int:
-    """World size of the initialised process group (1 without one)."""
-    return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+from rlcore.workers.ranks import distributed_world, max_over_ranks
 
 
 def is_sharded(model: nn.Module) -> bool:
@@ -40,8 +38,13 @@ def shard_model(
     device: torch.device,
     mixed_precision: str = "none",
     cpu_offload: bool = False,
+    forward_methods: Mapping[str, Callable[..., Any]] | None = None,
 ) -> nn.Module:
     """`fully_shard` every decoder layer, then the root (embeddings, final norm and head).
+
+    `forward_methods`: the caller's computations that run parts of the model outside
+    `model.forward` (`rlcore.workers.forward.POLICY_FORWARD_METHODS`, say), registered on a
+    sharded model (`register_forward_methods`); this module knows no model code.
 
     Tied embeddings stay one parameter in the root's group. With one rank it is sharded only
     when bf16 mixed precision (parameters cast to bf16 for compute, gradients reduced in fp32 into
@@ -64,7 +67,7 @@ def shard_model(
     if distributed_world() == 1 and not wants_policy:
         return model
     from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard, register_fsdp_forward_method
+    from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
 
     kwargs: dict = {"mesh": init_device_mesh(device.type, (dist.get_world_size(),))}
     if mixed_precision == "bf16":
@@ -75,13 +78,7 @@ def shard_model(
     for layer in backbone.layers:
         fully_shard(layer, **kwargs)
     fully_shard(model, **kwargs)
-    # response_log_probs runs the backbone and the head outside `model.forward`: register it as
-    # a forward method so the root's parameters are gathered (and their gradients reduced).
-    model.rlcore_response_log_probs = types.MethodType(sharded_log_probs, model)
-    register_fsdp_forward_method(model, "rlcore_response_log_probs")
-    if isinstance(getattr(model, "score", None), nn.Module):  # a sequence classifier (the reward model): likewise
-        model.rlcore_sequence_scores = types.MethodType(sharded_sequence_scores, model)
-        register_fsdp_forward_method(model, "rlcore_sequence_scores")
+    register_forward_methods(model, forward_methods or {})
     return model
 
 
@@ -163,28 +160,24 @@ def _params_to_host(model: nn.Module) -> None:
             setattr(module, name, host)
 
 
-def sharded_log_probs(model: nn.Module, *args, **kwargs):
-    """`response_log_probs` as an FSDP forward method; outputs are copies, not views (FSDP warns
-    that an in-place op on a view would skip its backward hook)."""
-    from rlcore.workers.modeling import forward_response_log_probs
+def register_forward_methods(model: nn.Module, methods: Mapping[str, Callable[..., Any]]) -> None:
+    """Each `methods` entry (attribute name -> a function of the model and its inputs) set on the
+    sharded `model` as a method and registered with FSDP2, so the root's parameters are gathered
+    around it (and their gradients reduced): for computations that run parts of the model outside
+    `model.forward`. Outputs are copies, not views (FSDP warns that an in-place op on a view would
+    skip its backward hook)."""
+    from torch.distributed.fsdp import register_fsdp_forward_method
 
-    logprobs, entropy = forward_response_log_probs(model, *args, **kwargs)
-    return logprobs.clone(), entropy.clone() if entropy is not None else None
-
-
-def sharded_sequence_scores(model: nn.Module, *args, **kwargs) -> torch.Tensor:
-    """`sequence_scores` as an FSDP forward method (a copy, for the reason above)."""
-    from rlcore.workers.modeling import forward_sequence_scores
-
-    return forward_sequence_scores(model, *args, **kwargs).clone()
+    for name, fn in methods.items():
+        setattr(model, name, types.MethodType(partial(_copied_outputs, fn), model))
+        register_fsdp_forward_method(model, name)
 
 
-def max_over_ranks(value: int, device: torch.device) -> int:
-    if distributed_world() <= 1:
-        return value
-    t = torch.tensor([value], dtype=torch.int64, device=device)
-    dist.all_reduce(t, op=dist.ReduceOp.MAX)
-    return int(t.item())
+def _copied_outputs(fn: Callable[..., Any], model: nn.Module, *args: Any, **kwargs: Any) -> Any:
+    out = fn(model, *args, **kwargs)
+    if isinstance(out, tuple):
+        return tuple(t.clone() if isinstance(t, torch.Tensor) else t for t in out)
+    return out.clone() if isinstance(out, torch.Tensor) else out
 
 
 def equalize_micro_batches(groups: list[list[int]], model: nn.Module, device: torch.device) -> list[list[int]]:

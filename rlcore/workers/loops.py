@@ -28,9 +28,9 @@ from torch import nn
 from rlcore.config import ActorConfig
 from rlcore.packing import pack_token_budget
 from rlcore.protocol import Batch
-from rlcore.workers.fsdp import distributed_world, equalize_micro_batches, to_full
+from rlcore.workers.fsdp import equalize_micro_batches, to_full
 from rlcore.workers.packed import prompt_leaders
-from rlcore.workers.ranks import RankSummedMeans, global_sums
+from rlcore.workers.ranks import RankSummedMeans, distributed_world, global_sums
 from rlcore.workers.trainable import Trainable
 from rlcore.workers.weight_health import weight_health
 

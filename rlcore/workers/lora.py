@@ -30,6 +30,7 @@ from torch import nn
 from rlcore.config import LoraConfig
 from rlcore.rollout.base import reload_group
 from rlcore.workers.fsdp import bucket_by_bytes, to_full
+from rlcore.workers.tokenizer import copy_tokenizer
 
 ADAPTER = "default"  # peft's name of the one adapter
 PEFT_PREFIX = "base_model.model."  # PeftModel's parameter names = this + the wrapped model's
@@ -230,8 +231,6 @@ def merge_adapter(base_dir: str | Path, adapter_dir: str | Path, out_dir: str | 
     classifier's forward reads the score); default the base config's."""
     from peft import PeftModel
     from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForSequenceClassification, AutoModelForTokenClassification
-
-    from rlcore.workers.checkpointing import copy_tokenizer
 
     base_dir = Path(base_dir)
     if task == "causal_lm":

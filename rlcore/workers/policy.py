@@ -13,8 +13,8 @@ from torch import nn
 
 from rlcore.config import Config
 from rlcore.protocol import Batch
+from rlcore.workers.forward import response_log_probs
 from rlcore.workers.loops import MicroBatching, forward_no_grad
-from rlcore.workers.modeling import response_log_probs
 
 
 @dataclass(frozen=True)

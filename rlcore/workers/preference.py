@@ -9,6 +9,7 @@ point z0 is likewise a global mean.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from functools import partial
 
@@ -122,11 +123,13 @@ def preference_objective(
     micro: MicroBatching, device: torch.device,
 ) -> DPOObjective | KTOObjective:
     """The objective of `algorithm` ("dpo" or "kto") on `model`; its `lengths` are what to pack by."""
-    if algorithm == "dpo":
-        return DPOObjective(config, log_probs, model)
-    if algorithm == "kto":
-        return KTOObjective(config, log_probs, model, micro, device)
-    raise ValueError(f"update_preference: unknown algorithm {algorithm!r} (expected 'dpo' or 'kto')")
+    objectives: dict[str, Callable[[], DPOObjective | KTOObjective]] = {
+        "dpo": lambda: DPOObjective(config, log_probs, model),
+        "kto": lambda: KTOObjective(config, log_probs, model, micro, device),
+    }
+    if algorithm not in objectives:
+        raise ValueError(f"update_preference: unknown algorithm {algorithm!r} (expected one of {sorted(objectives)})")
+    return objectives[algorithm]()
 
 
 __all__ = ["DPOObjective", "KTOObjective", "preference_objective"]

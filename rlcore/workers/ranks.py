@@ -1,4 +1,5 @@
-"""Sums over the data-parallel ranks of a worker group (plain values in one process).
+"""The ranks of a worker group: their number, and sums and maxima over them (plain values in one
+process, without a process group).
 
 Every rank of a trained role holds a share of each mini-batch; normalisers (token and row
 counts) and reported numbers are summed over ranks so that each rank sees the values one
@@ -11,6 +12,20 @@ from collections import defaultdict
 
 import torch
 import torch.distributed as dist
+
+
+def distributed_world() -> int:
+    """World size of the initialised process group (1 without one)."""
+    return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+
+
+def max_over_ranks(value: int, device: torch.device) -> int:
+    """The largest `value` of any rank."""
+    if distributed_world() <= 1:
+        return value
+    t = torch.tensor([value], dtype=torch.int64, device=device)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return int(t.item())
 
 
 def global_sums(values: list[float], device: torch.device) -> list[float]:

@@ -7,7 +7,7 @@ response as the assistant's turn) is rendered with the reward model's own tokeni
 template (`rlcore.data.chat.render_conversation`), exactly as its training pairs were. A reward
 model with another vocabulary or template than the policy's therefore scores what it learned to.
 
-The model is built in one place (`rlcore.workers.modeling.load_sequence_classifier`) and read the
+The model is built in one place (`rlcore.workers.loading.load_sequence_classifier`) and read the
 way transformers' own forward reads it: the score head on each sequence's last non-pad token
 (`sequence_scores`, packed without padding by default). Training runs the shared update loop
 (`rlcore.workers.loops.run_update`) on the Bradley-Terry loss (`rlcore.algos.bradley_terry_loss`).
@@ -34,7 +34,9 @@ from rlcore.data.chat import has_chat_template, render_conversation
 from rlcore.errors import RLCoreError
 from rlcore.protocol import Batch
 from rlcore.workers.checkpointing import adapter_folder, load_training_state, save_trained
+from rlcore.workers.forward import SCORE_FORWARD_METHODS, sequence_scores
 from rlcore.workers.fsdp import shard_model
+from rlcore.workers.loading import compute_precision, load_sequence_classifier, resolve_device, scored_pad_token_id, trained_dtype
 from rlcore.workers.loops import (
     GlobalCounts,
     MicroBatching,
@@ -46,14 +48,6 @@ from rlcore.workers.loops import (
     value_stats,
 )
 from rlcore.workers.lora import Adapter, apply_lora, merge_adapter, parameter_counts
-from rlcore.workers.modeling import (
-    compute_precision,
-    load_sequence_classifier,
-    resolve_device,
-    scored_pad_token_id,
-    sequence_scores,
-    trained_dtype,
-)
 from rlcore.workers.optim import build_optimizer, build_scheduler
 from rlcore.workers.packed import forward_token_metrics
 from rlcore.workers.ranks import global_sum
@@ -247,7 +241,7 @@ class RewardModelWorker(Worker):
         super().__init__(rank=rank, world_size=world_size, role=ROLE)
         self.config = config
         self.device = resolve_device(config.trainer.device)
-        self.training = config.algorithm.name == "rm"
+        self.training = "reward_model" in config.traits.trains
         self.reader: RewardModelReader | None = None
         self.optimizer: torch.optim.Optimizer | None = None
         self.scheduler: torch.optim.lr_scheduler.LRScheduler | None = None
@@ -271,12 +265,12 @@ class RewardModelWorker(Worker):
             if self.adapter is not None and adapter_dir is not None:
                 self.adapter.load(Path(adapter_dir))
             self.param_counts = parameter_counts(model)
-            model = shard_model(model, self.device, precision)
+            model = shard_model(model, self.device, precision, forward_methods=SCORE_FORWARD_METHODS)
             self.optimizer = build_optimizer(model, cfg.reward_model.optim)
             self.scheduler = build_scheduler(self.optimizer, cfg.reward_model.optim, cfg.trainer.total_steps)
         else:
             model.requires_grad_(False)
-            model = shard_model(model, self.device)
+            model = shard_model(model, self.device, forward_methods=SCORE_FORWARD_METHODS)
             self.policy_tokenizer = load_tokenizer(cfg.model.path)
             self.end_ids = end_token_ids(cfg.model.path)
         self.reader.model = model

@@ -16,7 +16,7 @@ from rlcore.rewards.tools import ToolPool
 from rlcore.rollout import SamplingParams, make_rollout_engine, resolve_backend
 from rlcore.rollout.agent import AgentLoop, AgentSettings
 from rlcore.rollout.output import response_right_pad
-from rlcore.workers.modeling import resolve_device
+from rlcore.workers.loading import resolve_device
 from rlcore.workers.tokenizer import end_token_ids, load_tokenizer, pad_token_id
 
 

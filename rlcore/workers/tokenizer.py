@@ -11,17 +11,24 @@ End tokens: every token the model declares as one, the tokenizer's `eos_token` a
 `eos_token_id` list of `generation_config.json` (Qwen2.5-Instruct: `<|im_end|>` and
 `<|endoftext|>`), as `transformers.generate` and vLLM stop on them; rollout, reward and
 evaluation all take them from here.
+
+Model folders rlcore writes (checkpoints, merged adapters, SFT outputs) carry the tokenizer and
+generation files of the folder they were trained from (`copy_tokenizer`).
 """
 
 from __future__ import annotations
 
 import json
+import shutil
 from collections.abc import Iterable, Sequence
 from functools import lru_cache
 from pathlib import Path
 from typing import Any
 
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
+
+# What a model folder needs beside its weights to tokenize, template and stop as its source did.
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja", "generation_config.json")
 
 
 @lru_cache(maxsize=8)
@@ -96,3 +103,10 @@ def cut_at_end(ids: Sequence[int], end_ids: Iterable[int]) -> list[int]:
 
 
 __all__ = ["cut_at_end", "declared_end_token_ids", "end_token_ids", "load_tokenizer", "pad_token_id"]
+
+
+def copy_tokenizer(src: Path, dst: Path) -> None:
+    """The tokenizer files of `src` into the model folder `dst` (existing files are kept)."""
+    for file in TOKENIZER_FILES:
+        if (src / file).is_file() and not (dst / file).exists():
+            shutil.copy2(src / file, dst / file)

@@ -34,8 +34,8 @@ import torch.distributed as dist
 from torch import nn
 
 from rlcore.workers.attention import varlen_attention
-from rlcore.workers.fsdp import distributed_world
 from rlcore.workers.packed import SharedPrompts
+from rlcore.workers.ranks import distributed_world
 
 _ATTRIBUTE = "rlcore_sequence_parallel"
 

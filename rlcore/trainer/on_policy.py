@@ -1,15 +1,20 @@
-"""GRPO and its critic-free relatives (Dr.GRPO, RLOO, REINFORCE++, GSPO, ReMax): the whole loop.
+"""On-policy RL: GRPO and its critic-free relatives (Dr.GRPO, RLOO, REINFORCE++, GSPO, ReMax) and
+PPO with its critic (GAE): the whole loop (`algorithm.name: grpo | ppo`).
 
 One step, as data flows: generate n samples per prompt, score them, recompute old log-probs (and
-reference log-probs when KL is used), compute group-relative advantages, update the actor, push
-the new weights to the rollout engine. Validation and checkpoints happen between steps. On an
-exactly on-policy step (`Config.old_log_probs_from_update`) the old-log-prob pass is skipped: the
-update's own forward gives them.
+reference log-probs when KL is used), let the critic value the states (PPO), compute advantages
+with `algorithm.adv_estimator` (group-relative from the scores, or GAE from the critic's values),
+update the critic (PPO), then the actor, and push the new weights to the rollout engine.
+Validation and checkpoints happen between steps. What an algorithm adds to the step is read from
+its traits (`Config.traits`: the critic) and its estimator's inputs (ReMax's greedy baseline).
 
-`trainer.off_policy=one_step`: step k+1's generation is launched as soon as step k's samples are
-in, so it runs while step k scores, recomputes log-probs and updates (see `Prefetcher`): in
-process on the rollout group's own thread, on Ray in the rollout worker's own process; the weight
-sync waits for it.
+On an exactly on-policy step (`Config.old_log_probs_from_update`) the old-log-prob pass is
+skipped: the update's own forward gives them. `trainer.off_policy=one_step`: step k+1's
+generation is launched as soon as step k's samples are in, so it runs while step k scores,
+recomputes log-probs and values and updates (see `Prefetcher`): in process on the rollout
+group's own thread, on Ray in the rollout worker's own process; the weight sync waits for it.
+Those samples are one update old; old log-probs and values come from the current actor and
+critic, so the clipped ratio and GAE see this step's models.
 """
 
 from __future__ import annotations
@@ -20,16 +25,17 @@ from typing import Any
 
 import torch
 
-from rlcore.algos import compute_advantage, group_ids_from_uids, make_kl_controller
+from rlcore.algos import advantage_estimator_inputs, compute_advantage, group_ids_from_uids, make_kl_controller
 from rlcore.config import Config
 from rlcore.protocol import Batch
 from rlcore.trainer.baselines import greedy_reward_baselines
+from rlcore.trainer.groups import WorkerGroups, required
 from rlcore.trainer.health import HealthGuard
 from rlcore.trainer.loaders import prompt_loader
-from rlcore.trainer.metrics import Timer, rl_batch_metrics
+from rlcore.trainer.metrics import Timer, mean_over_ranks, rl_batch_metrics
 from rlcore.trainer.rl_steps import old_and_ref_log_probs, rewards_with_kl, score, update_actor
 from rlcore.trainer.rm_scoring import RewardModelScoring
-from rlcore.trainer.roles import WorkerGroups, build_worker_groups
+from rlcore.trainer.roles import build_worker_groups
 from rlcore.trainer.rollout_parts import (
     Prefetcher,
     RolloutSleep,
@@ -46,17 +52,18 @@ from rlcore.trainer.validation import RLValidator
 from rlcore.workers.tokenizer import load_tokenizer
 
 
-class GRPOTrainer:
-    algorithm = "grpo"
-
+class OnPolicyTrainer:
     def __init__(self, config: Config, groups: WorkerGroups | None = None, step_hooks: Sequence[StepHook] = ()) -> None:
         self.config = config
+        self.algorithm = config.algorithm.name
         self.run_dir = prepare_run_dir(config)
         self.tokenizer = load_tokenizer(config.model.path)
         self.train_loader = prompt_loader(config, self.tokenizer, config.data.train_files, train=True)
         val_loader = prompt_loader(config, self.tokenizer, config.data.val_files, train=False) if config.data.val_files else None
         self.validator = RLValidator(config, val_loader) if val_loader is not None else None
         self.groups = groups or build_worker_groups(config)
+        self.critic = required(self.groups.critic, "critic") if config.traits.critic else None  # PPO's value model
+        self.greedy_baseline = "reward_baselines" in advantage_estimator_inputs(config.algorithm.adv_estimator)  # ReMax
         kl = config.algorithm.kl_ctrl
         self.kl_ctrl = make_kl_controller(kl.type, kl_coef=kl.kl_coef, target_kl=kl.target_kl, horizon=kl.horizon)
         self.guard = BadStepGuard(config.actor.max_consecutive_bad_steps, self.run_dir / "checkpoints")
@@ -96,12 +103,12 @@ class GRPOTrainer:
         return self.log.history
 
     def train_step(self, prompts: Batch) -> tuple[dict[str, Any], dict[str, Any]]:
-        """One GRPO step; returns its metrics and its trace (phase times, per-sample records)."""
+        """One step; returns its metrics and its trace (phase times, per-sample records)."""
         algo = self.config.algorithm
         timer = Timer()
         # ReMax: each prompt's greedy-response score is its samples' baseline (engine still awake here)
         baselines = (greedy_reward_baselines(self.groups, prompts, train_sampling(self.config, self.step), timer)
-                     if algo.adv_estimator == "remax" else None)
+                     if self.greedy_baseline else None)
 
         if self.prefetcher is not None:
             gen = self.prefetcher.collect(prompts, self.step, self.rollout_version, timer)
@@ -113,6 +120,9 @@ class GRPOTrainer:
         gen, reward_metrics = score(self.groups, gen, timer, self.config.reward)
         on_policy = self.config.old_log_probs_from_update  # then update_actor supplies the old log-probs
         gen = old_and_ref_log_probs(self.groups, gen, timer, recompute=not on_policy)
+        if self.critic is not None:
+            with timer.phase("values"):
+                gen = gen.union(self.critic.compute_values(gen))
         gen, rm_metrics = self.reward_model.collect(rm_pending, gen, timer)
         token_rewards, kl_metrics = rewards_with_kl(self.config, gen, self.kl_ctrl)
 
@@ -120,7 +130,8 @@ class GRPOTrainer:
             advantages, returns = compute_advantage(
                 algo.adv_estimator,
                 token_level_rewards=token_rewards,
-                response_mask=gen["response_mask"].float(),
+                response_mask=gen.tensors["response_mask"].float(),
+                values=gen.tensors["values"] if self.critic is not None else None,
                 group_ids=torch.as_tensor(group_ids_from_uids(gen.meta["uid"]), dtype=torch.long),
                 gamma=algo.gamma,
                 lam=algo.lam,
@@ -129,13 +140,18 @@ class GRPOTrainer:
             )
         gen = gen.union(Batch(tensors={"token_level_rewards": token_rewards, "advantages": advantages, "returns": returns}))
 
+        critic_metrics: dict[str, float] = {}
+        if self.critic is not None:
+            with timer.phase("update_critic"):
+                critic_metrics = mean_over_ranks(self.critic.update_critic(gen))
         gen, actor_metrics = update_actor(self.groups, gen, timer, on_policy=on_policy)
         sync_weights(self.groups, self.rollout_sleep, timer)
         self.rollout_version = self.step
 
         metrics = {**rl_batch_metrics(gen, timer, step=self.step, max_new_tokens=self.config.rollout.max_new_tokens),
                    **self.throughput.metrics(gen, timer),
-                   **reward_metrics, **rm_metrics, **kl_metrics, **actor_metrics, **(baselines.metrics() if baselines is not None else {})}
+                   **reward_metrics, **rm_metrics, **kl_metrics, **critic_metrics, **actor_metrics,
+                   **(baselines.metrics() if baselines is not None else {})}
         return metrics, self.trace(gen, timer)
 
     def next_prompts(self) -> Batch:
@@ -151,4 +167,4 @@ class GRPOTrainer:
         return {"phases": dict(timer.seconds), "samples": sample_records(gen, self.groups, n)}
 
 
-__all__ = ["GRPOTrainer"]
+__all__ = ["OnPolicyTrainer"]

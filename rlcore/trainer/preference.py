@@ -1,13 +1,15 @@
-"""KTO: unpaired (prompt, completion, desirable?) examples, Kahneman-Tversky value function: the whole loop.
+"""Offline preference optimisation: DPO and its variants (IPO, robust/cDPO via
+`preference.loss_type` and `label_smoothing`) on pairs, and KTO (the Kahneman-Tversky value
+function) on unpaired, labelled completions: the whole loop (`algorithm.name: dpo | kto`).
 
-One step, as data flows: take a batch of labelled completions; each row also carries a
-mismatched pair (its prompt with the previous row's completion), whose policy/reference
-log-ratio, averaged over the batch and clamped at 0, is the reference point z0 of the KTO paper.
-Attach the reference log-probs of both (the matched ones may come from the per-dataset cache;
-the mismatched ones depend on the batch and are computed now), then the actor's update. No
-rollout: the data is offline. The rollout and
-reward groups serve validation only: greedy task accuracy on `preference.task_val_files`,
-exactly as an RL run measures `val/acc`.
+One step, as data flows: take a batch of preference rows (pairs: prompt, chosen, rejected; or
+unpaired: prompt, completion, desirable?), attach the reference model's sequence log-probs
+(cached per dataset, or computed now by the reference group), and let the actor take its update
+on the algorithm's loss. Unpaired rows also carry a mismatched pair (the row's prompt with the
+previous row's completion), whose policy/reference log-ratio, averaged over the batch and clamped
+at 0, is KTO's reference point z0; it depends on the batch, so its reference log-probs are always
+computed now. No rollout: the data is offline. The rollout and reward groups serve validation
+only: greedy task accuracy on `preference.task_val_files`, exactly as an RL run measures `val/acc`.
 """
 
 from __future__ import annotations
@@ -18,16 +20,19 @@ from typing import Any
 
 from rlcore.config import Config
 from rlcore.protocol import Batch
+from rlcore.trainer.groups import WorkerGroups, required
 from rlcore.trainer.health import HealthGuard
 from rlcore.trainer.loaders import preference_loader, prompt_loader
 from rlcore.trainer.metrics import Timer, mean_over_ranks
 from rlcore.trainer.preference_parts import (
+    BATCH_DEPENDENT,
     ReferenceLogProbs,
     SequenceLogProbs,
+    preference_kind,
     preference_step_metrics,
     preference_validation,
 )
-from rlcore.trainer.roles import WorkerGroups, build_worker_groups
+from rlcore.trainer.roles import build_worker_groups
 from rlcore.trainer.rollout_parts import RolloutSleep, sync_weights
 from rlcore.trainer.run_state import BadStepGuard, RunCheckpoints, prepare_run_dir
 from rlcore.trainer.step_log import StepHook, StepLog
@@ -35,20 +40,21 @@ from rlcore.trainer.validation import RLValidator
 from rlcore.workers.tokenizer import load_tokenizer
 
 
-class KTOTrainer:
-    algorithm = "kto"
-
+class PreferenceTrainer:
     def __init__(self, config: Config, groups: WorkerGroups | None = None, step_hooks: Sequence[StepHook] = ()) -> None:
         self.config = config
+        self.algorithm = config.algorithm.name
         self.run_dir = prepare_run_dir(config)
         self.tokenizer = load_tokenizer(config.model.path)
-        data = config.data
-        self.train_loader = preference_loader(config, self.tokenizer, data.train_files, "unpaired", train=True)
+        data, self.kind = config.data, preference_kind(config.traits.data)
+        self.train_loader = preference_loader(config, self.tokenizer, data.train_files, self.kind, train=True)
         self.val_loader = preference_loader(config, self.tokenizer, data.val_files, None, train=False) if data.val_files else None
         task_files = config.preference.task_val_files
         self.task_validator = RLValidator(config, prompt_loader(config, self.tokenizer, task_files, train=False)) if task_files else None
         self.groups = groups or build_worker_groups(config)
-        self.logps = SequenceLogProbs(config, self.groups, self.algorithm)
+        self.actor = required(self.groups.actor, "actor")
+        # IPO averages each sequence's log-probs over its tokens (a loss of pairs: DPO's)
+        self.logps = SequenceLogProbs(self.groups, average=self.kind == "pairwise" and config.preference.loss_type == "ipo")
         self.reference = ReferenceLogProbs(config, self.run_dir, self.logps)
         self.guard = BadStepGuard(config.actor.max_consecutive_bad_steps, self.run_dir / "checkpoints")
         self.health = HealthGuard.from_config(config.health)
@@ -82,11 +88,11 @@ class KTOTrainer:
 
     def train_step(self, batch: Batch) -> dict[str, Any]:
         timer = Timer()
-        with timer.phase("ref_log_prob"):
-            batch = self.reference.attach(batch, self.train_loader, extra_prefixes=("kl_",))  # ref_logps, ref_kl_logps
-        batch.info.update(algorithm="kto", temperature=1.0)
+        with timer.phase("ref_log_prob"):  # ref_chosen_logps, ref_rejected_logps; unpaired: ref_logps, ref_kl_logps
+            batch = self.reference.attach(batch, self.train_loader, extra_prefixes=BATCH_DEPENDENT[self.kind])
+        batch.info.update(algorithm=self.algorithm, temperature=1.0)  # the worker's objective (rlcore.workers.preference)
         with timer.phase("update_actor"):
-            actor_metrics = mean_over_ranks(self.groups.actor.update_preference(batch))
+            actor_metrics = mean_over_ranks(self.actor.update_preference(batch))
         return {**actor_metrics, **preference_step_metrics(batch, timer, self.config.actor.ppo_epochs)}
 
     def validate(self) -> dict[str, float]:
@@ -101,4 +107,4 @@ class KTOTrainer:
         return out
 
 
-__all__ = ["KTOTrainer"]
+__all__ = ["PreferenceTrainer"]

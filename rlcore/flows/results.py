@@ -1,0 +1,104 @@
+"""Prefect task results that are data, never code: a JSON serializer and a result storage that
+refuses any other record.
+
+Prefect persists a cached task result as a record naming its own serializer, and reads a record
+back with whatever serializer the *record* names (pickle by default; even its JSON serializer
+takes the decoder's and JSON library's import paths from the record). So a record planted in the
+result storage runs code on the next run with the same cache key, whatever the task was declared
+with. The storage here (`DataOnlyResultStorage`) therefore checks each record before Prefect sees
+it: only records written by `DataOnlyJSON` (exactly `{"type": "rlcore-json"}`, a JSON text as the
+result) pass; anything else is refused with a warning naming the file, and Prefect treats the
+cache entry as absent, so the task runs again and its fresh record replaces the refused one.
+
+It lives under the pipeline's own working folder (`result_storage_for(workdir)`), not Prefect's
+shared `~/.prefect/storage` (which Prefect derives from its default home, not `PREFECT_HOME`).
+A task that persists results takes both: `task.with_options(result_storage=...)` at the call, and
+`result_serializer=DATA_ONLY_JSON` in its decorator (tests/test_no_pickle.py checks every one).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+from pathlib import Path
+from typing import Any
+
+from prefect.filesystems import LocalFileSystem
+from prefect.serializers import Serializer
+from pydantic import Field
+
+log = logging.getLogger(__name__)
+
+SERIALIZER_TYPE = "rlcore-json"
+RESULTS_FOLDER = "task-results"  # under the pipeline's working folder
+
+
+class DataOnlyJSON(Serializer):  # type: ignore[type-arg]
+    """Plain JSON both ways: no object hooks, no import paths, nothing a stored record can choose."""
+
+    type: str = Field(default=SERIALIZER_TYPE, frozen=True)
+
+    def dumps(self, obj: Any) -> bytes:
+        return json.dumps(obj).encode("utf-8")
+
+    def loads(self, blob: bytes) -> Any:
+        return json.loads(blob.decode("utf-8"))
+
+
+DATA_ONLY_JSON = DataOnlyJSON()
+
+
+def record_refusal(content: bytes) -> str | None:
+    """Why a stored result record is not one `DataOnlyJSON` wrote (None: it is)."""
+    try:
+        record = json.loads(content.decode("utf-8"))
+    except (UnicodeDecodeError, ValueError, RecursionError) as err:
+        return f"not a JSON result record ({type(err).__name__})"
+    if not isinstance(record, dict) or not isinstance(record.get("metadata"), dict):
+        return "not a result record of this Prefect (no metadata)"
+    serializer = record["metadata"].get("serializer")
+    if serializer != {"type": SERIALIZER_TYPE}:
+        named = serializer.get("type") if isinstance(serializer, dict) else serializer
+        return f"its serializer is {named!r}, not rlcore's data-only {SERIALIZER_TYPE!r} (loading it could run code)"
+    if not isinstance(record.get("result"), str):
+        return "its result is not JSON text"
+    try:
+        json.loads(record["result"])
+    except (ValueError, RecursionError) as err:
+        return f"its result is not JSON ({type(err).__name__})"
+    return None
+
+
+class DataOnlyResultStorage(LocalFileSystem):
+    """Prefect's local result storage, reading back only records `DataOnlyJSON` wrote (module doc).
+    A refused record reads as absent: Prefect then runs the task again and overwrites it."""
+
+    _block_type_name = "rlcore data-only results"
+
+    def _checked(self, path: str, content: bytes) -> bytes:
+        why = record_refusal(content)
+        if why is not None:
+            where = self._resolve_path(path)
+            log.warning("refused the cached task result %s: %s; the task runs again and replaces it", where, why)
+            raise ValueError(f"{where}: refused cached task result: {why}")
+        return content
+
+    # Prefect reads results through `aread_path` (async) or `read_path(path, _sync=True)`.
+    async def aread_path(self, path: str) -> bytes:
+        return self._checked(path, await super().aread_path(path))
+
+    def read_path(self, path: str, _sync: bool | None = None) -> bytes:  # type: ignore[override]
+        return self._checked(path, LocalFileSystem.read_path(self, path, _sync=True))  # type: ignore[call-arg]
+
+
+def result_storage_for(workdir: str | Path) -> DataOnlyResultStorage:
+    """The result storage of the pipeline working in `workdir`: `<workdir>/task-results`, saved as
+    a block on the Prefect API in use (Prefect takes only saved blocks as a task's storage)."""
+    basepath = Path(workdir).resolve() / RESULTS_FOLDER
+    storage = DataOnlyResultStorage(basepath=str(basepath))
+    storage.save(f"rlcore-results-{hashlib.sha256(str(basepath).encode()).hexdigest()[:16]}", overwrite=True)
+    return storage
+
+
+__all__ = ["DATA_ONLY_JSON", "DataOnlyJSON", "DataOnlyResultStorage", "record_refusal", "result_storage_for"]

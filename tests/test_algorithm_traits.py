@@ -1,0 +1,119 @@
+"""The per-algorithm traits table (`rlcore.algorithms`) is the only place that knows an algorithm by
+its name: every other part asks it a question (generates? critic? which role trains?)."""
+
+from __future__ import annotations
+
+import ast
+import importlib
+import re
+from pathlib import Path
+
+import pytest
+
+import rlcore
+from rlcore.algorithms import ALGORITHMS, names_where, traits_of
+from rlcore.config import ConfigError, load_config
+
+PACKAGE = Path(rlcore.__file__).resolve().parent
+TABLE = PACKAGE / "algorithms.py"
+ABOUT_AN_ALGORITHM = re.compile(r"\balgorithm\b|\bname\b")  # config.algorithm.name, algorithm, self.algorithm, name
+
+
+def _names_in(node: ast.expr) -> set[str]:
+    """The algorithm names a literal spells: "ppo", or ("dpo", "kto") / ["grpo", "ppo"] / {"rm"}."""
+    if isinstance(node, ast.Constant) and isinstance(node.value, str):
+        return {node.value} & set(ALGORITHMS)
+    if isinstance(node, (ast.Tuple, ast.List, ast.Set)):
+        return set().union(*(_names_in(e) for e in node.elts)) if node.elts else set()
+    return set()
+
+
+def algorithm_name_checks(source: str, filename: str) -> list[str]:
+    """Each comparison of something about an algorithm (its name) with an algorithm's name:
+    `config.algorithm.name == "ppo"`, `name in ("dpo", "kto")`, `algorithm != "rm"`."""
+    found = []
+    for node in ast.walk(ast.parse(source, filename=filename)):
+        if not isinstance(node, ast.Compare):
+            continue
+        operands = [node.left, *node.comparators]
+        spelled = [o for o in operands if _names_in(o)]
+        about = [o for o in operands if not _names_in(o) and ABOUT_AN_ALGORITHM.search(ast.unparse(o))]
+        if spelled and about:
+            found.append(f"{filename}:{node.lineno}: {ast.unparse(node)}")
+    return found
+
+
+def test_no_algorithm_name_checks_outside_the_table():
+    """A new `algorithm.name == ...` (or `in (...)`, `!=`) anywhere in rlcore fails here: ask
+    `Config.traits` / `rlcore.algorithms.traits_of` instead, or add the trait the question needs."""
+    found = []
+    for path in sorted(PACKAGE.rglob("*.py")):
+        if path != TABLE:
+            found += algorithm_name_checks(path.read_text(), str(path.relative_to(PACKAGE.parent)))
+    assert found == [], "algorithm-name checks outside rlcore/algorithms.py:\n" + "\n".join(found)
+
+
+@pytest.mark.parametrize("source", [
+    'if config.algorithm.name == "ppo": pass',
+    'ok = self.algorithm.name in ("dpo", "kto")',
+    'if name != "rm": pass',
+    'x = algorithm == "kto" or 1',
+    'if "grpo" == cfg.algorithm.name: pass',
+    'y = config.algorithm.name not in {"grpo", "ppo"}',
+])
+def test_the_scan_finds_each_form_of_check(source):
+    assert len(algorithm_name_checks(source, "x.py")) == 1
+
+
+@pytest.mark.parametrize("source", [
+    'if mode == "grpo": pass',  # an advantage estimator's mode, not an algorithm
+    'if saved != algorithm: pass',  # two algorithms compared, no name spelled
+    'about = {"algorithm": config.algorithm.name}',
+])
+def test_the_scan_leaves_other_comparisons_alone(source):
+    assert algorithm_name_checks(source, "x.py") == []
+
+
+def test_every_recipe_in_the_table_imports():
+    for name, traits in ALGORITHMS.items():
+        module, _, cls = traits.recipe.partition(":")
+        recipe = getattr(importlib.import_module(module), cls)
+        assert isinstance(recipe, type) and callable(getattr(recipe, "fit", None)), name
+
+
+def test_one_recipe_per_family():
+    assert {traits_of(n).recipe for n in ("grpo", "ppo")} == {"rlcore.trainer.on_policy:OnPolicyTrainer"}
+    assert {traits_of(n).recipe for n in ("dpo", "kto")} == {"rlcore.trainer.preference:PreferenceTrainer"}
+    with pytest.raises(ValueError, match="unknown algorithm 'ipo'; known: grpo, ppo"):
+        traits_of("ipo")
+
+
+BASE = ["model.path=/m", "data.train_files=[t.parquet]", "actor.ppo_mini_batch_size=8", "data.train_batch_size=8"]
+OVERRIDES = {"ppo": ["algorithm.adv_estimator=gae"]}
+
+
+@pytest.mark.parametrize("name", names_where())
+def test_a_configs_workers_follow_its_traits(name):
+    """The worker roles a run starts are read from its algorithm's traits: the trained roles, a
+    critic exactly where the algorithm trains one, the reference where it always needs one, and
+    the rollout and rule scorer for every policy run."""
+    config = load_config(None, BASE + [f"algorithm.name={name}", *OVERRIDES.get(name, [])])
+    traits = config.traits
+    roles = config.present_roles
+    assert set(traits.trains) <= set(roles)
+    assert ("critic" in roles) == traits.critic
+    assert ("ref" in roles) == (traits.reference == "always")  # no KL term in BASE
+    assert ("rollout" in roles and "reward" in roles) == traits.trains_policy
+    assert config.old_log_probs_from_update == traits.generates  # one epoch, one mini-batch, sync: the on-policy update
+
+
+@pytest.mark.parametrize(("overrides", "message"), [
+    (["algorithm.name=ppo", "algorithm.adv_estimator=grpo"], "reads no values: algorithm.name=ppo trains a critic"),
+    (["algorithm.adv_estimator=gae"], "algorithm.adv_estimator 'gae' needs a critic: use algorithm.name=ppo"),
+    (["algorithm.name=dpo", "trainer.off_policy=one_step"], "not supported by the 'dpo' control flow"),
+    (["algorithm.name=rm", "actor.lora.rank=4"], "actor.lora: algorithm.name=rm trains a reward model"),
+    (["algorithm.name=kto", "critic.lora.rank=4"], r"critic.lora: algorithm.name=kto has no critic \(ppo has one\)"),
+])
+def test_validation_reads_the_traits(overrides, message):
+    with pytest.raises(ConfigError, match=message):
+        load_config(None, BASE + overrides)

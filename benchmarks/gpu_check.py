@@ -22,6 +22,11 @@ Phases (each one's failure is recorded in the JSON and the rest still run):
   grpo     three GRPO steps with the in-process backend (actor, reference and rollout
            colocated on the one GPU), reward by rlcore.rewards: step metrics and peak memory
            per trainer phase.
+  tp       tensor parallelism on 2 ranks (NCCL, one GPU each; gloo on CPU with --smoke): an actor
+           update at actor.layout.tensor_parallel=2 against the one-rank update (loss, gradient
+           norm, log-probs), and a vLLM engine with tensor_parallel_size=2 against the one-rank hf
+           engine (greedy responses and log-probs, before and after a weight sync). Each part is
+           recorded as skipped, with the reason, where it cannot run (fewer than 2 GPUs, no vllm).
 Peak memory is torch.cuda.max_memory_allocated, reset at the start of every measured phase.
 Logs go to stderr; stdout carries exactly one JSON line.
 """
@@ -45,7 +50,7 @@ from pathlib import Path
 from typing import Any
 
 H200_BF16_DENSE_FLOPS = 989e12  # NVIDIA H200 SXM spec sheet, dense (no sparsity)
-PHASES = ("kernel", "actor", "rollout", "grpo")
+PHASES = ("kernel", "actor", "rollout", "grpo", "tp")
 
 
 @dataclass(frozen=True)
@@ -501,6 +506,129 @@ def phase_grpo(s: Shapes, device, meter: Meter, model_dir: Path, train_file: Pat
     }
 
 
+# ----------------------------------------------------------------------------- (e) tensor parallel
+
+def _tp_config(model_dir: Path, root: Path, s: Shapes, device: str, layout: dict | None):
+    from rlcore.config import config_from_dict
+
+    tree: dict[str, Any] = {"model": {"path": str(model_dir)}, "data": {"train_files": ["unused.jsonl"], "train_batch_size": 4},
+                            "actor": {"ppo_mini_batch_size": 4, "max_tokens_per_micro_batch": s.actor_micro_tokens,
+                                      "optim": {"lr": 1e-5}},
+                            "rollout": {"n": 1}, "trainer": {"device": device, "output_dir": str(root / "tp_run"),
+                                                            "backend": "ray" if layout else "inprocess"}}
+    if layout:
+        tree["actor"]["layout"] = layout
+    return config_from_dict(tree)
+
+
+def _tp_actor_step(rank: int, world: int, model_dir: Path, root: Path, s: Shapes, device: str) -> dict[str, Any]:
+    """One actor update on this rank (the whole batch: a tensor-parallel group shares its rows)."""
+    import torch
+
+    from rlcore.workers.actor import ActorWorker
+
+    worker = ActorWorker(_tp_config(model_dir, root, s, device, {"tensor_parallel": world} if world > 1 else None), rank, world)
+    worker.setup()
+    batch = actor_batch(replace(s, actor_seqs=4), s.vocab)
+    logp = worker.compute_log_prob(batch)["old_log_probs"]
+    metrics = worker.update_actor(batch)
+    return {"logp": logp.cpu(), "loss": metrics["actor/pg_loss"], "grad_norm": metrics["actor/grad_norm"],
+            "param_norm": metrics["actor/param_norm"], "cuda": torch.cuda.is_available()}
+
+
+def _tp_rank(rank: int, world: int, port: int, out: str, args: tuple) -> None:
+    import torch
+    import torch.distributed as dist
+
+    model_dir, root, s, device = args
+    if device == "cuda":
+        torch.cuda.set_device(rank)
+    dist.init_process_group("nccl" if device == "cuda" else "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+                            world_size=world)
+    try:
+        result = _tp_actor_step(rank, world, model_dir, root, s, device)
+    finally:
+        dist.destroy_process_group()
+    torch.save(result, Path(out) / f"rank{rank}.pt")
+
+
+def phase_tp(s: Shapes, device, meter: Meter, model_dir: Path, root: Path) -> dict[str, Any]:
+    import importlib.util
+
+    import torch
+    import torch.multiprocessing as mp
+
+    gpus = torch.cuda.device_count() if device.type == "cuda" else 0
+    out: dict[str, Any] = {"gpus": gpus}
+    if device.type == "cuda" and gpus < 2:
+        out["actor"] = {"skipped": f"tensor parallelism over NCCL needs 2 GPUs; {gpus} visible"}
+    else:
+        one = _tp_actor_step(0, 1, model_dir, root, s, device.type)
+        ranks_dir = root / "tp_ranks"
+        ranks_dir.mkdir(parents=True, exist_ok=True)
+        with socket.socket() as sock:
+            sock.bind(("127.0.0.1", 0))
+            port = sock.getsockname()[1]
+        start = time.perf_counter()
+        mp.spawn(_tp_rank, args=(2, port, str(ranks_dir), (model_dir, root, s, device.type)), nprocs=2)
+        two = [torch.load(ranks_dir / f"rank{r}.pt") for r in range(2)]
+        out["actor"] = {
+            "tensor_parallel": 2, "backend": "nccl" if device.type == "cuda" else "gloo", "seconds": time.perf_counter() - start,
+            "logprob_max_abs_diff": max(float((r["logp"] - one["logp"]).abs().max()) for r in two),
+            "loss_diff": max(abs(r["loss"] - one["loss"]) for r in two),
+            "grad_norm_rel_diff": max(abs(r["grad_norm"] - one["grad_norm"]) / one["grad_norm"] for r in two),
+            "param_norm_rel_diff": max(abs(r["param_norm"] - one["param_norm"]) / one["param_norm"] for r in two),
+        }
+    if importlib.util.find_spec("vllm") is None:
+        out["rollout"] = {"skipped": "vllm is not installed"}
+    elif device.type == "cuda" and gpus < 2:
+        out["rollout"] = {"skipped": f"a vLLM engine of tensor_parallel_size=2 needs 2 GPUs; {gpus} visible"}
+    else:
+        out["rollout"] = _tp_rollout(s, device, model_dir)
+    return out
+
+
+def _tp_rollout(s: Shapes, device, model_dir: Path) -> dict[str, Any]:
+    """vLLM tensor_parallel_size=2 vs the one-rank hf engine, greedy, before and after a weight sync."""
+    import numpy as np
+    import torch
+    from safetensors.torch import load_file
+
+    from rlcore.protocol import Batch
+    from rlcore.rollout import SamplingParams
+    from rlcore.rollout.hf import HFRolloutEngine
+    from rlcore.rollout.vllm import VLLMRolloutEngine
+    from rlcore.workers.tokenizer import load_tokenizer
+
+    tok = load_tokenizer(str(model_dir))
+    g = torch.Generator().manual_seed(3)
+    ids = torch.randint(16, s.vocab, (8, s.rollout_prompt_len), generator=g)
+    attn = torch.ones_like(ids)
+    batch = Batch(tensors={"input_ids": ids, "attention_mask": attn, "position_ids": attn.cumsum(-1) - 1},
+                  meta={"uid": np.array([str(i) for i in range(8)], dtype=object)})
+    greedy = SamplingParams(n=1, do_sample=False, max_new_tokens=s.rollout_new_tokens)
+    new = [(k, v.float() + 0.02 * torch.randn(v.shape, generator=g)) for k, v in load_file(str(model_dir / "model.safetensors")).items()]
+
+    def run(engine) -> list[Any]:
+        try:
+            before = engine.generate(batch, greedy)
+            engine.update_weights(new)
+            return [before, engine.generate(batch, greedy)]
+        finally:
+            close = getattr(engine, "close", None)
+            if close is not None:
+                close()
+
+    kw = dict(dtype="float32", device=str(device), pad_token_id=tok.pad_token_id, eos_token_ids=[tok.eos_token_id])
+    want = run(HFRolloutEngine.from_pretrained(str(model_dir), **kw))
+    start = time.perf_counter()
+    got = run(VLLMRolloutEngine.from_pretrained(str(model_dir), tensor_parallel_size=2, kv_cache_gib=0.25, max_model_len=512, **kw))
+    same = [g_["responses"].tolist() == w["responses"].tolist() for g_, w in zip(got, want)]
+    return {"tensor_parallel_size": 2, "seconds": time.perf_counter() - start, "greedy_equal_before_after_sync": same,
+            "logprob_max_abs_diff": max(float((g_["rollout_log_probs"] - w["rollout_log_probs"]).abs().max())
+                                        for g_, w in zip(got, want))}
+
+
 # ----------------------------------------------------------------------------- main
 
 def environment(device) -> dict[str, Any]:
@@ -551,6 +679,8 @@ def headline(result: dict[str, Any]) -> dict[str, Any]:
         "rollout_tok_s": get("rollout", "tokens_per_s"),
         "grpo_steps_done": len(history),
         "grpo_bad_updates": sum(h.get("actor/bad_updates", 0.0) for h in history),
+        "tp_actor_logprob_max_abs_diff": get("tp", "actor", "logprob_max_abs_diff"),
+        "tp_rollout_greedy_equal": get("tp", "rollout", "greedy_equal_before_after_sync"),
         "errors": sorted(result.get("errors", {})),
     }
 
@@ -593,6 +723,7 @@ def main(argv: list[str] | None = None) -> int:
             "actor": lambda: phase_actor(shapes, device, meter, model_dir, train_file, root, params),
             "rollout": lambda: phase_rollout(shapes, device, meter, model_dir),
             "grpo": lambda: phase_grpo(shapes, device, meter, model_dir, train_file, root),
+            "tp": lambda: phase_tp(shapes, device, meter, model_dir, root),
         }
         for name in phases:
             log(f"phase {name} ...")

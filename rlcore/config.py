@@ -152,6 +152,58 @@ class LoraConfig(_Section):
         return self.rank > 0
 
 
+class LayoutConfig(_Section):
+    """How a role's ranks share its work: one device mesh named ("dp", "sp", "tp") whose size is the
+    role's world size (the product). Tensor-parallel ranks vary fastest, then sequence-parallel ones,
+    so the `sequence_parallel * tensor_parallel` consecutive ranks of a data-parallel shard receive
+    the same rows. `rlcore.workers.parallel` builds the mesh and applies it (README: "Layouts")."""
+
+    data_parallel: int = Field(1, ge=1, description="FSDP2 shards: groups of ranks that get different rows; the "
+                               "parameters, gradients and optimizer state are sharded over data_parallel x "
+                               "sequence_parallel ranks")
+    sequence_parallel: int = Field(1, ge=1, description="Ulysses sequence parallelism: ranks that split each packed "
+                                   "row along its tokens (all-to-all over attention heads); needs "
+                                   "model.use_remove_padding, and the attention and key/value heads of a "
+                                   "tensor-parallel rank divisible by it")
+    tensor_parallel: int = Field(1, ge=1, description="tensor parallelism (DTensor): ranks that split every "
+                                 "attention, MLP, embedding and LM-head matrix; the model's attention heads, "
+                                 "key/value heads, vocabulary and intermediate size must be divisible by it")
+
+    @property
+    def world_size(self) -> int:
+        return self.data_parallel * self.sequence_parallel * self.tensor_parallel
+
+    @property
+    def ranks_per_shard(self) -> int:
+        """Consecutive ranks that receive the same rows (a sequence- and tensor-parallel group)."""
+        return self.sequence_parallel * self.tensor_parallel
+
+    def describe(self) -> str:
+        return (f"data_parallel={self.data_parallel} x sequence_parallel={self.sequence_parallel} x "
+                f"tensor_parallel={self.tensor_parallel} = {self.world_size} ranks")
+
+
+def _layout_fills_legacy_keys(data: Any, section: str, sp_key: str | None, engines: bool = False) -> Any:
+    """A role section's `layout` sets its `world_size` (the product; a rollout's: its engines, each
+    of `tensor_parallel` ranks of vLLM's own) and Ulysses size; a legacy key given beside it must
+    agree (a dumped config.yaml has both), else it is refused naming both."""
+    if not isinstance(data, dict) or data.get("layout") is None:
+        return data
+    try:
+        layout = data["layout"] if isinstance(data["layout"], LayoutConfig) else LayoutConfig.model_validate(data["layout"])
+    except ValidationError:
+        return data  # reported by the field's own validation, under its full key
+    filled = {"world_size": layout.data_parallel if engines else layout.world_size}
+    if sp_key is not None:
+        filled[sp_key] = layout.sequence_parallel
+    for key, value in filled.items():
+        given = data.get(key)
+        if given is not None and given != value:
+            raise ValueError(f"{section}.{key}={given} disagrees with {section}.layout ({layout.describe()}); "
+                             f"set {section}.layout alone ({section}.{key} follows from it)")
+    return {**data, **filled, "layout": layout}
+
+
 class ActorConfig(_Section):
     optim: OptimConfig = OptimConfig()
     ppo_epochs: int = Field(1, ge=1)
@@ -172,7 +224,11 @@ class ActorConfig(_Section):
     fused_kernels: bool = False
     max_consecutive_bad_steps: int = Field(3, ge=1, description="NaN/inf loss or grad steps in a row before the run stops")
     tis_cap: float | None = Field(None, gt=0, description="truncated importance sampling cap for rollout/actor mismatch")
-    world_size: int = Field(1, ge=1, description="data-parallel ranks of actor (and reference); FSDP2 when > 1 (Ray backend)")
+    world_size: int = Field(1, ge=1, description="ranks of the actor (and, unless ref.layout, the reference); FSDP2 "
+                            "when > 1 (Ray backend). Set by actor.layout when that is given (its product)")
+    layout: LayoutConfig | None = Field(
+        None, description="data-parallel x sequence-parallel x tensor-parallel ranks of the actor (one device mesh). "
+        "Default: world_size / ulysses_sequence_parallel_size data-parallel ranks, no tensor parallelism")
     ulysses_sequence_parallel_size: int = Field(
         1, ge=1, description="Ulysses sequence parallelism for actor and reference: each group of this many "
         "consecutive ranks gets the same rows and splits every packed micro-batch along its tokens, with an "
@@ -198,6 +254,11 @@ class ActorConfig(_Section):
         "per-module copies in one process). Needs a CUDA device: refused with trainer.device=cpu")
     lora: LoraConfig = Field(LoraConfig(), description="LoRA on the actor; the reference is then the actor's own "
                              "base model with the adapter disabled (no second copy)")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _from_layout(cls, data: Any) -> Any:
+        return _layout_fills_legacy_keys(data, "actor", "ulysses_sequence_parallel_size")
 
     @field_validator("policy_loss")
     @classmethod
@@ -275,7 +336,13 @@ class RolloutConfig(_Section):
         None, description="rollout engine dtype; default model.dtype. bfloat16 is what GPU rollouts run (and is ~1.7x "
         "faster on AMX CPUs); the actor still recomputes log-probs in model.dtype, rollout/logprob_diff_* shows the gap "
         "and actor.tis_cap corrects for it")
-    world_size: int = Field(1, ge=1, description="rollout ranks (data parallel; Ray backend)")
+    world_size: int = Field(1, ge=1, description="rollout engines (data parallel; Ray backend); set by rollout.layout "
+                            "when that is given (its data_parallel)")
+    layout: LayoutConfig | None = Field(
+        None, description="data_parallel: rollout engines (Ray workers), each serving a share of the prompts; "
+        "tensor_parallel: ranks of each vLLM engine (vLLM's tensor_parallel_size; on CPU each engine rank gets its "
+        "worker's cores as VLLM_CPU_OMP_THREADS_BIND). sequence_parallel must be 1. Default: world_size engines, "
+        "tensor_parallel 1")
     n: int = Field(8, ge=1)
     temperature: float = Field(1.0, gt=0)
     top_p: float = Field(1.0, gt=0, le=1)
@@ -294,6 +361,27 @@ class RolloutConfig(_Section):
         None, description="sleep the engine from after generation until the weight sync; "
         "default: on when actor and rollout share a GPU (in-process on CUDA, or one GPU pool on Ray)")
 
+    @model_validator(mode="before")
+    @classmethod
+    def _from_layout(cls, data: Any) -> Any:
+        return _layout_fills_legacy_keys(data, "rollout", None, engines=True)
+
+    @model_validator(mode="after")
+    def _check_layout(self) -> RolloutConfig:
+        if self.layout is not None and self.layout.sequence_parallel != 1:
+            raise ValueError(f"rollout.layout.sequence_parallel={self.layout.sequence_parallel}: rollout engines split "
+                             "a model by tensor parallelism only (rollout.layout.tensor_parallel)")
+        if self.tensor_parallel_size > 1 and self.backend == "hf":
+            raise ValueError(f"rollout.layout.tensor_parallel={self.tensor_parallel_size} needs rollout.backend=vllm: "
+                             "the hf backend generates with one whole model per rank (scale it with "
+                             "rollout.layout.data_parallel)")
+        return self
+
+    @property
+    def tensor_parallel_size(self) -> int:
+        """Ranks of each rollout engine (vLLM's tensor_parallel_size)."""
+        return 1 if self.layout is None else self.layout.tensor_parallel
+
 
 class CriticConfig(_Section):
     model_path: str | None = Field(None, description="defaults to the actor model")
@@ -305,11 +393,20 @@ class CriticConfig(_Section):
     max_tokens_per_micro_batch: int | None = Field(None, ge=1, description="default: actor's")
     cliprange_value: float = Field(0.5, gt=0)
     loss_agg_mode: Literal["token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm"] = "token-mean"
-    world_size: int = Field(1, ge=1, description="data-parallel ranks of the critic; FSDP2 when > 1 (Ray backend)")
+    world_size: int = Field(1, ge=1, description="ranks of the critic; FSDP2 when > 1 (Ray backend); set by "
+                            "critic.layout when that is given")
+    layout: LayoutConfig | None = Field(
+        None, description="data-parallel x sequence-parallel x tensor-parallel ranks of the critic (see actor.layout). "
+        "Default: world_size / its Ulysses size data-parallel ranks, no tensor parallelism")
     ulysses_sequence_parallel_size: int | None = Field(
         None, ge=1, description="the critic's Ulysses sequence-parallel size (see actor.ulysses_sequence_parallel_size); "
         "default: the actor's. Must divide critic.world_size")
     lora: LoraConfig = Field(LoraConfig(), description="LoRA on the critic (its value head trains in full)")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _from_layout(cls, data: Any) -> Any:
+        return _layout_fills_legacy_keys(data, "critic", "ulysses_sequence_parallel_size")
 
 
 class RewardConfig(_Section):
@@ -361,8 +458,11 @@ class RewardModelConfig(_Section):
     micro_batch_size: int = Field(64, ge=1, description="sequences per forward without dynamic batching")
     dynamic_batch_size: bool = True
     max_tokens_per_micro_batch: int = Field(8192, ge=1)
-    world_size: int = Field(1, ge=1, description="data-parallel ranks of the reward model (Ray backend); FSDP2 when "
-                            "training with > 1")
+    world_size: int = Field(1, ge=1, description="ranks of the reward model (Ray backend); FSDP2 when training with "
+                            "> 1; set by reward_model.layout when that is given")
+    layout: LayoutConfig | None = Field(
+        None, description="data-parallel x tensor-parallel ranks of the reward model (scoring and training; see "
+        "actor.layout; sequence_parallel must be 1). Default: world_size data-parallel ranks")
     # training (algorithm.name: rm)
     optim: OptimConfig = OptimConfig(lr=1e-5)
     margin: float = Field(0.0, ge=0, description="training: chosen must outscore rejected by this; a row's own "
@@ -377,6 +477,27 @@ class RewardModelConfig(_Section):
     # the settings that only mean something when RL runs score with a reward model
     SCORING_KEYS: ClassVar[tuple[str, ...]] = ("weight", "rule_weight", "normalize", "clip", "on_nonfinite", "overlap")
     TRAINING_KEYS: ClassVar[tuple[str, ...]] = ("optim", "margin", "mini_batch_size", "max_consecutive_bad_steps", "lora")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _from_layout(cls, data: Any) -> Any:
+        return _layout_fills_legacy_keys(data, "reward_model", None)
+
+    @model_validator(mode="after")
+    def _check_layout(self) -> RewardModelConfig:
+        if self.layout is not None and self.layout.sequence_parallel != 1:
+            raise ValueError(f"reward_model.layout.sequence_parallel={self.layout.sequence_parallel}: the reward model "
+                             "scores whole sequences without sequence parallelism; use data_parallel or tensor_parallel")
+        return self
+
+
+class RefConfig(_Section):
+    """The reference model's worker group (KL and the preference losses)."""
+
+    layout: LayoutConfig | None = Field(
+        None, description="data-parallel x sequence-parallel x tensor-parallel ranks of the reference (see "
+        "actor.layout); default: the actor's. Its own world size makes it a group of its own on Ray (it cannot then "
+        "be colocated with the actor)")
 
 
 class KLControlConfig(_Section):
@@ -566,6 +687,7 @@ class Config(_Section):
     critic: CriticConfig = CriticConfig()
     reward: RewardConfig = RewardConfig()
     reward_model: RewardModelConfig = RewardModelConfig()
+    ref: RefConfig = RefConfig()
     algorithm: AlgorithmConfig = AlgorithmConfig()
     trainer: TrainerConfig = TrainerConfig()
     health: HealthConfig = HealthConfig()
@@ -609,7 +731,8 @@ class Config(_Section):
             for key, ws in (("actor", self.actor.world_size), ("critic", self.critic.world_size), ("rollout", self.rollout.world_size),
                             ("reward_model", self.reward_model.world_size)):
                 if ws > 1:
-                    raise ValueError(f"{key}.world_size={ws} needs trainer.backend=ray (the in-process backend runs one rank)")
+                    what = f"{key}.layout ({getattr(self, key).layout.describe()})" if getattr(self, key).layout else f"{key}.world_size={ws}"
+                    raise ValueError(f"{what} needs trainer.backend=ray (the in-process backend runs one rank)")
         if self.trainer.backend == "ray" and "default" not in self.ray.pools:
             unmapped = [r for r in self.present_roles if r not in self.ray.roles]
             if unmapped:
@@ -647,15 +770,69 @@ class Config(_Section):
         if self.traits.critic:
             roles.append(("critic", self.critic_sequence_parallel_size, self.critic.world_size))
         for role, sp, ws in roles:
-            key = f"{role}.ulysses_sequence_parallel_size"
+            key = f"{role}.layout.sequence_parallel" if getattr(self, role).layout is not None else f"{role}.ulysses_sequence_parallel_size"
             if ws % sp:
                 default = " (default: the actor's)" if role == "critic" and self.critic.ulysses_sequence_parallel_size is None else ""
                 raise ValueError(f"{key}={sp}{default} does not divide {role}.world_size={ws}: each sequence-parallel "
                                  f"group is {sp} of the {role}'s ranks")
+        for role in self.trained_roles:
+            sp = self.layout_of(role).sequence_parallel
             if sp > 1 and not self.model.use_remove_padding:
-                raise ValueError(f"{key}={sp} needs model.use_remove_padding=true: sequence parallelism splits the packed "
-                                 "row of a micro-batch along its tokens")
+                raise ValueError(f"{self.layout_key(role, 'sequence_parallel')}={sp} needs model.use_remove_padding=true: "
+                                 "sequence parallelism splits the packed row of a micro-batch along its tokens")
         return self
+
+    @model_validator(mode="after")
+    def _check_layouts(self) -> Config:
+        """Layouts of roles this run does not have are refused (they would be ignored); tensor
+        parallelism with LoRA is refused; several ranks need the Ray backend."""
+        roles = set(self.present_roles)
+        for role in ("critic", "reward_model", "ref"):
+            if getattr(self, role).layout is not None and role not in roles:
+                raise ValueError(f"{role}.layout is set, but this run has no {role} worker group")
+        if self.ref.layout is not None and self.actor.lora.enabled:
+            raise ValueError("ref.layout is set, but with actor.lora the reference is the actor's own base (its adapter "
+                             "disabled), on the actor's ranks and layout")
+        for role in self.trained_roles:
+            tp = self.layout_of(role).tensor_parallel
+            lora = {"actor": self.actor.lora, "critic": self.critic.lora, "reward_model": self.reward_model.lora}.get(role)
+            if tp > 1 and lora is not None and lora.enabled:
+                raise ValueError(f"{self.layout_key(role, 'tensor_parallel')}={tp} with {role}.lora: peft's adapter "
+                                 "layers wrap the very linear layers tensor parallelism splits, so rlcore does not "
+                                 "combine them; train a LoRA adapter data-parallel (FSDP2 shards the frozen base)")
+            if self.trainer.backend == "inprocess" and self.layout_of(role).world_size > 1:
+                raise ValueError(f"{role}.layout: {self.layout_of(role).describe()} needs trainer.backend=ray (the "
+                                 "in-process backend runs one rank)")
+        return self
+
+    @property
+    def trained_roles(self) -> list[str]:
+        """The roles of this run that hold a model on a device mesh (the ones with a `layout`)."""
+        return [r for r in self.present_roles if r in ("actor", "ref", "critic", "reward_model")]
+
+    def layout_of(self, role: str) -> LayoutConfig:
+        """The device-mesh layout of `role` ("actor", "ref", "critic", "reward_model", "rollout"):
+        its `layout` key, else what its legacy keys (`world_size`, Ulysses size) say."""
+        if role == "ref":
+            return self.ref.layout or self.layout_of("actor")
+        section = getattr(self, role)
+        if section.layout is not None:
+            layout: LayoutConfig = section.layout
+            return layout
+        sp = {"actor": self.actor.ulysses_sequence_parallel_size, "critic": self.critic_sequence_parallel_size}.get(role, 1)
+        sp = sp if section.world_size % sp == 0 else 1
+        return LayoutConfig(data_parallel=section.world_size // sp, sequence_parallel=sp)
+
+    def layout_key(self, role: str, part: str) -> str:
+        """The key a user set `part` of `role`'s layout with (the legacy key when no layout is given)."""
+        if role == "ref" and self.ref.layout is None:
+            return self.layout_key("actor", part)
+        if role != "ref" and getattr(self, role).layout is None:
+            if part == "sequence_parallel" and role in ("actor", "critic"):
+                return f"{role}.ulysses_sequence_parallel_size"
+            if part == "data_parallel":
+                return f"{role}.world_size"
+        return f"{role}.layout.{part}"
 
     @property
     def critic_sequence_parallel_size(self) -> int:
@@ -905,13 +1082,13 @@ class SFTConfig(_Section):
             raise ValueError("model.share_prompt_prefix=true: SFT rows are whole sequences, with no prompt shared "
                              "between rows")
         try:  # what the actor and the run parts would refuse (world size without Ray, sequence parallel sizes, ...)
-            self.worker_config(self.trainer.total_steps or 1)
+            worker = self.worker_config(self.trainer.total_steps or 1)
         except ValidationError as err:
             raise ValueError(_format_validation_error(err).removeprefix("invalid config: ").removeprefix("<root>: ")) from None
-        shards = self.actor.world_size // self.actor.ulysses_sequence_parallel_size
+        shards = worker.layout_of("actor").data_parallel
         if self.trainer.batch_size % shards:  # else the dispatch would pad the batch with repeated rows
             raise ValueError(f"trainer.batch_size={self.trainer.batch_size} is not a multiple of the actor's {shards} "
-                             "data-parallel ranks (actor.world_size / actor.ulysses_sequence_parallel_size)")
+                             f"data-parallel ranks ({worker.layout_key('actor', 'data_parallel')})")
         return self
 
     def worker_config(self, total_steps: int) -> Config:

@@ -137,4 +137,24 @@ def use_cores(cores: float | None = None, threads: int | None = None) -> int:
     return n
 
 
-__all__ = ["available_cpus", "cgroup_cpu_limit", "explicit_threads", "intra_op_threads", "sized_threads", "split_cores", "use_cores"]
+def core_groups(parts: int) -> list[list[int]] | None:
+    """This process's cores (its affinity) in `parts` contiguous groups of equal size, one per rank
+    of a tensor-parallel engine (the first groups get the remainder); None when it has fewer cores
+    than `parts` or no affinity to read (then nothing should be pinned)."""
+    try:
+        cores = sorted(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        return None
+    if len(cores) < parts:
+        return None
+    base, extra = divmod(len(cores), parts)
+    groups, start = [], 0
+    for i in range(parts):
+        size = base + (i < extra)
+        groups.append(cores[start:start + size])
+        start += size
+    return groups
+
+
+__all__ = ["available_cpus", "cgroup_cpu_limit", "core_groups", "explicit_threads", "intra_op_threads", "sized_threads",
+           "split_cores", "use_cores"]

@@ -51,9 +51,9 @@ pytestmark = pytest.mark.slow
 def test_summary_has_every_phase_and_no_errors(smoke):
     result, _ = smoke
     assert result["errors"] == {}
-    for key in ("env", "model", "kernel", "actor", "rollout", "grpo", "memory", "seconds"):
+    for key in ("env", "model", "kernel", "actor", "rollout", "grpo", "tp", "memory", "seconds"):
         assert key in result, key
-    assert set(result["memory"]) == {"kernel_peak_gib", "actor_peak_gib", "rollout_peak_gib", "grpo_peak_gib"}
+    assert set(result["memory"]) == {"kernel_peak_gib", "actor_peak_gib", "rollout_peak_gib", "grpo_peak_gib", "tp_peak_gib"}
     assert result["env"]["rlcore_native"] == "ok"
     assert result["model"]["arch"].startswith("Qwen2ForCausalLM")
 
@@ -101,3 +101,12 @@ def test_three_grpo_steps_with_phase_timings(smoke):
         assert "time/old_log_prob_s" not in step  # one mini-batch, one epoch: the update gives the old log-probs
         # bf16 rollout vs bf16 actor on the same weights: the log-probs agree closely
         assert step["rollout/logprob_diff_max"] < 0.1
+
+
+def test_tensor_parallel_actor_equals_one_rank_and_rollout_says_why_it_skipped(smoke):
+    """On CPU the two ranks are gloo processes; vllm is absent as on the GPU machine."""
+    tp = smoke[0]["tp"]
+    assert tp["actor"]["tensor_parallel"] == 2 and tp["actor"]["backend"] == "gloo"
+    assert tp["actor"]["logprob_max_abs_diff"] < 1e-5 and tp["actor"]["loss_diff"] < 1e-5
+    assert tp["actor"]["grad_norm_rel_diff"] < 1e-4 and tp["actor"]["param_norm_rel_diff"] < 1e-6
+    assert tp["rollout"] == {"skipped": "vllm is not installed"}

@@ -53,8 +53,10 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
-# Engine in this process (2-3 s start instead of ~20 s); no CPU pinning (cores are shared);
-# no usage reporting (no network). Must precede `import vllm`.
+# Engine in this process (2-3 s start instead of ~20 s); no CPU pinning (cores are shared) for a
+# one-rank engine (a tensor-parallel one pins each rank to its share of this process's cores, see
+# `_tensor_parallel_binding`); no usage reporting (no network). Must precede `import vllm`.
+_USER_THREADS_BIND = os.environ.get("VLLM_CPU_OMP_THREADS_BIND")  # an explicit setting always wins
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
 os.environ.setdefault("VLLM_NO_USAGE_STATS", "1")
@@ -69,6 +71,7 @@ from vllm.inputs import TokensPrompt  # noqa: E402
 from vllm.logprobs import FlatLogprobs  # noqa: E402
 from vllm.lora.request import LoRARequest  # noqa: E402
 
+from rlcore.cpus import core_groups  # noqa: E402
 from rlcore.protocol import Batch  # noqa: E402
 from rlcore.rollout.base import SamplingParams, reload_group  # noqa: E402
 from rlcore.rollout.output import check_left_padded, rollout_output  # noqa: E402
@@ -216,6 +219,32 @@ def _quiet_expected_casts(engine_dtype: torch.dtype) -> Iterator[None]:
         target.removeFilter(quiet)
 
 
+def tensor_parallel_binding(tensor_parallel_size: int) -> str:
+    """`VLLM_CPU_OMP_THREADS_BIND` for a CPU engine of `tensor_parallel_size` ranks: this process's
+    cores (a Ray worker's bundle, a `taskset`) split into one contiguous group per rank, "0,1|2,3";
+    "nobind" with fewer cores than ranks. vLLM's own default (bind by NUMA node) refuses more ranks
+    than NUMA nodes ("Not enough allowed NUMA nodes to bind threads"), which a one-socket machine
+    always has; an explicit `VLLM_CPU_OMP_THREADS_BIND` is left as it is."""
+    if _USER_THREADS_BIND is not None:
+        return _USER_THREADS_BIND
+    groups = core_groups(tensor_parallel_size)
+    return "nobind" if groups is None else "|".join(",".join(str(c) for c in g) for g in groups)
+
+
+@contextlib.contextmanager
+def _threads_bind(value: str) -> Iterator[None]:
+    """`VLLM_CPU_OMP_THREADS_BIND` set while an engine starts (its rank processes read it then)."""
+    before = os.environ.get("VLLM_CPU_OMP_THREADS_BIND")
+    os.environ["VLLM_CPU_OMP_THREADS_BIND"] = value
+    try:
+        yield
+    finally:
+        if before is None:
+            os.environ.pop("VLLM_CPU_OMP_THREADS_BIND", None)
+        else:
+            os.environ["VLLM_CPU_OMP_THREADS_BIND"] = before
+
+
 def _read_json(path: Path) -> dict[str, Any]:
     return json.loads(path.read_text()) if path.is_file() else {}
 
@@ -288,6 +317,7 @@ class VLLMRolloutEngine:
         block_size: int | None = None,
         weight_bucket_mb: float = 256.0,
         lora_rank: int | None = None,
+        tensor_parallel_size: int = 1,
         extra: dict[str, Any] | None = None,
         **llm_kwargs: Any,
     ) -> VLLMRolloutEngine:
@@ -298,7 +328,10 @@ class VLLMRolloutEngine:
         `gpu_memory_utilization` of the card, vLLM's block size, sleep mode on. `seed` is the engine
         seed (use the run seed). EOS and pad ids come from the checkpoint's generation_config.json /
         config.json when not given. `lora_rank`: serve LoRA adapters up to this rank (`load_adapter`),
-        one at a time. `extra` and further keywords go to `vllm.LLM` verbatim.
+        one at a time. `tensor_parallel_size`: ranks of the engine (vLLM's processes of its own, over
+        multiprocessing: on CPU each pinned to its share of this process's cores,
+        `tensor_parallel_binding`; on GPUs one per visible device). `extra` and further keywords go to
+        `vllm.LLM` verbatim.
         """
         root = Path(path)
         dev = torch.device(device)
@@ -350,11 +383,16 @@ class VLLMRolloutEngine:
             kwargs.update(enable_lora=True, max_lora_rank=fits[0], max_loras=1)
         if on_cpu and enable_sleep_mode:
             logger.warning("vLLM sleep mode is GPU-only; ignoring enable_sleep_mode=True on CPU")
+        if tensor_parallel_size > 1:
+            # vLLM's own processes (inside a Ray actor it would otherwise pick its Ray executor)
+            kwargs.update(tensor_parallel_size=int(tensor_parallel_size), distributed_executor_backend="mp")
         kwargs.update(extra or {})
         kwargs.update(llm_kwargs)
         engine_dtype = getattr(torch, str(kwargs["dtype"]), None)
         casts = _quiet_expected_casts(engine_dtype) if isinstance(engine_dtype, torch.dtype) else contextlib.nullcontext()
-        with _quiet_chat_template_warmup(), casts:
+        binding = (_threads_bind(tensor_parallel_binding(tensor_parallel_size)) if on_cpu and tensor_parallel_size > 1
+                   else contextlib.nullcontext())
+        with _quiet_chat_template_warmup(), casts, binding:
             llm = vllm.LLM(**kwargs)
         return cls(
             llm,

@@ -33,6 +33,7 @@ from rlcore.errors import RLCoreError
 from rlcore.rewards.registry import builtin_data_sources, load_function, load_reward_fn, resolve_spec
 from rlcore.rewards.tools import load_tools
 from rlcore.trainer.model_folders import read_model_config, reward_model_config_problems, weight_problems
+from rlcore.workers.parallel.shapes import layout_problems
 from rlcore.workers.ulysses import head_problem
 
 log = logging.getLogger(__name__)
@@ -77,6 +78,7 @@ def preflight_problems(config: Config) -> list[str]:
     if "reward_model" in traits.trains and not problems:  # the reward model to train renders with model.path's template
         problems += chat_template_problems("model.path", config.model.path)
     problems += sequence_parallel_problems(config)
+    problems += layout_problems(config)
     problems += data_problems(config)
     problems += reward_problems(config.reward.function)
     problems += scorer_problems(config)
@@ -94,7 +96,7 @@ def sequence_parallel_problems(config: Config) -> list[str]:
         roles.append(("critic", config.critic_sequence_parallel_size, config.critic.model_path or config.model.path))
     problems = []
     for role, size, path in roles:
-        if size == 1:
+        if size == 1 or config.layout_of(role).tensor_parallel > 1:  # then `layout_problems` checks each rank's heads
             continue
         try:
             model_config = json.loads((Path(path) / "config.json").read_text(encoding="utf-8"))

@@ -38,7 +38,7 @@ def _factories(config: Config) -> dict[str, tuple[Factory, int]]:
         "actor": (lambda rank, ws: ActorWorker(config, rank, ws), config.actor.world_size),
         "rollout": (lambda rank, ws: RolloutWorker(config, rank, ws), config.rollout.world_size),
         "reward": (lambda rank, ws: RewardWorker(config, rank, ws), 1),
-        "ref": (lambda rank, ws: ReferenceWorker(config, rank, ws), config.actor.world_size),
+        "ref": (lambda rank, ws: ReferenceWorker(config, rank, ws), config.layout_of("ref").world_size),
         "critic": (lambda rank, ws: CriticWorker(config, rank, ws), config.critic.world_size),
         "reward_model": (lambda rank, ws: RewardModelWorker(config, rank, ws), config.reward_model.world_size),
     }

@@ -3,6 +3,21 @@
 The Function returns (logprobs, entropy) and saves only the inputs plus two [N] float32
 vectors (lse, entropy); its backward recomputes logits tile by tile. The LM head's own
 semantics (bias, logit scale, final soft-cap; see ``logit_map``) are applied inside each tile.
+
+Vocabulary-parallel head (tensor parallelism, ``VocabShard``): each rank of a group holds rows
+[start, start + V_r) of the head. A rank runs the same kernels on its rows (targets shifted by
+``start``, so a target outside them matches no column), giving its partial log-sum-exp lse_r,
+the entropy H_r of its renormalised slice and, where it owns the target, the target's logit.
+With w_r = exp(lse_r - lse):
+
+    lse = log sum_r exp(lse_r),   H = sum_r w_r * H_r - sum_r w_r * log w_r,
+    log p(y) = z_y - lse          (z_y from the rank that owns y)
+
+one all-gather of three [N] vectors. The backward is each rank's kernel with the global lse and
+H (so p = exp(z - lse) is the full softmax on its rows): exact gradients for its rows of the head,
+and its share of the hidden state's gradient, summed over the group (every rank computes the same
+loss from the same hidden states, so each ends with the full gradient, as one process would).
+No rank ever holds more than its own rows of the head or its logits.
 """
 
 from __future__ import annotations
@@ -10,6 +25,7 @@ from __future__ import annotations
 import functools
 import os
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -53,12 +69,39 @@ def resolve_backend(backend: str, device: torch.device) -> str:
 
 
 @dataclass(frozen=True)
+class VocabShard:
+    """This rank's rows [start, start + rows) of a head of `vocab` rows split over `group` (a
+    torch.distributed process group: the tensor-parallel ranks)."""
+
+    group: Any
+    start: int
+    vocab: int
+
+
+@dataclass(frozen=True)
 class _Plan:
     backend: str
     lmap: LogitMap
     compute_entropy: bool
     chunk_tokens: int
     chunk_vocab: int | None
+    shard: VocabShard | None = None
+
+
+def _combine_shards(shard: VocabShard, targets, rows: int, logprobs, entropy, lse):
+    """The full-vocabulary (logprobs, entropy, lse) from every rank's partial ones (module docstring)."""
+    import torch.distributed as dist
+
+    owned = (targets >= shard.start) & (targets < shard.start + rows)
+    mine = torch.stack([lse, entropy, torch.where(owned, logprobs + lse, torch.zeros_like(lse))])
+    parts = [torch.empty_like(mine) for _ in range(dist.get_world_size(shard.group))]
+    dist.all_gather(parts, mine, group=shard.group)
+    lse_r, ent_r, z_target = torch.stack(parts).unbind(1)  # [ranks, N] each
+    total = torch.logsumexp(lse_r, dim=0)
+    log_w = lse_r - total
+    w = log_w.exp()
+    full_entropy = (w * ent_r).sum(0) - (w * log_w).sum(0)
+    return z_target.sum(0) - total, full_entropy, total
 
 
 def _forward(plan: _Plan, hidden, weight, bias, targets):
@@ -85,7 +128,12 @@ class _FusedLogprobFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, hidden, weight, bias, targets, plan: _Plan):
-        logprobs, entropy, lse = _forward(plan, hidden, weight, bias, targets)
+        if plan.shard is not None:  # this rank's rows: targets elsewhere match no column
+            local = targets - plan.shard.start
+            logprobs, entropy, lse = _combine_shards(plan.shard, targets, weight.shape[0], *_forward(plan, hidden, weight, bias, local))
+            targets = local
+        else:
+            logprobs, entropy, lse = _forward(plan, hidden, weight, bias, targets)
         ctx.save_for_backward(hidden, weight, bias, targets, lse, entropy)
         ctx.plan = plan
         return logprobs, entropy
@@ -104,10 +152,14 @@ class _FusedLogprobFunction(torch.autograd.Function):
         grad_hidden, grad_weight, grad_bias = _backward(
             plan, hidden, weight, bias, targets, lse, entropy, grad_logprobs, grad_entropy, need_h, need_w, need_b
         )
+        if plan.shard is not None and grad_hidden is not None:  # each rank's rows' share of it
+            import torch.distributed as dist
+
+            dist.all_reduce(grad_hidden, group=plan.shard.group)
         return grad_hidden, grad_weight, grad_bias, None, None
 
 
-def _check_inputs(hidden, weight, bias, targets, chunk_tokens, chunk_vocab, check_targets=True):
+def _check_inputs(hidden, weight, bias, targets, chunk_tokens, chunk_vocab, vocab: int | None = None, check_targets=True):
     if hidden.dim() < 2:
         raise ValueError(f"hidden must be [N, H] (or [..., H]), got shape {tuple(hidden.shape)}")
     if weight.dim() != 2:
@@ -126,8 +178,9 @@ def _check_inputs(hidden, weight, bias, targets, chunk_tokens, chunk_vocab, chec
         raise TypeError(f"targets must be an integer tensor, got {targets.dtype}")
     if check_targets and targets.numel():
         lo, hi = (int(x) for x in torch.aminmax(targets))  # one host sync; bad ids would be silent
-        if lo < 0 or hi >= weight.shape[0]:
-            raise ValueError(f"targets must lie in [0, {weight.shape[0]}) (vocab size), got range [{lo}, {hi}]")
+        vocab = weight.shape[0] if vocab is None else vocab
+        if lo < 0 or hi >= vocab:
+            raise ValueError(f"targets must lie in [0, {vocab}) (vocab size), got range [{lo}, {hi}]")
     if chunk_tokens < 1:
         raise ValueError(f"chunk_tokens must be >= 1, got {chunk_tokens}")
     if chunk_vocab is not None and chunk_vocab < 1:
@@ -153,6 +206,7 @@ def fused_token_logprobs(
     chunk_tokens: int = 1024,
     chunk_vocab: int | None = None,
     backend: str = "auto",
+    vocab_shard: VocabShard | None = None,
     check_targets: bool = True,
 ) -> FusedOutput:
     """Per-token log p(target) and softmax entropy from the last hidden state and the LM head.
@@ -165,11 +219,18 @@ def fused_token_logprobs(
     ``chunk_tokens``/``chunk_vocab`` bound the torch path's temporaries to a float32
     [chunk_tokens, chunk_vocab or V] tile (two in the backward, three when soft-capped). The
     triton backend tiles on its own and ignores them. ``hidden`` may carry leading dims
-    ([B, T, H] with targets [B, T]); outputs take the shape of ``targets``. ``check_targets=False``
-    skips the one host sync that checks the target ids lie in the vocabulary: for a caller that
-    checked them itself, or tensors without data (the memory planner's fake tensors).
+    ([B, T, H] with targets [B, T]); outputs take the shape of ``targets``.
+
+    ``vocab_shard``: ``weight`` (and ``bias``) are this rank's rows of a head split over a
+    tensor-parallel group, every rank of which calls this with the same hidden states and targets
+    (module docstring); the results are the full head's.
+
+    ``check_targets=False`` skips the one host sync that checks the target ids lie in the
+    vocabulary: for a caller that checked them itself, or tensors without data (the memory
+    planner's fake tensors).
     """
-    _check_inputs(hidden, weight, bias, targets, chunk_tokens, chunk_vocab, check_targets)
+    _check_inputs(hidden, weight, bias, targets, chunk_tokens, chunk_vocab,
+                  None if vocab_shard is None else vocab_shard.vocab, check_targets)
     lmap = LogitMap.of(float(temperature), float(logit_scale), None if softcap is None else float(softcap))
     chosen = resolve_backend(backend, hidden.device)
     out_shape = targets.shape
@@ -182,7 +243,7 @@ def fused_token_logprobs(
         if hidden2d.dtype != weight.dtype:
             # tl.dot wants one dtype; cast the (usually smaller) activations, differentiably.
             hidden2d = hidden2d.to(weight.dtype)
-    plan = _Plan(chosen, lmap, compute_entropy, int(chunk_tokens), None if chunk_vocab is None else int(chunk_vocab))
+    plan = _Plan(chosen, lmap, compute_entropy, int(chunk_tokens), None if chunk_vocab is None else int(chunk_vocab), vocab_shard)
     logprobs, entropy = _FusedLogprobFunction.apply(hidden2d, weight, bias, flat_targets, plan)
     logprobs = logprobs.reshape(out_shape)
     entropy = entropy.reshape(out_shape) if compute_entropy else None

@@ -23,7 +23,7 @@ from rlcore.controller import Dispatch, Worker, register
 from rlcore.protocol import Batch
 from rlcore.workers.checkpointing import adapter_folder, load_training_state, save_trained
 from rlcore.workers.forward import POLICY_FORWARD_METHODS
-from rlcore.workers.fsdp import gather_bucket, iter_full_state, plan_buckets, shard_model
+from rlcore.workers.fsdp import iter_full_state, plan_buckets
 from rlcore.workers.loading import compute_precision, load_causal_lm, resolve_device, trained_dtype
 from rlcore.workers.loops import (
     GlobalCounts,
@@ -38,11 +38,12 @@ from rlcore.workers.loops import (
 from rlcore.workers.lora import Adapter, apply_lora, parameter_counts
 from rlcore.workers.optim import build_optimizer, build_scheduler
 from rlcore.workers.packed import forward_token_metrics
+from rlcore.workers.parallel.apply import apply_role_layout
+from rlcore.workers.parallel.reshard import gather_to_owner
 from rlcore.workers.policy import PolicyLogProbs
 from rlcore.workers.preference import preference_objective
 from rlcore.workers.sft import SFTObjective
 from rlcore.workers.trainable import Trainable
-from rlcore.workers.ulysses import enable_sequence_parallel
 
 
 @dataclass(frozen=True)
@@ -108,7 +109,7 @@ class ActorWorker(Worker):
     def __init__(self, config: Config, rank: int = 0, world_size: int = 1) -> None:
         super().__init__(rank=rank, world_size=world_size, role="actor")
         self.config = config
-        self.ranks_per_shard = config.actor.ulysses_sequence_parallel_size  # a sequence-parallel group shares its rows
+        self.ranks_per_shard = config.layout_of("actor").ranks_per_shard  # a sequence/tensor-parallel group shares its rows
         self.device = resolve_device(config.trainer.device)
         self.model: nn.Module | None = None
         self.optimizer: torch.optim.Optimizer | None = None
@@ -127,9 +128,10 @@ class ActorWorker(Worker):
         if self.adapter is not None and adapter_dir is not None:
             self.adapter.load(Path(adapter_dir))
         self.param_counts = parameter_counts(model)
-        enable_sequence_parallel(model, self.ranks_per_shard, self.device, "actor.ulysses_sequence_parallel_size")
-        # FSDP2 when this group has a process group (or, on one rank, when bf16/offload is asked for)
-        self.model = shard_model(model, self.device, precision, cfg.actor.cpu_offload, forward_methods=POLICY_FORWARD_METHODS)
+        # tensor / sequence parallelism, then FSDP2 when this group has a process group (or, on one
+        # rank, when bf16/offload is asked for)
+        self.model = apply_role_layout(model, cfg, "actor", self.device, mixed_precision=precision,
+                                       cpu_offload=cfg.actor.cpu_offload, forward_methods=POLICY_FORWARD_METHODS)
         self.optimizer = build_optimizer(self.model, cfg.actor.optim)
         self.scheduler = build_scheduler(self.optimizer, cfg.actor.optim, cfg.trainer.total_steps)
         self.policy_loss = get_policy_loss(cfg.actor.policy_loss)
@@ -246,7 +248,7 @@ class ActorWorker(Worker):
         """One bucket of full weights, for streaming them to the rollout engine (merged with LoRA)."""
         if self.adapter is not None:
             return self.adapter.merged_weights(names, keep=self.rank == 0)
-        return gather_bucket(self.model, names, keep=self.rank == 0)
+        return gather_to_owner(self.model, names, owner=0)[0]  # each rank's own shards, assembled on rank 0 only
 
     @register(dispatch=Dispatch.COLLECTIVE, blocking=False)
     def adapter_for_rollout(self) -> tuple[dict[str, torch.Tensor], dict]:
@@ -280,7 +282,7 @@ class ReferenceWorker(Worker):
     def __init__(self, config: Config, rank: int = 0, world_size: int = 1) -> None:
         super().__init__(rank=rank, world_size=world_size, role="ref")
         self.config = config
-        self.ranks_per_shard = config.actor.ulysses_sequence_parallel_size  # the actor's, as its world size
+        self.ranks_per_shard = config.layout_of("ref").ranks_per_shard  # `ref.layout`, else the actor's
         self.device = resolve_device(config.trainer.device)
         self.model: nn.Module | None = None
 
@@ -288,8 +290,7 @@ class ReferenceWorker(Worker):
         cfg = self.config
         self.model = load_causal_lm(model_path or cfg.model.path, cfg.model.dtype, self.device, remove_padding=cfg.model.use_remove_padding)
         self.model.requires_grad_(False)
-        enable_sequence_parallel(self.model, self.ranks_per_shard, self.device, "actor.ulysses_sequence_parallel_size")
-        self.model = shard_model(self.model, self.device, forward_methods=POLICY_FORWARD_METHODS)
+        self.model = apply_role_layout(self.model, cfg, "ref", self.device, forward_methods=POLICY_FORWARD_METHODS)
 
     @register(dispatch=Dispatch.DP_BALANCED)
     def compute_ref_log_prob(self, batch: Batch) -> Batch:

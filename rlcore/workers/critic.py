@@ -20,7 +20,6 @@ from rlcore.controller import Dispatch, Worker, register
 from rlcore.protocol import Batch
 from rlcore.workers.checkpointing import adapter_folder, load_training_state, save_trained
 from rlcore.workers.forward import response_values
-from rlcore.workers.fsdp import shard_model
 from rlcore.workers.loading import compute_precision, load_value_model, resolve_device, trained_dtype
 from rlcore.workers.loops import (
     GlobalCounts,
@@ -35,8 +34,8 @@ from rlcore.workers.loops import (
 from rlcore.workers.lora import Adapter, apply_lora, parameter_counts
 from rlcore.workers.optim import build_optimizer, build_scheduler
 from rlcore.workers.packed import forward_token_metrics
+from rlcore.workers.parallel.apply import apply_role_layout
 from rlcore.workers.trainable import Trainable
-from rlcore.workers.ulysses import enable_sequence_parallel
 
 T = TypeVar("T")
 
@@ -90,7 +89,7 @@ class CriticWorker(Worker):
     def __init__(self, config: Config, rank: int = 0, world_size: int = 1) -> None:
         super().__init__(rank=rank, world_size=world_size, role="critic")
         self.config = config
-        self.ranks_per_shard = config.critic_sequence_parallel_size  # a sequence-parallel group shares its rows
+        self.ranks_per_shard = config.layout_of("critic").ranks_per_shard  # a sequence/tensor-parallel group shares its rows
         self.device = resolve_device(config.trainer.device)
         self.model: nn.Module | None = None
         self.optimizer: torch.optim.Optimizer | None = None
@@ -108,8 +107,7 @@ class CriticWorker(Worker):
         if self.adapter is not None and adapter_dir is not None:
             self.adapter.load(Path(adapter_dir))
         self.param_counts = parameter_counts(model)
-        enable_sequence_parallel(model, self.ranks_per_shard, self.device, "critic.ulysses_sequence_parallel_size")
-        self.model = shard_model(model, self.device, precision)  # FSDP2 when this group has a process group
+        self.model = apply_role_layout(model, cfg, "critic", self.device, mixed_precision=precision)  # TP / SP, FSDP2
         self.optimizer = build_optimizer(self.model, cfg.critic.optim)
         self.scheduler = build_scheduler(self.optimizer, cfg.critic.optim, cfg.trainer.total_steps)
 

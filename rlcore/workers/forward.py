@@ -33,6 +33,7 @@ from rlcore.protocol import Batch
 from rlcore.triton_kernels import fused_token_logprobs
 from rlcore.workers.attention import SEQUENCE_PARALLEL_KWARG, prompt_sharing
 from rlcore.workers.packed import PackedRows, pack_rows, token_tally
+from rlcore.workers.parallel.tensors import vocab_rows
 from rlcore.workers.ulysses import SequenceParallel, sequence_parallel_of
 
 LOG_PROBS_METHOD = "rlcore_response_log_probs"  # where a sharded model carries `forward_response_log_probs`
@@ -280,8 +281,9 @@ def forward_response_log_probs(
         targets = responses.reshape(-1)
     spec = lm_head_semantics(model)
     head = model.get_output_embeddings()
-    weight = head.weight.to(device=hidden.device, dtype=hidden.dtype)
-    bias = head.bias.to(device=hidden.device, dtype=hidden.dtype) if spec.has_bias else None
+    weight, vocab_shard = vocab_rows(head.weight)  # tensor parallel: this rank's rows of the head
+    weight = weight.to(device=hidden.device, dtype=hidden.dtype)
+    bias = vocab_rows(head.bias)[0].to(device=hidden.device, dtype=hidden.dtype) if spec.has_bias else None
     out = fused_token_logprobs(
         hidden,
         weight,
@@ -293,6 +295,7 @@ def forward_response_log_probs(
         compute_entropy=compute_entropy,
         chunk_tokens=chunk_tokens,
         backend=backend,
+        vocab_shard=vocab_shard,
     )
     if packed is not None:
         logprobs = packed.scatter(out.logprobs)

@@ -39,6 +39,7 @@ def shard_model(
     mixed_precision: str = "none",
     cpu_offload: bool = False,
     forward_methods: Mapping[str, Callable[..., Any]] | None = None,
+    mesh: Any = None,
 ) -> nn.Module:
     """`fully_shard` every decoder layer, then the root (embeddings, final norm and head).
 
@@ -50,7 +51,9 @@ def shard_model(
     when bf16 mixed precision (parameters cast to bf16 for compute, gradients reduced in fp32 into
     the full-precision parameters) or CPU offload is asked for. Without a process group those two
     are applied by `LocalPolicy` instead, else the model is returned unchanged. CPU offload on a
-    CPU device is refused (ValueError): there is no device memory to relieve.
+    CPU device is refused (ValueError): there is no device memory to relieve. `mesh`: the 1-D mesh
+    to shard over (a layout's data x sequence-parallel ranks, `rlcore.workers.parallel`); default
+    every rank of the process group.
     """
     if mixed_precision not in MIXED_PRECISION:
         raise ValueError(f"mixed_precision={mixed_precision!r} is not one of {MIXED_PRECISION}")
@@ -69,7 +72,7 @@ def shard_model(
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
 
-    kwargs: dict = {"mesh": init_device_mesh(device.type, (dist.get_world_size(),))}
+    kwargs: dict = {"mesh": mesh if mesh is not None else init_device_mesh(device.type, (dist.get_world_size(),))}
     if mixed_precision == "bf16":
         kwargs["mp_policy"] = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
     if cpu_offload:
@@ -207,7 +210,7 @@ def to_full(value: torch.Tensor) -> torch.Tensor:
     return full() if callable(full) else value
 
 
-def _sync_state(model: nn.Module) -> dict[str, torch.Tensor]:
+def sync_state(model: nn.Module) -> dict[str, torch.Tensor]:
     """Name -> tensor for a rollout engine; tied weights also under `lm_head.weight`
     (vLLM keeps a stale head otherwise)."""
     state = model.state_dict()
@@ -220,7 +223,7 @@ def plan_buckets(model: nn.Module, bucket_bytes: int) -> list[list[str]]:
     """Parameter names grouped into buckets of about `bucket_bytes` of full (unsharded) size.
 
     Sizes come from global shapes, so every rank computes the same plan."""
-    return bucket_by_bytes([(name, t.numel() * t.element_size()) for name, t in _sync_state(model).items()], bucket_bytes)
+    return bucket_by_bytes([(name, t.numel() * t.element_size()) for name, t in sync_state(model).items()], bucket_bytes)
 
 
 def bucket_by_bytes(sizes: list[tuple[str, int]], bucket_bytes: int) -> list[list[str]]:
@@ -239,7 +242,7 @@ def bucket_by_bytes(sizes: list[tuple[str, int]], bucket_bytes: int) -> list[lis
 def gather_bucket(model: nn.Module, names: list[str], keep: bool) -> list[tuple[str, torch.Tensor]]:
     """Full CPU tensors of `names`. Sharded parameters are gathered with `full_tensor()` (every
     rank must call this with the same names); only a rank with `keep` returns them."""
-    state = _sync_state(model)
+    state = sync_state(model)
     out: list[tuple[str, torch.Tensor]] = []
     seen: dict[int, torch.Tensor] = {}
     for name in names:

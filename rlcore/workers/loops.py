@@ -28,8 +28,9 @@ from torch import nn
 from rlcore.config import ActorConfig
 from rlcore.packing import pack_token_budget
 from rlcore.protocol import Batch
-from rlcore.workers.fsdp import equalize_micro_batches, to_full
+from rlcore.workers.fsdp import equalize_micro_batches
 from rlcore.workers.packed import prompt_leaders
+from rlcore.workers.parallel.tensors import clip_grad_norm
 from rlcore.workers.ranks import RankSummedMeans, distributed_world, global_sums
 from rlcore.workers.trainable import Trainable
 from rlcore.workers.weight_health import weight_health
@@ -243,7 +244,7 @@ def _step_on(
         sink.write(out.outputs, idx)
     names = sorted(totals)
     summed = dict(zip(names, global_sums([totals[n] for n in names], device)))
-    grad_norm = to_full(torch.nn.utils.clip_grad_norm_(trained.model.parameters(), settings.grad_clip))
+    grad_norm = clip_grad_norm(trained.model.parameters(), settings.grad_clip)
     if not (math.isfinite(summed["loss"]) and torch.isfinite(grad_norm)):
         trained.optimizer.zero_grad(set_to_none=True)
         return None

@@ -233,6 +233,7 @@ class TokenTally:
     def __init__(self) -> None:
         self._computed = 0
         self._real: torch.Tensor | int = 0
+        self.copies = 1  # ranks that run the same tokens (tensor-parallel ranks): each counts 1/copies of them
 
     def add(self, computed: int, real: torch.Tensor | int) -> None:
         self._computed += int(computed)
@@ -240,7 +241,7 @@ class TokenTally:
 
     def take(self) -> tuple[float, float]:
         """(computed, real) since the last `take`, and start again."""
-        counts = float(self._computed), float(self._real)
+        counts = float(self._computed) / self.copies, float(self._real) / self.copies
         self._computed, self._real = 0, 0
         return counts
 

@@ -35,7 +35,6 @@ from rlcore.errors import RLCoreError
 from rlcore.protocol import Batch
 from rlcore.workers.checkpointing import adapter_folder, load_training_state, save_trained
 from rlcore.workers.forward import SCORE_FORWARD_METHODS, sequence_scores
-from rlcore.workers.fsdp import shard_model
 from rlcore.workers.loading import compute_precision, load_sequence_classifier, resolve_device, scored_pad_token_id, trained_dtype
 from rlcore.workers.loops import (
     GlobalCounts,
@@ -50,6 +49,7 @@ from rlcore.workers.loops import (
 from rlcore.workers.lora import Adapter, apply_lora, merge_adapter, parameter_counts
 from rlcore.workers.optim import build_optimizer, build_scheduler
 from rlcore.workers.packed import forward_token_metrics
+from rlcore.workers.parallel.apply import apply_role_layout
 from rlcore.workers.ranks import global_sum
 from rlcore.workers.tokenizer import cut_at_end, end_token_ids, load_tokenizer
 from rlcore.workers.trainable import Trainable
@@ -240,6 +240,7 @@ class RewardModelWorker(Worker):
     def __init__(self, config: Config, rank: int = 0, world_size: int = 1) -> None:
         super().__init__(rank=rank, world_size=world_size, role=ROLE)
         self.config = config
+        self.ranks_per_shard = config.layout_of(ROLE).ranks_per_shard  # a tensor-parallel group shares its rows
         self.device = resolve_device(config.trainer.device)
         self.training = "reward_model" in config.traits.trains
         self.reader: RewardModelReader | None = None
@@ -265,12 +266,13 @@ class RewardModelWorker(Worker):
             if self.adapter is not None and adapter_dir is not None:
                 self.adapter.load(Path(adapter_dir))
             self.param_counts = parameter_counts(model)
-            model = shard_model(model, self.device, precision, forward_methods=SCORE_FORWARD_METHODS)
+            model = apply_role_layout(model, cfg, ROLE, self.device, mixed_precision=precision,
+                                      forward_methods=SCORE_FORWARD_METHODS)
             self.optimizer = build_optimizer(model, cfg.reward_model.optim)
             self.scheduler = build_scheduler(self.optimizer, cfg.reward_model.optim, cfg.trainer.total_steps)
         else:
             model.requires_grad_(False)
-            model = shard_model(model, self.device, forward_methods=SCORE_FORWARD_METHODS)
+            model = apply_role_layout(model, cfg, ROLE, self.device, forward_methods=SCORE_FORWARD_METHODS)
             self.policy_tokenizer = load_tokenizer(cfg.model.path)
             self.end_ids = end_token_ids(cfg.model.path)
         self.reader.model = model
@@ -302,13 +304,14 @@ class RewardModelWorker(Worker):
         settings = rm_settings(self.config)
         pairs, _ = self.reader.encode_pairs(batch)
         objective = BradleyTerryObjective(self.model, self.config.reward_model.margin, self.config.model.use_remove_padding)
-        result = run_update(self.trained, pairs, objective, settings, mini_batch_rows=settings.mini_batch_rows(1, self.world_size),
+        shards = self.world_size // self.ranks_per_shard
+        result = run_update(self.trained, pairs, objective, settings, mini_batch_rows=settings.mini_batch_rows(1, shards),
                             device=self.device, lengths=objective.lengths)
         return {**result.metrics, "reward_model/loss": result.loss, "reward_model/grad_norm": result.grad_norm,
                 "reward_model/lr": self.trained.lr, "reward_model/bad_updates": float(result.skipped_steps),
                 "reward_model/param_norm": result.param_norm, "reward_model/param_norm_growth": result.param_norm_growth,
                 "reward_model/nonfinite_state": result.nonfinite_state,
-                "reward_model/truncated": global_sum(float(pairs["truncated"].sum()), self.device),
+                "reward_model/truncated": global_sum(float(pairs["truncated"].sum()), self.device) / self.ranks_per_shard,
                 "reward_model/trainable_params": float(self.param_counts[0]), "reward_model/total_params": float(self.param_counts[1]),
                 **forward_token_metrics(ROLE, self.model, self.device)}
 

@@ -34,8 +34,15 @@ class RolloutWorker(Worker):
         cfg = self.config
         backend = resolve_backend(cfg.rollout.backend)
         engine_kwargs = {}
+        tp = cfg.rollout.tensor_parallel_size
         if backend == "vllm":
             engine_kwargs = dict(seed=cfg.trainer.seed, **cfg.rollout.vllm.model_dump())
+            if tp > 1:
+                engine_kwargs["tensor_parallel_size"] = tp
+        elif tp > 1:
+            raise ValueError(f"rollout.layout.tensor_parallel={tp} needs the vllm backend (rollout.backend="
+                             f"{cfg.rollout.backend} resolved to {backend}: vllm is not installed); the hf backend "
+                             "generates with one whole model per rank")
         if cfg.lora_sync == "adapter":
             if backend != "vllm":
                 raise ValueError(f"rollout.lora_sync=adapter needs the vllm backend (rollout.backend={cfg.rollout.backend} "

@@ -132,6 +132,14 @@ def enable_sequence_parallel(model: nn.Module, size: int, device: torch.device, 
     return sp
 
 
+def use_sequence_parallel_group(model: nn.Module, group: Any) -> SequenceParallel:
+    """Split `model`'s packed forwards over the ranks of `group` (a layout's "sp" mesh dim: see
+    `rlcore.workers.parallel.apply_layout`, which checks the heads first)."""
+    sp = SequenceParallel(group, dist.get_world_size(group), dist.get_rank(group))
+    setattr(model, _ATTRIBUTE, sp)
+    return sp
+
+
 _GROUPS: dict[tuple[str, int], tuple[Any, SequenceParallel]] = {}
 
 
@@ -156,4 +164,5 @@ def sequence_parallel_of(model: nn.Module) -> SequenceParallel | None:
     return getattr(model, _ATTRIBUTE, None)
 
 
-__all__ = ["SequenceParallel", "enable_sequence_parallel", "head_problem", "model_heads", "sequence_parallel_of"]
+__all__ = ["SequenceParallel", "enable_sequence_parallel", "head_problem", "model_heads", "sequence_parallel_of",
+           "use_sequence_parallel_group"]

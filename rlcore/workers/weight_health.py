@@ -10,13 +10,9 @@ import torch
 from torch import nn
 
 from rlcore.workers.fsdp import is_sharded
+from rlcore.workers.parallel.tensors import copies, local
 from rlcore.workers.ranks import global_sums
 from rlcore.workers.trainable import Trainable
-
-
-def _local(t: torch.Tensor) -> torch.Tensor:
-    """This rank's shard of a (possibly FSDP2-sharded) tensor."""
-    return t.to_local() if hasattr(t, "to_local") else t
 
 
 def _reshard(model: nn.Module) -> None:
@@ -34,15 +30,24 @@ def weight_health(trained: Trainable, device: torch.device) -> tuple[float, floa
     over ranks: what the run-health guard needs to stop an exploding or NaN model before it is saved."""
     _reshard(trained.model)  # after a forward FSDP2 may hold full parameters: summed over ranks, they count twice
     with torch.no_grad():
-        params = [_local(p.detach()) for p in trained.model.parameters()]
-        states = [_local(v.detach()) for state in trained.optimizer.state.values() for v in state.values()
-                  if isinstance(v, torch.Tensor) and v.is_floating_point()]
-        norm = _norm(params)
-        squares = norm * norm
+        # each rank's shards, weighted by the ranks holding the same one (a norm's weight on every
+        # tensor-parallel rank, a plain tensor on every rank), so that the sums count each element once
+        params = _by_copies([p.detach() for p in trained.model.parameters()])
+        states = _by_copies([v.detach() for state in trained.optimizer.state.values() for v in state.values()
+                             if isinstance(v, torch.Tensor) and v.is_floating_point()])
+        squares = sum(_norm(ts) ** 2 / n for n, ts in params.items())
         # A finite norm means finite elements (a NaN or inf anywhere makes it NaN or inf): count only otherwise.
-        bad = _nonfinite(params, norm) + _nonfinite(states, _norm(states))
+        bad = sum(_nonfinite(ts, _norm(ts)) / n for group in (params, states) for n, ts in group.items())
     squares, bad = global_sums([squares, bad], device)
     return math.sqrt(squares) if math.isfinite(squares) else math.inf, bad
+
+
+def _by_copies(tensors: list[torch.Tensor]) -> dict[int, list[torch.Tensor]]:
+    """Local shards grouped by how many ranks of the world hold the same one."""
+    groups: dict[int, list[torch.Tensor]] = {}
+    for t in tensors:
+        groups.setdefault(copies(t), []).append(local(t))
+    return groups
 
 
 def _norm(tensors: list[torch.Tensor]) -> float:

@@ -53,6 +53,8 @@ CASES: dict[str, dict[str, Any]] = {
     "actor-sp2-bf16-ckpt": dict(role="actor", world=2, overrides=["actor.ulysses_sequence_parallel_size=2", "model.dtype=bfloat16",
                                                                   "model.gradient_checkpointing=true"]),
     "actor-fsdp4": dict(role="actor", world=4, overrides=["data.train_batch_size=8", "actor.ppo_mini_batch_size=8"]),
+    "actor-tp2": dict(role="actor", world=2, overrides=["actor.layout.data_parallel=1", "actor.layout.tensor_parallel=2"]),
+    "actor-fsdp2-tp2": dict(role="actor", world=4, overrides=["actor.layout.data_parallel=2", "actor.layout.tensor_parallel=2"]),
     "critic-fsdp2": dict(role="critic", world=2, overrides=["algorithm.name=ppo", "algorithm.adv_estimator=gae"]),
     "ref-fsdp2": dict(role="ref", world=2, overrides=["actor.use_kl_loss=true"]),
 }
@@ -84,9 +86,9 @@ def predict(case: dict[str, Any], model_dir: Path) -> dict[str, Any]:
     config = case_config(case, model_dir)
     plan = next(p for p in role_plans(config) if p.role == case["role"])
     model_config = read_config(model_dir, "model.path")
-    sp = plan.sequence_parallel
-    peak = simulate(plan, model_config, Layout(case["world"] // sp, sp), uniform=ModelFacts.of(model_config, plan.head, "m").uniform,
-                    exact=True)
+    layout = config.layout_of(case["role"])
+    peak = simulate(plan, model_config, Layout(layout.data_parallel, layout.sequence_parallel, layout.tensor_parallel),
+                    uniform=ModelFacts.of(model_config, plan.head, "m").uniform, exact=True)
     return {"total": peak.total, **peak.kinds}
 
 
@@ -151,10 +153,10 @@ def _rank_main(args: argparse.Namespace) -> None:
         role = case["role"]
         worker = {"actor": ActorWorker, "critic": CriticWorker, "ref": ReferenceWorker}[role](config, args.rank, case["world"])
         worker.setup()
-        sp = worker.ranks_per_shard
-        dp = case["world"] // sp
+        shard = worker.ranks_per_shard
+        dp = case["world"] // shard
         rows = config.data.train_batch_size * config.rollout.n // dp
-        batch = _batch(config, rows, seed=args.rank // sp)  # the ranks of a sequence-parallel group hold the same rows
+        batch = _batch(config, rows, seed=args.rank // shard)  # the ranks of a sequence/tensor-parallel group hold the same rows
         step = {"actor": lambda: worker.update_actor(batch), "critic": lambda: worker.update_critic(batch),
                 "ref": lambda: worker.compute_ref_log_prob(batch)}[role]
         step()

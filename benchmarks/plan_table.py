@@ -4,8 +4,11 @@ config.json alone) on 16 and 64 devices of 80 GiB, with and without activation c
 Every number is simulated (fake tensors on torch's fake process group, `rlcore.plan`), not
 measured. Prints a markdown table, then the CPU and wall seconds it took.
 
-    ./dev python benchmarks/plan_table.py            # the table (a few CPU minutes)
+    ./dev python benchmarks/plan_table.py            # the table (CPU minutes per row)
+    ./dev python benchmarks/plan_table.py --hardware 2x8 --checkpointing on   # one row
     ./dev python benchmarks/plan_table.py --exact    # every layer simulated (slower; checks the extrapolation)
+
+Each row is printed (to stderr, with its CPU and wall seconds) as soon as it is planned.
 """
 
 from __future__ import annotations
@@ -31,7 +34,11 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--exact", action="store_true")
     parser.add_argument("--memory", default="80GiB")
+    parser.add_argument("--hardware", action="append", help="NODESxDEVICES (repeatable; default 2x8 and 8x8)")
+    parser.add_argument("--checkpointing", action="append", choices=["on", "off"], help="repeatable; default both")
     args = parser.parse_args()
+    hardware_list = [tuple(int(x) for x in h.split("x")) for h in args.hardware] if args.hardware else HARDWARE
+    checkpointing_list = [c == "on" for c in args.checkpointing] if args.checkpointing else [True, False]
     os.chdir(ROOT)  # the config's model.path is relative to the repository root
     from rlcore.config import load_config
     from rlcore.plan import Hardware, parse_size, plan_run
@@ -39,9 +46,10 @@ def main() -> None:
 
     started, cpu0 = time.monotonic(), _cpu_seconds()
     rows = []
-    for checkpointing in (True, False):
+    for checkpointing in checkpointing_list:
         config = load_config(CONFIG, [f"model.gradient_checkpointing={str(checkpointing).lower()}"])
-        for nodes, per_node in HARDWARE:
+        for nodes, per_node in hardware_list:
+            row_started, row_cpu = time.monotonic(), _cpu_seconds()
             hardware = Hardware(nodes, per_node, parse_size(args.memory))
             report = plan_run(config, hardware, exact=args.exact, progress=lambda line: print(line, file=sys.stderr, flush=True))
             cells = []
@@ -56,7 +64,8 @@ def main() -> None:
             c = report.colocated
             cells.append(f"{gib(c.peak[1])} ({c.peak[0]}): {'fits' if c.peak[1] <= hardware.usable else 'no'}" if c else "n/a")
             rows.append((f"{nodes} x {per_node}", "on" if checkpointing else "off", *cells))
-            print(f"... {rows[-1]}", file=sys.stderr, flush=True)
+            print(f"row {'| ' + ' | '.join(rows[-1]) + ' |'} ({_cpu_seconds() - row_cpu:.0f} CPU s, "
+                  f"{time.monotonic() - row_started:.0f} s wall)", file=sys.stderr, flush=True)
     roles = [r.role.role for r in report.roles]
     print(f"| devices | checkpointing | {' | '.join(f'{r}: lowest peak per rank on all devices; smallest fit' for r in roles)} "
           "| rollout: smallest TP, weights + KV per device | all roles colocated: peak per device |")

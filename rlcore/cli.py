@@ -340,8 +340,9 @@ def build_parser() -> argparse.ArgumentParser:
     plan.add_argument("--device", default=None, help="device name (H100, A100, ...): also print each role's seconds per step "
                       "at its dense bf16 peak")
     plan.add_argument("--exact", action="store_true", help="simulate every decoder layer instead of extrapolating from two")
-    plan.add_argument("--tensor-parallel", type=int, default=1, help="tensor-parallel size of the trained roles (not planned "
-                      "yet: only 1)")
+    plan.add_argument("--tensor-parallel", type=int, action="append", default=None, metavar="TP",
+                      help="plan the trained roles at this tensor-parallel size only (repeatable; default: every size the "
+                      "model takes within a node)")
     plan.set_defaults(func=_cmd_plan)
 
     example = sub.add_parser("example", help="the built-in tiny example")

@@ -2,8 +2,8 @@
 
 What a user sees: the command prints every role's simulated per-rank peak per layout, the
 smallest layout that fits and FLOPs per step per rank; a role that fits nowhere is named with the
-smallest hardware that fits it (checked by simulating there and one node fewer); tensor
-parallelism of trained roles is refused naming why. The simulation's depth extrapolation equals
+smallest hardware that fits it (checked by simulating there and one node fewer); tensor-parallel
+layouts are planned with the workers' own plans where the model's shape takes them. The simulation's depth extrapolation equals
 simulating every layer. Its prediction is checked against the peak measured on 2 gloo ranks of the
 same config (`benchmarks/bench_plan.py`: torch's tracker over the real tensors and the process's
 resident memory). The private torch APIs it stands on are pinned by the lock and exercised here:
@@ -69,9 +69,15 @@ def test_plan_prints_each_roles_peaks_smallest_layout_and_flops(tmp_path, capsys
         assert section in out
     assert "actor: fits, smallest 1 device" in out and "ref: fits, smallest 1 device" in out
     assert "rollout: fits, smallest TP 1" in out
-    # every simulated layout is a row with its peak; FSDP over both devices with and without Ulysses
-    actor_rows = re.findall(r"^  (FSDP 2(?: \(DP 1 x SP 2\))?|1 device)\s+(\d+)\s+([\d.,]+) [MG]iB", out.split("ref (")[0], re.M)
-    assert {row[0] for row in actor_rows} == {"1 device", "FSDP 2", "FSDP 2 (DP 1 x SP 2)"}
+    # every simulated layout is a row with its peak; FSDP over both devices with and without Ulysses, and
+    # tensor parallelism over both (the workers' plan: q/k/v/gate/up column-wise, o/down row-wise, the
+    # vocabulary-parallel embedding and head)
+    actor_rows = re.findall(r"^  (FSDP 2(?: \(DP 1 x SP 2\))?|1 device|TP 2)\s+(\d+)\s+([\d.,]+) ([MG])iB\s+([\d.,]+) ([MG])iB",
+                            out.split("ref (")[0], re.M)
+    assert {row[0] for row in actor_rows} == {"1 device", "FSDP 2", "FSDP 2 (DP 1 x SP 2)", "TP 2"}
+    params = {row[0]: float(row[4].replace(",", "")) * (1024 if row[5] == "G" else 1) for row in actor_rows}
+    assert params["TP 2"] < 0.6 * params["1 device"]  # each rank holds its half of every split matrix
+    assert "actor.layout.tensor_parallel=" in out  # the smallest layout as the config keys that give it
     # FLOPs per step per rank: rlcore.flops for the step's 16 sequences of 64 tokens, on the row's devices
     # (one epoch of one mini-batch, on-policy: the update's own forward gives the old log-probs, no extra pass)
     assert load_config(config_path).old_log_probs_from_update
@@ -92,7 +98,8 @@ def test_a_role_that_fits_nowhere_is_named_with_the_smallest_hardware_that_fits(
     # sharded over more it fits
     on_two = min(simulate(actor, model_config, layout, uniform=True).total for layout in (Layout(2), Layout(1, 2)))
     memory = int(on_two / 0.9 * 0.97)
-    code, out = _plan(capsys, str(config_path), "--nodes", "1", "--devices-per-node", "2", "--device-memory", str(memory))
+    code, out = _plan(capsys, str(config_path), "--nodes", "1", "--devices-per-node", "2", "--device-memory", str(memory),
+                      "--tensor-parallel", "1")  # FSDP x SP only: fewer simulations
     assert code == 0
     assert "actor: DOES NOT FIT on this hardware" in out
     found = re.search(r"actor fits nowhere on 2 devices .*?Smallest hardware that fits it: (\d+) nodes x 2 devices .*?\(FSDP (\d+)"
@@ -150,12 +157,25 @@ def test_rollout_picks_the_smallest_tensor_parallel_size_whose_weights_and_kv_ca
     assert plans[1].weights < weights_tp1 and plans[1].concurrent >= 1
 
 
-def test_tensor_parallel_trained_roles_are_refused_naming_why(tmp_path, capsys):
+def test_tensor_parallel_sizes_are_the_ones_the_workers_take(tmp_path, capsys):
+    """Qwen2 with 4 query / 2 key-value heads on 8-device nodes: TP 1 and 2 (4 would split 2 key-value
+    heads), Ulysses on top where a TP rank's heads allow; an architecture without a TP plan gets none;
+    a size that does not divide a node is refused naming the flag."""
+    from transformers import GPT2Config
+
+    from rlcore.plan.planner import RoleResult, parallel_shapes
+
     config_path = _config_file(tmp_path, _model_dir(tmp_path))
-    code = cli_main(["plan", str(config_path), "--device-memory", "80GiB", "--tensor-parallel", "2"])
-    err = capsys.readouterr().err
-    assert code == 2
-    assert "--tensor-parallel 2: tensor parallelism of the trained roles is not planned yet (issue #27" in err
+    actor = role_plans(load_config(config_path))[0]
+    model_config = read_config(tmp_path / "model", "model.path")
+    result = RoleResult(actor, ModelFacts.of(model_config, "lm", "model.path"), 0.0)
+    shapes = parallel_shapes(result, model_config, Hardware(1, 8, 2**30))
+    assert {tp for _, tp in shapes} == {1, 2} and (2, 2) in shapes and (4, 1) in shapes and (4, 2) not in shapes
+    assert parallel_shapes(result, model_config, Hardware(1, 8, 2**30), tensor_parallel=[2]) == [(1, 2), (2, 2)]
+    gpt2 = GPT2Config(n_layer=2, n_embd=64, n_head=4, vocab_size=512)
+    assert {tp for _, tp in parallel_shapes(result, gpt2, Hardware(1, 8, 2**30))} == {1}
+    code = cli_main(["plan", str(config_path), "--device-memory", "80GiB", "--tensor-parallel", "3"])
+    assert code == 2 and "--tensor-parallel 3: a tensor-parallel group lies within a node" in capsys.readouterr().err
 
 
 def test_bad_hardware_arguments_are_refused_naming_the_flag(tmp_path, capsys):

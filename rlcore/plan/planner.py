@@ -1,22 +1,25 @@
 """`rlcore plan`: which layouts of a run fit on the given hardware, per role, and at what peak.
 
 For each role that holds a model (`rlcore.plan.roles`) the planner looks for the smallest layout
-that fits: fewest devices first, then the smallest sequence-parallel size. Simulating every
+(FSDP x Ulysses SP x TP, `rlcore.workers.parallel`'s layouts) that fits: fewest devices first, then
+the smallest tensor-parallel size, then the smallest sequence-parallel size. Simulating every
 candidate would take long at 70B, so it enumerates smartly:
 
 1. analytic pre-filter: FSDP divides parameters, gradients and AdamW state evenly, so a device
    count whose share of those alone exceeds a device is never simulated (`static_bytes`);
-2. one simulation per sequence-parallel size on all devices (`rlcore.plan.simulate`) splits the
-   peak into what FSDP shards (scales as 1 / devices) and the rest (activations, gathered layers:
-   independent of the device count), which predicts the peak at every other device count;
+2. one simulation per (sequence-parallel, tensor-parallel) shape on all devices
+   (`rlcore.plan.simulate`) splits the peak into what FSDP and TP shard (parameters, gradients,
+   AdamW state: they scale as 1 / devices) and the rest (activations, gathered layers: independent
+   of the device count at one shape), which predicts the peak at every other device count;
 3. the smallest predicted fit is simulated to confirm it (and the next ones, until one fits).
 
 When nothing fits on the hardware, the same split names the smallest hardware that would: more
 nodes (when the unsharded rest fits a device), or larger devices (the lowest peak on all devices).
 The rollout is planned by arithmetic (`rlcore.plan.rollout`).
 
-Tensor parallelism for trained roles is not planned yet: issue #27 brings its layouts, and they
-will be applied here through `simulate.apply_layout`, the one place a layout is applied.
+Shapes are the sizes the workers accept within a node: Ulysses and TP sizes that divide a node's
+devices and suit the model's heads, key/value heads, vocabulary and intermediate size
+(`rlcore.workers.parallel.shapes`), TP only for architectures with a tensor-parallel plan.
 """
 
 from __future__ import annotations
@@ -32,7 +35,7 @@ from rlcore.plan.models import ModelFacts, config_dict, read_config
 from rlcore.plan.roles import RolePlan, role_plans
 from rlcore.plan.rollout import RolloutNeeds, RolloutPlan, plan_rollout, rollout_flops
 from rlcore.plan.simulate import Layout, Peak, simulate, static_bytes
-from rlcore.workers.ulysses import head_problem
+from rlcore.workers.parallel.shapes import plan_source, tensor_parallel_problems
 
 MAX_CONFIRMATIONS = 4  # simulations spent confirming predicted fits before the planner gives up on a role
 
@@ -95,17 +98,18 @@ class PlanReport:
     colocated: Colocated | None = None
 
 
-def plan_run(config: Config, hardware: Hardware, *, exact: bool = False, tensor_parallel: int = 1,
+def plan_run(config: Config, hardware: Hardware, *, exact: bool = False, tensor_parallel: list[int] | None = None,
              progress: Callable[[str], None] = lambda line: None) -> PlanReport:
     """Plan every role of `config` on `hardware` (see the module docstring). `exact`: simulate every
-    layer instead of extrapolating from two shallow copies. `tensor_parallel` > 1 for trained roles
-    is refused until issue #27's layouts land."""
-    if tensor_parallel != 1:
+    layer instead of extrapolating from two shallow copies. `tensor_parallel`: the trained roles'
+    tensor-parallel sizes to consider (default: every size the model takes within a node)."""
+    if tensor_parallel is not None:
         from rlcore.plan.hardware import PlanInputError
 
-        raise PlanInputError(f"--tensor-parallel {tensor_parallel}: tensor parallelism of the trained roles is not planned yet "
-                             "(issue #27 brings its layouts; the planner will apply them with the workers' own TP plans). "
-                             "The rollout's tensor-parallel sizes are planned: see its section")
+        for tp in tensor_parallel:
+            if tp < 1 or hardware.devices_per_node % tp:
+                raise PlanInputError(f"--tensor-parallel {tp}: a tensor-parallel group lies within a node, so its size must "
+                                     f"divide --devices-per-node {hardware.devices_per_node}")
     configs: dict[str, Any] = {}
     results: list[RoleResult] = []
     for role in role_plans(config):
@@ -117,7 +121,7 @@ def plan_run(config: Config, hardware: Hardware, *, exact: bool = False, tensor_
             result.skipped = role.not_planned
         else:
             progress(f"planning {role.role} ({facts.architecture}, {facts.parameters:,} parameters)")
-            _search(result, model_config, hardware, exact, progress)
+            _search(result, model_config, hardware, exact, tensor_parallel, progress)
         results.append(result)
     rollout = None
     if "rollout" in config.present_roles:
@@ -150,21 +154,27 @@ def colocated(config: Config, results: list[RoleResult], rollout: RolloutResult 
     return Colocated(tuple(phases), sleeps)
 
 
-def sequence_parallel_sizes(result: RoleResult, hardware: Hardware) -> list[int]:
-    """Ulysses sizes the role may use: 1, and where it has sequence parallelism every size within a
-    node that divides a node's devices and suits the model's heads (`head_problem`), its configured one too."""
-    role, facts = result.role, result.facts
-    if role.sp_key is None:
-        return [1]
-    sizes = {role.sequence_parallel} if role.sequence_parallel <= hardware.devices else set()
-    s = 1
-    while s <= hardware.devices_per_node:
-        sizes.add(s)
-        s *= 2
-    return sorted(s for s in sizes if hardware.devices_per_node % s == 0 and (s == 1 or head_problem(facts.heads, facts.kv_heads, s) is None))
+def parallel_shapes(result: RoleResult, model_config: Any, hardware: Hardware, tensor_parallel: list[int] | None = None
+                    ) -> list[tuple[int, int]]:
+    """(sequence-parallel, tensor-parallel) sizes the role may use, ascending by TP then SP: powers of
+    two (and the configured sizes) whose product divides a node's devices, that the model's shape
+    takes (`tensor_parallel_problems`, as `apply_layout` checks it); Ulysses only where the role has
+    it, TP only where the architecture has a plan and the role no LoRA; `tensor_parallel` narrows
+    the TP sizes."""
+    role, g = result.role, hardware.devices_per_node
+    shape = config_dict(model_config)
+    sizes = {1 << k for k in range(g.bit_length())}
+    sps = (sizes | {role.layout.sequence_parallel}) if role.sp_key is not None else {1}
+    splittable = plan_source(shape) is not None and not role.lora
+    tps = (sizes | {role.layout.tensor_parallel}) if splittable else {1}
+    if tensor_parallel is not None:
+        tps = set(tensor_parallel) if splittable else tps & set(tensor_parallel)
+    return sorted(((sp, tp) for sp in sps for tp in tps if g % (sp * tp) == 0 and not tensor_parallel_problems(shape, tp, sp)),
+                  key=lambda st: (st[1], st[0]))
 
 
-def _search(result: RoleResult, model_config: Any, hardware: Hardware, exact: bool, progress: Callable[[str], None]) -> None:
+def _search(result: RoleResult, model_config: Any, hardware: Hardware, exact: bool, tensor_parallel: list[int] | None,
+            progress: Callable[[str], None]) -> None:
     role, facts = result.role, result.facts
     cache: dict[Layout, Tried] = {}
 
@@ -177,17 +187,22 @@ def _search(result: RoleResult, model_config: Any, hardware: Hardware, exact: bo
         return cache[layout]
 
     full = hardware.devices
-    sizes = sequence_parallel_sizes(result, hardware)
-    on_all = {sp: run(Layout(full // sp, sp)) for sp in sizes}
-    if role.world_size > 1 and role.world_size <= full and role.world_size % role.sequence_parallel == 0:
-        run(Layout(role.world_size // role.sequence_parallel, role.sequence_parallel))  # the configured layout
+    shapes = parallel_shapes(result, model_config, hardware, tensor_parallel)
+    if not shapes:
+        result.skipped = f"no tensor-parallel size in --tensor-parallel {tensor_parallel} suits the model ({facts.architecture})"
+        return
+    on_all = {(sp, tp): run(Layout(full // (sp * tp), sp, tp)) for sp, tp in shapes}
+    configured = role.layout
+    if 1 < configured.data_parallel * configured.sequence_parallel * configured.tensor_parallel <= full and \
+            (configured.sequence_parallel, configured.tensor_parallel) in on_all:
+        run(Layout(configured.data_parallel, configured.sequence_parallel, configured.tensor_parallel))  # the configured layout
 
     def predicted(layout: Layout) -> float:
-        base = on_all[layout.sp].peak
+        base = on_all[(layout.sp, layout.tp)].peak
         return base.total - base.sharded + base.sharded * full / layout.devices
 
-    candidates = sorted((Layout(d // sp, sp) for sp in sizes for d in hardware.device_counts() if d % sp == 0 and d >= sp),
-                        key=lambda lay: (lay.devices, lay.sp))
+    candidates = sorted((Layout(d // (sp * tp), sp, tp) for sp, tp in shapes for d in hardware.device_counts() if d % (sp * tp) == 0),
+                        key=lambda lay: (lay.devices, lay.tp, lay.sp))
     candidates = [lay for lay in candidates if static_bytes(role, facts.parameters, lay.devices) <= hardware.usable
                   and predicted(lay) <= hardware.usable]
     confirmations = 0
@@ -203,12 +218,12 @@ def _search(result: RoleResult, model_config: Any, hardware: Hardware, exact: bo
             return
     fitting = [t for t in result.tried if t.fits]
     if fitting:
-        result.smallest = min(fitting, key=lambda t: (t.layout.devices, t.layout.sp))
+        result.smallest = min(fitting, key=lambda t: (t.layout.devices, t.layout.tp, t.layout.sp))
         return
     result.nowhere = _smallest_hardware(result, on_all, hardware, run)
 
 
-def _smallest_hardware(result: RoleResult, on_all: dict[int, Tried], hardware: Hardware, run: Callable[[Layout], Tried]) -> str:
+def _smallest_hardware(result: RoleResult, on_all: dict[tuple[int, int], Tried], hardware: Hardware, run: Callable[[Layout], Tried]) -> str:
     """Why `result`'s role fits nowhere on `hardware`, and the smallest hardware that would fit it:
     more nodes of these devices (simulated to confirm), or larger devices."""
     role, full, usable, g = result.role, hardware.devices, hardware.usable, hardware.devices_per_node
@@ -217,28 +232,28 @@ def _smallest_hardware(result: RoleResult, on_all: dict[int, Tried], hardware: H
     lines = [f"{role.role} fits nowhere on {hardware.devices} devices of {gib(hardware.device_memory)}: its lowest peak there is "
              f"{gib(best.peak.total)} per rank ({best.layout})."]
     options = []
-    for sp, tried in sorted(on_all.items()):
+    for (sp, tp), tried in on_all.items():
         rest, sharded_all = tried.peak.total - tried.peak.sharded, tried.peak.sharded * full
         if rest >= usable:
             continue
         nodes = math.ceil(sharded_all / (usable - rest) / g)
         for extra in range(3):  # confirm by simulation; FSDP's padding may need a node more
             n = max(nodes + extra, hardware.nodes + 1)
-            check = run(Layout(n * g // sp, sp))
+            check = run(Layout(n * g // (sp * tp), sp, tp))
             if check.fits:
                 options.append((n, check))
                 break
     if options:
-        n, check = min(options, key=lambda o: (o[0], o[1].layout.sp))
+        n, check = min(options, key=lambda o: (o[0], o[1].layout.tp, o[1].layout.sp))
         lines.append(f"Smallest hardware that fits it: {n} nodes x {g} devices of {gib(hardware.device_memory)} "
                      f"({check.layout}: {gib(check.peak.total)} per rank), or devices of at least {bigger} GiB on "
                      f"{hardware.nodes} x {g}.")
     else:
         lines.append(f"More devices do not help: what FSDP does not shard (activations, gathered layers) is "
                      f"{gib(min(t.peak.total - t.peak.sharded for t in on_all.values()))} per rank even at the largest "
-                     f"sequence-parallel size. Smallest hardware that fits it: devices of at least {bigger} GiB on "
+                     f"sequence- and tensor-parallel sizes. Smallest hardware that fits it: devices of at least {bigger} GiB on "
                      f"{hardware.nodes} x {g}; or fewer tokens per micro-batch, or model.gradient_checkpointing=true.")
     return " ".join(lines)
 
 
-__all__ = ["Colocated", "PlanReport", "RoleResult", "RolloutResult", "Tried", "colocated", "plan_run", "sequence_parallel_sizes"]
+__all__ = ["Colocated", "PlanReport", "RoleResult", "RolloutResult", "Tried", "colocated", "parallel_shapes", "plan_run"]

@@ -41,15 +41,15 @@ def render_role(result: RoleResult, device: str | None) -> list[str]:
         lines.append(f"  note: {result.role.caveat}")
     if result.skipped:
         return [*lines, f"  not planned: {result.skipped}"]
-    head = f"  {'layout':<24}{'devices':>8}{'peak/rank':>12}" + "".join(f"{name:>13}" for _, name in KIND_COLUMNS)
+    head = f"  {'layout':<30}{'devices':>8}{'peak/rank':>12}" + "".join(f"{name:>13}" for _, name in KIND_COLUMNS)
     lines += [head + f"{'fits':>6}  FLOPs/step/rank"]
-    for t in sorted(result.tried, key=lambda t: (t.layout.devices, t.layout.sp)):
+    for t in sorted(result.tried, key=lambda t: (t.layout.devices, t.layout.tp, t.layout.sp)):
         kinds = "".join(f"{gib(t.peak.kinds.get(k, 0)):>13}" for k, _ in KIND_COLUMNS)
-        lines.append(f"  {str(t.layout):<24}{t.layout.devices:>8}{gib(t.peak.total):>12}{kinds}{'yes' if t.fits else 'no':>6}  "
+        lines.append(f"  {str(t.layout):<30}{t.layout.devices:>8}{gib(t.peak.total):>12}{kinds}{'yes' if t.fits else 'no':>6}  "
                      f"{t.flops_per_rank:.3g}{_seconds(t.flops_per_rank, device)}")
     if result.smallest is not None:
         s = result.smallest
-        lines.append(f"  smallest that fits: {s.layout}, {gib(s.peak.total)} per rank")
+        lines.append(f"  smallest that fits: {s.layout}, {gib(s.peak.total)} per rank ({s.layout.keys(result.role.role)})")
     if result.nowhere:
         lines.append(f"  {result.nowhere}")
     return lines
@@ -71,7 +71,7 @@ def render_rollout(rollout: RolloutResult, device: str | None, devices: int) -> 
         lines.append(f"  the rollout fits at no tensor-parallel size within a node of {devices} devices")
     else:
         queue = "" if best.concurrent >= best.wanted else f"; its replicas queue sequences ({best.concurrent} of {best.wanted} at once)"
-        lines.append(f"  smallest that fits: TP {best.tp}{queue}")
+        lines.append(f"  smallest that fits: TP {best.tp}{queue} (rollout.layout.tensor_parallel={best.tp})")
     lines.append(f"  FLOPs/step/rank on all {devices} devices: {per_rank:.3g}{_seconds(per_rank, device)}")
     return lines
 

@@ -16,12 +16,12 @@ from typing import Any
 
 import torch
 
-from rlcore.config import Config, OptimConfig
+from rlcore.config import Config, LayoutConfig, OptimConfig
 from rlcore.flops import ModelFlops, causal_pairs
 from rlcore.plan.models import Head, config_dict
 from rlcore.workers.critic import critic_settings
-from rlcore.workers.loops import MicroBatching
 from rlcore.workers.loading import compute_precision, trained_dtype
+from rlcore.workers.loops import MicroBatching
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
@@ -65,9 +65,9 @@ class RolePlan:
     param_dtype: torch.dtype     # parameters (and, trained, gradients and AdamW state)
     precision: str               # `shard_model`'s mixed_precision: "bf16" computes in bf16
     checkpointing: bool          # `model.gradient_checkpointing` (trained roles)
-    sequence_parallel: int       # the configured Ulysses size
-    sp_key: str | None           # its config key; None: the role has no sequence parallelism
-    world_size: int              # the configured ranks
+    layout: LayoutConfig         # the configured layout (`Config.layout_of`: data x sequence x tensor parallel)
+    sp_key: str | None           # the config key of its sequence-parallel size; None: the role has no sequence parallelism
+    tp_key: str                  # the config key of its tensor-parallel size
     micro: MicroBatch
     mini_batch_rows: int         # rows one pass covers over all data-parallel ranks: a mini-batch (trained), the step's (forward)
     optim: OptimConfig | None
@@ -77,7 +77,13 @@ class RolePlan:
     step_sequences: int          # sequences this role sees per training step (all ranks)
     passes: tuple[tuple[str, int], ...]  # ("train" | "forward", times per step): for FLOPs
     not_planned: str | None = None  # why the planner cannot simulate this role as configured
+    lora: bool = False              # LoRA on this role: the workers refuse tensor parallelism with it
     caveat: str | None = None       # what the simulation leaves out (its peak is then an upper bound)
+
+    @property
+    def sequence_parallel(self) -> int:
+        """The configured Ulysses size."""
+        return self.layout.sequence_parallel
 
     def micro_at(self, data_parallel: int) -> MicroBatch:
         """The micro-batch at `data_parallel` shards: no more rows than a rank has."""
@@ -143,8 +149,8 @@ def role_plans(config: Config) -> list[RolePlan]:
                 param_dtype=_DTYPES[trained_dtype(config.model) if trains else config.model.dtype],
                 precision=compute_precision(config.model, a.mixed_precision) if trains else "none",
                 checkpointing=trains and config.model.gradient_checkpointing,
-                sequence_parallel=a.ulysses_sequence_parallel_size, sp_key="actor.ulysses_sequence_parallel_size",
-                world_size=a.world_size, micro=MicroBatch.of(micro, prompt, response),
+                layout=config.layout_of(role), sp_key=config.layout_key(role, "sequence_parallel"),
+                tp_key=config.layout_key(role, "tensor_parallel"), micro=MicroBatch.of(micro, prompt, response),
                 mini_batch_rows=a.ppo_mini_batch_size * rows_per_example if trains else step_sequences,
                 optim=a.optim if trains else None,
                 compute_entropy=trains and (a.entropy_coeff != 0 or config.old_log_probs_from_update),
@@ -156,8 +162,8 @@ def role_plans(config: Config) -> list[RolePlan]:
                 role=role, model_path=c.model_path or config.model.path,
                 model_key="critic.model_path" if c.model_path else "model.path", head="value", trains=True,
                 param_dtype=_DTYPES[trained_dtype(config.model)], precision=compute_precision(config.model),
-                checkpointing=config.model.gradient_checkpointing, sequence_parallel=config.critic_sequence_parallel_size,
-                sp_key="critic.ulysses_sequence_parallel_size", world_size=c.world_size,
+                checkpointing=config.model.gradient_checkpointing, layout=config.layout_of(role),
+                sp_key=config.layout_key(role, "sequence_parallel"), tp_key=config.layout_key(role, "tensor_parallel"),
                 micro=MicroBatch.of(settings.micro, prompt, response), mini_batch_rows=settings.mini_batch_size * rows_per_example,
                 optim=c.optim, compute_entropy=False, passes=(("forward", 1), ("train", c.ppo_epochs)),
                 **_limits(config, role, c.lora), **common))
@@ -172,22 +178,24 @@ def role_plans(config: Config) -> list[RolePlan]:
                 model_key="model.path" if trains else "reward_model.path", head="score", trains=trains,
                 param_dtype=_DTYPES[trained_dtype(config.model) if trains else config.model.dtype],
                 precision=compute_precision(config.model) if trains else "none",
-                checkpointing=trains and config.model.gradient_checkpointing, sequence_parallel=1, sp_key=None,
-                world_size=r.world_size, micro=MicroBatch.of(micro, min(prompt, length - 1), length - min(prompt, length - 1)),
+                checkpointing=trains and config.model.gradient_checkpointing, layout=config.layout_of(role), sp_key=None,
+                tp_key=config.layout_key(role, "tensor_parallel"),
+                micro=MicroBatch.of(micro, min(prompt, length - 1), length - min(prompt, length - 1)),
                 mini_batch_rows=mini, optim=r.optim if trains else None, compute_entropy=False,
                 passes=(("train", 1),) if trains else (("forward", 1),),
                 **_limits(config, role, r.lora if trains else None), **common))
     return plans
 
 
-def _limits(config: Config, role: str, lora: Any) -> dict[str, str | None]:
+def _limits(config: Config, role: str, lora: Any) -> dict[str, Any]:
     """`not_planned`: why the planner cannot simulate `role` as configured; `caveat`: a setting it
-    leaves out, which only lowers the real peak (the plan is then an upper bound)."""
+    leaves out, which only lowers the real peak (the plan is then an upper bound); `lora`."""
     if not config.model.use_remove_padding:
         return {"not_planned": "model.use_remove_padding=false: the planner simulates packed micro-batches only (a padded "
                                "one holds more tokens)"}
     if lora is not None and lora.enabled:
-        return {"caveat": f"{role}.lora is planned as full fine-tuning (LoRA's adapter state is not simulated yet): an upper bound"}
+        return {"lora": True, "caveat": f"{role}.lora is planned as full fine-tuning (LoRA's adapter state is not simulated yet): "
+                                        "an upper bound; no tensor parallelism (refused with LoRA)"}
     if role == "actor" and config.actor.cpu_offload:
         return {"caveat": "actor.cpu_offload is planned as without it (offloaded weights, gradients and AdamW state are not "
                           "subtracted yet): an upper bound on the device"}

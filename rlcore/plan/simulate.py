@@ -1,14 +1,15 @@
 """One training step of one role at one layout, simulated on fake tensors in this process.
 
 The role's model is built on the meta device (`rlcore.plan.models`) and laid out over the fake
-process group (`torch_api`: rank 0 of `layout.devices` ranks, no data moves) by the functions
-its worker calls: `enable_sequence_parallel` (Ulysses) and `shard_model` (FSDP2 per decoder
-layer and the root, the worker's mixed precision), through `apply_layout`, the one place a
-layout is applied. Then, under `FakeTensorMode` (shapes, no data), its parameters are
-materialised, AdamW is built as `build_optimizer` builds it, and the micro-batch runs as the
-worker runs it: packed into one row (`pack_rows`, the rank's slice of it with sequence
+process group (`torch_api`: rank 0 of `layout.devices` ranks, no data moves) by the function its
+worker calls, `rlcore.workers.parallel.apply_layout`: the workers' tensor-parallel plan (DTensor,
+the vocabulary-parallel embedding and head), Ulysses sequence parallelism and FSDP2 (per decoder
+layer and the root, the worker's mixed precision) on the layout's ("dp", "sp", "tp") mesh. Then,
+under `FakeTensorMode` (shapes, no data), its parameters are materialised, AdamW is built as
+`build_optimizer` builds it, and the micro-batch runs as the worker runs it: packed into one row (`pack_rows`, the rank's slice of it with sequence
 parallelism), the backbone with rlcore's packed attention, the head (`fused_token_logprobs` in
-token chunks for log-probs; the value or score head), a backward, clipping and the AdamW step.
+token chunks for log-probs, on this rank's vocabulary rows under tensor parallelism; the value or
+score head), a backward, clipping and the AdamW step.
 Torch's memory tracker counts every storage alive and keeps the peak, by kind.
 
 A trained role runs two steps: an untracked warm-up (an optimizer step on zero gradients: AdamW
@@ -42,11 +43,14 @@ from rlcore.plan.models import build_meta, num_layers, with_layers
 from rlcore.plan.roles import RolePlan
 from rlcore.triton_kernels import fused_token_logprobs
 from rlcore.workers.attention import SEQUENCE_PARALLEL_KWARG, use_packed_attention
-from rlcore.workers.fsdp import is_sharded, shard_model
 from rlcore.workers.forward import lm_head_semantics, score_head
+from rlcore.workers.fsdp import is_sharded
 from rlcore.workers.optim import build_optimizer
 from rlcore.workers.packed import PackedRows, pack_rows
-from rlcore.workers.ulysses import SequenceParallel, enable_sequence_parallel, sequence_parallel_of
+from rlcore.workers.parallel.apply import apply_layout as apply_worker_layout
+from rlcore.workers.parallel.mesh import device_mesh
+from rlcore.workers.parallel.tensors import is_dtensor, vocab_rows
+from rlcore.workers.ulysses import SequenceParallel, sequence_parallel_of
 
 DEPTHS = (3, 4)  # the shallow copies a uniform model is simulated at (from 3 on, FSDP's prefetching looks as in a deep stack)
 DEVICE = torch.device("cpu")  # fake tensors: the device only picks kernels; CPU SDPA is memory-efficient like flash-attn
@@ -55,8 +59,8 @@ DEVICE = torch.device("cpu")  # fake tensors: the device only picks kernels; CPU
 @dataclass(frozen=True)
 class Layout:
     """How a role's ranks split its work: `dp` data-parallel shards x `sp` sequence-parallel ranks
-    each (FSDP shards parameters over all of them), x `tp` tensor-parallel ranks (not planned yet
-    for trained roles)."""
+    each x `tp` tensor-parallel ranks each (TP splits the matrices, FSDP shards the rest over
+    dp x sp). A `rlcore.workers.parallel.mesh.Layout`, as the config's `*.layout` is."""
 
     dp: int
     sp: int = 1
@@ -66,13 +70,31 @@ class Layout:
     def devices(self) -> int:
         return self.dp * self.sp * self.tp
 
+    @property
+    def data_parallel(self) -> int:
+        return self.dp
+
+    @property
+    def sequence_parallel(self) -> int:
+        return self.sp
+
+    @property
+    def tensor_parallel(self) -> int:
+        return self.tp
+
     def __str__(self) -> str:
-        parts = [f"FSDP {self.devices // self.tp}" if self.devices // self.tp > 1 else "1 device"]
-        if self.sp > 1:
-            parts.append(f"(DP {self.dp} x SP {self.sp})")
+        if self.devices == 1:
+            return "1 device"
+        parts = []
+        if self.dp * self.sp > 1:
+            parts.append(f"FSDP {self.dp * self.sp}" + (f" (DP {self.dp} x SP {self.sp})" if self.sp > 1 else ""))
         if self.tp > 1:
-            parts.append(f"x TP {self.tp}")
-        return " ".join(parts)
+            parts.append(f"TP {self.tp}")
+        return " x ".join(parts)
+
+    def keys(self, role: str) -> str:
+        """The config overrides that give `role` this layout."""
+        return f"{role}.layout.data_parallel={self.dp} {role}.layout.sequence_parallel={self.sp} {role}.layout.tensor_parallel={self.tp}"
 
 
 @dataclass(frozen=True)
@@ -110,9 +132,8 @@ def simulate(role: RolePlan, model_config: Any, layout: Layout, *, uniform: bool
 
 def simulate_depth(role: RolePlan, model_config: Any, layout: Layout, depth: int) -> Peak:
     """One simulation of `model_config` as it is (its own depth, recorded as `depth`)."""
-    if layout.tp != 1:
-        raise NotImplementedError("tensor parallelism for trained roles is not planned yet (issue #27 brings its layouts)")
     tools = torch_api.load()
+    torch_api.forget_meshes()  # the last simulation's meshes, equal to this one's, must not come back from a cache
     with fake_process_group(tools, layout.devices):
         model = build_meta(model_config, role.head, role.param_dtype, role.model_key)
         use_packed_attention(model)  # as load_causal_lm / load_value_model / load_sequence_classifier
@@ -157,11 +178,12 @@ def _track(tools: torch_api.TorchTools, model: nn.Module, optimizer: torch.optim
 
 
 def apply_layout(model: nn.Module, role: RolePlan, layout: Layout, device: torch.device) -> nn.Module:
-    """Lay `model` out as `role`'s worker does (Ulysses, then FSDP2 with its precision): the one
-    place the planner applies a layout, with the workers' own functions."""
-    if layout.sp > 1:
-        enable_sequence_parallel(model, layout.sp, device, role.sp_key or f"{role.role} sequence parallelism")
-    return shard_model(model, device, role.precision)
+    """Lay `model` out as `role`'s worker does, with the workers' own `apply_layout` (tensor
+    parallelism, then Ulysses, then FSDP2 with its precision) on the layout's mesh over the fake
+    process group: the one place the planner applies a layout."""
+    mesh = device_mesh(layout, device.type) if dist.is_initialized() else None
+    return apply_worker_layout(model, layout, device, tp_key=role.tp_key, sp_key=role.sp_key or f"{role.role} sequence parallelism",
+                               mixed_precision=role.precision, mesh=mesh)
 
 
 def _materialise(model: nn.Module, role: RolePlan, layout: Layout, fake: Any) -> tuple[nn.Module, torch.optim.Optimizer | None]:
@@ -239,11 +261,14 @@ def _lm_forward(model: nn.Module, ids: torch.Tensor, packed: PackedRows, targets
     hidden = packed.predictors(backbone(input_ids=packed.pack(ids), use_cache=False, **_backbone_kwargs(model, packed)).last_hidden_state)
     spec = lm_head_semantics(model)
     head = model.get_output_embeddings()
-    weight = head.weight.to(device=hidden.device, dtype=hidden.dtype)
-    bias = head.bias.to(device=hidden.device, dtype=hidden.dtype) if spec.has_bias else None
+    with torch_api.outside_fake():  # tensor parallel: this rank's rows of the head, as the worker reads them
+        weight, vocab_shard = vocab_rows(head.weight)
+        bias = vocab_rows(head.bias)[0] if spec.has_bias else None
+    weight = weight.to(device=hidden.device, dtype=hidden.dtype)
+    bias = bias.to(device=hidden.device, dtype=hidden.dtype) if bias is not None else None
     out = fused_token_logprobs(hidden, weight, targets, bias=bias, logit_scale=spec.logit_scale, softcap=spec.softcap,
                                temperature=role.temperature, compute_entropy=role.compute_entropy,
-                               chunk_tokens=role.chunk_tokens, backend="torch", check_targets=False)
+                               chunk_tokens=role.chunk_tokens, backend="torch", vocab_shard=vocab_shard, check_targets=False)
     result = packed.scatter(out.logprobs)
     if out.entropy is not None:
         result = result + packed.scatter(out.entropy)
@@ -266,7 +291,7 @@ def _score_forward(model: nn.Module, ids: torch.Tensor, packed: PackedRows, targ
     hidden = backbone(input_ids=packed.pack(ids), use_cache=False, **packed.backbone_kwargs()).last_hidden_state[0]
     picked = hidden.index_select(0, packed.cu_seqlens[1:].long() - 1)
     head = score_head(model)
-    bias = head.bias.to(picked.dtype) if head.bias is not None else None
+    bias = head.bias.to(picked.dtype) if head.bias is not None else None  # a classifier head stays whole under TP
     return F.linear(picked, head.weight.to(device=picked.device, dtype=picked.dtype), bias).squeeze(-1).float()
 
 
@@ -279,7 +304,7 @@ def _warm_up(model: nn.Module, optimizer: torch.optim.Optimizer, grad_clip: floa
     for param in model.parameters():
         if param.requires_grad:
             param.grad = torch.zeros_like(param)
-    torch.nn.utils.clip_grad_norm_(model.parameters(), grad_clip)
+    _clip(model, grad_clip)
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)
 
@@ -293,8 +318,21 @@ def _train_step(model: nn.Module, optimizer: torch.optim.Optimizer, micro_batche
     for inputs in micro_batches:
         model(*inputs).sum().backward()
         next_pass()
-    torch.nn.utils.clip_grad_norm_(model.parameters(), grad_clip)
+    _clip(model, grad_clip)
     optimizer.step()
+
+
+def _clip(model: nn.Module, grad_clip: float) -> None:
+    """Gradient clipping's memory as `rlcore.workers.parallel.tensors.clip_grad_norm` spends it: a
+    norm per device mesh (FSDP2 x TP puts the split matrices and the rest on two), the gradients
+    scaled in place. Each mesh's gradients are scaled by their own norm here: the worker's
+    combination of the norms reads them on the host, which fake tensors cannot."""
+    meshes: dict[Any, list[torch.Tensor]] = {}
+    for p in model.parameters():
+        if p.grad is not None:
+            meshes.setdefault(p.grad.device_mesh if is_dtensor(p.grad) else None, []).append(p)
+    for params in meshes.values():
+        torch.nn.utils.clip_grad_norm_(params, grad_clip)
 
 
 def static_bytes(role: RolePlan, parameters: int, devices: int) -> int:

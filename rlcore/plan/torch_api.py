@@ -6,7 +6,9 @@
   a dispatch mode that counts every tensor storage alive, by kind (parameters, gradients,
   optimizer state, activations, FSDP's gathered layers), and keeps the peak;
 - `torch._subclasses.fake_tensor.FakeTensorMode`: tensors with shapes, dtypes and devices but
-  no data, so a 70B model's step runs in one laptop process.
+  no data, so a 70B model's step runs in one laptop process; `unset_fake_temporarily` (in
+  `outside_fake`), for the host-side index arithmetic DTensor does on a device mesh's coordinates;
+- DTensor's sharding-propagation caches, emptied between simulations (`forget_meshes`).
 
 None of them is a public API: they may change in any torch release. The lock pins the torch they
 were checked with (`TESTED_TORCH`); `check()` (and `tests/test_plan.py`) fails with a message that
@@ -15,6 +17,8 @@ names the API and both versions when one of them is gone or behaves differently.
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
@@ -76,6 +80,34 @@ def load() -> TorchTools:
     return TorchTools(store, FakeTensorMode, FSDPMemTracker, MemTracker)
 
 
+@contextmanager
+def outside_fake() -> Iterator[None]:
+    """Leave fake-tensor mode for host arithmetic on real tensors (a DTensor's shard offsets are
+    computed from its mesh's coordinates, which under the mode would be fake and unreadable)."""
+    try:
+        from torch._subclasses.fake_tensor import unset_fake_temporarily
+    except Exception as err:  # noqa: BLE001
+        raise _changed("torch._subclasses.fake_tensor.unset_fake_temporarily", err) from err
+    with unset_fake_temporarily():
+        yield
+
+
+def forget_meshes() -> None:
+    """Empty DTensor's sharding-propagation caches (C++ and Python). Each simulation makes a new fake
+    process group whose device meshes compare equal to the last one's (a mesh's equality ignores its
+    process groups), so a cached result would hand out the old mesh, whose groups are gone."""
+    try:
+        from torch.distributed.tensor import DTensor
+
+        torch._C._clear_DTensor_sharding_propagator_cache()
+        propagator = DTensor._op_dispatcher.sharding_propagator
+        propagator.propagate_op_sharding.cache_clear()
+        propagator._propagate_tensor_meta_cached.cache_clear()
+    except Exception as err:  # noqa: BLE001
+        raise _changed("DTensor's sharding-propagation caches (torch._C._clear_DTensor_sharding_propagator_cache, "
+                       "DTensor._op_dispatcher.sharding_propagator)", err) from err
+
+
 def peak_by_kind(tracker: Any) -> dict[str, int]:
     """The tracker's peak snapshot summed over devices, in the planner's kinds (`KINDS`) and
     "total". A kind the tracker reports that `KINDS` does not know is a changed API."""
@@ -108,6 +140,9 @@ def check() -> None:
     tools = load()
     if dist.is_initialized():
         raise RuntimeError("torch_api.check() needs a process without a process group")
+    forget_meshes()
+    with outside_fake():
+        pass
     try:
         dist.init_process_group("fake", store=tools.FakeStore(), rank=0, world_size=4)
     except Exception as err:  # noqa: BLE001
@@ -145,4 +180,4 @@ def check() -> None:
         raise _changed("the memory tracker's counts", ValueError(f"activations {peak.get('activations', 0)} bytes: {peak}"))
 
 
-__all__ = ["KINDS", "TESTED_TORCH", "TorchAPIChanged", "TorchTools", "check", "load", "peak_by_kind"]
+__all__ = ["KINDS", "TESTED_TORCH", "TorchAPIChanged", "TorchTools", "check", "forget_meshes", "load", "outside_fake", "peak_by_kind"]

@@ -228,12 +228,13 @@ def _bench():
 
 @pytest.mark.slow
 @pytest.mark.distributed
-def test_prediction_is_within_20_percent_of_the_peak_measured_on_two_gloo_ranks(tmp_path):
-    """The actor's update with FSDP2 over 2 gloo ranks that form one Ulysses group: the planner's
-    peak against torch's tracker over the real step's tensors and against the process's resident
-    memory (see benchmarks/bench_plan.py, which also runs bf16 with gradient checkpointing, the
-    critic, the reference and 4 ranks)."""
+@pytest.mark.parametrize("case", ["actor-sp2", "actor-tp2"])
+def test_prediction_is_within_20_percent_of_the_peak_measured_on_two_gloo_ranks(tmp_path, case):
+    """The actor's update on 2 gloo ranks, FSDP2 over one Ulysses group, or one tensor-parallel group
+    (the workers' TP plan): the planner's peak against torch's tracker over the real step's tensors
+    and against the process's resident memory (see benchmarks/bench_plan.py, which also runs bf16
+    with gradient checkpointing, the critic, the reference, FSDP x TP and 4 ranks)."""
     bench = _bench()
-    result = bench.compare("actor-sp2", bench.write_model(tmp_path / "model"))
+    result = bench.compare(case, bench.write_model(tmp_path / "model"))
     assert 0.8 <= result["vs_tracked"] <= 1.2, result
     assert 0.8 <= result["vs_rss"] <= 1.2, result

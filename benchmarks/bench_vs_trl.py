@@ -217,7 +217,7 @@ def build_longtail(n_train: int) -> dict[str, Any]:
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from rlcore.data.chat import prompt_ids
+    from rlcore.chat import prompt_ids
     from rlcore.data.io import write_rows
     from rlcore.example.tokenizer import build_tokenizer
     from rlcore.example.warm_start import save_model
@@ -362,7 +362,7 @@ def evaluate(model: Any, tokenizer: Any, work: dict[str, Any], limit: int) -> fl
                                  max_new_tokens=work["max_new_tokens"], limit=limit)["accuracy"]
     import torch
 
-    from rlcore.data.chat import prompt_ids
+    from rlcore.chat import prompt_ids
     from rlcore.data.io import read_rows
 
     rows = read_rows(work["val_file"])[:limit]
@@ -449,7 +449,7 @@ def run_trl(spec: dict[str, Any]) -> dict[str, Any]:
     from transformers import AutoModelForCausalLM, TrainerCallback
     from trl import GRPOConfig, GRPOTrainer
 
-    from rlcore.data.chat import prompt_ids
+    from rlcore.chat import prompt_ids
     from rlcore.data.io import read_rows
     from rlcore.rewards.registry import default_compute_score
     from rlcore.workers.tokenizer import load_tokenizer

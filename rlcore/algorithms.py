@@ -36,6 +36,7 @@ class AlgorithmTraits:
     trains: tuple[Role, ...]  # roles its updates train, whose state its checkpoints hold
     reference: Literal["always", "with_kl", "never"]  # needs the reference model; with_kl: when a KL term is used
     task_validation: bool  # greedy task accuracy on preference.task_val_files (rollout + rule scorer)
+    preference_keys: tuple[str, ...] = ()  # the `preference.*` settings it reads; others set are refused
 
     @property
     def critic(self) -> bool:
@@ -50,6 +51,7 @@ class AlgorithmTraits:
 
 _ON_POLICY = "rlcore.trainer.on_policy:OnPolicyTrainer"
 _PREFERENCE = "rlcore.trainer.preference:PreferenceTrainer"
+_OFFLINE_KEYS = ("beta", "max_response_length", "ref_cache", "ref_cache_dir", "task_val_files")
 
 ALGORITHMS: dict[str, AlgorithmTraits] = {t.name: t for t in (
     AlgorithmTraits("grpo", _ON_POLICY, data="prompts", val_data=("prompts",), generates=True, reward=True,
@@ -57,9 +59,11 @@ ALGORITHMS: dict[str, AlgorithmTraits] = {t.name: t for t in (
     AlgorithmTraits("ppo", _ON_POLICY, data="prompts", val_data=("prompts",), generates=True, reward=True,
                     trains=("actor", "critic"), reference="with_kl", task_validation=False),
     AlgorithmTraits("dpo", _PREFERENCE, data="pairwise", val_data=("pairwise", "unpaired"), generates=False,
-                    reward=False, trains=("actor",), reference="always", task_validation=True),
+                    reward=False, trains=("actor",), reference="always", task_validation=True,
+                    preference_keys=(*_OFFLINE_KEYS, "loss_type", "label_smoothing")),
     AlgorithmTraits("kto", _PREFERENCE, data="unpaired", val_data=("pairwise", "unpaired"), generates=False,
-                    reward=False, trains=("actor",), reference="always", task_validation=True),
+                    reward=False, trains=("actor",), reference="always", task_validation=True,
+                    preference_keys=(*_OFFLINE_KEYS, "desirable_weight", "undesirable_weight")),
     AlgorithmTraits("rm", "rlcore.trainer.reward_model:RewardModelTrainer", data="pairwise", val_data=("pairwise",),
                     generates=False, reward=False, trains=("reward_model",), reference="never", task_validation=False),
     # `rlcore sft` (its own config type, no `algorithm.name`); "sft" is what its checkpoints record

@@ -1,4 +1,4 @@
-"""`rlcore` command line: train from a config (RL or SFT), build the tiny example, run the pipeline.
+"""`rlcore` command line: train from a config (RL or SFT), read a run's trace, build the tiny example, run the pipeline.
 
 rlcore's own errors (a bad config, data file, reward function, checkpoint or path, and a run
 that stopped itself) are printed as their message alone, the traceback only with -v (anywhere
@@ -73,6 +73,15 @@ def _cmd_plan(args: argparse.Namespace) -> int:
     hardware = Hardware(args.nodes, args.devices_per_node, parse_size(args.device_memory), parse_fraction(args.headroom))
     report = plan_run(config, hardware, exact=args.exact, tensor_parallel=args.tensor_parallel, progress=_say)
     print(render(report, args.config, args.device))
+    return 0
+
+
+def _cmd_trace(args: argparse.Namespace) -> int:
+    """One recorded trajectory of a run's trace.jsonl as a readable conversation."""
+    from rlcore.trainer.tracing import format_trajectory, recorded_conversation
+
+    step, record, recorded = recorded_conversation(args.run_dir, args.step, args.sample)
+    print(format_trajectory(step, record, args.sample, recorded))
     return 0
 
 
@@ -344,6 +353,13 @@ def build_parser() -> argparse.ArgumentParser:
                       help="plan the trained roles at this tensor-parallel size only (repeatable; default: every size the "
                       "model takes within a node)")
     plan.set_defaults(func=_cmd_plan)
+
+    trace = sub.add_parser("trace", help="print one recorded trajectory of a run (trace.jsonl) as a conversation: "
+                           "rlcore trace RUN_DIR [--step N] [--sample K]")
+    trace.add_argument("run_dir", help="the run's trainer.output_dir")
+    trace.add_argument("--step", type=int, default=None, help="default: the last step that recorded conversations")
+    trace.add_argument("--sample", type=int, default=0, help="which of the step's trainer.trace_samples conversations")
+    trace.set_defaults(func=_cmd_trace)
 
     example = sub.add_parser("example", help="the built-in tiny example")
     example_sub = example.add_subparsers(dest="example_command", required=True)

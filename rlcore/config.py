@@ -77,8 +77,9 @@ class ModelConfig(_Section):
         "installed, causal SDPA per sequence otherwise), so the tokens computed are the real ones. false: the "
         "padded [rows, batch-wide prompt + response] forward. A model whose outputs packing would change is "
         "refused at load")
-    share_prompt_prefix: bool = Field(
-        True, description="with use_remove_padding: rows of a micro-batch whose prompts are the same tokens (the "
+    share_prompt_prefix: bool | None = Field(
+        None, description="null (default): on wherever use_remove_padding packs rows; true/false: asked for. "
+        "With packing: rows of a micro-batch whose prompts are the same tokens (the "
         "rollout.n samples of a prompt, DPO's chosen and rejected) hold the prompt once in the packed row, their "
         "responses attending to it, so its forward and backward run once, not once per row; the results are the "
         "unshared ones (float tolerance). Not on the flash-attn path (CUDA bf16/fp16 with flash-attn installed), "
@@ -88,7 +89,7 @@ class ModelConfig(_Section):
     def _check_pure_bf16(self) -> ModelConfig:
         if self.pure_bf16 and self.dtype != "bfloat16":
             raise ValueError(f"model.pure_bf16=true needs model.dtype=bfloat16 (got {self.dtype})")
-        if self.share_prompt_prefix and not self.use_remove_padding and "share_prompt_prefix" in self.model_fields_set:
+        if self.share_prompt_prefix and not self.use_remove_padding:
             raise ValueError("model.share_prompt_prefix=true needs model.use_remove_padding=true (prompts are shared "
                              "within a packed row)")
         return self
@@ -96,7 +97,7 @@ class ModelConfig(_Section):
     @property
     def shares_prompts(self) -> bool:
         """Whether packed rows hold a prompt once for all its rows (`share_prompt_prefix` on packed rows)."""
-        return self.use_remove_padding and self.share_prompt_prefix
+        return self.use_remove_padding and self.share_prompt_prefix is not False
 
 
 class DataConfig(_Section):
@@ -531,6 +532,14 @@ class AlgorithmConfig(_Section):
         return check_registered("KL estimator", name)
 
 
+def _differs_from_default(section: BaseModel, key: str) -> bool:
+    """`section.key` is not its field's default: a setting the user made. By value, not by
+    `model_fields_set`, so a config dumped and loaded again (as the flows pass it) reads the same."""
+    field = type(section).model_fields[key]
+    default = field.get_default(call_default_factory=True)
+    return bool(getattr(section, key) != default)
+
+
 class PreferenceConfig(_Section):
     """Offline preference optimisation (algorithm.name dpo or kto). data.train_files / val_files then
     hold preference rows (rlcore.data.preference: pairwise for DPO, unpaired for KTO; validation
@@ -575,6 +584,22 @@ class TrainerConfig(_Section):
         "breakpoint in the rollout stops here); process: a child process (no GIL shared with the trainer; ~4 s to start, "
         "batches and weights pickled across). The cores are split between it and the training thread either way")
     trace: bool = Field(True, description="write trace.jsonl in the run dir: per step, phase timings, workers, and every sample")
+    trace_samples: int = Field(4, ge=0, description="trajectories per step (evenly spread over the batch) whose "
+                               "conversation trace.jsonl records: the prompt, the model's text of every turn, each tool "
+                               "call's arguments and result (the response, without an agent); `rlcore trace RUN_DIR` "
+                               "prints one. 0: none")
+    trace_max_chars: int = Field(2000, ge=16, description="each text of a recorded conversation is cut to this many "
+                                 "characters, after the secrets in it are redacted (rlcore.redact)")
+
+    @model_validator(mode="after")
+    def _check_trace(self) -> TrainerConfig:
+        """A trace setting is refused when trace.jsonl is off (it would change nothing); compared with
+        the defaults, so a dumped config.yaml loads again."""
+        if not self.trace:
+            for key in ("trace_samples", "trace_max_chars"):
+                if _differs_from_default(self, key):
+                    raise ValueError(f"{key} is set, but trainer.trace is off (no trace.jsonl is written)")
+        return self
 
 
 ROLES: tuple[Role, ...] = get_args(Role)
@@ -704,6 +729,12 @@ class Config(_Section):
                                     ("algorithm.use_kl_in_reward", self.algorithm.use_kl_in_reward)) if on]
         if self.algorithm.use_reference is False and kl_terms:
             raise ValueError(f"algorithm.use_reference=false, but {' and '.join(kl_terms)} need the reference model")
+        unread = [k for k in type(self.preference).model_fields
+                  if k not in self.traits.preference_keys and _differs_from_default(self.preference, k)]
+        if unread:
+            readers = [n for n in names_where() if unread[0] in traits_of(n).preference_keys]
+            raise ValueError(f"preference.{unread[0]}: algorithm.name={self.traits.name} does not read it"
+                             + (f" (a setting of {' and '.join(readers)})" if readers else ""))
         if self.preference.loss_type == "ipo" and self.preference.label_smoothing:
             raise ValueError("preference.label_smoothing applies to loss_type sigmoid or robust, not ipo")
         return self
@@ -970,7 +1001,13 @@ class SFTDataConfig(_Section):
     prompt_key: str = Field("prompt", description="chat messages or a string; a string is used as is (as RL prompts are)")
     response_key: str = Field("response", description="the text to learn; followed by the tokenizer's EOS unless it ends "
                               "with one of the model's end tokens")
-    messages_key: str = Field("messages", description="a file with this column is multi-turn: [{role, content}, ...]")
+    messages_key: str = Field("messages", description="a file with this column is multi-turn (verl's schema): "
+                              "[{role, content}, ...]; an assistant turn may carry OpenAI-style tool_calls")
+    tools: list[str] = Field([], description="tools whose schemas the chat template renders with every prompt, as "
+                             "rollout.agent.tools gives them to RL: 'module:function', 'path/to/file.py:function', or a "
+                             ".json file of OpenAI-style schemas")
+    tools_key: str = Field("tools", description="a row's own tool schemas (verl's column: a list or its JSON text), "
+                           "rendered instead of data.tools for that row")
     max_length: int = Field(512, ge=2, description="tokens per sequence (prompt + response)")
     truncation: Literal["error", "drop", "right"] = Field(
         "error", description="a longer sequence: error (naming the row), drop it (counted), or cut it from the right "
@@ -1067,18 +1104,18 @@ class SFTConfig(_Section):
 
     @model_validator(mode="after")
     def _check_sft(self) -> SFTConfig:
-        rl_only = [k for k in self.actor.RL_ONLY if k in self.actor.model_fields_set]
+        rl_only = [k for k in self.actor.RL_ONLY if _differs_from_default(self.actor, k)]
         if rl_only:
             raise ValueError(f"actor.{rl_only[0]} is an RL setting; rlcore sft takes one optimizer step per "
                              "trainer.batch_size sequences on their mean response-token loss")
         health = [k for k in self.HEALTH_RL_ONLY if getattr(self.health, k) is not None
-                  and (k != "jump_window" or k in self.health.model_fields_set)]
+                  and (k != "jump_window" or _differs_from_default(self.health, k))]
         if health:
             raise ValueError(f"health.{health[0]} reads a metric of RL runs (KL, entropy, reward); an SFT run has none")
         others = [r for r in self.ray.roles if r != "actor"]
         if others or self.ray.colocate:
             raise ValueError(f"ray.{f'roles.{others[0]}' if others else 'colocate'}: rlcore sft runs the actor alone")
-        if self.model.share_prompt_prefix and "share_prompt_prefix" in self.model.model_fields_set:
+        if self.model.share_prompt_prefix:
             raise ValueError("model.share_prompt_prefix=true: SFT rows are whole sequences, with no prompt shared "
                              "between rows")
         try:  # what the actor and the run parts would refuse (world size without Ray, sequence parallel sizes, ...)

@@ -3,7 +3,8 @@ tool`, ~2 CPU minutes the first time): GRPO with the calculator raises greedy va
 from the warm start's by far more than 25 points in 10 steps; the vLLM engine's turns are what the
 actor scores and its log-probs are the actor's; on Ray, one step off-policy, with the vLLM rollout
 in its own pool, the agent metrics and every turn of every sample reach metrics.jsonl and
-trace.jsonl."""
+trace.jsonl. Validation reports what the agent did (greedy and sampled), in metrics.jsonl and MLflow;
+trace.jsonl records conversations `rlcore trace` prints."""
 
 from __future__ import annotations
 
@@ -29,18 +30,34 @@ def tool_example():
     return build_tool_example(seed=0)
 
 
-def test_grpo_with_the_calculator_raises_greedy_val_acc_by_more_than_25_points(tool_example, tmp_path):
+def test_grpo_with_the_calculator_raises_greedy_val_acc_by_more_than_25_points(tool_example, tmp_path, capsys):
+    from mlflow.tracking import MlflowClient
+
+    from rlcore.cli import main
     from rlcore.example.tool_build import tool_example_overrides
+    from rlcore.example.tools import calculator
     from rlcore.trainer.run import run_training
 
     out = tmp_path / "run"
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
     config = load_config(CONFIG_DIR / "tiny_tool_grpo.yaml", [*tool_example_overrides(tool_example, str(out)),
-                                                              "trainer.loggers=[jsonl]"])
+                                                              "trainer.loggers=[jsonl,mlflow]", f"tracking.mlflow_uri={uri}"])
     run_training(config)
     metrics = read_jsonl(out / "metrics.jsonl")
     val = {m["step"]: m["val/acc"] for m in metrics if "val/acc" in m}
     assert val[0] == pytest.approx(tool_example.sft_greedy_accuracy) and val[0] < 0.1
     assert val[10] >= val[0] + 0.25, val
+    # Greedy validation ran the agent loop: the warm start never calls the tool greedily; GRPO makes it call
+    # and use the result, per data source and overall, in metrics.jsonl and MLflow alike.
+    agent = {m["step"]: {k: v for k, v in m.items() if "/agent/" in k} for m in metrics if "val/acc" in m}
+    assert agent[0]["val/agent/tool_call_rate"] == pytest.approx(tool_example.sft_greedy_tool_call_rate)
+    assert agent[0]["val/agent/turns_mean"] < 1.1 and agent[10]["val/agent/tool_calls_mean"] > 0.5
+    assert agent[10]["val/agent/answer_has_tool_result"] > 0.5 and agent[10]["val/agent/tool_error_rate"] < 0.5
+    assert agent[10]["val/tiny_tool_arith/agent/tool_call_rate"] == agent[10]["val/agent/tool_call_rate"]
+    client = MlflowClient(tracking_uri=uri)
+    run_id = (out / "mlflow_run_id").read_text().strip()
+    history = client.get_metric_history(run_id, "val/agent/tool_call_rate")
+    assert {m.step: m.value for m in history} == pytest.approx({s: a["val/agent/tool_call_rate"] for s, a in agent.items()})
     steps = [m for m in metrics if m["step"] > 0]
     for m in steps:
         assert m["agent/tool_calls"] > 0 and 1 < m["agent/turns_mean"] < 2 and 0 < m["agent/masked_token_frac"] < 0.5
@@ -57,6 +74,36 @@ def test_grpo_with_the_calculator_raises_greedy_val_acc_by_more_than_25_points(t
     tool_turns = [t for rec in trace for s in rec["samples"] for t in s["turns"] if t["kind"] == "tool"]
     assert all(t["ok"] is (t["error"] is None) for t in tool_turns)
     assert sum(t["ok"] for t in tool_turns) > len(tool_turns) / 2
+    # trainer.trace_samples (4) conversations a step, with the model's text, the call and the result
+    for rec in trace:
+        recorded = [s for s in rec["samples"] if s.get("conversation")]
+        assert len(recorded) == 4 and all(s["prompt"][0]["role"] == "user" for s in recorded)
+    called = next(s for rec in trace for s in rec["samples"] if s.get("conversation") and len(s["turns"]) > 1)
+    call, result = called["turns"][0], called["turns"][1]
+    assert call["text"].startswith("<tool_call>") and result["arguments"].keys() == {"expression"}
+    if result["ok"]:  # the result the model read is the calculator's
+        assert result["result"] == calculator(result["arguments"]["expression"])
+    assert main(["trace", str(out), "--step", "10", "--sample", "3"]) == 0
+    shown = capsys.readouterr().out
+    assert shown.startswith("step 10, conversation 4 of 4") and "[user] " in shown and "[assistant, turn 1" in shown
+
+
+def test_sampled_validation_reports_the_agent_numbers(tool_example, tmp_path):
+    """rollout.val_n=4: sampled validation through the agent loop; the warm start calls the tool on
+    some samples (about as often as its build measured), so the sampled numbers differ from greedy's."""
+    from rlcore.example.tool_build import tool_example_overrides
+    from rlcore.trainer.run import run_training
+
+    out = tmp_path / "run"
+    run_training(load_config(CONFIG_DIR / "tiny_tool_grpo.yaml", [
+        *tool_example_overrides(tool_example, str(out)), "trainer.loggers=[jsonl]", "trainer.total_steps=1",
+        "trainer.val_before_train=false", "rollout.val_n=4", "data.train_batch_size=8", "actor.ppo_mini_batch_size=8"]))
+    val = next(m for m in read_jsonl(out / "metrics.jsonl") if "val/acc" in m)
+    assert 0.15 < val["val/agent/tool_call_rate"] < 0.7 and val["val/agent/tool_calls_mean"] >= val["val/agent/tool_call_rate"]
+    assert 1 < val["val/agent/turns_mean"] < 2 and "val/tiny_tool_arith/agent/tool_error_rate" in val
+    assert "val/mean@4" in val and val["val/tiny_tool_arith/agent/tool_call_rate"] == val["val/agent/tool_call_rate"]
+    # accuracy per data source beside the agent numbers (the example has one source: its numbers are the overall ones)
+    assert val["val/tiny_tool_arith/acc"] == val["val/acc"] and val["val/tiny_tool_arith/mean@4"] == val["val/mean@4"]
 
 
 @pytest.mark.skipif(not HAS_VLLM, reason="vllm is not installed")
@@ -144,3 +191,6 @@ def test_agent_rollouts_on_ray_one_step_off_policy_with_the_vllm_rollout_in_its_
     assert os.getpid() not in pids and {w["pid"] for w in trace[0]["workers"]["rollout"]} == pids
     tool_turns = [t for rec in trace for s in rec["samples"] for t in s["turns"] if t["kind"] == "tool"]
     assert tool_turns and all(t["tool"] for t in tool_turns)
+    # the conversations' texts cross from the Ray rollout workers: the prompt and the model's text of each turn
+    recorded = [s for rec in trace for s in rec["samples"] if s.get("conversation")]
+    assert len(recorded) == 4 * len(trace) and all(s["prompt"][0]["role"] == "user" and "text" in s["turns"][0] for s in recorded)

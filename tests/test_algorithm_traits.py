@@ -12,7 +12,7 @@ import pytest
 
 import rlcore
 from rlcore.algorithms import ALGORITHMS, names_where, traits_of
-from rlcore.config import ConfigError, load_config
+from rlcore.config import ConfigError, config_from_dict, load_config
 
 PACKAGE = Path(rlcore.__file__).resolve().parent
 TABLE = PACKAGE / "algorithms.py"
@@ -113,7 +113,19 @@ def test_a_configs_workers_follow_its_traits(name):
     (["algorithm.name=dpo", "trainer.off_policy=one_step"], "not supported by the 'dpo' control flow"),
     (["algorithm.name=rm", "actor.lora.rank=4"], "actor.lora: algorithm.name=rm trains a reward model"),
     (["algorithm.name=kto", "critic.lora.rank=4"], r"critic.lora: algorithm.name=kto has no critic \(ppo has one\)"),
+    (["algorithm.name=kto", "preference.loss_type=ipo"], r"preference.loss_type: algorithm.name=kto does not read it \(a setting of dpo\)"),
+    (["algorithm.name=dpo", "preference.desirable_weight=2"],
+     r"preference.desirable_weight: algorithm.name=dpo does not read it \(a setting of kto\)"),
+    (["preference.beta=0.3"], r"preference.beta: algorithm.name=grpo does not read it \(a setting of dpo and kto\)"),
 ])
 def test_validation_reads_the_traits(overrides, message):
     with pytest.raises(ConfigError, match=message):
         load_config(None, BASE + overrides)
+
+
+def test_a_config_passed_through_a_dump_loads_again():
+    """The flows hand configs to their tasks as dumped dicts: every default then reads as written,
+    and no setting the run does not read may be mistaken for one the user made."""
+    for name in ("grpo", "ppo", "dpo", "kto", "rm"):
+        config = load_config(None, BASE + [f"algorithm.name={name}", *OVERRIDES.get(name, [])])
+        assert config_from_dict(config.model_dump(mode="json")).model_dump() == config.model_dump()

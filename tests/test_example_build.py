@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 
+from rlcore.chat import prompt_ids
 from rlcore.data import RLDataset, read_rows, write_rows
-from rlcore.data.chat import prompt_ids
 from rlcore.example import build_tiny_example, evaluate_accuracy
 from rlcore.example.build import weights_sha256
 

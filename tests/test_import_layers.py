@@ -25,6 +25,7 @@ LAYERS: dict[str, int] = {
     "workers": 5,
     "controller": 4, "rollout": 4, "data": 4, "rewards": 4, "triton_kernels": 4,
     "packing": 3, "checkpoint": 3, "tracking": 3, "flops": 3, "cpus": 3,
+    "chat": 3,  # the one rendering of chat messages into ids: RL prompts, agent turns (rollout) and SFT rows (data)
     "config": 2,
     "algos": 1, "protocol": 1, "redact": 1, "algorithms": 1,  # algorithms: the per-algorithm traits table
     "native": 0, "_native": -1,  # the Rust extension and its loader (version check)

@@ -26,9 +26,9 @@ from transformers import (
 )
 
 from rlcore.algos import RunningMoments, bradley_terry_loss, combine_reward_scores
+from rlcore.chat import prompt_ids
 from rlcore.config import ConfigError, config_from_dict
 from rlcore.controller import InProcessWorkerGroup
-from rlcore.data.chat import prompt_ids
 from rlcore.data.preference import sequence_tensors
 from rlcore.example.tokenizer import build_tokenizer
 from rlcore.protocol import Batch

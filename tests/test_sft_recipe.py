@@ -14,7 +14,7 @@ import torch
 from own_model import ENDOFTEXT, IM_END  # tests/ is on sys.path (pytest rootdir conftest)
 
 from rlcore.cli import CONFIG_DIR, main
-from rlcore.config import ConfigError, load_sft_config
+from rlcore.config import ConfigError, load_sft_config, sft_config_from_dict
 from rlcore.data import RLDataset, write_rows
 from rlcore.data.schema import DataValidationError
 from rlcore.data.sft import IGNORE_INDEX, SFTDataset, collate_sft, tokenize_messages, tokenize_prompt_response
@@ -51,9 +51,10 @@ def test_messages_rows_train_on_every_assistant_turn_only(tok):
                 {"role": "assistant", "content": "blue"}, {"role": "user", "content": "And the grass?"},
                 {"role": "assistant", "content": "green"}]
     ids, labels = tokenize_messages(messages, tok)
-    assert ids == tok.apply_chat_template(messages, tokenize=True, return_dict=False)  # the whole conversation, as rendered
+    # the whole conversation as rendered, up to the last turn's end token: where a rollout of it stops
+    assert ids == tok.apply_chat_template(messages, tokenize=True, return_dict=False)[:-1]
     trained = [tok.convert_ids_to_tokens(t) for t, y in zip(ids, labels) if y != IGNORE_INDEX]
-    assert trained == ["blue", IM_END, "Ċ", "green", IM_END, "Ċ"]  # each turn's answer and the template's closing tokens
+    assert trained == ["blue", IM_END, "green", IM_END]  # each turn's answer and its end token (the newline after is the template's)
     first_answer = labels.index(tok.convert_tokens_to_ids("blue"))
     generation_prompt = tok.apply_chat_template(messages[:2], tokenize=True, add_generation_prompt=True, return_dict=False)
     assert ids[:first_answer] == generation_prompt  # the context is the prompt RL samples with
@@ -123,6 +124,12 @@ def test_config_keys_and_paths_are_checked_before_anything_loads(own_model, tmp_
     err = capsys.readouterr().err
     assert "data.train_files[0]:" in err and "rows here need (messages) or (prompt, response)" in err
     assert not (tmp_path / "run").exists()
+    # a loaded config survives a dump and reload (the pipeline passes configs as dicts): its
+    # default RL-only keys are not mistaken for settings, one that was set still is
+    loaded = load_sft_config(SFT_CONFIG, base)
+    assert sft_config_from_dict(loaded.model_dump(mode="json")) == loaded
+    with pytest.raises(ConfigError, match="actor.ppo_epochs is an RL setting"):
+        sft_config_from_dict({**loaded.model_dump(mode="json"), "actor": {"ppo_epochs": 2}})
 
 
 @pytest.mark.slow

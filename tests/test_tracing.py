@@ -88,6 +88,7 @@ def test_trace_jsonl_follows_every_sample_of_every_step(tiny_example, tmp_path):
     cfg = load_config(CONFIG_DIR / "tiny_grpo.yaml", tiny_example_overrides(tiny_example, str(tmp_path / "run")) + [
         "data.train_batch_size=8", "actor.ppo_mini_batch_size=4", "rollout.n=4", "trainer.total_steps=2",
         "trainer.val_before_train=false", "trainer.val_every=100", "trainer.loggers=[jsonl]",
+        "trainer.trace_samples=3", "trainer.trace_max_chars=16",
     ])
     history = make_trainer(cfg).fit()
     trace = read_jsonl(tmp_path / "run" / "trace.jsonl")
@@ -104,3 +105,9 @@ def test_trace_jsonl_follows_every_sample_of_every_step(tiny_example, tmp_path):
         assert rec["phases"]["generate"]["role"] == "rollout" and rec["phases"]["update_actor"]["role"] == "actor"
         assert rec["phases"]["update_actor"]["s"] == pytest.approx(metrics["time/update_actor_s"])
         assert rec["workers"]["actor"] == [{"rank": 0, "pid": os.getpid(), "host": samples[0]["rollout_host"]}]
+        # trainer.trace_samples=3: three conversations (prompt and response, cut to trace_max_chars=16), the rest ids only
+        texts = [s for s in samples if s.get("conversation")]
+        assert len(texts) == 3 and all("response" not in s and "prompt" not in s for s in samples if s not in texts)
+        for s in texts:
+            assert s["prompt"][0]["role"] == "user" and isinstance(s["response"], str)
+            assert len(s["response"]) <= 16 or s["response"][16:].startswith("... [")

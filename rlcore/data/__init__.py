@@ -1,6 +1,6 @@
 """Datasets in verl's parquet/jsonl schema: validation, prompt rendering, resumable loading."""
 
-from rlcore.data.chat import prompt_ids, render_prompt
+from rlcore.chat import prompt_ids, render_prompt
 from rlcore.data.dataset import PromptItem, RLDataset
 from rlcore.data.io import check_data_file, peek_fields, peek_rows, read_column, read_rows, write_rows
 from rlcore.data.loader import PromptLoader, collate_prompts

@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
-from rlcore.data.chat import as_messages, prompt_ids
+from rlcore.chat import as_messages, prompt_ids
 from rlcore.data.io import read_rows
 from rlcore.data.schema import BadRowPolicy, DataError, DatasetError, DataValidationError, apply_policy
 

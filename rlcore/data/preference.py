@@ -24,7 +24,7 @@ from typing import Any, Literal
 import numpy as np
 import torch
 
-from rlcore.data.chat import as_messages, prompt_ids
+from rlcore.chat import as_messages, prompt_ids
 from rlcore.data.io import read_rows
 from rlcore.data.loader import PromptLoader
 from rlcore.data.schema import (

@@ -1,15 +1,21 @@
-"""Supervised fine-tuning data in verl's SFT schema, tokenized with the loss on the response only.
+"""Supervised fine-tuning data in verl's SFT schema, tokenized with the loss on the response only,
+rendered exactly as RL renders the same messages (`rlcore.chat`).
 
 Two row shapes, chosen per file by its columns (keys configurable, `data.*_key`):
 
 - prompt/response: `prompt` is chat messages or a string, rendered exactly as RL prompts are
-  (`rlcore.data.chat`: the chat template with its generation prompt; a string as is), so the
-  model learns to answer the prompt it will be sampled with; `response` is a string, followed by
-  the tokenizer's EOS unless it already ends with one of the model's end tokens. Labels cover the
-  response (and that EOS).
-- messages: a multi-turn conversation `[{role, content}, ...]` rendered through the chat template;
-  every assistant turn is trained on (its content and the template's closing tokens), the rest is
-  context. Each assistant turn's prefix is the template's generation prompt, as at sampling time.
+  (`rlcore.chat.prompt_ids`: the chat template with its generation prompt and the tools' schemas;
+  a string as is), so the model learns to answer the prompt it will be sampled with; `response`
+  is a string, followed by the tokenizer's EOS unless it already ends with one of the model's end
+  tokens. Labels cover the response (and that EOS).
+- messages (verl's multi-turn schema): a conversation `[{role, content}, ...]` rendered as an agent
+  rollout holds it (`rlcore.chat.conversation_ids`): the messages before the first assistant turn
+  are the RL prompt (tools included), every assistant turn is trained on (its text and the end
+  token that closes it; OpenAI-style `tool_calls` as the text the model writes for them), and the
+  messages between (tool results, user turns) are context, as are the template's own tokens.
+
+Tool schemas: `tools` (those of `data.tools`, as RL's `rollout.agent.tools` gives them), or a row's
+own `tools` column (verl's `tools_key`: a list of schemas or its JSON text), which wins for its row.
 
 Bad rows are reported all at once, each naming file, row and field (or skipped and counted).
 
@@ -18,6 +24,7 @@ Bad rows are reported all at once, each naming file, row and field (or skipped a
 
 from __future__ import annotations
 
+import json
 import logging
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -26,7 +33,7 @@ from typing import Any, Literal
 
 import torch
 
-from rlcore.data.chat import has_chat_template, prompt_ids
+from rlcore.chat import ChatTurns, conversation_ids, has_chat_template, prompt_ids
 from rlcore.data.io import peek_fields, read_rows
 from rlcore.data.schema import ROLES, BadRowPolicy, DataError, DatasetError, DataValidationError, UnreadableRow
 from rlcore.protocol import Batch
@@ -70,13 +77,14 @@ def collate_sft(examples: Sequence[SFTExample], pad_token_id: int) -> Batch:
 
 
 def tokenize_prompt_response(prompt: str | list[dict[str, str]], response: str, tokenizer: Any,
-                             apply_chat_template: bool = True, end_ids: Sequence[int] | None = None) -> tuple[list[int], list[int]]:
+                             apply_chat_template: bool = True, end_ids: Sequence[int] | None = None,
+                             tools: list[dict[str, Any]] | None = None) -> tuple[list[int], list[int]]:
     """(input ids, labels) of a prompt/response row; labels are IGNORE_INDEX on the prompt.
 
     The response is followed by the tokenizer's EOS so the model learns to stop, unless it already
     ends with one of `end_ids` (default: the EOS alone), e.g. "yellow<|endoftext|>".
     """
-    _, p_ids = prompt_ids(prompt, tokenizer, apply_chat_template)
+    _, p_ids = prompt_ids(prompt, tokenizer, apply_chat_template, tools)
     r_ids = list(tokenizer(response, add_special_tokens=False)["input_ids"])
     eos = tokenizer.eos_token_id
     ends = set(end_ids) if end_ids is not None else {eos}
@@ -85,45 +93,58 @@ def tokenize_prompt_response(prompt: str | list[dict[str, str]], response: str, 
     return p_ids + r_ids, [IGNORE_INDEX] * len(p_ids) + r_ids
 
 
-def tokenize_messages(messages: list[dict[str, str]], tokenizer: Any) -> tuple[list[int], list[int]]:
-    """(input ids, labels) of a conversation; labels cover each assistant turn after its
-    generation prompt. Raises ValueError when there is no assistant turn, no chat template, or a
-    template that does not render a conversation as the concatenation of its turns."""
+def tokenize_messages(messages: list[dict[str, Any]], tokenizer: Any, end_ids: Sequence[int] | None = None,
+                      tools: list[dict[str, Any]] | None = None, turns: ChatTurns | None = None) -> tuple[list[int], list[int]]:
+    """(input ids, labels) of a conversation, as an agent rollout of its prompt holds it
+    (`rlcore.chat.conversation_ids`): labels on each assistant turn's tokens and end token only.
+    `end_ids`: the model's end tokens (default: the EOS); `turns`: the tokenizer's `ChatTurns`, when
+    the caller keeps one. Raises ValueError when there is no assistant turn, no chat template, or
+    the conversation cannot be rendered as a rollout."""
     if not has_chat_template(tokenizer):
         raise ValueError("a messages row needs a chat template (the tokenizer has none)")
-    msgs = [{"role": str(m["role"]), "content": str(m["content"])} for m in messages]
-    if not any(m["role"] == "assistant" for m in msgs):
-        raise ValueError("no assistant turn to learn from")
-
-    def render(upto: int, generation_prompt: bool) -> str:
-        return str(tokenizer.apply_chat_template(msgs[:upto], tokenize=False, add_generation_prompt=generation_prompt))
-
-    ids: list[int] = []
-    labels: list[int] = []
-    done = ""
-    for i, m in enumerate(msgs):
-        if m["role"] != "assistant":
-            continue
-        prefix, through = render(i, True), render(i + 1, False)
-        if not prefix.startswith(done) or not through.startswith(prefix):
-            raise ValueError(f"the chat template does not render turn {i} as a continuation of the turns before it")
-        context = tokenizer(prefix[len(done):], add_special_tokens=False)["input_ids"]
-        turn = tokenizer(through[len(prefix):], add_special_tokens=False)["input_ids"]
-        ids += [*context, *turn]
-        labels += [IGNORE_INDEX] * len(context) + list(turn)
-        done = through
-    return ids, labels
+    ends = list(end_ids) if end_ids is not None else [tokenizer.eos_token_id]
+    ids, trained = conversation_ids(messages, turns or ChatTurns(tokenizer), ends, tools)
+    return ids, [t if on else IGNORE_INDEX for t, on in zip(ids, trained)]
 
 
 def _messages_problem(value: Any) -> str | None:
     if not isinstance(value, list) or not value:
         return f"expected a non-empty list of {{role, content}} messages, got {type(value).__name__}"
     for j, m in enumerate(value):
-        if not isinstance(m, dict) or not isinstance(m.get("role"), str) or not isinstance(m.get("content"), str):
+        if not isinstance(m, dict) or not isinstance(m.get("role"), str):
             return f"message {j}: expected {{'role': str, 'content': str}}, got {m!r:.80}"
         if m["role"] not in ROLES:
             return f"message {j}: unknown role {m['role']!r} (roles: {', '.join(ROLES)})"
+        calls = m.get("tool_calls")
+        if calls is not None and m["role"] != "assistant":
+            return f"message {j}: a {m['role']} message with tool_calls (only assistant turns call tools)"
+        content_ok = isinstance(m.get("content"), str) or (m.get("content") is None and bool(calls))
+        if not content_ok:
+            return f"message {j}: expected {{'role': str, 'content': str}}, got {m!r:.80}"
     return None
+
+
+def _names_a_function(schema: Any) -> bool:
+    fn = schema.get("function", schema) if isinstance(schema, dict) else None
+    return isinstance(fn, dict) and isinstance(fn.get("name"), str)
+
+
+def row_tools(value: Any) -> list[dict[str, Any]] | None:
+    """A row's own tool schemas (verl's `tools` column): a list of OpenAI-style schemas or its JSON
+    text; None or empty: the row has none. ValueError when it is neither."""
+    if value is None or value == "" or value == []:
+        return None
+    if isinstance(value, str):
+        try:
+            value = json.loads(value)
+        except ValueError as e:
+            raise ValueError(f"not JSON ({e})") from None
+    if isinstance(value, dict):
+        value = [value]
+    if not isinstance(value, list) or not all(_names_a_function(t) for t in value):
+        raise ValueError(f"expected a list of {{'type': 'function', 'function': {{'name': ..., 'parameters': ...}}}} "
+                         f"schemas, got {value!r:.120}")
+    return value
 
 
 class SFTDataset:
@@ -132,7 +153,8 @@ class SFTDataset:
     def __init__(self, files: str | Path | Sequence[str | Path], tokenizer: Any, *, max_length: int,
                  prompt_key: str = "prompt", response_key: str = "response", messages_key: str = "messages",
                  truncation: Truncation = "error", apply_chat_template: bool = True, on_bad_row: BadRowPolicy = "error",
-                 end_ids: Sequence[int] | None = None) -> None:
+                 end_ids: Sequence[int] | None = None, tools: list[dict[str, Any]] | None = None,
+                 tools_key: str = "tools") -> None:
         files = [files] if isinstance(files, (str, Path)) else list(files)
         if not files:
             raise ValueError("SFTDataset needs at least one file")
@@ -141,9 +163,11 @@ class SFTDataset:
         self.stats = {"rows_read": 0, "bad_rows": 0, "too_long": 0, "truncated": 0, "kept": 0}
         errors: list[DataError] = []
         too_long: list[DataError] = []
+        turns: ChatTurns | None = None  # made at the first messages row (a row's error if there is no template)
         for file in self.files:
             fields = peek_fields(file)
             multi_turn = messages_key in fields
+            own_tools = tools_key in fields
             if not multi_turn and not (prompt_key in fields and response_key in fields):
                 raise DatasetError(f"{file}: an SFT file needs a '{messages_key}' column, or '{prompt_key}' and "
                                    f"'{response_key}' (it has {', '.join(fields)}; data.*_key names them)")
@@ -154,18 +178,26 @@ class SFTDataset:
                     errors.extend(row.errors)
                     continue
                 try:
+                    schemas = tools
+                    if own_tools:
+                        try:
+                            schemas = row_tools(row.get(tools_key)) or tools
+                        except ValueError as err:
+                            raise DataError(file, i, tools_key, str(err)) from None
                     if multi_turn:
                         problem = _messages_problem(row.get(messages_key))
                         if problem is not None:
                             raise DataError(file, i, messages_key, problem)
-                        ids, labels = tokenize_messages(row[messages_key], tokenizer)
+                        turns = turns or ChatTurns(tokenizer)
+                        ids, labels = tokenize_messages(row[messages_key], tokenizer, end_ids, schemas, turns)
                     else:
                         prompt, response = row.get(prompt_key), row.get(response_key)
                         if not isinstance(prompt, str) and _messages_problem(prompt) is not None:
                             raise DataError(file, i, prompt_key, f"expected a string or messages: {_messages_problem(prompt)}")
                         if not isinstance(response, str) or not response:
                             raise DataError(file, i, response_key, f"expected a non-empty string, got {response!r:.80}")
-                        ids, labels = tokenize_prompt_response(prompt, response, tokenizer, apply_chat_template, end_ids)
+                        ids, labels = tokenize_prompt_response(prompt, response, tokenizer, apply_chat_template, end_ids,
+                                                               schemas)
                 except DataError as err:
                     errors.append(err)
                     continue
@@ -209,4 +241,4 @@ class SFTDataset:
         return self.examples[i]
 
 
-__all__ = ["IGNORE_INDEX", "SFTDataset", "SFTExample", "collate_sft", "tokenize_messages", "tokenize_prompt_response"]
+__all__ = ["IGNORE_INDEX", "SFTDataset", "SFTExample", "collate_sft", "row_tools", "tokenize_messages", "tokenize_prompt_response"]

@@ -35,7 +35,7 @@ from typing import Any
 
 import torch
 
-from rlcore.data.chat import prompt_ids
+from rlcore.chat import prompt_ids
 from rlcore.data.io import write_rows
 from rlcore.example.evaluate import evaluate_accuracy
 from rlcore.example.model import TinyModelSpec, make_model

@@ -13,7 +13,7 @@ from typing import Any
 
 import torch
 
-from rlcore.data.chat import prompt_ids
+from rlcore.chat import prompt_ids
 from rlcore.workers.tokenizer import cut_at_end
 
 _ANSWER = re.compile(r"#### (\-?[0-9\.\,]+)")

@@ -24,7 +24,7 @@ from rlcore.data import PromptLoader, RLDataset
 from rlcore.protocol import Batch
 from rlcore.rewards import RewardScorer, ScoreItem
 from rlcore.rewards.registry import load_function
-from rlcore.rewards.tools import ToolPool, load_tools
+from rlcore.rewards.tools import ToolPool, tool_schemas
 from rlcore.rollout import HFRolloutEngine, SamplingParams
 from rlcore.rollout.agent import AgentLoop, AgentSettings
 from rlcore.tracking import progress
@@ -96,7 +96,7 @@ def evaluate_model(
     model_dir = str(Path(model_dir).resolve())
     tokenizer = load_tokenizer(model_dir)
     agent = agent if agent is not None and agent.enabled else None
-    tools = [t.schema for t in load_tools(agent.tools).values()] if agent is not None and agent.tools else None
+    tools = (tool_schemas(agent.tools) or None) if agent is not None else None
     dataset = RLDataset([val_file], tokenizer, max_prompt_length=max_prompt_length,
                         apply_chat_template=apply_chat_template, on_bad_row="skip", tools=tools)
     if limit is not None:

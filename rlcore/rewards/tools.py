@@ -16,11 +16,13 @@ samples that are ready while other samples' tools run.
 
 from __future__ import annotations
 
+import json
 import sys
 import time
 import weakref
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 from .manager import PoolRun, RewardWorkerError, _stop_workers, _Worker
@@ -39,6 +41,14 @@ class Tool:
     schema: dict[str, Any]  # {"type": "function", "function": {"name", "description", "parameters"}}
 
 
+def _checked_schema(schema: Any, spec: str) -> dict[str, Any]:
+    if not isinstance(schema, dict) or not isinstance(schema.get("function"), dict) \
+            or not isinstance(schema["function"].get("name"), str):
+        raise ToolSpecError(f"tool spec {spec!r}: the schema must be {{'type': 'function', 'function': {{'name': ..., "
+                            f"'parameters': ...}}}}, got {schema!r:.120}")
+    return dict(schema)
+
+
 def tool_schema(fn: Callable[..., Any], spec: str) -> dict[str, Any]:
     """The OpenAI-style schema of `fn`: its `tool_schema` attribute, or transformers'
     `get_json_schema` (type hints and a docstring with an Args section)."""
@@ -51,11 +61,7 @@ def tool_schema(fn: Callable[..., Any], spec: str) -> dict[str, Any]:
         except Exception as e:  # transformers' DocstringParsingException / TypeHintParsingException
             raise ToolSpecError(f"tool spec {spec!r}: no schema: give the function a `tool_schema` dict, or type hints "
                                 f"and a docstring with an Args section ({type(e).__name__}: {e})") from e
-    if not isinstance(schema, dict) or not isinstance(schema.get("function"), dict) \
-            or not isinstance(schema["function"].get("name"), str):
-        raise ToolSpecError(f"tool spec {spec!r}: the schema must be {{'type': 'function', 'function': {{'name': ..., "
-                            f"'parameters': ...}}}}, got {schema!r:.120}")
-    return dict(schema)
+    return _checked_schema(schema, spec)
 
 
 def load_tools(specs: Sequence[str]) -> dict[str, Tool]:
@@ -69,6 +75,38 @@ def load_tools(specs: Sequence[str]) -> dict[str, Tool]:
             raise ToolSpecError(f"tool spec {raw!r}: a second tool named {name!r} (first: {tools[name].spec})")
         tools[name] = Tool(name, spec, schema)
     return tools
+
+
+SCHEMA_FILE_SUFFIXES = (".json",)
+
+
+def tool_schemas(specs: Sequence[str]) -> list[dict[str, Any]]:
+    """The OpenAI-style schemas a chat template renders (`tools=`) for `specs`, in order: a tool
+    function's (`module:function`, `file.py:function`; see `tool_schema`), or a `.json` file's (one
+    schema or a list of them: tools that only need describing, as in SFT data). The one place RL's
+    prompts and SFT's rows get their tools from. `ToolSpecError` naming the spec; two tools of
+    one name are refused."""
+    out: list[dict[str, Any]] = []
+    seen: dict[str, str] = {}
+    for raw in specs:
+        if str(raw).lower().endswith(SCHEMA_FILE_SUFFIXES):
+            path = Path(raw)
+            try:
+                loaded = json.loads(path.read_text())
+            except OSError as e:
+                raise ToolSpecError(f"tool spec {raw!r}: cannot read the schema file ({e.strerror or e})") from None
+            except ValueError as e:
+                raise ToolSpecError(f"tool spec {raw!r}: the schema file is not JSON ({e})") from None
+            schemas = [_checked_schema(x, raw) for x in (loaded if isinstance(loaded, list) else [loaded])]
+        else:
+            schemas = [t.schema for t in load_tools([raw]).values()]
+        for schema in schemas:
+            name = schema["function"]["name"]
+            if name in seen:
+                raise ToolSpecError(f"tool spec {raw!r}: a second tool named {name!r} (first: {seen[name]})")
+            seen[name] = str(raw)
+            out.append(schema)
+    return out
 
 
 @dataclass(frozen=True)
@@ -186,4 +224,4 @@ class ToolPool:
         self.close()
 
 
-__all__ = ["Tool", "ToolOutcome", "ToolPool", "ToolSpecError", "error_text", "load_tools", "tool_schema"]
+__all__ = ["Tool", "ToolOutcome", "ToolPool", "ToolSpecError", "error_text", "load_tools", "tool_schema", "tool_schemas"]

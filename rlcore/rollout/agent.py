@@ -32,8 +32,8 @@ sample's tokens do not depend on which round its turns ran in.
 Template rendering: the tokens between two assistant turns are the template's text after the
 assistant turn's end token (ChatML's newline) followed by the rendering of the new messages with
 the generation prompt, taken as the difference of two renderings of a fixed stand-in conversation
-(`ChatTurns`), so a template that rewrites earlier turns from their content (Qwen3's thinking)
-cannot shift them.
+(`rlcore.chat.ChatTurns`, which SFT renders its conversations with too), so a template that
+rewrites earlier turns from their content (Qwen3's thinking) cannot shift them.
 """
 
 from __future__ import annotations
@@ -51,6 +51,7 @@ from typing import Any, Protocol
 import numpy as np
 import torch
 
+from rlcore.chat import ChatTurns
 from rlcore.protocol import Batch
 from rlcore.rollout.base import SamplingParams
 from rlcore.rollout.output import rollout_output
@@ -64,7 +65,6 @@ _QUIET_S = 0.02
 _WAIT_S = 1.0  # longest single wait on the tool pool (it polices timeouts in between)
 
 OPEN_TAG, CLOSE_TAG = "<tool_call>", "</tool_call>"
-_MARK = "RLCORE_AGENT_TURN"  # stand-in content whose rendering locates the template's own tokens
 
 
 class TurnEngine(Protocol):
@@ -240,55 +240,6 @@ def model_text(text: Any) -> tuple[str, bool]:
     return text, False
 
 
-class ChatTurns:
-    """The tokens a chat template puts between two assistant turns (module docstring)."""
-
-    def __init__(self, tokenizer: Any) -> None:
-        if not getattr(tokenizer, "chat_template", None):
-            raise ValueError("agent rollouts need a chat template (the tokenizer has none)")
-        self.tokenizer = tokenizer
-        self._base = [{"role": "user", "content": "?"}, {"role": "assistant", "content": _MARK}]
-        try:
-            base = self._render(self._base, False)
-        except Exception as e:  # a template that cannot render a user/assistant exchange
-            raise ValueError(f"the chat template cannot render a conversation ({type(e).__name__}: {e})") from e
-        if _MARK not in base:
-            raise ValueError("the chat template does not render assistant turns' content")
-        self._after_content = base[base.rindex(_MARK) + len(_MARK):]
-        self._base_text = base
-        try:  # templates without a tool role render nothing for it, or raise
-            probe = self._render([*self._base, {"role": "tool", "content": _MARK}], True)
-        except Exception:  # noqa: BLE001
-            probe = ""
-        self.renders_tools = probe.startswith(base) and _MARK in probe[len(base):]
-
-    def _render(self, messages: list[dict[str, Any]], generation_prompt: bool) -> str:
-        text: str = self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=generation_prompt)
-        return text
-
-    def _ids(self, text: str) -> list[int]:
-        return list(self.tokenizer(text, add_special_tokens=False)["input_ids"]) if text else []
-
-    def closing(self, end_id: int) -> str | None:
-        """The template's text after an assistant turn's content once the model stopped at `end_id`
-        (ChatML: "\\n" after <|im_end|>), or None if the template does not end turns with it."""
-        end_text = self.tokenizer.decode([end_id], skip_special_tokens=False)
-        if end_text and self._after_content.startswith(end_text):
-            return self._after_content[len(end_text):]
-        return None
-
-    def between(self, end_id: int, messages: list[dict[str, Any]]) -> list[int]:
-        """Ids after an assistant turn that ended with `end_id`: the template's closing text, the
-        new `messages` (tool results, a user reply) and the next assistant header."""
-        closing = self.closing(end_id)
-        if closing is None:
-            raise ValueError(f"the chat template does not end assistant turns with token {end_id}")
-        full = self._render([*self._base, *messages], True)
-        if not full.startswith(self._base_text):
-            raise ValueError("the chat template does not render new messages as a continuation of the turns before them")
-        return self._ids(closing + full[len(self._base_text):])
-
-
 @dataclass
 class _Episode:
     """One sample's trajectory while it is being generated."""
@@ -311,6 +262,7 @@ class _Episode:
     end_id: int = -1
     waiting: dict[int, int] = field(default_factory=dict)  # call id -> position in this turn's calls
     results: list[dict[str, Any] | None] = field(default_factory=list)
+    calls: list[ToolCall] = field(default_factory=list)  # this turn's calls, in the order the model wrote them
     trace: list[dict[str, Any]] = field(default_factory=list)
 
     def append(self, ids: Sequence[int], model: bool, logps: Sequence[float] | None = None) -> None:
@@ -396,7 +348,7 @@ class AgentLoop:
             text = self.tokenizer.decode(body, skip_special_tokens=False)
             message: dict[str, Any] = {"role": "assistant", "content": text}
             ep.messages.append(message)
-            ep.trace.append({"turn": ep.turns, "kind": "assistant", "tokens": len(ids), "latency_s": seconds,
+            ep.trace.append({"turn": ep.turns, "kind": "assistant", "text": text, "tokens": len(ids), "latency_s": seconds,
                              "batch": len(ready)})
             if not ended:
                 ep.finish = "max_total_tokens" if len(ep.ids) >= budget else "max_new_tokens"
@@ -428,10 +380,11 @@ class AgentLoop:
     def _call_tools(self, ep: _Episode, calls: list[ToolCall], by_call: dict[int, _Episode]) -> None:
         assert self.tools is not None
         ep.results = [None] * len(calls)
+        ep.calls = calls
         ep.tool_calls += len(calls)
         for k, call in enumerate(calls):
             if call.error is not None:
-                ep.results[k] = self._result(ep, call.name or "?", f"Error: {call.error}", False, call.error, False, 0.0)
+                ep.results[k] = self._result(ep, call.name or "?", f"Error: {call.error}", False, call.error, False, 0.0, k)
                 continue
             call_id = next(self._call_ids)
             ep.waiting[call_id] = k
@@ -441,7 +394,7 @@ class AgentLoop:
             self._tool_turn(ep)
 
     def _result(self, ep: _Episode, name: str, text: str, ok: bool, error: str | None, timed_out: bool,
-                latency_s: float) -> dict[str, Any]:
+                latency_s: float, call: int | None = None) -> dict[str, Any]:
         """The tool message the model reads. Whatever a tool or the model's call held, it is text
         the tokenizer encodes: a result that is not (lone surrogates, not a string) is a counted
         error; a name or error text that is not is repaired (U+FFFD)."""
@@ -454,7 +407,9 @@ class AgentLoop:
         if not ok:
             ep.tool_errors += 1
             ep.tool_timeouts += int(timed_out)
-        ep.trace.append({"turn": ep.turns, "kind": "tool", "tool": name, "ok": ok, "error": error, "latency_s": latency_s})
+        arguments = ep.calls[call].arguments if call is not None else None  # `call`: its place in the turn's calls
+        ep.trace.append({"turn": ep.turns, "kind": "tool", "call": call, "tool": name, "arguments": arguments,
+                         "ok": ok, "error": error, "latency_s": latency_s, "result": text})
         return {"role": "tool", "name": name, "content": text}
 
     def _collect(self, by_call: dict[int, _Episode], wait: bool) -> list[_Episode]:
@@ -475,7 +430,7 @@ class AgentLoop:
         for o in outcomes:
             ep = by_call.pop(o.call_id)
             k = ep.waiting.pop(o.call_id)
-            ep.results[k] = self._result(ep, o.name, o.text, o.ok, o.error, o.timed_out, o.latency_s)
+            ep.results[k] = self._result(ep, o.name, o.text, o.ok, o.error, o.timed_out, o.latency_s, k)
             if not ep.waiting:
                 self._tool_turn(ep)
                 if not ep.finish:

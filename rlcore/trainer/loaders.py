@@ -10,15 +10,15 @@ from rlcore.config import Config
 from rlcore.data import PromptLoader, RLDataset
 from rlcore.data.preference import PreferenceDataset, PreferenceItem, PreferenceKind, PreferenceLoader
 from rlcore.protocol import Batch
-from rlcore.rewards.tools import load_tools
+from rlcore.rewards.tools import tool_schemas
 
 
 def prompt_loader(config: Config, tokenizer: Any, files: list[str], *, train: bool) -> PromptLoader:
     """RL prompts: training batches of `data.train_batch_size` (shuffled, full batches only), or
     validation batches of `data.val_batch_size` in file order. An agent run's tool schemas go to
-    the chat template with every prompt (`rlcore.data.chat.render_prompt`)."""
+    the chat template with every prompt (`rlcore.chat.render_prompt`), as SFT's `data.tools` do."""
     cfg = config.data
-    tools = [t.schema for t in load_tools(config.rollout.agent.tools).values()] or None
+    tools = tool_schemas(config.rollout.agent.tools) or None
     dataset = RLDataset(files, tokenizer, max_prompt_length=cfg.max_prompt_length,
                         apply_chat_template=cfg.apply_chat_template, on_bad_row=cfg.on_bad_row, tools=tools)
     return PromptLoader(dataset, batch_size=cfg.train_batch_size if train else cfg.val_batch_size,

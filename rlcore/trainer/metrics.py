@@ -4,8 +4,9 @@ and the numbers an operator watches on an RL batch (reward, lengths, advantages,
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
+from typing import Any
 
 import numpy as np
 import torch
@@ -106,17 +107,16 @@ def agent_metrics(gen: Batch) -> dict[str, float]:
     meta = gen.meta
     calls = float(meta["agent_tool_calls"].sum())
     errors = float(meta["agent_tool_errors"].sum())
+    episodes = agent_episode_metrics(meta)
     prompt_len = gen.tensors["prompts"].shape[1]
     attended = float(gen.tensors["attention_mask"][:, prompt_len:].float().sum())
     trained = float(gen.tensors["response_mask"].float().sum())
     latencies = [t["latency_s"] for trace in meta["agent_trace"] for t in trace if t.get("kind") == "tool"]
     m = {
-        "agent/turns_mean": float(meta["agent_turns"].mean()),
+        **{f"agent/{k}": v for k, v in episodes.items()},
         "agent/turns_max": float(meta["agent_turns"].max()),
-        "agent/tool_calls_mean": calls / len(gen),
         "agent/tool_calls": calls,
         "agent/tool_errors": errors,
-        "agent/tool_error_rate": errors / calls if calls else 0.0,
         "agent/tool_timeouts": float(meta["agent_tool_timeouts"].sum()),
         "agent/interaction_errors": float(meta["agent_interaction_errors"].sum()),
         "agent/masked_token_frac": 1.0 - trained / attended if attended else 0.0,
@@ -129,4 +129,37 @@ def agent_metrics(gen: Batch) -> dict[str, float]:
     return m
 
 
-__all__ = ["Timer", "agent_metrics", "mean_over_ranks", "rl_batch_metrics"]
+def answer_uses_tool_result(trace: Sequence[Mapping[str, Any]]) -> bool | None:
+    """Whether an agent trajectory's final answer (its last assistant turn's text) contains the last
+    result a tool returned without error (stripped); None when no tool returned one. A substring
+    test: a cheap sign that the model read its tool (the stall a warm start that ignores results gives)."""
+    results = [str(t.get("result", "")).strip() for t in trace if t.get("kind") == "tool" and t.get("ok")]
+    answers = [str(t.get("text", "")) for t in trace if t.get("kind") == "assistant"]
+    if not results or not results[-1] or not answers:
+        return None
+    return results[-1] in answers[-1]
+
+
+def agent_episode_metrics(meta: Mapping[str, Any], rows: Sequence[int] | None = None) -> dict[str, float]:
+    """What agent episodes did (of `rows`, default all; from the agent loop's `agent_*` meta), the
+    one formula training (`agent/...`) and validation (`val/agent/...`, per data source too) report:
+    turns_mean, tool_calls_mean (calls per sample), tool_call_rate (samples with a call),
+    tool_error_rate (failed calls per call: raised, timed out, unreadable, unknown tool),
+    answer_has_tool_result (of the samples a tool answered, those whose final answer contains the
+    last result: `answer_uses_tool_result`; absent when none was answered)."""
+    idx = np.arange(len(meta["agent_turns"])) if rows is None else np.asarray(rows, dtype=np.int64)
+    turns = np.asarray(meta["agent_turns"], dtype=np.float64)[idx]
+    calls = np.asarray(meta["agent_tool_calls"], dtype=np.float64)[idx]
+    errors = np.asarray(meta["agent_tool_errors"], dtype=np.float64)[idx]
+    m = {"turns_mean": float(turns.mean()), "tool_calls_mean": float(calls.mean()),
+         "tool_call_rate": float((calls > 0).mean()),
+         "tool_error_rate": float(errors.sum() / calls.sum()) if calls.sum() else 0.0}
+    used = [answer_uses_tool_result(meta["agent_trace"][i]) for i in idx]
+    answered = [u for u in used if u is not None]
+    if answered:
+        m["answer_has_tool_result"] = float(np.mean(answered))
+    return m
+
+
+__all__ = ["Timer", "agent_episode_metrics", "agent_metrics", "answer_uses_tool_result", "mean_over_ranks",
+           "rl_batch_metrics"]

@@ -21,6 +21,7 @@ import json
 import logging
 import os
 import time
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -31,7 +32,7 @@ from rlcore.data import RL_FIELDS, DatasetError, peek_fields, read_column
 from rlcore.data.preference import PREFERENCE_FIELDS
 from rlcore.errors import RLCoreError
 from rlcore.rewards.registry import builtin_data_sources, load_function, load_reward_fn, resolve_spec
-from rlcore.rewards.tools import load_tools
+from rlcore.rewards.tools import load_tools, tool_schemas
 from rlcore.trainer.model_folders import read_model_config, reward_model_config_problems, weight_problems
 from rlcore.workers.parallel.shapes import layout_problems
 from rlcore.workers.ulysses import head_problem
@@ -240,17 +241,7 @@ def agent_problems(config: Config) -> list[str]:
     """Each `rollout.agent.tools` entry loads and has a schema, no two share a name, and the
     interaction factory loads (user code is imported here, in the driver, as a reward file is)."""
     agent = config.rollout.agent
-    problems = []
-    for i, spec in enumerate(agent.tools):
-        try:
-            load_tools([spec])
-        except Exception as err:  # noqa: BLE001 - user code may raise anything while it is imported
-            problems.append(f"rollout.agent.tools[{i}]: {str(err).removeprefix('tool spec ')}")
-    if not problems and len(agent.tools) > 1:
-        try:
-            load_tools(agent.tools)
-        except Exception as err:  # noqa: BLE001
-            problems.append(f"rollout.agent.tools: {str(err).removeprefix('tool spec ')}")
+    problems = tool_spec_problems("rollout.agent.tools", agent.tools, load_tools)
     if agent.interaction is not None:
         try:
             load_function(str(resolve_spec(agent.interaction)), "interaction")
@@ -258,6 +249,24 @@ def agent_problems(config: Config) -> list[str]:
             problems.append(f"rollout.agent.interaction: {str(err).removeprefix('interaction spec ')}")
     if agent.enabled:
         problems += agent_length_problems(config)
+    return problems
+
+
+def tool_spec_problems(key: str, specs: Sequence[str], load: Callable[[Sequence[str]], Any] = tool_schemas) -> list[str]:
+    """Each tool spec under `key` loads by `load` (`load_tools` where the tools run, RL's agent;
+    `tool_schemas` where only their schemas are rendered, SFT, which also reads .json schema files)
+    and no two tools share a name."""
+    problems = []
+    for i, spec in enumerate(specs):
+        try:
+            load([spec])
+        except Exception as err:  # noqa: BLE001 - user code may raise anything while it is imported
+            problems.append(f"{key}[{i}]: {str(err).removeprefix('tool spec ')}")
+    if not problems and len(specs) > 1:
+        try:
+            load(specs)
+        except Exception as err:  # noqa: BLE001
+            problems.append(f"{key}: {str(err).removeprefix('tool spec ')}")
     return problems
 
 
@@ -379,6 +388,7 @@ def sft_preflight(config: SFTConfig) -> None:
             problem = data_file_problem(f"{key}[{i}]", file, needed)
             if problem is not None:
                 problems.append(problem)
+    problems += tool_spec_problems("data.tools", data.tools)
     problems += [p.replace("this run is algorithm.name=sft", "this is an SFT run")
                  for p in resume_problems(config.trainer.resume, "sft")]
     problems += output_dir_problems(config.trainer.output_dir)

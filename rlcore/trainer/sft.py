@@ -31,6 +31,7 @@ import torch
 from rlcore.config import SFTConfig
 from rlcore.data.schema import DatasetError
 from rlcore.data.sft import SFTDataset, SFTExample, collate_sft
+from rlcore.rewards.tools import tool_schemas
 from rlcore.trainer.groups import WorkerGroups, required
 from rlcore.trainer.health import HealthGuard
 from rlcore.trainer.metrics import mean_over_ranks
@@ -67,10 +68,12 @@ class SFTTrainer:
         path = config.model.path
         self.pad_id = pad_token_id(path)
         tokenizer = load_tokenizer(path)
+        tools = tool_schemas(data.tools) or None  # rendered as RL renders rollout.agent.tools
         datasets = {key: SFTDataset(files, tokenizer, max_length=data.max_length, prompt_key=data.prompt_key,
                                     response_key=data.response_key, messages_key=data.messages_key,
                                     truncation=data.truncation, apply_chat_template=data.apply_chat_template,
-                                    on_bad_row=data.on_bad_row, end_ids=end_token_ids(path))
+                                    on_bad_row=data.on_bad_row, end_ids=end_token_ids(path), tools=tools,
+                                    tools_key=data.tools_key)
                     for key, files in (("train", data.train_files), ("val", data.val_files)) if files}
         self.train_set, self.val_set = datasets["train"], datasets.get("val")
         batch_size = config.trainer.batch_size

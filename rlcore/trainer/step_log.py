@@ -61,7 +61,8 @@ class StepLog:
         finally:
             self.tracker.log(step, metrics)
             if self.config.trainer.trace:
-                record = step_record(step, self.config.trainer.off_policy, trace, metrics, self.workers)
+                t = self.config.trainer
+                record = step_record(step, t.off_policy, trace, metrics, self.workers, t.trace_samples, t.trace_max_chars)
                 with open(self.run_dir / "trace.jsonl", "a") as f:
                     f.write(json.dumps(record, default=str) + "\n")
         self.history.append(metrics)

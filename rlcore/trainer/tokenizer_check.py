@@ -26,8 +26,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from rlcore.chat import encode_prompt, has_chat_template, render_prompt
 from rlcore.config import Config
-from rlcore.data.chat import encode_prompt, has_chat_template, render_prompt
 from rlcore.data.io import peek_rows
 from rlcore.errors import RLCoreError
 from rlcore.rollout import resolve_backend

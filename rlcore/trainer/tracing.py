@@ -2,20 +2,34 @@
 
 Cheap by design: ranks are re-derived from each method's dispatch rule (a pure function of the
 batch), not reported back by the workers.
+
+What a person debugging a run reads: for `trainer.trace_samples` trajectories per step (evenly
+spread over the batch), the conversation itself: the prompt, the model's text of every turn, each
+tool call's name, arguments and result (or, without an agent, the response), each text with its
+secrets redacted (credentials in URLs and values under secret-looking keys, `rlcore.redact`, and
+those values wherever else they appear in the record, such as the model's text of the call) and
+cut to `trainer.trace_max_chars`. The other samples keep
+their ids, ranks, reward and per-turn counts only. `rlcore trace RUN_DIR` prints one
+(`format_trajectory`).
 """
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import socket
+from collections.abc import Mapping, Sequence
+from pathlib import Path
 from typing import Any
 
 import numpy as np
 
 from rlcore.controller import Dispatch, RoleView
 from rlcore.controller.dispatch import balanced_partitions
+from rlcore.errors import RLCoreError
 from rlcore.protocol import Batch
+from rlcore.redact import REDACTED, is_secret_key, redact_text, redact_tree
 
 log = logging.getLogger(__name__)
 
@@ -49,10 +63,17 @@ def worker_identities(groups: Any) -> dict[str, list[dict[str, Any]]]:
     return out
 
 
+# The texts of a record, kept for the sampled conversations only (`conversation_fields`).
+TEXT_KEYS = ("prompt", "response")
+TURN_TEXT_KEYS = ("text", "arguments", "result")
+
+
 def sample_records(gen: Batch, groups: Any, n: int) -> list[dict[str, Any]]:
     """Per-sample records of a step: ids from prompt to loss, reward, length, and which
     rollout/actor rank handled the sample (the dispatch is a pure function of the batch); for an
-    agent rollout, how it ended and every turn (kind, tool, tokens, latency)."""
+    agent rollout, how it ended and every turn (kind, tool, tokens, latency, and the texts: the
+    model's, the call's arguments, the tool's result); the prompt messages and, without an agent,
+    the response text. `conversation_fields` keeps the texts of a sample of them."""
     rollout_rank = dp_ranks(groups.rollout, "generate_sequences", len(gen) // max(n, 1), None)
     actor_rank = dp_ranks(groups.actor, "update_actor", len(gen), gen)
     lengths = gen.tensors["response_mask"].sum(-1).long().tolist()
@@ -76,16 +97,96 @@ def sample_records(gen: Batch, groups: Any, n: int) -> list[dict[str, Any]]:
                 rec[key] = _plain(meta[key][j])
         if actor_rank is not None:
             rec["actor_rank"] = int(actor_rank[j])
+        if "prompt_messages" in meta:
+            rec["prompt"] = [dict(m) for m in meta["prompt_messages"][j]]
         if "agent_trace" in meta:  # every turn: assistant turns (tokens, round latency), tool calls, rendered turns
             rec["finish"] = str(meta["agent_finish"][j])
             rec["turns"] = [{k: _plain(v) for k, v in t.items()} for t in meta["agent_trace"][j]]
+        elif "response_text" in meta:
+            rec["response"] = str(meta["response_text"][j])
         samples.append(rec)
     return samples
 
 
+def traced_rows(rows: int, k: int) -> list[int]:
+    """The `k` rows (of `rows`) whose conversations are recorded: evenly spread, first and last included."""
+    if k <= 0 or rows <= 0:
+        return []
+    if k >= rows:
+        return list(range(rows))
+    return sorted({round(i * (rows - 1) / max(k - 1, 1)) for i in range(k)})
+
+
+def clip_text(text: str, max_chars: int, secrets: Sequence[str] = ()) -> str:
+    """`text` with `secrets` and the credentials in its URLs redacted, cut to `max_chars` (saying
+    how much was cut)."""
+    for secret in secrets:
+        text = text.replace(secret, REDACTED)
+    text = redact_text(text)
+    return text if len(text) <= max_chars else f"{text[:max_chars]}... [{len(text) - max_chars} more chars]"
+
+
+def _clip(value: Any, max_chars: int, secrets: Sequence[str]) -> Any:
+    """A recorded value's strings through `clip_text`; a mapping's values under secret-looking keys
+    (`api_key`, `token`, ...) redacted whole (`rlcore.redact.redact_tree`)."""
+    if isinstance(value, str):
+        return clip_text(value, max_chars, secrets)
+    if isinstance(value, Mapping):
+        return {k: _clip(v, max_chars, secrets) for k, v in redact_tree(value).items()}
+    if isinstance(value, list):
+        return [_clip(v, max_chars, secrets) for v in value]
+    return value
+
+
+def secret_values(value: Any, min_chars: int = 4) -> list[str]:
+    """The values under secret-looking keys anywhere in `value` (a tool call's arguments), longest
+    first: a secret the model passed to a tool is also in the model's own text of the call, which
+    is redacted of them too."""
+    found: set[str] = set()
+    stack = [value]
+    while stack:
+        item = stack.pop()
+        if isinstance(item, Mapping):
+            for k, v in item.items():
+                if is_secret_key(str(k)) and isinstance(v, (str, int, float)) and len(str(v)) >= min_chars:
+                    found.add(str(v))
+                else:
+                    stack.append(v)
+        elif isinstance(item, list):
+            stack.extend(item)
+    return sorted(found, key=len, reverse=True)
+
+
+def conversation_fields(samples: list[dict[str, Any]], k: int, max_chars: int) -> list[dict[str, Any]]:
+    """`samples` (from `sample_records`) as trace.jsonl writes them: the texts of `k` evenly spread
+    samples kept (redacted, cut to `max_chars`; those samples marked `"conversation": true`), the
+    texts of the others dropped."""
+    keep = set(traced_rows(len(samples), k))
+    out = []
+    for j, rec in enumerate(samples):
+        rec = dict(rec)
+        if j in keep:
+            rec["conversation"] = True
+            secrets = secret_values([t.get("arguments") for t in rec.get("turns", [])])
+            for key in TEXT_KEYS:
+                if key in rec:
+                    rec[key] = _clip(rec[key], max_chars, secrets)
+            if "turns" in rec:
+                rec["turns"] = [{key: _clip(v, max_chars, secrets) if key in TURN_TEXT_KEYS else v for key, v in t.items()}
+                                for t in rec["turns"]]
+        else:
+            for key in TEXT_KEYS:
+                rec.pop(key, None)
+            if "turns" in rec:
+                rec["turns"] = [{key: v for key, v in t.items() if key not in TURN_TEXT_KEYS} for t in rec["turns"]]
+        out.append(rec)
+    return out
+
+
 def step_record(step: int, off_policy: str, step_trace: dict[str, Any] | None, metrics: dict[str, Any],
-                workers: dict[str, Any]) -> dict[str, Any]:
-    """One trace.jsonl line: phase timings with the role that did them, the workers, the samples."""
+                workers: dict[str, Any], conversations: int = 0, max_chars: int = 2000) -> dict[str, Any]:
+    """One trace.jsonl line: phase timings with the role that did them, the workers, the samples
+    (`conversations` of them with their texts: `conversation_fields`)."""
     step_trace = step_trace or {}
     phases = step_trace.get("phases") or {k[5:-2]: v for k, v in metrics.items()
                                           if k.startswith("time/") and k.endswith("_s")}
@@ -94,8 +195,66 @@ def step_record(step: int, off_policy: str, step_trace: dict[str, Any] | None, m
         "off_policy": off_policy,
         "phases": {name: {"s": secs, "role": PHASE_ROLES.get(name)} for name, secs in phases.items()},
         "workers": workers,
-        "samples": step_trace.get("samples", []),
+        "samples": conversation_fields(step_trace.get("samples", []), conversations, max_chars),
     }
+
+
+class TraceError(RLCoreError, ValueError):
+    """A trace.jsonl that cannot show what was asked (no file, no such step or sample): the message says why."""
+
+
+def recorded_conversation(run_dir: str | Path, step: int | None = None, sample: int = 0) -> tuple[int, dict[str, Any], int]:
+    """(step, sample record, conversations recorded that step) from `run_dir/trace.jsonl`: the
+    `sample`-th recorded conversation of `step` (default: the last step that recorded any)."""
+    path = Path(run_dir) / "trace.jsonl"
+    if not path.is_file():
+        raise TraceError(f"{path}: no such file (trainer.trace writes it in trainer.output_dir)")
+    records = []
+    with path.open() as f:
+        for number, line in enumerate(f, start=1):
+            try:
+                records.append(json.loads(line)) if line.strip() else None
+            except ValueError:  # a line cut short (the run died while writing it): the others still read
+                log.warning("%s: line %d is not JSON; skipped", path, number)
+    with_text = {r["step"]: [s for s in r.get("samples", []) if s.get("conversation")] for r in records}
+    steps = [k for k, v in with_text.items() if v]
+    if not steps:
+        raise TraceError(f"{path}: no step recorded a conversation (trainer.trace_samples was 0, or the run predates it)")
+    step = steps[-1] if step is None else step
+    if step not in with_text:
+        raise TraceError(f"{path}: no step {step} (steps {min(with_text)}..{max(with_text)})")
+    found = with_text[step]
+    if not 0 <= sample < len(found):
+        raise TraceError(f"{path}: step {step} recorded {len(found)} conversation(s); --sample is 0..{len(found) - 1}")
+    return step, found[sample], len(found)
+
+
+def format_trajectory(step: int, rec: dict[str, Any], index: int = 0, recorded: int = 1) -> str:
+    """One recorded sample as a readable conversation: the prompt, each assistant turn's text, each
+    tool call with its arguments, outcome and result, and how the episode ended."""
+    head = [f"step {step}, conversation {index + 1} of {recorded}", f"request {rec.get('request_id')}",
+            f"reward {rec.get('reward')}"]
+    if "finish" in rec:
+        head.append(f"finished: {rec['finish']}")
+    lines = [" | ".join(head), ""]
+    for m in rec.get("prompt", []):
+        lines.append(f"[{m.get('role')}] {m.get('content')}")
+    if "response" in rec:
+        lines.append(f"[assistant] {rec['response']}")
+    for t in rec.get("turns", []):
+        kind = t.get("kind")
+        if kind == "assistant":
+            lines.append(f"[assistant, turn {t.get('turn')}, {t.get('tokens')} tokens] {t.get('text', '')}")
+        elif kind == "tool":
+            outcome = "ok" if t.get("ok") else f"error: {t.get('error')}"
+            args = json.dumps(t.get("arguments"), ensure_ascii=False)
+            lines.append(f"  -> {t.get('tool')}({args}) {outcome}, {t.get('latency_s', 0.0):.3f} s")
+            lines.append(f"[tool {t.get('tool')}] {t.get('result', '')}")
+        elif kind == "interaction" and not t.get("ok", True):
+            lines.append(f"  -> interaction error: {t.get('error')}")
+        elif kind == "rendered" and t.get("ok") is False:
+            lines.append(f"  -> the template could not render the {t.get('role', 'next')} message: {t.get('error')}")
+    return "\n".join(lines)
 
 
 def _plain(v: Any) -> Any:

@@ -5,6 +5,12 @@
 - pass@n: whether any of the n samples is right,
 - maj@n: whether the most frequent answer among the n samples is right (answers compared as
   their stripped response text; ties go to the answer seen first).
+
+An agent run (`rollout.agent`) validates through the agent loop, as it trains (the rollout worker
+generates every batch with it), and reports what its episodes did, overall (`val/agent/...`) and
+per data source (`val/<source>/agent/...`): turns_mean, tool_calls_mean, tool_call_rate,
+tool_error_rate, answer_has_tool_result (`rlcore.trainer.metrics.agent_episode_metrics`), greedy
+or sampled as validation samples.
 """
 
 from __future__ import annotations
@@ -17,7 +23,7 @@ import torch
 from rlcore.config import Config
 from rlcore.data import PromptLoader
 from rlcore.trainer.groups import WorkerGroups
-from rlcore.trainer.metrics import Timer
+from rlcore.trainer.metrics import Timer, agent_episode_metrics
 from rlcore.trainer.rl_steps import score
 from rlcore.trainer.rollout_parts import generate, val_sampling
 
@@ -66,9 +72,13 @@ class RLValidator:
         uids: list[str] = []
         sources: list[str] = []
         answers: list[str] = []
+        agent: dict[str, list[Any]] = {k: [] for k in AGENT_META}
         for prompts in self.loader.epoch_batches():
             gen = generate(groups, prompts, val_sampling(self.config, step), policy_version, timer)
             gen, _ = score(groups, gen, timer, self.config.reward)
+            if AGENT_META[0] in gen.meta:
+                for key in AGENT_META:
+                    agent[key].extend(gen.meta[key])
             scores.append(gen.tensors["scores"])
             accs.append(gen.tensors["acc"])
             uids.extend(str(u) for u in gen.meta["uid"])
@@ -83,7 +93,22 @@ class RLValidator:
         n = self.config.rollout.val_n
         if n > 1:
             out.update(sampled_validation_metrics(uids, sources, answers, acc.tolist(), n))
+        if agent[AGENT_META[0]]:
+            out.update(agent_validation_metrics(agent, sources))
         return out
 
 
-__all__ = ["RLValidator", "sampled_validation_metrics"]
+AGENT_META = ("agent_turns", "agent_tool_calls", "agent_tool_errors", "agent_trace")  # what the agent numbers read
+
+
+def agent_validation_metrics(meta: dict[str, list[Any]], sources: list[str]) -> dict[str, float]:
+    """`val/agent/<name>` over every validation sample and `val/<source>/agent/<name>` per data
+    source (`agent_episode_metrics`)."""
+    out = {f"val/agent/{k}": v for k, v in agent_episode_metrics(meta).items()}
+    for source in sorted(set(sources)):
+        rows = [i for i, s in enumerate(sources) if s == source]
+        out.update({f"val/{source}/agent/{k}": v for k, v in agent_episode_metrics(meta, rows).items()})
+    return out
+
+
+__all__ = ["RLValidator", "agent_validation_metrics", "sampled_validation_metrics"]

@@ -4,7 +4,7 @@
 Scoring never re-uses the policy's token ids. Each sample's response is decoded with the policy's
 tokenizer up to its first end token, and the conversation (the prompt's messages, then the
 response as the assistant's turn) is rendered with the reward model's own tokenizer and chat
-template (`rlcore.data.chat.render_conversation`), exactly as its training pairs were. A reward
+template (`rlcore.chat.render_conversation`), exactly as its training pairs were. A reward
 model with another vocabulary or template than the policy's therefore scores what it learned to.
 
 The model is built in one place (`rlcore.workers.loading.load_sequence_classifier`) and read the
@@ -28,9 +28,9 @@ import torch
 from torch import nn
 
 from rlcore.algos import bradley_terry_loss
+from rlcore.chat import has_chat_template, render_conversation
 from rlcore.config import Config, RewardModelConfig
 from rlcore.controller import Dispatch, Worker, register
-from rlcore.data.chat import has_chat_template, render_conversation
 from rlcore.errors import RLCoreError
 from rlcore.protocol import Batch
 from rlcore.workers.checkpointing import adapter_folder, load_training_state, save_trained

@@ -3,6 +3,7 @@
     ./dev python benchmarks/bench_tp_learning.py                    # GRPO: one process (2 seeds) vs TP
     ./dev python benchmarks/bench_tp_learning.py --algorithm ppo    # PPO: one process (2 seeds) vs TP critic
     ./dev python benchmarks/bench_tp_learning.py --steps 30 --only tp
+    ./dev python benchmarks/bench_tp_learning.py --only one --seeds 1
 
 GRPO (`rlcore/configs/tiny_grpo.yaml`, lr 1e-5 as in README): the one-process run (in-process
 backend, hf rollout) at seeds 0 and 1 (how far two seeds land apart is the noise to judge by),
@@ -30,11 +31,14 @@ from pathlib import Path
 from rlcore.cli import CONFIG_DIR, tiny_example_overrides
 from rlcore.example import build_tiny_example
 
+# six Ray workers start at once (four actor ranks, rollout, reward): at load 17-21 on 2 cores the
+# actor's did not finish starting within the default 600 s (ray.init_timeout_s), so allow longer
+SLOW_START = "ray.init_timeout_s=2400"
 TP_RUNS = {
     "grpo": ["trainer.backend=ray", "actor.layout={data_parallel: 2, tensor_parallel: 2}", "ray.colocate=[[actor, ref]]",
-             "rollout.backend=vllm", "rollout.layout={tensor_parallel: 2}", "rollout.vllm.kv_cache_gib=0.25"],
+             "rollout.backend=vllm", "rollout.layout={tensor_parallel: 2}", "rollout.vllm.kv_cache_gib=0.25", SLOW_START],
     "ppo": ["trainer.backend=ray", "actor.layout={tensor_parallel: 2}", "critic.layout={tensor_parallel: 2}",
-            "ray.colocate=[[actor, critic]]"],
+            "ray.colocate=[[actor, critic]]", SLOW_START],
 }
 
 
@@ -62,6 +66,7 @@ def main() -> None:
     parser.add_argument("--algorithm", choices=["grpo", "ppo"], default="grpo")
     parser.add_argument("--steps", type=int, default=30)
     parser.add_argument("--only", choices=["all", "one", "tp"], default="all")
+    parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1], help="the one-process runs' seeds")
     args = parser.parse_args()
     example = build_tiny_example()
     config = CONFIG_DIR / f"tiny_{args.algorithm}.yaml"
@@ -73,7 +78,7 @@ def main() -> None:
     with tempfile.TemporaryDirectory(prefix="bench_tp_learning_") as tmp:
         variants = []
         if args.only in ("all", "one"):
-            variants += [(f"one process, seed {seed}", [f"trainer.seed={seed}"]) for seed in (0, 1)]
+            variants += [(f"one process, seed {seed}", [f"trainer.seed={seed}"]) for seed in args.seeds]
         if args.only in ("all", "tp"):
             what = ("actor FSDP x TP 2x2 + vLLM rollout TP 2" if args.algorithm == "grpo" else "actor TP 2 + critic TP 2")
             variants.append((f"{what}, seed 0", ["trainer.seed=0", *TP_RUNS[args.algorithm]]))

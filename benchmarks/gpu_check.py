@@ -17,7 +17,7 @@ Phases (each one's failure is recorded in the JSON and the rest still run):
   actor    ActorWorker.update_actor under FSDP2 (1-rank process group, bf16 parameters, fp32
            gradient reduction), with the fused Triton head and with the chunked torch head:
            tokens/s and MFU (rlcore.flops: training FLOPs of the model's matmuls and causal
-           attention / time / the H200's peak bf16 dense FLOP/s).
+           attention / time / the GPU's peak bf16 dense FLOP/s, rlcore.flops by its name; none on a CPU).
   rollout  HFRolloutEngine, 64 prompts x 256 new tokens, bf16: generated tokens/s.
   grpo     three GRPO steps with the in-process backend (actor, reference and rollout
            colocated on the one GPU), reward by rlcore.rewards: step metrics and peak memory
@@ -49,7 +49,6 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
-H200_BF16_DENSE_FLOPS = 989e12  # NVIDIA H200 SXM spec sheet, dense (no sparsity)
 PHASES = ("kernel", "actor", "rollout", "grpo", "tp")
 
 
@@ -427,7 +426,7 @@ def phase_actor(s: Shapes, device, meter: Meter, model_dir: Path, train_file: Pa
                 "backend": "triton" if fused and device.type == "cuda" else "torch",
                 "step_s": secs,
                 "tokens_per_s": tok_s,
-                "mfu": mfu(step_flops, secs, H200_BF16_DENSE_FLOPS) if device.type == "cuda" else None,
+                "mfu": mfu(step_flops, secs, device_peak_flops(device)),
                 "peak_gib": meter.peak_gib(),
                 "grad_norm": metrics.get("actor/grad_norm"),
                 "bad_updates": metrics.get("actor/bad_updates"),
@@ -631,13 +630,23 @@ def _tp_rollout(s: Shapes, device, model_dir: Path) -> dict[str, Any]:
 
 # ----------------------------------------------------------------------------- main
 
+def device_peak_flops(device) -> float | None:
+    """The dense bf16 peak of a known GPU (`rlcore.flops.PEAK_BF16_FLOPS`, from its name); None on a
+    CPU or an unknown GPU, so no MFU is made up."""
+    import torch
+
+    from rlcore.flops import peak_flops_for
+
+    return peak_flops_for(torch.cuda.get_device_name(device)) if device.type == "cuda" else None
+
+
 def environment(device) -> dict[str, Any]:
     import torch
     import transformers
 
     env = {"python": platform.python_version(), "torch": torch.__version__,
            "transformers": transformers.__version__, "device": str(device),
-           "peak_bf16_flops": H200_BF16_DENSE_FLOPS}
+           "peak_bf16_flops": device_peak_flops(device)}
     try:
         import triton
 

@@ -171,25 +171,37 @@ def format_summary(summary: dict) -> str:
     def pct(x):
         return "n/a" if x is None else f"{100 * x:.1f}%"
 
+    if summary.get("warm_start"):
+        start = (f"the champion {summary['warm_start']}, at {pct(summary['warm_start_accuracy'])} accuracy "
+                 "(warm start: registry.warm_start)")
+    else:
+        start = "the SFT model" if summary.get("sft_model") else "the base model"
     lines = [
         "",
         f"rlcore pipeline run {summary['pipeline_run']}",
         f"  data             fingerprint {summary['dataset_fingerprint'][:16]}",
-        f"  trained from     {summary['warm_start'] or 'the base model'} ({summary['steps']} steps)",
+        f"  trained from     {start} ({summary['steps']} steps)",
     ]
     if summary.get("sft_model"):
         lines.append(f"  SFT warm start   {summary['sft_model']} (the base model and KL reference of this run)")
     if summary.get("health_stop"):
         lines.append(f"  health stop      {summary['health_stop']}")
-    lines += [
-        f"  accuracy         before {pct(summary['accuracy_before'])} ({summary['baseline'] or 'n/a'}) -> after {pct(summary['accuracy_after'])}",
-    ]
     if "reward_model" in summary:
         if summary.get("reward_model_version") is not None:
             verdict = "champion" if summary["reward_model_champion"] else "challenger"
             lines.append(f"  reward model     version {summary['reward_model_version']} ({verdict}; held-out pairwise "
                          f"accuracy {pct(summary['reward_model_pairwise_accuracy'])}): {summary['reward_model_reason']}")
         lines.append(f"  trained against  {summary['reward_model']}")
+    if summary.get("accuracy_start") is None:  # training started from the baseline
+        lines.append(f"  accuracy         before {pct(summary['accuracy_before'])} ({summary['baseline'] or 'n/a'}) -> "
+                     f"after {pct(summary['accuracy_after'])}")
+    else:  # trained from the base (or SFT) model while a champion exists: both numbers
+        lines.append(f"  accuracy (rule)  before {pct(summary['accuracy_start'])} (where training started) -> after "
+                     f"{pct(summary['accuracy_after'])}; the champion has {pct(summary['accuracy_before'])}")
+    if summary.get("reward_model_score_after") is not None:
+        before = summary.get("reward_model_score_start")
+        lines.append(f"  RM score         of the greedy answers: before {'n/a' if before is None else f'{before:.3f}'} -> "
+                     f"after {summary['reward_model_score_after']:.3f} (what RLHF optimised)")
     if summary.get("version") is not None:
         verdict = "yes: now the champion" if summary["champion"] else "no: challenger"
         lines += [f"  registered       version {summary['version']} ({summary['model_uri']})",
@@ -197,9 +209,13 @@ def format_summary(summary: dict) -> str:
                   f"  why              {summary['reason']}"]
     else:
         lines.append(f"  registered       nothing ({summary['reason']})")
+    links = summary.get("links") or {}
+    lines.append(f"  run directory    {summary['run_dir']}")
+    for key, label in (("mlflow_run", "MLflow run"), ("model_version", "model version"), ("prefect_flow_run", "Prefect run")):
+        if links.get(key):
+            lines.append(f"  {label:<16} {links[key]}")
     lines += [
-        f"  run directory    {summary['run_dir']}",
-        f"  look at          {summary['mlflow_ui']}",
+        f"  open the UIs     {summary['mlflow_ui']}",
         f"                   {summary['prefect_ui']}",
     ]
     return "\n".join(lines)
@@ -291,15 +307,19 @@ def _cmd_pipeline_serve(args: argparse.Namespace) -> int:
     _quiet_defaults()
     if not _require_server():
         return 2
-    from rlcore.flows.serve import serve_pipeline
+    from rlcore.flows.serve import serve_until_stopped
 
     inputs = _pipeline_inputs(args)
-    # The webhook of the config as run (the example's paths do not change it): failed and crashed
-    # runs are notified by the server, whatever happens to the processes running them.
-    webhook_url = load_config(inputs["config_path"], inputs["overrides"]).registry.webhook_url
-    serve_pipeline(load_flow(), inputs, cron=args.cron or None, watch_dir=args.watch,
-                   watch_interval_s=args.watch_interval, limit=args.limit, webhook_url=webhook_url,
-                   unresponsive_after_s=args.unresponsive_after)
+    # The config as run (the example's paths change neither its webhook nor its MLflow store): runs
+    # that crash unseen are notified by the server, whatever happens to the processes running them.
+    config = load_config(inputs["config_path"], inputs["overrides"])
+    if args.unresponsive_after <= args.heartbeat:
+        raise RLCoreError(f"--unresponsive-after ({args.unresponsive_after:g} s) must exceed --heartbeat ({args.heartbeat:g} s)")
+    print(f"rlcore: serving rl_pipeline (cron {args.cron or 'none'}{f', watching {args.watch}' if args.watch else ''}) "
+          f"on {_require_server()}; Ctrl-C or SIGTERM stops it", file=sys.stderr, flush=True)
+    serve_until_stopped(load_flow(), inputs, cron=args.cron or None, watch_dir=args.watch,
+                        watch_interval_s=args.watch_interval, limit=args.limit, webhook_url=config.registry.webhook_url,
+                        unresponsive_after_s=args.unresponsive_after, heartbeat_s=args.heartbeat, config=config)
     return 0
 
 
@@ -314,8 +334,7 @@ def _cmd_pipeline_emit(args: argparse.Namespace) -> int:
     if not path.is_file():
         print(f"rlcore: no such data file: {path}", file=sys.stderr)
         return 2
-    event = emit_data_arrived(path)
-    print(event.id if event is not None else "event not sent (events disabled?)")
+    print(emit_data_arrived(path))
     return 0
 
 
@@ -402,9 +421,11 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--watch", default=None, help="directory whose new data files trigger a run")
     serve.add_argument("--watch-interval", type=float, default=5.0)
     serve.add_argument("--limit", type=int, default=1, help="concurrent flow runs")
+    serve.add_argument("--heartbeat", type=float, default=30.0, metavar="SECONDS",
+                       help="a served run's heartbeat interval (rlcore's liveness events)")
     serve.add_argument("--unresponsive-after", type=float, default=90.0, metavar="SECONDS",
-                       help="with registry.webhook_url: a run that sent no heartbeat (every 30 s) for this long is "
-                            "marked crashed and notified by the Prefect server, e.g. when the machine running it died")
+                       help="a run that sent no heartbeat for this long is marked crashed by the Prefect server (and, "
+                            "with registry.webhook_url, notified), e.g. when the machine running it died")
     serve.set_defaults(func=_cmd_pipeline_serve)
     emit = pipeline_sub.add_parser("emit", help="emit rlcore.data.arrived for a data file (triggers the served pipeline)")
     emit.add_argument("path")

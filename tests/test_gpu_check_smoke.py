@@ -56,6 +56,8 @@ def test_summary_has_every_phase_and_no_errors(smoke):
     assert set(result["memory"]) == {"kernel_peak_gib", "actor_peak_gib", "rollout_peak_gib", "grpo_peak_gib", "tp_peak_gib"}
     assert result["env"]["rlcore_native"] == "ok"
     assert result["model"]["arch"].startswith("Qwen2ForCausalLM")
+    assert result["env"]["peak_bf16_flops"] is None  # a CPU has no GPU peak (and gets no MFU)
+    assert all(result["actor"][name]["mfu"] is None for name in ("fused_triton", "torch_chunked"))
 
 
 def test_kernel_errors_within_the_stated_tolerances(smoke):

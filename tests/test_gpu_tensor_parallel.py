@@ -11,7 +11,7 @@ from functools import partial
 import pytest
 import torch
 from gloo_ranks import _to_cpu, launch  # tests/ is on sys.path
-from test_tensor_parallel import CASES_2, CASES_4, _run_cases, check_step, run_role, save_models
+from test_tensor_parallel import CASES_4, EVERY_TP_2, _run_cases, check_step, run_role, save_models
 
 pytestmark = [pytest.mark.gpu, pytest.mark.distributed]
 
@@ -21,7 +21,7 @@ def _gpus(n: int) -> None:
         pytest.skip(f"needs {n} CUDA devices (NCCL ranks one per GPU)")
 
 
-@pytest.mark.parametrize("world, cases", [(2, CASES_2), (4, CASES_4)], ids=["tp2", "fsdp2xtp2-and-tp2+sp2"])
+@pytest.mark.parametrize("world, cases", [(2, EVERY_TP_2), (4, CASES_4)], ids=["tp2", "fsdp2xtp2-and-tp2+sp2"])
 def test_a_tensor_parallel_step_on_gpus_equals_the_one_gpu_step(tmp_path, world, cases):
     _gpus(world)
     torch.backends.cuda.matmul.allow_tf32 = False  # float32 matmuls as on the CPU (the tolerances assume it)

@@ -164,30 +164,32 @@ def test_health_stop_keeps_last_healthy_checkpoint(store, tiny_example, tmp_path
     [event] = _Hook.received
     assert event["event"] == "health_stop" and event["health"]["step"] == 2
     assert event["candidate_checkpoint"] == first["checkpoint"]
+    assert event["id"] == "health-test:health_stop:train"  # outside Prefect: the pipeline run's name, the event, the stage
 
 
-def test_failure_is_recorded_and_notified(store, tmp_path):
+def test_runs_left_open_by_a_failed_pipeline_end_with_the_reason(store, tmp_path):
+    """What a failed or crashed pipeline run's hooks do to MLflow (rlcore.lifecycle.run_end): every
+    run of it still RUNNING, the pipeline's and its stages', ends with the status and the reason;
+    finished stage runs and other pipeline runs are left as they are."""
     from rlcore.config import load_config
     from rlcore.lifecycle import stages
 
-    server = HTTPServer(("127.0.0.1", 0), _Hook)
-    threading.Thread(target=server.serve_forever, daemon=True).start()
-    _Hook.received = []
-    try:
-        config = load_config(None, ["model.path=/m", "data.train_files=[/t.parquet]", "tracking.experiment=test",
-                                    f"tracking.mlflow_uri={store.tracking_uri}",
-                                    f"registry.webhook_url=http://127.0.0.1:{server.server_port}/h"])
-        ctx = stages.start_pipeline(config, tmp_path, "failing-run")
-        stages.fail_pipeline(config, ctx, FileNotFoundError("dataset file not found: /t.parquet"))
-    finally:
-        server.shutdown()
-        server.server_close()
-    run = store.client.get_run(ctx["run_id"])
-    assert run.info.status == "FAILED"
-    assert run.data.tags["failure"] == "FileNotFoundError: dataset file not found: /t.parquet"
-    assert run.data.params["data.train_files"] == '["/t.parquet"]'
-    [event] = _Hook.received
-    assert event["event"] == "failed" and event["pipeline_run"] == "failing-run" and "/t.parquet" in event["error"]
+    config = load_config(None, ["model.path=/m", "data.train_files=[/t.parquet]", "tracking.experiment=test",
+                                f"tracking.mlflow_uri={store.tracking_uri}"])
+    ctx = stages.start_pipeline(config, tmp_path, "failing-run")
+    finished = store.start_run("data_prep", ctx["run_id"], stages.stage_tags(ctx, "data_prep"))
+    store.end_run(finished)
+    train = store.start_run("train", ctx["run_id"], stages.stage_tags(ctx, "train"))
+    other = stages.start_pipeline(config, tmp_path, "another-run")
+    ended = stages.end_open_runs(config, {stages.PIPELINE_TAG: "failing-run"}, "KILLED", "process exited with -9")
+    assert sorted(ended) == sorted([ctx["run_id"], train])
+    for run_id in ended:
+        run = store.client.get_run(run_id)
+        assert run.info.status == "KILLED" and run.info.end_time is not None
+        assert run.data.tags["failure"] == "process exited with -9"
+    assert store.client.get_run(finished).info.status == "FINISHED" and "failure" not in store.client.get_run(finished).data.tags
+    assert store.client.get_run(other["run_id"]).info.status == "RUNNING"
+    assert store.client.get_run(ctx["run_id"]).data.params["data.train_files"] == '["/t.parquet"]'
 
 
 @pytest.mark.vllm

@@ -233,13 +233,40 @@ def test_lineage_names_reward_functions_and_dataset():
     again = build_lineage(config={"a": 1}, dataset_fingerprint="f" * 64, data_sources=["tiny_arith"], parent_model="p")
     assert again["reward_functions"]["tiny_arith"] == rewards["tiny_arith"]
     tags = lineage_tags({**lineage, "config": {"algorithm": {"name": "grpo"}}})
-    assert set(tags) == {"rlcore.parent_model", "rlcore.dataset_fingerprint", "rlcore.algorithm", "rlcore.reward",
-                         "rlcore.code"}
+    assert set(tags) == {"rlcore.kind", "rlcore.parent_model", "rlcore.dataset_fingerprint", "rlcore.algorithm",
+                         "rlcore.reward", "rlcore.code"}
+    assert tags["rlcore.kind"] == "policy"
     assert tags["rlcore.dataset_fingerprint"] == "f" * 64
     assert tags["rlcore.parent_model"] == "/models/base" and tags["rlcore.algorithm"] == "grpo"
     assert tags["rlcore.reward"].split(",") == sorted({f"{r['name']}@{r['version']}" for r in rewards.values()})
     assert "torch" in lineage["packages"]  # packages stay in the full record (lineage.json)
     assert all(isinstance(v, str) and len(v) < 5000 for v in tags.values())
+
+
+def test_versions_name_the_reward_they_optimised_and_reward_models_describe_themselves():
+    """A policy trained against a reward model names that version as its reward (and the rule
+    scorer only when it weighs in); a reward model's version has tags of its own, no reward."""
+    from rlcore.lifecycle.lineage import reward_model_tags, reward_record
+
+    rm = {"name": "tiny-rm", "version": "3", "uri": "models:/tiny-rm/3"}
+    config = {"algorithm": {"name": "ppo"}, "reward_model": {"weight": 1.0, "rule_weight": 0.0}}
+    lineage = build_lineage(config=config, dataset_fingerprint="f" * 64, data_sources=["tiny_arith"], parent_model="/base",
+                            extra={"reward_model": rm})
+    rules = {lineage["reward_functions"]["tiny_arith"]["name"] + "@" + lineage["reward_functions"]["tiny_arith"]["version"]}
+    lineage["reward"] = reward_record(config, lineage["reward_functions"], rm)
+    tags = lineage_tags(lineage)
+    assert tags["rlcore.reward"] == "models:/tiny-rm/3" and tags["rlcore.reward_model"] == "models:/tiny-rm/3"
+    assert lineage["reward"]["rule"] == {"weight": 0.0, "functions": lineage["reward_functions"]}
+    mixed = {**config, "reward_model": {"weight": 2.0, "rule_weight": 0.5}}
+    lineage["reward"] = reward_record(mixed, lineage["reward_functions"], rm)
+    assert lineage_tags(lineage)["rlcore.reward"] == f"2 x models:/tiny-rm/3 + 0.5 x {rules.pop()}"
+
+    rm_lineage = build_lineage(config={"algorithm": {"name": "rm"}}, dataset_fingerprint="p" * 64, data_sources=[],
+                               parent_model="/base", extra={"evaluation": {"candidate": {"pairwise_accuracy": 0.975}}})
+    rm_tags = reward_model_tags(rm_lineage)
+    assert rm_tags["rlcore.kind"] == "reward_model" and "rlcore.reward" not in rm_tags
+    assert rm_tags["rlcore.preference_data"] == "p" * 64 and rm_tags["rlcore.pairwise_accuracy"] == "0.9750"
+    assert rm_tags["rlcore.parent_model"] == "/base" and rm_tags["rlcore.algorithm"] == "rm"
 
 
 # ---------------------------------------------------------------------- data events

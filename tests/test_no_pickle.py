@@ -112,8 +112,9 @@ def _prefect_result_problems(call: ast.Call, name: str, aliases: dict[str, str])
             "result_storage_for")):
         found.append((call.lineno, "result_storage other than result_storage_for(...)"))
     if name in PREFECT_DECORATORS and not data_only:
-        caches = _keyword(call, "cache_key_fn") is not None or not (
-            _keyword(call, "cache_policy") is None or _is_const(_keyword(call, "cache_policy"), None))
+        policy = _keyword(call, "cache_policy")
+        no_cache = policy is None or _is_const(policy, None) or _qualified(policy, aliases) == "prefect.cache_policies.NO_CACHE"
+        caches = _keyword(call, "cache_key_fn") is not None or not no_cache
         if _is_const(_keyword(call, "persist_result"), True) or caches:
             found.append((call.lineno, f"{name} persisting or caching results without result_serializer=DATA_ONLY_JSON"))
     return found
@@ -182,6 +183,7 @@ def test_the_scan_catches_each_kind(snippet, rule):
     "import yaml\nyaml.safe_load(s)\nyaml.load(s, Loader=yaml.SafeLoader)",
     "import json\njson.loads(s)",
     "from prefect import task\n@task(cache_policy=None)\ndef t(): pass",
+    "from prefect import task\nfrom prefect.cache_policies import NO_CACHE\n@task(cache_policy=NO_CACHE)\ndef t(): pass",
     "from prefect import task\n@task(cache_key_fn=k, persist_result=True, result_serializer=DATA_ONLY_JSON)\ndef t(): pass",
     "t.with_options(result_storage=result_storage_for(workdir))",
 ])

@@ -34,6 +34,13 @@ def test_pipeline_trains_gates_and_uses_a_reward_model(tiny_example, tmp_path, p
     assert summary["reward_model_version"] == "1" and summary["reward_model_champion"] is True
     assert summary["reward_model_pairwise_accuracy"] > 0.5
     assert summary["version"] == "1" and summary["steps"] == 2
+    # RLHF from the start (no champion here: the baseline is the base model, where training began), with
+    # the reward model's score of the greedy answers before and after beside the rule-judged accuracy
+    assert summary["warm_start"] is None and summary["baseline"] == "base" and summary["accuracy_start"] is None
+    assert isinstance(summary["reward_model_score_start"], float) and isinstance(summary["reward_model_score_after"], float)
+    assert summary["links"]["model_version"].endswith("/#/models/rlcore-tiny/versions/1?workflowType=machine_learning")
+    assert "rlcore: critic: a new value head (score, one value per token" in done.stderr
+    assert "MISSING" not in done.stderr and "\x1b[" not in done.stderr
 
     import mlflow
     from mlflow.tracking import MlflowClient
@@ -45,7 +52,13 @@ def test_pipeline_trains_gates_and_uses_a_reward_model(tiny_example, tmp_path, p
     rm_registry = ModelRegistry(MlflowStore(uri), "rlcore-tiny-rm")
     rm_v1 = rm_registry.by_alias("champion")
     assert rm_v1.version == "1" and rm_v1.tags["rlcore.algorithm"] == "rm" and rm_v1.tags["rlcore.decision"] == "promoted"
-    assert rm_v1.description.startswith("Promoted to **champion**. Reward model: held-out pairwise accuracy ")
+    # described and tagged as a reward model: pairwise accuracy, its data and base; no policy reward
+    assert rm_v1.tags["rlcore.kind"] == "reward_model" and "rlcore.reward" not in rm_v1.tags
+    assert float(rm_v1.tags["rlcore.pairwise_accuracy"]) == pytest.approx(summary["reward_model_pairwise_accuracy"], abs=1e-4)
+    assert rm_v1.description.startswith("Promoted to **champion**. Reward model (a sequence classifier scoring a prompt "
+                                        "and a response): held-out pairwise accuracy ")
+    assert "dpo_train.parquet" in rm_v1.description and str(tiny_example.model_dir) in rm_v1.description
+    assert rm_registry.client.get_registered_model("rlcore-tiny-rm").description.startswith("rlcore reward models")
     rm_dir = rm_registry.download("1", tmp_path / "rm")
     rm = AutoModelForSequenceClassification.from_pretrained(rm_dir)  # as is
     assert rm.config.num_labels == 1 and rm.config.pad_token_id == tiny_example.pad_token_id
@@ -64,10 +77,14 @@ def test_pipeline_trains_gates_and_uses_a_reward_model(tiny_example, tmp_path, p
 
     policy = ModelRegistry(MlflowStore(uri), "rlcore-tiny").get("1")
     assert policy.tags["rlcore.reward_model"] == "models:/rlcore-tiny-rm/1"  # the lineage names the reward model
+    assert policy.tags["rlcore.reward"] == "models:/rlcore-tiny-rm/1"  # what it optimised (rule_weight 0: not the rule)
+    assert policy.tags["rlcore.kind"] == "policy" and "Trained against reward model `models:/rlcore-tiny-rm/1`" in policy.description
     client = MlflowClient(uri)
     lineage_path = client.download_artifacts(policy.run_id, "lineage.json", str(tmp_path))
     lineage = json.loads(open(lineage_path).read())
     assert lineage["reward_model"] == {"name": "rlcore-tiny-rm", "version": "1", "uri": "models:/rlcore-tiny-rm/1"}
+    assert lineage["reward"]["reward_model"] == {**lineage["reward_model"], "weight": 1.0}
+    assert lineage["reward"]["rule"]["weight"] == 0.0 and "tiny_arith" in lineage["reward"]["rule"]["functions"]
     assert lineage["config"]["reward_model"]["path"].endswith("registry/rlcore-tiny-rm/v1")
     parent = client.get_run(summary["mlflow_run_id"])
     stages = sorted(r.data.tags["rlcore.stage"] for r in client.search_runs(
@@ -78,7 +95,7 @@ def test_pipeline_trains_gates_and_uses_a_reward_model(tiny_example, tmp_path, p
     # A second reward model: the same gate, against the champion's pairwise accuracy on the same pairs
     from rlcore.config import load_config
     from rlcore.example.overrides import example_rm_overrides
-    from rlcore.lifecycle import rm_stages
+    from rlcore.lifecycle import promotion, rm_stages
     from rlcore.lifecycle import stages as lifecycle
 
     rm_config = load_config(CONFIG_DIR / "tiny_rm.yaml", example_rm_overrides() + [
@@ -90,7 +107,7 @@ def test_pipeline_trains_gates_and_uses_a_reward_model(tiny_example, tmp_path, p
     evaluation = rm_stages.evaluate_reward_model_stage(rm_config, train["candidate_dir"], champion, work, ctx)
     assert evaluation["baseline_name"] == "champion"
     assert evaluation["baseline"]["pairwise_accuracy"] == pytest.approx(summary["reward_model_pairwise_accuracy"])
-    decided = rm_stages.promote_reward_model_stage(rm_config, train, evaluation, work, ctx)
+    decided = promotion.promote_stage(rm_config, train, evaluation, work, ctx)  # the policy's promotion, by the trained role
     assert decided["version"] == "2" and decided["promoted"] is False and decided["check"] == "margin"
     assert rm_registry.by_alias("champion").version == "1" and rm_registry.by_alias("challenger").version == "2"
     assert rm_stages.reward_model_in_use(rm_config, work)["uri"] == "models:/rlcore-tiny-rm/1"

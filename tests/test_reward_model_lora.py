@@ -129,6 +129,7 @@ def test_pipeline_registers_a_lora_reward_model_merged_with_its_adapter_beside_a
     from rlcore.lifecycle import rm_stages
     from rlcore.lifecycle import stages as lifecycle
     from rlcore.lifecycle.mlflow_store import MlflowStore, ModelRegistry
+    from rlcore.lifecycle.promotion import promote_stage
     from rlcore.tracking import read_jsonl
 
     work = tmp_path / "work"
@@ -137,12 +138,18 @@ def test_pipeline_registers_a_lora_reward_model_merged_with_its_adapter_beside_a
     config = load_config(CONFIG_DIR / "tiny_rm.yaml", example_rm_overrides() + [
         "trainer.total_steps=2", "trainer.save_every=2", "trainer.val_every=2", "trainer.val_before_train=false",
         "registry.promotion_margin=-1", f"tracking.mlflow_uri={uri}", "reward_model.lora.rank=4",
-        "reward_model.lora.alpha=8"])
+        "reward_model.lora.alpha=8", "reward_model.margin=0.5"])
     ctx = lifecycle.start_pipeline(config, work, "rm-lora")
     train = rm_stages.train_reward_model_stage(config, work, ctx)
     evaluation = rm_stages.evaluate_reward_model_stage(config, train["candidate_dir"], None, work, ctx)
-    decided = rm_stages.promote_reward_model_stage(config, train, evaluation, work, ctx)
+    decided = promote_stage(config, train, evaluation, work, ctx)
     assert decided["version"] == "1"
+    # One checkpoint, one set of numbers: the gate's loss (margin 0.5 for rows without their own, as
+    # training's loss) and accuracy are training's last `val/*` on the same pairs.
+    [last_val] = [r for r in read_jsonl(Path(train["output_dir"]) / "metrics.jsonl") if r["step"] == 2 and "val/rm_loss" in r]
+    assert evaluation["candidate"]["rm_loss"] == pytest.approx(last_val["val/rm_loss"], abs=1e-4)
+    assert evaluation["candidate"]["pairwise_accuracy"] == last_val["val/pairwise_acc"]
+    assert evaluation["candidate"]["score_margin"] == pytest.approx(last_val["val/score_margin"], abs=1e-4)
 
     registered = ModelRegistry(MlflowStore(uri), "rlcore-tiny-rm").download("1", tmp_path / "registered")
     assert not (registered / "adapter_config.json").exists()  # a merged model, not an adapter

@@ -2,8 +2,9 @@
 
 Gloo processes run the actor (policy loss with entropy and KL), the critic (value loss) and the
 reward model (Bradley-Terry) on a Llama (multi-head, untied head) and a Qwen2 with grouped-query
-attention and tied embeddings, at tensor-parallel size 2 (two processes), and at FSDP x TP = 2 x 2
-and TP + Ulysses (2 x 2, one data-parallel shard) (four processes). Each role's no-grad forward
+attention and tied embeddings, at FSDP x TP = 2 x 2 and TP + Ulysses (2 x 2, one data-parallel
+shard) (four processes: every role on both models), and at tensor-parallel size 2 alone (two
+processes: the cases the four-process launch lacks). Each role's no-grad forward
 (log-probs and entropy, values, scores), its update's metrics (loss, KL, entropy, gradient norm,
 token counts), the full gradients of the last step and the updated weights equal one process's.
 Calls are dispatched and collected as a worker group does (`gloo_ranks.call`), with several
@@ -119,11 +120,15 @@ def run_role(root: Path, role: str, arch: str, layout: dict | None, rank: int = 
     return out
 
 
-CASES_2 = [(role, arch, {"tensor_parallel": 2}) for role in ("actor", "critic", "reward_model") for arch in ("llama", "qwen2-gqa")]
 FSDP_TP, SP_TP = {"data_parallel": 2, "tensor_parallel": 2}, {"sequence_parallel": 2, "tensor_parallel": 2}
-# each layout on each architecture, the roles crossed (every pair would double the launch's time)
+# 4 ranks: each layout on each architecture, the roles crossed (every pair would double the launch's
+# time); TP + SP has one data-parallel shard, so it is also tensor parallelism without FSDP.
 CASES_4 = [("actor", "llama", FSDP_TP), ("actor", "qwen2-gqa", SP_TP), ("critic", "qwen2-gqa", FSDP_TP),
            ("critic", "llama", SP_TP), ("reward_model", "qwen2-gqa", FSDP_TP)]
+# 2 ranks, tensor parallelism alone: the pair no 4-rank case has (reward model, Llama) and the tied
+# head split over the vocabulary with nothing else (actor, Qwen2); the suite's cost decides the rest
+CASES_2 = [("reward_model", "llama", {"tensor_parallel": 2}), ("actor", "qwen2-gqa", {"tensor_parallel": 2})]
+EVERY_TP_2 = [(role, arch, {"tensor_parallel": 2}) for role in ("actor", "critic", "reward_model") for arch in ("llama", "qwen2-gqa")]
 
 
 def _run_cases(rank: int, world: int, root: Path, cases: list, device: str = "cpu") -> dict:

@@ -56,3 +56,21 @@ def test_a_fresh_head_comes_from_the_seed_not_the_process_rng(tmp_path, load):
         assert torch.equal(a.weight, b.weight) and not torch.equal(a.weight, c.weight)
         if a.bias is not None:  # the value head's
             assert torch.equal(a.bias, b.bias) and not a.bias.any()
+
+
+def test_a_fresh_value_head_is_reported_in_one_plain_line(tmp_path, capfd):
+    """A critic started from a causal LM gets a new value head, which is expected: one line of
+    rlcore's says so, not transformers' load report (a table with `score.weight | MISSING` and raw
+    colour codes, which reads like a broken model). A folder that has a value head says nothing."""
+    torch.manual_seed(0)
+    LlamaForCausalLM(LlamaConfig(**SIZES)).save_pretrained(tmp_path / "lm")
+    capfd.readouterr()
+    model = load_value_model(tmp_path / "lm", "float32", torch.device("cpu"), remove_padding=False, seed=3)
+    err = capfd.readouterr().err
+    lines = [line for line in err.splitlines() if line.strip() and "Loading weights" not in line]
+    assert lines == [f"rlcore: critic: a new value head (score, one value per token, drawn from seed 3) on the backbone "
+                     f"of {tmp_path / 'lm'}; PPO trains it from there"]
+    assert "\x1b[" not in err and "MISSING" not in err
+    model.save_pretrained(tmp_path / "critic")
+    load_value_model(tmp_path / "critic", "float32", torch.device("cpu"), remove_padding=False)
+    assert "rlcore: critic" not in capfd.readouterr().err

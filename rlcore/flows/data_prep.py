@@ -10,11 +10,13 @@ from pathlib import Path
 from typing import Any
 
 from prefect import flow, task
+from prefect.utilities.annotations import NotSet
 
 from rlcore.config import config_from_dict
 from rlcore.flows.results import DATA_ONLY_JSON, result_storage_for
 from rlcore.lifecycle import stages
 from rlcore.lifecycle.data_prep import retry_if_transient
+from rlcore.lifecycle.results import PipelineContext, PreparedData
 
 
 def _cache_key(context: Any, parameters: dict[str, Any]) -> str:
@@ -30,19 +32,19 @@ def _cache_key(context: Any, parameters: dict[str, Any]) -> str:
 @task(name="data_prep", cache_key_fn=_cache_key, persist_result=True, result_serializer=DATA_ONLY_JSON,
       retries=1, retry_delay_seconds=2, retry_condition_fn=retry_if_transient)
 def prepare_data_task(config: dict[str, Any], workdir: str, val_fraction: float = 0.1,
-                      ctx: dict[str, Any] | None = None) -> dict[str, Any]:
+                      ctx: PipelineContext | None = None) -> PreparedData:
     return stages.prepare_data_stage(config_from_dict(config), workdir, val_fraction, ctx)
 
 
-def prepare_data(config: dict[str, Any], workdir: str, val_fraction: float = 0.1, ctx: dict[str, Any] | None = None,
-                 *, refresh: bool = False) -> dict[str, Any]:
+def prepare_data(config: dict[str, Any], workdir: str, val_fraction: float = 0.1, ctx: PipelineContext | None = None,
+                 *, refresh: bool = False) -> PreparedData:
     """The data_prep task, its cached result kept in `<workdir>/task-results` (`refresh`: recompute)."""
-    task = prepare_data_task.with_options(result_storage=result_storage_for(workdir), refresh_cache=refresh or None)
+    task = prepare_data_task.with_options(result_storage=result_storage_for(workdir), refresh_cache=True if refresh else NotSet)
     return task(config, workdir, val_fraction, ctx)
 
 
 @flow(name="data_prep")
 def data_prep(config_path: str | None = None, overrides: list[str] | None = None, data_path: str | None = None,
-              workdir: str = "runs/pipeline", val_fraction: float = 0.1) -> dict[str, Any]:
+              workdir: str = "runs/pipeline", val_fraction: float = 0.1) -> PreparedData:
     config = stages.load_pipeline_config(config_path, overrides or [], data_path)
     return prepare_data(config.model_dump(mode="json"), workdir, val_fraction)

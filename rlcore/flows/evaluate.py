@@ -6,22 +6,25 @@ from __future__ import annotations
 from typing import Any
 
 from prefect import flow, task
+from prefect.cache_policies import NO_CACHE
 
 from rlcore.config import config_from_dict
 from rlcore.lifecycle import stages
 from rlcore.lifecycle.data_prep import retry_if_transient
+from rlcore.lifecycle.results import Evaluation, PipelineContext
 
 
-@task(name="evaluate", retries=1, retry_delay_seconds=2, retry_condition_fn=retry_if_transient, timeout_seconds=3600, cache_policy=None)
+@task(name="evaluate", retries=1, retry_delay_seconds=2, retry_condition_fn=retry_if_transient, timeout_seconds=3600, cache_policy=NO_CACHE)
 def evaluate_task(config: dict[str, Any], candidate_dir: str, baseline_dir: str, baseline_name: str,
-                  reference_dir: str, val_file: str, workdir: str, ctx: dict[str, Any] | None = None) -> dict[str, Any]:
+                  reference_dir: str, val_file: str, workdir: str, ctx: PipelineContext | None = None,
+                  start_dir: str | None = None, reward_model_dir: str | None = None) -> Evaluation:
     return stages.evaluate_stage(config_from_dict(config), candidate_dir, baseline_dir, baseline_name,
-                                 reference_dir, val_file, workdir, ctx)
+                                 reference_dir, val_file, workdir, ctx, start_dir=start_dir, reward_model_dir=reward_model_dir)
 
 
 @flow(name="evaluate")
 def evaluate(candidate_dir: str, val_file: str, config_path: str | None = None, overrides: list[str] | None = None,
-             workdir: str = "runs/pipeline") -> dict[str, Any]:
+             workdir: str = "runs/pipeline") -> Evaluation:
     """Candidate vs the registry's champion (or `model.path` when there is none)."""
     config = stages.load_pipeline_config(config_path, overrides or [])
     tree = config.model_dump(mode="json")

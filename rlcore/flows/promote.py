@@ -1,26 +1,28 @@
-"""promote: register the candidate as a new model version; move `champion` to it only when it
-beats the champion by the margin within the KL/length budget, else tag it `challenger` with the
-reason. Notifies the webhook either way."""
+"""promote: register the candidate (a policy or a reward model) as a new model version; move
+`champion` to it only when it beats the champion by the margin (a policy: within the KL/length
+budget), else tag it `challenger` with the reason. Notifies the webhook either way."""
 
 from __future__ import annotations
 
 from typing import Any
 
 from prefect import flow, task
+from prefect.cache_policies import NO_CACHE
 
 from rlcore.config import config_from_dict
-from rlcore.lifecycle import stages
+from rlcore.lifecycle import promotion
 from rlcore.lifecycle.data_prep import retry_if_transient
+from rlcore.lifecycle.results import Evaluation, PipelineContext, Promotion, TrainResult
 
 
-@task(name="promote", retries=1, retry_delay_seconds=2, retry_condition_fn=retry_if_transient, cache_policy=None)
-def promote_task(config: dict[str, Any], train: dict[str, Any], evaluation: dict[str, Any], prepared: dict[str, Any],
-                 workdir: str, ctx: dict[str, Any]) -> dict[str, Any]:
-    return stages.promote_stage(config_from_dict(config), train, evaluation, prepared, workdir, ctx)
+@task(name="promote", retries=1, retry_delay_seconds=2, retry_condition_fn=retry_if_transient, cache_policy=NO_CACHE)
+def promote_task(config: dict[str, Any], train: TrainResult, evaluation: Evaluation, workdir: str,
+                 ctx: PipelineContext) -> Promotion:
+    return promotion.promote_stage(config_from_dict(config), train, evaluation, workdir, ctx)
 
 
 @flow(name="promote")
-def promote(config: dict[str, Any], train: dict[str, Any], evaluation: dict[str, Any], prepared: dict[str, Any],
-            workdir: str, ctx: dict[str, Any]) -> dict[str, Any]:
+def promote(config: dict[str, Any], train: TrainResult, evaluation: Evaluation, workdir: str,
+            ctx: PipelineContext) -> Promotion:
     """The stage on its own, given the outputs of the train and evaluate stages."""
-    return promote_task(config, train, evaluation, prepared, workdir, ctx)
+    return promote_task(config, train, evaluation, workdir, ctx)

@@ -22,7 +22,7 @@ import hashlib
 import json
 import logging
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 from prefect.filesystems import LocalFileSystem
 from prefect.serializers import Serializer
@@ -34,7 +34,7 @@ SERIALIZER_TYPE = "rlcore-json"
 RESULTS_FOLDER = "task-results"  # under the pipeline's working folder
 
 
-class DataOnlyJSON(Serializer):  # type: ignore[type-arg]
+class DataOnlyJSON(Serializer):
     """Plain JSON both ways: no object hooks, no import paths, nothing a stored record can choose."""
 
     type: str = Field(default=SERIALIZER_TYPE, frozen=True)
@@ -89,7 +89,8 @@ class DataOnlyResultStorage(LocalFileSystem):
         return self._checked(path, await super().aread_path(path))
 
     def read_path(self, path: str, _sync: bool | None = None) -> bytes:  # type: ignore[override]
-        return self._checked(path, LocalFileSystem.read_path(self, path, _sync=True))  # type: ignore[call-arg]
+        content = LocalFileSystem.read_path(self, path, _sync=True)  # type: ignore[call-arg]
+        return self._checked(path, cast(bytes, content))  # with _sync=True: the bytes, not a coroutine
 
 
 def result_storage_for(workdir: str | Path) -> DataOnlyResultStorage:

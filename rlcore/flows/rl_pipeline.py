@@ -8,10 +8,14 @@ fingerprint. Runs on any data file an `rlcore.data.arrived` event names (`data_p
 (`reward_config_path`, a config with `algorithm.name: rm`), evaluated against the champion reward
 model, registered as its own MLflow model and gated on pairwise accuracy; the policy is then
 trained against the champion reward model (`reward_model.path`), and its version's lineage names it.
+Its evaluation scores the answers of the start model and the candidate by that reward model too.
 
 The flow run is named after the pipeline run (`run_name`, else a fresh `pipeline-<time>-<hex>`),
-so Prefect, MLflow and every webhook notification, the server's crash/failure ones included
-(rlcore.lifecycle.automations), name a run the same way."""
+so Prefect, MLflow and every webhook notification, the server's crash ones included
+(rlcore.lifecycle.automations), name a run the same way. A run that fails or crashes is recorded
+by the flow's hooks (rlcore.lifecycle.run_end): its open MLflow runs end FAILED or KILLED with the
+reason, and the webhook gets one `failed` or `crashed`. Served, the run sends rlcore's heartbeats
+while it runs (`served_heartbeat`)."""
 
 from __future__ import annotations
 
@@ -24,15 +28,11 @@ from rlcore.example.overrides import example_overrides, example_rm_overrides
 from rlcore.flows.data_prep import prepare_data
 from rlcore.flows.evaluate import evaluate_task
 from rlcore.flows.promote import promote_task
-from rlcore.flows.reward_model import (
-    evaluate_reward_model_task,
-    promote_reward_model_task,
-    reward_model_in_use_task,
-    train_reward_model_task,
-)
+from rlcore.flows.reward_model import evaluate_reward_model_task, reward_model_in_use_task, train_reward_model_task
 from rlcore.flows.train import champion_task, sft_task, train_task
-from rlcore.lifecycle import rm_plan, stages
-from rlcore.lifecycle.automations import failures_notified_by_server
+from rlcore.lifecycle import rm_plan, run_end, stages
+from rlcore.lifecycle.automations import served_heartbeat
+from rlcore.lifecycle.results import Evaluation, Promotion, RewardModelInUse, Summary
 
 
 def pipeline_run_name() -> str:
@@ -50,7 +50,8 @@ def _current_run_name() -> str:
     return flow_run.name or stages.new_run_name()
 
 
-@flow(name="rl_pipeline", flow_run_name=pipeline_run_name)
+@flow(name="rl_pipeline", flow_run_name=pipeline_run_name, on_failure=[run_end.on_failure], on_crashed=[run_end.on_crashed],
+      on_cancellation=[run_end.on_cancellation])
 def rl_pipeline(
     config_path: str | None = None,
     overrides: list[str] | None = None,
@@ -63,66 +64,65 @@ def rl_pipeline(
     reward: str = "rule",
     reward_config_path: str | None = None,
     reward_overrides: list[str] | None = None,
-) -> dict[str, Any]:
+) -> Summary:
     """`example=True` points the config at the built-in tiny example (before `overrides`; and the
     reward model's config at its preference set).
     `sft`: {"data_path", "config_path", "overrides"} of a supervised warm start (see
     `rlcore.lifecycle.stages.sft_stage`); None: RL starts from `model.path` as given.
     `reward`: "rule" (the config's reward) or "model" (train and gate a reward model first, see the
     module's doc)."""
-    base = example_overrides() if example else []
-    rm_config = None
-    if reward == "model":
-        rm_config = stages.load_pipeline_config(reward_config_path, (example_rm_overrides() if example else [])
-                                                + list(reward_overrides or []))
-        base.append(f"reward_model.path={rm_plan.champion_alias_uri(rm_config)}")  # resolved below
-    elif reward != "rule":
-        raise ValueError(f"reward={reward!r}: expected 'rule' or 'model'")
-    config = stages.load_pipeline_config(config_path, base + list(overrides or []), data_path)
-    if rm_config is not None:
-        rm_plan.check_reward_model_config(rm_config, config)
-    tree = config.model_dump(mode="json")
-    workdir = str(Path(workdir).resolve())
-    ctx = stages.start_pipeline(config, workdir, run_name or _current_run_name(),
-                                trigger={"data_path": data_path} if data_path else None)
-    try:
+    with served_heartbeat():  # served: liveness events until this returns or raises, none after
+        base = example_overrides() if example else []
+        rm_config = None
+        if reward == "model":
+            rm_config = stages.load_pipeline_config(reward_config_path, (example_rm_overrides() if example else [])
+                                                    + list(reward_overrides or []))
+            base.append(f"reward_model.path={rm_plan.champion_alias_uri(rm_config)}")  # resolved below
+        elif reward != "rule":
+            raise ValueError(f"reward={reward!r}: expected 'rule' or 'model'")
+        config = stages.load_pipeline_config(config_path, base + list(overrides or []), data_path)
+        if rm_config is not None:
+            rm_plan.check_reward_model_config(rm_config, config)
+        tree = config.model_dump(mode="json")
+        workdir = str(Path(workdir).resolve())
+        ctx = stages.start_pipeline(config, workdir, run_name or _current_run_name(),
+                                    trigger={"data_path": data_path} if data_path else None)
         prepared = prepare_data(tree, workdir, val_fraction, ctx)
         if not (Path(prepared["train_file"]).is_file() and Path(prepared["val_file"]).is_file()):
             prepared = prepare_data(tree, workdir, val_fraction, ctx, refresh=True)
         if sft:
             warm = sft_task(tree, sft, workdir, ctx)
             tree = {**tree, "model": {**tree["model"], "path": warm["model_dir"]}}
-        reward_model = rm_promotion = None
+        reward_model: RewardModelInUse | None = None
+        rm_promotion: Promotion | None = None
         if rm_config is not None:
             rm_tree = rm_config.model_dump(mode="json")
             rm_champion = champion_task(rm_tree, workdir)
             rm_train = train_reward_model_task(rm_tree, workdir, ctx, rm_champion)
             if rm_train["candidate_dir"] and rm_train["model_logged"]:
                 rm_eval = evaluate_reward_model_task(rm_tree, rm_train["candidate_dir"], rm_champion, workdir, ctx)
-                rm_promotion = promote_reward_model_task(rm_tree, rm_train, rm_eval, workdir, ctx)
+                rm_promotion = promote_task.with_options(name="promote_reward_model")(rm_tree, rm_train, rm_eval, workdir, ctx)
             reward_model = reward_model_in_use_task(rm_tree, workdir)  # the champion, this run's or an earlier one
         champion = champion_task(tree, workdir)
         train = train_task(tree, prepared, workdir, ctx, champion, reward_model)
-        evaluation = promotion = None
+        evaluation: Evaluation | None = None
+        promotion: Promotion | None = None
         if train["candidate_dir"]:  # None: stopped by the health guard before any checkpoint
             baseline_dir, baseline_name = (champion["path"], "champion") if champion else (train["reference_model"], "base")
             evaluation = evaluate_task(tree, train["candidate_dir"], baseline_dir, baseline_name,
-                                       train["reference_model"], prepared["val_file"], workdir, ctx)
+                                       train["reference_model"], prepared["val_file"], workdir, ctx,
+                                       start_dir=train["start_model"],
+                                       reward_model_dir=reward_model["path"] if reward_model else None)
             if train["model_logged"]:  # a version's files are the train run's `model` artifact
-                promotion = promote_task(tree, train, evaluation, prepared, workdir, ctx)
+                promotion = promote_task(tree, train, evaluation, workdir, ctx)
         summary = stages.summarize(ctx, prepared, train, evaluation, promotion, champion, workdir)
         if sft:
             summary["sft_model"] = warm["model_dir"]
         if rm_config is not None:
-            summary.update(reward_model=reward_model["uri"] if reward_model else None,
-                           reward_model_version=rm_promotion["version"] if rm_promotion else None,
-                           reward_model_champion=rm_promotion["promoted"] if rm_promotion else False,
-                           reward_model_pairwise_accuracy=rm_promotion["pairwise_accuracy"] if rm_promotion else None,
-                           reward_model_reason=rm_promotion["reason"] if rm_promotion else None)
-    except BaseException as err:
-        # Served with a failure automation, the server sends `failed` for this run (and `crashed`
-        # when its process dies); one notification per failure, not two.
-        stages.fail_pipeline(config, ctx, err, notify_webhook=not failures_notified_by_server())
-        raise
-    stages.finish_pipeline(config, ctx, summary)
+            summary["reward_model"] = reward_model["uri"] if reward_model else None
+            summary["reward_model_version"] = rm_promotion["version"] if rm_promotion else None
+            summary["reward_model_champion"] = rm_promotion["promoted"] if rm_promotion else False
+            summary["reward_model_pairwise_accuracy"] = rm_promotion["candidate_score"] if rm_promotion else None
+            summary["reward_model_reason"] = rm_promotion["reason"] if rm_promotion else None
+        stages.finish_pipeline(config, ctx, summary)
     return summary

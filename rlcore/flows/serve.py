@@ -1,28 +1,37 @@
 """Deployments of `rl_pipeline`: a cron schedule for recurring retraining and a trigger on
 `rlcore.data.arrived` events (one run per new data file, on that file), served by this process
-against the Prefect server at PREFECT_API_URL, with server-side failure notifications
+against the Prefect server at PREFECT_API_URL, with liveness and crash notifications
 (rlcore.lifecycle.automations). `rlcore pipeline serve` calls `serve_pipeline`; `prefect.yaml` at
-the repository root declares the same deployment for `prefect deploy`."""
+the repository root declares the same deployment for `prefect deploy`.
+
+One SIGINT or SIGTERM stops serving cleanly: runs in progress are cancelled (Prefect's runner
+does that), and the deployment stays active (not paused), so the next `serve` picks it up as is."""
 
 from __future__ import annotations
 
+import asyncio
+import logging
 import os
+import signal
 from typing import Any, cast
 from uuid import UUID
 
 from prefect import Flow
 from prefect.deployments.runner import RunnerDeployment
 from prefect.events import DeploymentEventTrigger
+from prefect.runner import Runner
 from prefect.types.entrypoint import EntrypointType
 
+from rlcore.config import Config
 from rlcore.lifecycle.automations import (
     DEFAULT_HEARTBEAT_S,
     DEFAULT_UNRESPONSIVE_AFTER_S,
-    SERVER_NOTIFIES_ENV,
+    HEARTBEAT_ENV,
     install_failure_notifications,
-    remove_failure_notifications,
 )
 from rlcore.lifecycle.events import DATA_EVENT, RESOURCE_PREFIX
+
+log = logging.getLogger(__name__)
 
 DEPLOYMENT_NAME = "rl-pipeline"
 DEFAULT_CRON = "0 3 * * *"
@@ -41,7 +50,8 @@ def data_trigger() -> DeploymentEventTrigger:
 def build_deployment(flow: Flow[..., Any], parameters: dict[str, Any], cron: str | None = DEFAULT_CRON,
                      name: str = DEPLOYMENT_NAME, on_data: bool = True) -> RunnerDeployment:
     """The deployment, with a module-path entrypoint (`rlcore.flows.rl_pipeline.rl_pipeline`):
-    its runs import the installed package, whatever the working directory."""
+    its runs import the installed package, whatever the working directory. Active (`paused=False`):
+    applying it resumes one an earlier serve left paused."""
     return cast(RunnerDeployment, flow.to_deployment(  # sync here: the deployment itself
         name=name,
         cron=cron,
@@ -50,43 +60,86 @@ def build_deployment(flow: Flow[..., Any], parameters: dict[str, Any], cron: str
         tags=["rlcore"],
         description="RL post-training pipeline: data_prep -> train -> evaluate -> promote",
         entrypoint_type=EntrypointType.MODULE_PATH,
+        paused=False,
     ))
 
 
-def setup_failure_notifications(deployment_id: UUID, flow_name: str, deployment_name: str, webhook_url: str | None,
-                                unresponsive_after_s: float = DEFAULT_UNRESPONSIVE_AFTER_S,
-                                heartbeat_s: int = DEFAULT_HEARTBEAT_S) -> bool:
-    """Server-side `failed`/`crashed` notifications for the deployment's runs when a webhook is
-    configured (removed when it no longer is); marks this process's environment so that its flow
-    runs leave `failed` to the server. True when installed."""
-    if not webhook_url:
-        remove_failure_notifications(deployment_id, flow_name, deployment_name)
-        os.environ.pop(SERVER_NOTIFIES_ENV, None)
-        return False
+def setup_liveness(deployment_id: UUID, flow_name: str, deployment_name: str, webhook_url: str | None,
+                   unresponsive_after_s: float = DEFAULT_UNRESPONSIVE_AFTER_S,
+                   heartbeat_s: float = DEFAULT_HEARTBEAT_S) -> None:
+    """The deployment's liveness automation (and, with a webhook, its crash notification) on the
+    server, and this process's environment set so that the flow runs it starts send heartbeats."""
     install_failure_notifications(webhook_url, deployment_id, flow_name, deployment_name,
                                   unresponsive_after_s=unresponsive_after_s, heartbeat_s=heartbeat_s)
-    os.environ[SERVER_NOTIFIES_ENV] = "1"  # inherited by the flow-run processes this one starts
-    return True
+    os.environ[HEARTBEAT_ENV] = f"{heartbeat_s:g}"  # inherited by the flow-run processes this one starts
+
+
+async def serve_until_signal(runner: Runner) -> None:
+    """Run `runner` until it stops or this process gets SIGINT or SIGTERM, then stop it and return.
+    (Prefect's own `serve` leaves a SIGTERM half-handled: a coroutine never awaited and a
+    traceback, and a paused deployment; a first Ctrl-C only starts its shutdown.)"""
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+    started = asyncio.create_task(runner.start())
+    await asyncio.sleep(0)  # runner.start() installs its own SIGTERM handler first thing: ours again
+    loop.add_signal_handler(signal.SIGTERM, stop.set)
+    stopping = asyncio.create_task(stop.wait())
+    try:
+        done, _ = await asyncio.wait({started, stopping}, return_when=asyncio.FIRST_COMPLETED)
+        if started in done:
+            started.result()
+            return
+        log.warning("rlcore: stopping `pipeline serve` (runs in progress are cancelled; the deployment stays active)")
+        if runner.started:
+            await runner.astop()
+        await started
+    finally:
+        stopping.cancel()
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            loop.remove_signal_handler(sig)
 
 
 def serve_pipeline(flow: Flow[..., Any], parameters: dict[str, Any], cron: str | None = DEFAULT_CRON,
                    watch_dir: str | None = None, watch_interval_s: float = 5.0, limit: int = 1,
                    webhook_url: str | None = None, unresponsive_after_s: float = DEFAULT_UNRESPONSIVE_AFTER_S,
-                   heartbeat_s: int = DEFAULT_HEARTBEAT_S) -> None:
-    """Create the deployment and its failure notifications, then run its flow runs here (each in
-    a process of its own, sending heartbeats) until interrupted; with `watch_dir`, every new data
-    file there is announced as an `rlcore.data.arrived` event."""
-    from prefect import serve
-
+                   heartbeat_s: float = DEFAULT_HEARTBEAT_S, config: Config | None = None) -> None:
+    """Create the deployment, its liveness and crash notifications, end the MLflow runs that runs
+    which died with an earlier serving process left open (`config`'s store), then run its flow runs
+    here (each in a process of its own, sending heartbeats) until SIGINT or SIGTERM; with
+    `watch_dir`, every new data file there is announced as an `rlcore.data.arrived` event."""
     from rlcore.lifecycle.events import DirectoryWatcher
+    from rlcore.lifecycle.run_end import end_runs_of_finished_flow_runs
 
     deployment = build_deployment(flow, parameters, cron)
-    deployment_id = cast(UUID, deployment.apply())  # sync here: a UUID; serve() applies it again (same name, same id)
-    setup_failure_notifications(deployment_id, flow.name, deployment.name, webhook_url,
-                                unresponsive_after_s=unresponsive_after_s, heartbeat_s=heartbeat_s)
+    runner = Runner(name=f"rlcore-{deployment.name}", limit=limit, pause_on_shutdown=False)
+    # applied once, here (applying again would replace the runs its schedule already made)
+    deployment_id = cast(UUID, runner.add_deployment(deployment))  # sync here: a UUID
+    setup_liveness(deployment_id, flow.name, deployment.name, webhook_url, unresponsive_after_s, heartbeat_s)
+    if config is not None:
+        ended = end_runs_of_finished_flow_runs(config)
+        if ended:
+            log.warning("rlcore: ended %d MLflow run(s) of pipeline runs that died with their process", len(ended))
     watcher = DirectoryWatcher(watch_dir, interval_s=watch_interval_s).start() if watch_dir else None
     try:
-        serve(deployment, limit=limit, heartbeat_seconds=heartbeat_s)
+        asyncio.run(serve_until_signal(runner))
     finally:
         if watcher is not None:
             watcher.stop()
+
+
+def _interrupt(signum: int, frame: object) -> None:
+    raise KeyboardInterrupt
+
+
+def serve_until_stopped(flow: Flow[..., Any], parameters: dict[str, Any], **kwargs: Any) -> None:
+    """`serve_pipeline`, with SIGINT or SIGTERM during its set-up (before the runner takes them
+    over) stopping it as quietly: no traceback, nothing half-served (the deployment stays active)."""
+    previous = signal.signal(signal.SIGTERM, _interrupt)
+    try:
+        serve_pipeline(flow, parameters, **kwargs)
+    except KeyboardInterrupt:
+        log.warning("rlcore: `pipeline serve` stopped while setting up")
+    finally:
+        signal.signal(signal.SIGTERM, previous)

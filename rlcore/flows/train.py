@@ -6,38 +6,41 @@ from __future__ import annotations
 from typing import Any
 
 from prefect import flow, task
+from prefect.cache_policies import NO_CACHE
 
 from rlcore.config import config_from_dict
 from rlcore.lifecycle import stages
 from rlcore.lifecycle.data_prep import retry_if_transient
+from rlcore.lifecycle.results import PipelineContext, PreparedData, RegisteredVersion, RewardModelInUse, SftResult, TrainResult
 
 
-@task(name="train", retries=1, retry_delay_seconds=5, retry_condition_fn=retry_if_transient, timeout_seconds=6 * 3600, cache_policy=None)
-def train_task(config: dict[str, Any], prepared: dict[str, Any], workdir: str, ctx: dict[str, Any],
-               champion: dict[str, Any] | None = None, reward_model: dict[str, Any] | None = None) -> dict[str, Any]:
+@task(name="train", retries=1, retry_delay_seconds=5, retry_condition_fn=retry_if_transient, timeout_seconds=6 * 3600, cache_policy=NO_CACHE)
+def train_task(config: dict[str, Any], prepared: PreparedData, workdir: str, ctx: PipelineContext,
+               champion: RegisteredVersion | None = None, reward_model: RewardModelInUse | None = None) -> TrainResult:
     return stages.train_stage(config_from_dict(config), prepared, workdir, ctx, champion, reward_model)
 
 
-@task(name="sft", retries=1, retry_delay_seconds=5, retry_condition_fn=retry_if_transient, timeout_seconds=6 * 3600, cache_policy=None)
-def sft_task(config: dict[str, Any], sft: dict[str, Any], workdir: str, ctx: dict[str, Any]) -> dict[str, Any]:
+@task(name="sft", retries=1, retry_delay_seconds=5, retry_condition_fn=retry_if_transient, timeout_seconds=6 * 3600, cache_policy=NO_CACHE)
+def sft_task(config: dict[str, Any], sft: dict[str, Any], workdir: str, ctx: PipelineContext) -> SftResult:
     """The supervised warm start (reused when its inputs were trained on before; a retry resumes)."""
     return stages.sft_stage(config_from_dict(config), sft, workdir, ctx)
 
 
-@task(name="champion", retries=2, retry_delay_seconds=2, retry_condition_fn=retry_if_transient, cache_policy=None)
-def champion_task(config: dict[str, Any], workdir: str) -> dict[str, Any] | None:
+@task(name="champion", retries=2, retry_delay_seconds=2, retry_condition_fn=retry_if_transient, cache_policy=NO_CACHE)
+def champion_task(config: dict[str, Any], workdir: str) -> RegisteredVersion | None:
     return stages.champion_stage(config_from_dict(config), workdir)
 
 
 @flow(name="train")
 def train(config_path: str | None = None, overrides: list[str] | None = None, workdir: str = "runs/pipeline",
-          run_name: str | None = None) -> dict[str, Any]:
+          run_name: str | None = None) -> TrainResult:
     """Train on the config's data as given (no prep), recorded as its own MLflow run."""
     config = stages.load_pipeline_config(config_path, overrides or [])
     run_name = run_name or stages.new_run_name()
     ctx = stages.start_pipeline(config, workdir, run_name)
-    prepared = {"train_file": config.data.train_files[0], "val_file": (config.data.val_files or config.data.train_files)[0],
-                "fingerprint": stages.data_prep_key(config)}
+    prepared: PreparedData = {"train_file": config.data.train_files[0],
+                              "val_file": (config.data.val_files or config.data.train_files)[0],
+                              "fingerprint": stages.data_prep_key(config)}
     tree = config.model_dump(mode="json")
     result = train_task(tree, prepared, workdir, ctx, champion_task(tree, workdir))
     stages.finish_pipeline(config, ctx, {"steps": result["steps"], "candidate_dir": result["candidate_dir"]})

@@ -1,30 +1,34 @@
-"""Failure notifications that do not depend on the run that failed: Prefect automations on the
-server send `registry.webhook_url` a `failed` or `crashed` notification for a pipeline run.
+"""Liveness and crash notifications of served pipeline runs that do not depend on the processes
+running them.
 
-A flow can only report what it lives to see: an exception (rl_pipeline's `failed`), not the
-SIGKILL, OOM kill or power loss of the process running it. `rlcore pipeline serve` therefore
-sets up two automations on the Prefect server, scoped to the deployment it serves:
+Who reports a run that did not complete, exactly once (`rlcore.lifecycle.run_end` sends the
+first two, in the same shape as the server's; each notification's `id` is
+"<flow run id>:<failed|crashed>", the same whoever sends it, so a receiver can drop repeats):
 
-- `... failed or crashed -> webhook`: on `prefect.flow-run.Failed` / `prefect.flow-run.Crashed`
-  of one of the deployment's runs, a CallWebhook action POSTs the same JSON shape as
-  rlcore.lifecycle.notify (`{"source": "rlcore", "event": "failed"|"crashed", "time": ...,
-  "pipeline_run": ..., "error": ...}`) through a Webhook block that holds the URL (a secret:
-  only the block, which the server stores as a secret, sees it).
-- `... unresponsive -> crashed`: Prefect's zombie detection. Served flow runs emit a heartbeat
-  event every `heartbeat_s` (>= 30 s, Prefect's minimum); when a run has sent neither another
-  heartbeat nor a terminal state `unresponsive_after_s` after its last one, the server marks it
-  Crashed, which the first automation reports. This covers a run whose serving process died
-  with it (nobody is left to say so); when only the flow-run process dies, the serving process
-  marks it Crashed at once.
+- a run that raised: the flow-run process itself (`rl_pipeline`'s `on_failure` hook): `failed`;
+- a run whose process died while its serving process lives: the serving process (Prefect's runner
+  marks the run Crashed and runs the flow's `on_crashed` hook there): `crashed`;
+- a run whose serving process died with it: the Prefect server, through two automations that
+  `rlcore pipeline serve` sets up for its deployment (below): `crashed`.
 
-Runs of the deployment then do not send `failed` themselves (the serving process sets
-`RLCORE_FAILURES_NOTIFIED_BY_SERVER=1` for them): one notification per failure.
+Liveness: while a served run runs, it sends an `rlcore.pipeline.heartbeat` event every
+`heartbeat_s` (`Heartbeat`), each one a plain POST that returns once the server has it, and the
+last one before the run reports its final state (the heartbeat stops when the flow function
+returns or raises). The `... unresponsive -> crashed` automation marks a run Crashed when
+`unresponsive_after_s` pass after a heartbeat with neither another heartbeat nor a final state.
+Prefect's own flow-run heartbeats are not used for this: its engine may deliver one after the
+run's final state (PrefectHQ/prefect#20887, #21932), which restarts the countdown and has the
+automation try to crash a finished run. The `... crashed (unresponsive) -> webhook` automation
+POSTs `crashed` for the crashes the first one made, and only those (matched by their message:
+the other crashes were reported by the serving process).
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
+import threading
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import TYPE_CHECKING, cast
@@ -38,19 +42,21 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-SERVER_NOTIFIES_ENV = "RLCORE_FAILURES_NOTIFIED_BY_SERVER"
-HEARTBEAT_MIN_S = 30  # prefect.flow_engine.MINIMUM_HEARTBEAT_INTERVAL: shorter settings are raised to it
-DEFAULT_HEARTBEAT_S = 30
+HEARTBEAT_ENV = "RLCORE_HEARTBEAT_S"  # set by `pipeline serve` for the flow-run processes it starts
+HEARTBEAT_EVENT = "rlcore.pipeline.heartbeat"
+DEFAULT_HEARTBEAT_S = 30.0
 DEFAULT_UNRESPONSIVE_AFTER_S = 90.0  # three missed heartbeats, as Prefect's zombie-detection guide has it
-FAILURE_EVENTS = ("prefect.flow-run.Failed", "prefect.flow-run.Crashed")
-TERMINAL_EVENTS = ("prefect.flow-run.Completed", "prefect.flow-run.Cancelled", *FAILURE_EVENTS)
-HEARTBEAT_EVENT = "prefect.flow-run.heartbeat"
+TERMINAL_EVENTS = ("prefect.flow-run.Completed", "prefect.flow-run.Failed", "prefect.flow-run.Cancelled",
+                   "prefect.flow-run.Crashed")
+LIVENESS_PREFIX = "rlcore liveness:"
 
 # Rendered by the server's sandboxed Jinja with the triggering event and the flow run, flow and
-# deployment it names; tojson keeps messages with quotes or newlines valid JSON.
+# deployment it names; tojson keeps messages with quotes or newlines valid JSON. `PREFECT_UI`
+# is filled in when the automation is made (the server does not know its public UI address).
 PAYLOAD_TEMPLATE = """{
   "source": "rlcore",
-  "event": {{ event.event | replace("prefect.flow-run.", "") | lower | tojson }},
+  "event": "crashed",
+  "id": {{ (flow_run.id | string ~ ":crashed") | tojson }},
   "time": {{ event.occurred.timestamp() }},
   "pipeline_run": {{ flow_run.name | tojson }},
   "error": {{ event.resource["prefect.state-message"] | tojson }},
@@ -58,15 +64,87 @@ PAYLOAD_TEMPLATE = """{
   "flow": {{ flow.name | tojson }},
   "deployment": {{ deployment.name | tojson }},
   "flow_run_id": {{ flow_run.id | string | tojson }},
-  "prefect_ui": {{ flow_run | ui_url | tojson }},
+  "prefect_ui": PREFECT_UI,
   "detected_by": "prefect-server"
 }"""
 
 
-def failures_notified_by_server() -> bool:
-    """Whether this process runs under `rlcore pipeline serve` with failure automations in place
-    (then the server, not the flow, sends `failed`)."""
-    return os.environ.get(SERVER_NOTIFIES_ENV) == "1"
+def liveness_message(unresponsive_after_s: float) -> str:
+    return (f"{LIVENESS_PREFIX} no heartbeat for {unresponsive_after_s:g} s: the process running this flow run "
+            "and the process serving it died or hang")
+
+
+def payload_template(ui_url: str | None) -> str:
+    link = f'{{{{ ("{ui_url.rstrip("/")}/runs/flow-run/" ~ flow_run.id | string) | tojson }}}}' if ui_url else "null"
+    return PAYLOAD_TEMPLATE.replace("PREFECT_UI", link)
+
+
+def heartbeat_interval() -> float | None:
+    """The heartbeat interval `pipeline serve` gave this flow-run process (None: not served with
+    liveness, no heartbeats)."""
+    value = os.environ.get(HEARTBEAT_ENV)
+    return float(value) if value else None
+
+
+class Heartbeat:
+    """`rlcore.pipeline.heartbeat` events for one flow run of a deployment, from a daemon thread,
+    every `interval_s` seconds while the context is open. Each event is a POST to the server's
+    `/events` that returns once the event is on the server's event bus; leaving the context waits
+    for a heartbeat in flight, so none is delivered after the run's final state. A heartbeat that
+    cannot be sent is logged and skipped (the run must not fail for it)."""
+
+    def __init__(self, flow_run_id: str, deployment_id: str, interval_s: float) -> None:
+        self.flow_run_id = flow_run_id
+        self.deployment_id = deployment_id
+        self.interval_s = interval_s
+        self.sent = 0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="rlcore-heartbeat", daemon=True)
+
+    def event(self) -> dict[str, object]:
+        from prefect.events import Event, RelatedResource
+
+        deployment = RelatedResource({"prefect.resource.id": f"prefect.deployment.{self.deployment_id}",
+                                      "prefect.resource.role": "deployment"})
+        return Event(event=HEARTBEAT_EVENT, resource={"prefect.resource.id": f"prefect.flow-run.{self.flow_run_id}"},
+                     related=[deployment]).model_dump(mode="json")
+
+    def beat(self, client: SyncPrefectClient) -> None:
+        try:
+            response = client.request("POST", "/events", json=[self.event()])
+            response.raise_for_status()
+            self.sent += 1
+        except Exception as err:  # noqa: BLE001 - a missed heartbeat is the automation's to judge
+            log.warning("rlcore heartbeat for flow run %s not sent: %s", self.flow_run_id, err)
+
+    def _run(self) -> None:
+        from prefect.client.orchestration import get_client
+
+        with get_client(sync_client=True) as client:
+            while not self._stop.is_set():
+                self.beat(client)
+                self._stop.wait(self.interval_s)
+
+    def __enter__(self) -> Heartbeat:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join()
+
+
+def served_heartbeat() -> Heartbeat | contextlib.nullcontext[None]:
+    """The heartbeat of this flow run when `pipeline serve` asked for one (a deployment's run on a
+    server), else nothing."""
+    interval = heartbeat_interval()
+    if interval is None:
+        return contextlib.nullcontext()
+    from prefect.runtime import deployment, flow_run
+
+    if not flow_run.id or not deployment.id:
+        return contextlib.nullcontext()
+    return Heartbeat(str(flow_run.id), str(deployment.id), interval)
 
 
 @dataclass(frozen=True)
@@ -74,14 +152,19 @@ class FailureNotifications:
     """What was set up on the server for one deployment."""
 
     block_id: UUID
-    failed_automation_id: UUID
+    crashed_automation_id: UUID
     unresponsive_automation_id: UUID
 
 
 def automation_names(flow_name: str, deployment_name: str) -> tuple[str, str]:
     """The names of the two automations for a deployment (how a re-run of serve finds them)."""
     where = f"rlcore {flow_name}/{deployment_name}"
-    return f"{where}: failed or crashed -> webhook", f"{where}: unresponsive -> crashed"
+    return f"{where}: crashed (unresponsive) -> webhook", f"{where}: unresponsive -> crashed"
+
+
+def _legacy_names(flow_name: str, deployment_name: str) -> tuple[str, ...]:
+    """Names earlier rlcore versions gave them (removed when serving again)."""
+    return (f"rlcore {flow_name}/{deployment_name}: failed or crashed -> webhook",)
 
 
 def _block_name(deployment_id: UUID) -> str:
@@ -94,63 +177,80 @@ def _delete_automations(client: SyncPrefectClient, names: tuple[str, ...]) -> No
             client.delete_automation(automation.id)
 
 
-def install_failure_notifications(webhook_url: str, deployment_id: UUID, flow_name: str, deployment_name: str,
+def install_failure_notifications(webhook_url: str | None, deployment_id: UUID, flow_name: str, deployment_name: str,
                                   unresponsive_after_s: float = DEFAULT_UNRESPONSIVE_AFTER_S,
-                                  heartbeat_s: int = DEFAULT_HEARTBEAT_S) -> FailureNotifications:
-    """Create (or replace) the webhook block and both automations for `deployment_id` on the
-    Prefect server in use (PREFECT_API_URL). Idempotent: a second call leaves one of each."""
+                                  heartbeat_s: float = DEFAULT_HEARTBEAT_S) -> FailureNotifications | None:
+    """Create (or replace) the liveness automation for `deployment_id` on the Prefect server in use
+    (PREFECT_API_URL) and, with a webhook, the webhook block and the automation that reports the
+    crashes it makes. Idempotent: a second call leaves one of each."""
     from prefect.blocks.webhook import Webhook
     from prefect.client.orchestration import get_client
     from prefect.client.schemas.objects import StateType
     from prefect.events.actions import CallWebhook, ChangeFlowRunState
     from prefect.events.schemas.automations import AutomationCore, EventTrigger, Posture
+    from prefect.settings import PREFECT_UI_URL
     from prefect.types import SecretDict
     from pydantic import SecretStr
 
-    beat = max(int(heartbeat_s), HEARTBEAT_MIN_S)
-    if unresponsive_after_s <= beat:
-        raise ValueError(f"unresponsive_after_s ({unresponsive_after_s:g}) must exceed the heartbeat interval ({beat} s)")
-    target, auth = request_target(webhook_url)  # credentials in the URL -> Basic authorization
-    block = Webhook(method="POST", url=SecretStr(target), headers=SecretDict({"Content-Type": "application/json", **auth}))
-    block_id = cast(UUID, block.save(_block_name(deployment_id), overwrite=True))  # sync here: a UUID
+    if unresponsive_after_s <= heartbeat_s:
+        raise ValueError(f"unresponsive_after_s ({unresponsive_after_s:g}) must exceed the heartbeat interval ({heartbeat_s:g} s)")
     ours: dict[str, str | list[str]] = {"prefect.resource.id": f"prefect.deployment.{deployment_id}",
                                         "prefect.resource.role": "deployment"}
-    failed_name, unresponsive_name = automation_names(flow_name, deployment_name)
-    failed = AutomationCore(
-        name=failed_name,
-        description=f"POST a failed/crashed notification for runs of {flow_name}/{deployment_name} ({redact_secret(webhook_url)})",
-        trigger=EventTrigger(expect=set(FAILURE_EVENTS), match={"prefect.resource.id": "prefect.flow-run.*"},
-                             match_related=ours, posture=Posture.Reactive, threshold=1),
-        actions=[CallWebhook(block_document_id=block_id, payload=PAYLOAD_TEMPLATE)],
-    )
+    crashed_name, unresponsive_name = automation_names(flow_name, deployment_name)
+    message = liveness_message(unresponsive_after_s)
     unresponsive = AutomationCore(
         name=unresponsive_name,
-        description=f"Mark runs of {flow_name}/{deployment_name} crashed after {unresponsive_after_s:g} s without a heartbeat",
+        description=f"Mark runs of {flow_name}/{deployment_name} crashed after {unresponsive_after_s:g} s without an "
+                    "rlcore heartbeat or a final state",
         trigger=EventTrigger(after={HEARTBEAT_EVENT}, expect={HEARTBEAT_EVENT, *TERMINAL_EVENTS},
                              match={"prefect.resource.id": "prefect.flow-run.*"}, match_related=ours,
                              for_each={"prefect.resource.id"}, posture=Posture.Proactive, threshold=1,
                              within=timedelta(seconds=unresponsive_after_s)),
-        actions=[ChangeFlowRunState(state=StateType.CRASHED, message=(
-            f"No heartbeat for {unresponsive_after_s:g} s: the process running this flow run died or hangs"))],
+        actions=[ChangeFlowRunState(state=StateType.CRASHED, message=message)],
     )
     with get_client(sync_client=True) as client:
-        _delete_automations(client, (failed_name, unresponsive_name))
-        found = FailureNotifications(block_id, client.create_automation(failed), client.create_automation(unresponsive))
-    log.info("failure notifications for %s/%s go to %s (unresponsive after %g s)", flow_name, deployment_name,
-             redact_secret(webhook_url), unresponsive_after_s)
+        _delete_automations(client, (crashed_name, unresponsive_name, *_legacy_names(flow_name, deployment_name)))
+        unresponsive_id = client.create_automation(unresponsive)
+        if not webhook_url:
+            _delete_block(client, deployment_id)
+            log.info("runs of %s/%s are marked crashed after %g s without a heartbeat", flow_name, deployment_name,
+                     unresponsive_after_s)
+            return None
+        target, auth = request_target(webhook_url)  # credentials in the URL -> Basic authorization
+        block = Webhook(method="POST", url=SecretStr(target), headers=SecretDict({"Content-Type": "application/json", **auth}))
+        block_id = cast(UUID, block.save(_block_name(deployment_id), overwrite=True))  # sync here: a UUID
+        crashed = AutomationCore(
+            name=crashed_name,
+            description=f"POST a crashed notification for runs of {flow_name}/{deployment_name} marked crashed for "
+                        f"want of heartbeats ({redact_secret(webhook_url)})",
+            # one per run: a repeat of the event within the hour is dropped by the trigger
+            trigger=EventTrigger(expect={"prefect.flow-run.Crashed"},
+                                 match={"prefect.resource.id": "prefect.flow-run.*",
+                                        "prefect.state-message": f"{LIVENESS_PREFIX}*"},
+                                 match_related=ours, for_each={"prefect.resource.id"}, posture=Posture.Reactive,
+                                 threshold=1, within=timedelta(hours=1)),
+            actions=[CallWebhook(block_document_id=block_id, payload=payload_template(PREFECT_UI_URL.value()))],
+        )
+        found = FailureNotifications(block_id, client.create_automation(crashed), unresponsive_id)
+    log.info("runs of %s/%s that crash unseen (no heartbeat for %g s) are notified at %s", flow_name, deployment_name,
+             unresponsive_after_s, redact_secret(webhook_url))
     return found
 
 
-def remove_failure_notifications(deployment_id: UUID, flow_name: str, deployment_name: str) -> None:
-    """Remove what install_failure_notifications set up for the deployment (served again without
-    a webhook URL: no notifications to a URL that is no longer configured)."""
+def _delete_block(client: SyncPrefectClient, deployment_id: UUID) -> None:
     from prefect.blocks.webhook import Webhook
+
+    try:
+        block = client.read_block_document_by_name(_block_name(deployment_id), Webhook.get_block_type_slug())
+    except Exception:  # noqa: BLE001 - none there (ObjectNotFound)
+        return
+    client.delete_block_document(block.id)
+
+
+def remove_failure_notifications(deployment_id: UUID, flow_name: str, deployment_name: str) -> None:
+    """Remove what install_failure_notifications set up for the deployment."""
     from prefect.client.orchestration import get_client
 
     with get_client(sync_client=True) as client:
-        _delete_automations(client, automation_names(flow_name, deployment_name))
-        try:
-            block = client.read_block_document_by_name(_block_name(deployment_id), Webhook.get_block_type_slug())
-        except Exception:  # noqa: BLE001 - none there (ObjectNotFound)
-            return
-        client.delete_block_document(block.id)
+        _delete_automations(client, (*automation_names(flow_name, deployment_name), *_legacy_names(flow_name, deployment_name)))
+        _delete_block(client, deployment_id)

@@ -12,6 +12,7 @@ over response tokens.
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Iterator
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -29,6 +30,7 @@ from rlcore.rollout import HFRolloutEngine, SamplingParams
 from rlcore.rollout.agent import AgentLoop, AgentSettings
 from rlcore.tracking import progress
 from rlcore.workers.reward import final_answer, trajectory_info
+from rlcore.workers.reward_model import RewardModelReader
 from rlcore.workers.tokenizer import cut_at_end, end_token_ids, load_tokenizer, pad_token_id
 
 
@@ -40,12 +42,13 @@ class EvalResult:
     kl_to_reference: float  # mean per-token KL(model || reference) on the model's responses
     response_length: float  # mean response tokens (EOS included)
     num_prompts: int
+    reward_model_score: float | None = None  # mean raw score of the responses by a reward model, when given one
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
 
     def metrics(self) -> dict[str, float]:
-        return {k: float(v) for k, v in asdict(self).items() if k != "model_dir"}
+        return {k: float(v) for k, v in asdict(self).items() if k != "model_dir" and v is not None}
 
 
 def _load_lm(path: str | Path):
@@ -85,6 +88,7 @@ def evaluate_model(
     limit: int | None = None,
     label: str | None = None,
     agent: AgentConfig | None = None,
+    reward_model: RewardModelReader | None = None,
 ) -> EvalResult:
     """Greedy evaluation of `model_dir` on `val_file` (the first `limit` prompts, if given), with
     a progress bar over prompts named by `label` (default: the folder's last two parts).
@@ -92,6 +96,8 @@ def evaluate_model(
     `reference_dir`: the model KL is measured against (None: KL is not measured, reported 0).
     `agent`: the run's `rollout.agent`; when on, responses are agent trajectories (tools in a
     sandboxed pool), KL and length are over the model's own tokens.
+    `reward_model`: a loaded reward model (`open_reward_model`) that also scores each (prompt,
+    response) conversation as in RL (`reward_model_score`: the mean raw score; not for agent runs).
     """
     model_dir = str(Path(model_dir).resolve())
     tokenizer = load_tokenizer(model_dir)
@@ -108,6 +114,7 @@ def evaluate_model(
     params = SamplingParams(n=1, do_sample=False, max_new_tokens=max_new_tokens, seed=0)
     scores: list[float] = []
     accs: list[float] = []
+    rm_scores: list[float] = []
     kl_sum = tokens = 0.0
     label = label or "/".join(Path(model_dir).parts[-2:])
     pool = ToolPool(agent.tools, num_workers=agent.tool_workers, timeout_s=agent.tool_timeout_s, memory_mb=agent.tool_memory_mb,
@@ -132,6 +139,9 @@ def evaluate_model(
                      for ds, text, gt, ei in zip(gen.meta["data_source"], texts, gen.meta["ground_truth"], extra_info)]
             result = scorer.score(items)
             scores.extend(result.scores.tolist())
+            if reward_model is not None and loop is None:
+                enc = reward_model.encode(list(gen.meta["prompt_messages"]), texts)
+                rm_scores.extend(reward_model.scores(enc).tolist())
             batch_acc = result.extra["acc"] if "acc" in result.extra else (result.scores >= 1.0)
             accs.extend(float(a) for a in batch_acc)
             tokens += float(sum(lengths))
@@ -147,30 +157,30 @@ def evaluate_model(
         kl_to_reference=kl_sum / tokens if tokens else 0.0,
         response_length=tokens / n,
         num_prompts=n,
+        reward_model_score=sum(rm_scores) / len(rm_scores) if rm_scores else None,
     )
 
 
 @torch.no_grad()
 def evaluate_reward_model(model_dir: str | Path, pair_files: list[str], config: Any, batch_size: int = 256) -> dict[str, float]:
     """Held-out numbers of the reward model in `model_dir` on the pairwise rows of `pair_files`,
-    read as in training and RL (its own template, `config.reward_model`'s limits): what the
-    reward-model gate compares (`pairwise_accuracy`), plus loss, score gap and the pair count."""
+    read as in training and RL (its own template, `config.reward_model`'s limits and margin): what
+    the reward-model gate compares (`pairwise_accuracy`), plus loss, score gap and the pair count,
+    computed by the same function as training's `val/*` (`held_out_pair_metrics`)."""
     from rlcore.data.preference import PreferenceDataset, collate_rm_pairs
-    from rlcore.workers.reward_model import open_reward_model, pair_metrics
+    from rlcore.workers.reward_model import held_out_pair_metrics, open_reward_model
 
     reader = open_reward_model(model_dir, key="reward_model.path", config=config, device=torch.device("cpu"))
     limit = config.reward_model.max_length
     dataset = PreferenceDataset(pair_files, reader.tokenizer, kind="pairwise", max_prompt_length=limit,
                                 max_response_length=limit, apply_chat_template=config.data.apply_chat_template,
                                 on_bad_row="skip")
-    chosen, rejected, margins = [], [], []
-    for start in range(0, len(dataset), batch_size):
-        items = [dataset[i] for i in range(start, min(len(dataset), start + batch_size))]
-        batch = collate_rm_pairs(items, [str(it.index) for it in items])
-        c, r = reader.pair_scores(batch)
-        chosen.append(c)
-        rejected.append(r)
-        margins.append(torch.where(batch["margin_given"] > 0, batch["margin"], torch.zeros_like(batch["margin"])))
-    out = pair_metrics(torch.cat(chosen), torch.cat(rejected), torch.cat(margins), prefix="")
+
+    def batches() -> Iterator[Batch]:
+        for start in range(0, len(dataset), batch_size):
+            items = [dataset[i] for i in range(start, min(len(dataset), start + batch_size))]
+            yield collate_rm_pairs(items, [str(it.index) for it in items])
+
+    out = held_out_pair_metrics(batches(), reader.pair_scores, config.reward_model.margin)
     return {"pairwise_accuracy": out["pairwise_acc"], "rm_loss": out["rm_loss"], "score_margin": out["score_margin"],
-            "num_pairs": float(len(dataset))}
+            "num_pairs": out["num_pairs"]}

@@ -23,12 +23,19 @@ def data_resource(path: str | Path) -> dict[str, str]:
             "prefect.resource.name": Path(path).name, "rlcore.data.path": path}
 
 
-def emit_data_arrived(path: str | Path):
-    """Emit `rlcore.data.arrived` for `path` to the Prefect API in use (PREFECT_API_URL)."""
-    from prefect.events import emit_event
+def emit_data_arrived(path: str | Path) -> str:
+    """Send `rlcore.data.arrived` for `path` to the Prefect server in use (PREFECT_API_URL) and
+    return the event's id once the server has it: one POST to its `/events`, not Prefect's
+    background events worker, which a short-lived process would leave to flush at exit ("Still
+    processing items")."""
+    from prefect.client.orchestration import get_client
+    from prefect.events import Event
 
     resource = data_resource(path)
-    return emit_event(event=DATA_EVENT, resource=resource, payload={"path": resource["rlcore.data.path"]})
+    event = Event(event=DATA_EVENT, resource=resource, payload={"path": resource["rlcore.data.path"]})
+    with get_client(sync_client=True) as client:
+        client.request("POST", "/events", json=[event.model_dump(mode="json")]).raise_for_status()
+    return str(event.id)
 
 
 def new_files(directory: str | Path, seen: set[str], suffixes: Iterable[str] = DATA_SUFFIXES) -> list[Path]:
@@ -49,7 +56,7 @@ class DirectoryWatcher:
     """Polls `directory` every `interval_s` and calls `on_file(path)` for each new data file.
     Files present at start are taken as already seen (only new arrivals trigger runs)."""
 
-    def __init__(self, directory: str | Path, on_file: Callable[[Path], None] = emit_data_arrived,
+    def __init__(self, directory: str | Path, on_file: Callable[[Path], object] = emit_data_arrived,
                  interval_s: float = 5.0) -> None:
         self.directory = Path(directory)
         self.on_file = on_file

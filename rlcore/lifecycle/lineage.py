@@ -1,10 +1,12 @@
 """Lineage records: everything needed to say where a model version came from.
 
 Recorded in full as `lineage.json` on the run of every registered model version: the dataset
-fingerprint, the reward functions used with a version (a hash of their source), the registered
-reward model version a policy was trained against (`reward_model`: name, version, `models:/` uri),
-the resolved config, the code version (git commit, dirty flag), package versions and the parent
-model; the version itself carries a few `rlcore.*` tags drawn from it (`lineage_tags`).
+fingerprint, the reward functions used with a version (a hash of their source), what a policy's
+reward was (`reward`: the registered reward model version it was trained against and its weight,
+the rule scorers and theirs; `reward_model`: that version's name, version, `models:/` uri), the
+resolved config, the code version (git commit, dirty flag), package versions and the parent model;
+the version itself carries a few `rlcore.*` tags drawn from it (`lineage_tags` for a policy,
+`reward_model_tags` for a reward model).
 """
 
 from __future__ import annotations
@@ -94,22 +96,69 @@ def build_lineage(
     }
 
 
-def lineage_tags(lineage: dict[str, Any]) -> dict[str, str]:
-    """A few namespaced tags for a registered model version, the ones people filter and compare
-    versions by; everything else (config, packages, per-source reward versions) is in the
-    version's run as `lineage.json`."""
+def reward_record(config: dict[str, Any], reward_functions: dict[str, dict[str, str]],
+                  reward_model: dict[str, str] | None) -> dict[str, Any]:
+    """What a policy's reward was: `reward_model` (the registered version it was trained against,
+    with its weight) and `rule` (the rule scorers by data source, with theirs: 1 without a reward
+    model, `reward_model.rule_weight` with one; they judge accuracy either way)."""
+    rm = config.get("reward_model", {})
+    return {
+        "reward_model": {**reward_model, "weight": rm.get("weight", 1.0)} if reward_model else None,
+        "rule": {"weight": rm.get("rule_weight", 0.0) if reward_model else 1.0, "functions": reward_functions},
+    }
+
+
+def reward_tag(reward: dict[str, Any]) -> str:
+    """The reward in one line: "models:/rm/1", "models:/rm/1 + 0.5 x compute_score@abc", "compute_score@abc"."""
+    rules = sorted({f"{r['name']}@{r['version']}" for r in reward["rule"]["functions"].values()})
+    parts = []
+    if reward["reward_model"]:
+        weight = float(reward["reward_model"]["weight"])
+        parts.append(reward["reward_model"]["uri"] if weight == 1.0 else f"{weight:g} x {reward['reward_model']['uri']}")
+        if float(reward["rule"]["weight"]) > 0:
+            parts.append(f"{float(reward['rule']['weight']):g} x {','.join(rules)}")
+        return " + ".join(parts)
+    return ",".join(rules)
+
+
+def _code_tag(lineage: dict[str, Any]) -> str:
     code = lineage.get("code", {})
     commit = code.get("commit")
-    code_tag = f"{commit[:12]}{'-dirty' if code.get('dirty') else ''}" if commit else f"rlcore {code.get('version')}"
-    rewards = sorted({f"{r['name']}@{r['version']}" for r in lineage.get("reward_functions", {}).values()})
+    return f"{commit[:12]}{'-dirty' if code.get('dirty') else ''}" if commit else f"rlcore {code.get('version')}"
+
+
+def lineage_tags(lineage: dict[str, Any]) -> dict[str, str]:
+    """A few namespaced tags for a policy's registered version, the ones people filter and compare
+    versions by; everything else (config, packages, per-source reward versions) is in the
+    version's run as `lineage.json`. `rlcore.reward` is what the policy optimised: the reward
+    model version (and the rule scorers when they weigh in), else the rule scorers."""
     algorithm = lineage.get("config", {}).get("algorithm", {})
+    reward = lineage.get("reward") or reward_record(lineage.get("config", {}), lineage.get("reward_functions", {}),
+                                                    lineage.get("reward_model"))
     tags = {
+        "rlcore.kind": "policy",
         "rlcore.parent_model": str(lineage.get("parent_model")),
         "rlcore.dataset_fingerprint": lineage["dataset_fingerprint"],
         "rlcore.algorithm": str(algorithm.get("name", "unknown")),
-        "rlcore.reward": ",".join(rewards),
-        "rlcore.code": code_tag,
+        "rlcore.reward": reward_tag(reward),
+        "rlcore.code": _code_tag(lineage),
     }
     if lineage.get("reward_model"):  # the registered reward model version a policy was trained against
         tags["rlcore.reward_model"] = str(lineage["reward_model"]["uri"])
+    return tags
+
+
+def reward_model_tags(lineage: dict[str, Any]) -> dict[str, str]:
+    """A reward model version's tags: what it is, what it was trained from and on, and how it did
+    on held-out pairs (a reward model has no reward of its own)."""
+    candidate = lineage.get("evaluation", {}).get("candidate", {})
+    tags = {
+        "rlcore.kind": "reward_model",
+        "rlcore.parent_model": str(lineage.get("parent_model")),
+        "rlcore.preference_data": lineage["dataset_fingerprint"],
+        "rlcore.algorithm": str(lineage.get("config", {}).get("algorithm", {}).get("name", "rm")),
+        "rlcore.code": _code_tag(lineage),
+    }
+    if "pairwise_accuracy" in candidate:
+        tags["rlcore.pairwise_accuracy"] = f"{candidate['pairwise_accuracy']:.4f}"
     return tags

@@ -156,10 +156,11 @@ class VersionInfo:
 class ModelRegistry:
     """One registered model: versions from run artifact folders, aliases, tags, downloads."""
 
-    def __init__(self, store: MlflowStore, name: str) -> None:
+    def __init__(self, store: MlflowStore, name: str, description: str = "rlcore RL post-trained policies (causal LMs)") -> None:
         self.store = store
         self.client = store.client
         self.name = name
+        self.description = description  # of the registered model, set when it is created
 
     def ensure(self) -> None:
         from mlflow.exceptions import MlflowException
@@ -167,7 +168,7 @@ class ModelRegistry:
         try:
             self.client.get_registered_model(self.name)
         except MlflowException:
-            self.client.create_registered_model(self.name, description="rlcore RL post-trained models")
+            self.client.create_registered_model(self.name, description=self.description)
 
     def register(self, run_id: str, artifact_path: str = "model", tags: dict[str, str] | None = None,
                  description: str | None = None) -> VersionInfo:

@@ -1,7 +1,9 @@
-"""Webhook notifications: a JSON POST on promotion, rejection, health stop and failure (pipeline
-and `rlcore train`), and when `rlcore train` finishes. A served pipeline's `failed` and `crashed`
-come from the Prefect server instead, in the same shape (rlcore.lifecycle.automations): a run
-whose process is killed cannot report itself.
+"""Webhook notifications: a JSON POST on promotion, rejection, health stop, failure and crash
+(pipeline; failure also for `rlcore train`), and when `rlcore train` finishes. A pipeline run's
+notifications carry an `id` a receiver can drop repeats by ("<flow run id>:failed" for a failed
+run, whoever sends it) and, with a Prefect server, `prefect_ui`: the flow run's page. A run whose
+process is killed cannot report itself: its `crashed` comes from the process serving it, or from
+the Prefect server (rlcore.lifecycle.run_end, rlcore.lifecycle.automations).
 
 A notification must never fail the pipeline that sends it: errors are logged and reported as
 False. No URL configured means no notification (and no network access). The URL is a secret
@@ -24,10 +26,9 @@ from rlcore.redact import redact_secret, redact_text
 
 log = logging.getLogger(__name__)
 
-EVENTS = ("promoted", "rejected", "health_stop", "failed", "finished")
-# What the Prefect server sends for a served pipeline run (rlcore.lifecycle.automations);
-# `crashed`: the process running it died.
-SERVER_EVENTS = ("failed", "crashed")
+# `crashed`: the process running a pipeline run died (rlcore.lifecycle.run_end, or the Prefect
+# server for a run whose serving process died too: rlcore.lifecycle.automations).
+EVENTS = ("promoted", "rejected", "health_stop", "failed", "crashed", "finished")
 
 
 def build_payload(event: str, summary: dict[str, Any]) -> dict[str, Any]:

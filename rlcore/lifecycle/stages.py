@@ -1,8 +1,10 @@
 """The pipeline's stages as plain functions: data prep -> [SFT warm start] -> train -> evaluate -> promote.
 
 `rlcore.flows` wraps each in a Prefect task (retries, timeouts, caching) and composes them; here is
-everything they do, testable without Prefect. Stages exchange JSON-able dicts (Prefect persists
-task results) and record themselves as nested MLflow runs under the pipeline's run.
+everything they do, testable without Prefect. Stages exchange the typed dicts of
+`rlcore.lifecycle.results` (plain JSON at run time: Prefect persists task results) and record
+themselves as nested MLflow runs under the pipeline's run. Promotion, for policies and reward
+models alike, is `rlcore.lifecycle.promotion`.
 
 Reference model: the model the first generation was trained from (`config.model.path` as given)
 is the fixed anchor that the KL budget is measured against, for candidate and champion alike,
@@ -16,7 +18,8 @@ import os
 import secrets
 import shutil
 import time
-import traceback
+from collections.abc import Sequence
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -24,11 +27,8 @@ from rlcore.config import Config, LoraConfig, SFTConfig, config_from_dict, load_
 from rlcore.lifecycle.data_prep import prepare_dataset
 from rlcore.lifecycle.evaluation import evaluate_model
 from rlcore.lifecycle.fingerprint import files_fingerprint
-from rlcore.lifecycle.gate import GatePolicy, decide
 from rlcore.lifecycle.health import HealthBreach
-from rlcore.lifecycle.lineage import build_lineage, lineage_tags
 from rlcore.lifecycle.mlflow_store import (
-    CHALLENGER,
     CHAMPION,
     MlflowStore,
     ModelRegistry,
@@ -37,6 +37,18 @@ from rlcore.lifecycle.mlflow_store import (
     log_training,
 )
 from rlcore.lifecycle.notify import notify
+from rlcore.lifecycle.results import (
+    Evaluation,
+    PipelineContext,
+    PreparedData,
+    Promotion,
+    RegisteredVersion,
+    RewardModelInUse,
+    Role,
+    SftResult,
+    Summary,
+    TrainResult,
+)
 from rlcore.redact import redact_tree
 from rlcore.tracking import default_tracking_uri, flatten
 
@@ -50,7 +62,7 @@ def new_run_name() -> str:
     return time.strftime("pipeline-%Y%m%d-%H%M%S-") + secrets.token_hex(2)
 
 
-def load_pipeline_config(config_path: str | None, overrides: list[str] = (), data_path: str | None = None) -> Config:
+def load_pipeline_config(config_path: str | None, overrides: Sequence[str] = (), data_path: str | None = None) -> Config:
     """The run's config; `data_path` (a newly arrived data file) replaces `data.train_files`."""
     overrides = list(overrides)
     if data_path:
@@ -89,22 +101,59 @@ def prefect_flow_run() -> dict[str, str]:
         return {}
     found = {"id": str(flow_run.id), "name": str(flow_run.name)}
     if PREFECT_API_URL.value() and PREFECT_UI_URL.value():
-        found["url"] = f"{PREFECT_UI_URL.value()}/flow-runs/flow-run/{flow_run.id}"
+        found["url"] = f"{str(PREFECT_UI_URL.value()).rstrip('/')}/runs/flow-run/{flow_run.id}"
     return found
 
 
-def stage_tags(ctx: dict[str, Any], stage: str) -> dict[str, str]:
+def stage_tags(ctx: PipelineContext, stage: str) -> dict[str, str]:
     """Tags of every MLflow run of a pipeline run: its name, the stage, and the Prefect flow run
     behind it (`prefect.flow_run_id`, `_name`, `_url`) so each side leads to the other."""
     return {PIPELINE_TAG: ctx["run_name"], STAGE_TAG: stage,
             **{f"prefect.flow_run_{k}": v for k, v in prefect_flow_run().items()}}
 
 
+MLFLOW_UI_DEFAULT = "http://127.0.0.1:5000"  # where `mlflow ui` serves a local store
+PREFECT_UI_DEFAULT = "http://127.0.0.1:4200"  # where `prefect server start` serves its UI
+# MLflow 3.17's UI shows an experiment as GenAI (traces, evaluations) or model training by a switch of
+# its own, kept per browser and GenAI by default; a link can choose (the experiment's
+# `mlflow.experimentKind` tag no longer decides it).
+MLFLOW_TRAINING_VIEW = "?workflowType=machine_learning"
+
+
+def mlflow_ui_base(tracking_uri: str) -> str:
+    """The MLflow UI of a store: the tracking server itself, or `mlflow ui` on a local one."""
+    return tracking_uri.rstrip("/") if tracking_uri.startswith(("http://", "https://")) else MLFLOW_UI_DEFAULT
+
+
+def mlflow_run_url(tracking_uri: str, experiment_id: str, run_id: str) -> str:
+    return f"{mlflow_ui_base(tracking_uri)}/#/experiments/{experiment_id}/runs/{run_id}{MLFLOW_TRAINING_VIEW}"
+
+
+def model_version_url(tracking_uri: str, model: str, version: str) -> str:
+    return f"{mlflow_ui_base(tracking_uri)}/#/models/{model}/versions/{version}{MLFLOW_TRAINING_VIEW}"
+
+
+def prefect_flow_run_url(flow_run_id: str) -> str:
+    """The flow run's page: on the server in use, or on `prefect server start` over the database
+    the ephemeral API wrote to."""
+    return prefect_flow_run().get("url") or f"{PREFECT_UI_DEFAULT}/runs/flow-run/{flow_run_id}"
+
+
 def _mlflow_run_link(store: MlflowStore, run_id: str) -> str:
     """The run's page on a tracking server, or how to open the UI on a local store."""
+    url = mlflow_run_url(store.tracking_uri, store.experiment_id, run_id)
     if store.tracking_uri.startswith(("http://", "https://")):
-        return f"[MLflow run {run_id}]({store.tracking_uri.rstrip('/')}/#/experiments/{store.experiment_id}/runs/{run_id})"
-    return f"MLflow run `{run_id}` (experiment `{store.experiment_id}`): `{store.run_url_hint()}`"
+        return f"[MLflow run {run_id}]({url})"
+    return f"[MLflow run {run_id}]({url}) once `{store.run_url_hint()}` serves it"
+
+
+def notification_fields(ctx: PipelineContext, event: str, about: str) -> dict[str, str | None]:
+    """What every webhook notification of a pipeline run carries: its name, an `id` a receiver can
+    drop repeats by (flow run, event and what it is about: a stage or a model), and the flow run's
+    page in the Prefect UI when a server is in use."""
+    run = ctx["prefect_flow_run_id"] or ctx["run_name"]
+    return {"pipeline_run": ctx["run_name"], "id": f"{run}:{event}:{about}", "flow_run_id": ctx["prefect_flow_run_id"],
+            "prefect_ui": prefect_flow_run().get("url")}
 
 
 def _link_flow_run_to_mlflow(store: MlflowStore, run_id: str, run_name: str) -> None:
@@ -123,7 +172,7 @@ def _link_flow_run_to_mlflow(store: MlflowStore, run_id: str, run_name: str) -> 
         log.warning("could not link the Prefect flow run to MLflow run %s: %s", run_id, err)
 
 
-def _announce(message: str) -> None:
+def announce(message: str) -> None:
     """A lifecycle decision, printed once: by rlcore's logger when it is on (`rlcore -v`), else,
     inside a Prefect run, by the run's logger (the console of `pipeline run`/`pipeline serve`
     and the flow run's logs in the Prefect UI)."""
@@ -142,18 +191,18 @@ def _announce(message: str) -> None:
 
 
 # ---------------------------------------------------------------------- pipeline run
-def start_pipeline(config: Config, workdir: str | Path, run_name: str, trigger: dict[str, Any] | None = None) -> dict[str, Any]:
+def start_pipeline(config: Config, workdir: str | Path, run_name: str, trigger: dict[str, Any] | None = None) -> PipelineContext:
     store = open_store(config, workdir)
-    ctx: dict[str, Any] = {"run_name": run_name}
-    run_id = store.start_run(run_name, tags={**stage_tags(ctx, "pipeline"),
+    run_id = store.start_run(run_name, tags={PIPELINE_TAG: run_name, STAGE_TAG: "pipeline",
+                                             **{f"prefect.flow_run_{k}": v for k, v in prefect_flow_run().items()},
                                              **{f"trigger.{k}": str(v) for k, v in (trigger or {}).items()}})
     store.log_params(run_id, flatten(config.model_dump(mode="json")))
     _link_flow_run_to_mlflow(store, run_id, run_name)
-    return {"run_id": run_id, "run_name": run_name, "tracking_uri": store.tracking_uri, "workdir": str(Path(workdir).resolve()),
-            "prefect_flow_run_id": prefect_flow_run().get("id")}
+    return {"run_id": run_id, "run_name": run_name, "tracking_uri": store.tracking_uri, "experiment_id": store.experiment_id,
+            "workdir": str(Path(workdir).resolve()), "prefect_flow_run_id": prefect_flow_run().get("id")}
 
 
-def finish_pipeline(config: Config, ctx: dict[str, Any], summary: dict[str, Any], status: str = "FINISHED") -> None:
+def finish_pipeline(config: Config, ctx: PipelineContext, summary: Summary | dict[str, Any], status: str = "FINISHED") -> None:
     store = open_store(config, ctx["workdir"])
     metrics = {k: summary[k] for k in ("accuracy_before", "accuracy_after") if isinstance(summary.get(k), (int, float))}
     store.log_metrics(ctx["run_id"], metrics)
@@ -162,19 +211,27 @@ def finish_pipeline(config: Config, ctx: dict[str, Any], summary: dict[str, Any]
     store.end_run(ctx["run_id"], status)
 
 
-def fail_pipeline(config: Config, ctx: dict[str, Any], error: BaseException, notify_webhook: bool = True) -> None:
-    """Record the failure on the run and notify (unless `notify_webhook` is False: a server-side
-    automation reports it, see rlcore.lifecycle.automations); never raises (the original error
-    matters)."""
-    text = "".join(traceback.format_exception_only(type(error), error)).strip()
-    try:
-        store = open_store(config, ctx["workdir"])
-        store.set_tags(ctx["run_id"], {"failure": text[:4000]})
-        store.end_run(ctx["run_id"], "FAILED")
-    except Exception as err:  # noqa: BLE001
-        log.warning("could not record the failure in MLflow: %s", err)
-    if notify_webhook:
-        notify(config.registry.webhook_url, "failed", {"pipeline_run": ctx.get("run_name"), "error": text})
+def open_runs(config: Config) -> dict[str, dict[str, str]]:
+    """The MLflow runs of the config's experiment still RUNNING: run id -> tags (none when the
+    default SQLite store was never created)."""
+    uri = tracking_uri(config)
+    if uri.startswith("sqlite:///") and not Path(uri.removeprefix("sqlite:///")).is_file():
+        return {}
+    store = MlflowStore(uri, experiment=config.tracking.experiment)
+    runs = store.client.search_runs([store.experiment_id], "attributes.status = 'RUNNING'", max_results=10000)
+    return {run.info.run_id: dict(run.data.tags) for run in runs}
+
+
+def end_open_runs(config: Config, tags: dict[str, str], status: str, reason: str) -> list[str]:
+    """End every MLflow run still RUNNING that carries `tags` (a pipeline run's own and its stages'),
+    with `status` (FAILED, KILLED) and `reason` as its `failure` tag; returns their ids."""
+    ended = [run_id for run_id, found in open_runs(config).items() if all(found.get(k) == v for k, v in tags.items())]
+    if ended:
+        store = MlflowStore(tracking_uri(config), experiment=config.tracking.experiment)
+        for run_id in ended:
+            store.set_tags(run_id, {"failure": reason[:4000]})
+            store.end_run(run_id, status)
+    return ended
 
 
 # ---------------------------------------------------------------------- data prep
@@ -186,7 +243,7 @@ def data_prep_key(config: Config, val_fraction: float = 0.1) -> str:
 
 
 def prepare_data_stage(config: Config, workdir: str | Path, val_fraction: float = 0.1,
-                       ctx: dict[str, Any] | None = None) -> dict[str, Any]:
+                       ctx: PipelineContext | None = None) -> PreparedData:
     """Validate, dedupe, split, write parquet under `workdir/data/<input fingerprint>`."""
     key = data_prep_key(config, val_fraction)
     prepared = prepare_dataset(
@@ -202,7 +259,9 @@ def prepare_data_stage(config: Config, workdir: str | Path, val_fraction: float 
         store.log_artifact(run_id, Path(prepared.train_file).parent / "prep_report.json")
         store.end_run(run_id)
         store.set_tags(ctx["run_id"], {"dataset_fingerprint": prepared.fingerprint})
-    return {**prepared.to_dict(), "input_fingerprint": key}
+    return {"train_file": prepared.train_file, "val_file": prepared.val_file, "fingerprint": prepared.fingerprint,
+            "train_fingerprint": prepared.train_fingerprint, "val_fingerprint": prepared.val_fingerprint,
+            "counts": prepared.counts, "bad_rows": prepared.bad_rows, "input_fingerprint": key}
 
 
 # ---------------------------------------------------------------------- SFT warm start
@@ -224,7 +283,7 @@ def sft_stage_config(config: Config, sft: dict[str, Any], workdir: str | Path) -
     return load_sft_config(sft.get("config_path"), [*overrides, f"trainer.output_dir={Path(workdir) / 'sft' / key[:16]}"])
 
 
-def sft_stage(config: Config, sft: dict[str, Any], workdir: str | Path, ctx: dict[str, Any] | None = None) -> dict[str, Any]:
+def sft_stage(config: Config, sft: dict[str, Any], workdir: str | Path, ctx: PipelineContext | None = None) -> SftResult:
     """Supervised warm start of the base model (`rlcore.trainer.sft`): the RL stages then start
     from its output, which is also the reference their KL is measured against. Done once per
     inputs (a finished output folder is reused); a retried stage resumes from its checkpoints."""
@@ -233,10 +292,10 @@ def sft_stage(config: Config, sft: dict[str, Any], workdir: str | Path, ctx: dic
     sft_config = sft_stage_config(config, sft, workdir)
     out = Path(sft_config.trainer.output_dir)
     done = out / MODEL
-    result: dict[str, Any] = {"model_dir": str(done.resolve()), "output_dir": str(out.resolve()),
-                              "base_model": str(Path(config.model.path).resolve()), "cached": (done / "config.json").is_file()}
+    result: SftResult = {"model_dir": str(done.resolve()), "output_dir": str(out.resolve()),
+                         "base_model": str(Path(config.model.path).resolve()), "cached": (done / "config.json").is_file()}
     if result["cached"]:
-        _announce(f"SFT warm start: reusing {done} (same data, settings and base model)")
+        announce(f"SFT warm start: reusing {done} (same data, settings and base model)")
         return result
     run_id = None
     if ctx is not None:
@@ -256,7 +315,8 @@ def sft_stage(config: Config, sft: dict[str, Any], workdir: str | Path, ctx: dic
             store.end_run(run_id, "FAILED")
         raise
     last = history[-1] if history else {}
-    result.update(steps=last.get("step", 0), **{k.replace("/", "_"): v for k, v in last.items() if k.endswith("/loss")})
+    result["steps"] = int(last.get("step", 0))
+    result["losses"] = {k: float(v) for k, v in last.items() if k.endswith("/loss")}
     if run_id is not None:
         store.set_tags(run_id, {"model_dir": result["model_dir"]})
         store.end_run(run_id)
@@ -265,7 +325,7 @@ def sft_stage(config: Config, sft: dict[str, Any], workdir: str | Path, ctx: dic
 
 
 # ---------------------------------------------------------------------- champion
-def champion_stage(config: Config, workdir: str | Path) -> dict[str, Any] | None:
+def champion_stage(config: Config, workdir: str | Path) -> RegisteredVersion | None:
     """The registry's current champion, downloaded (once per version) to a local folder."""
     store = open_store(config, workdir)
     registry = ModelRegistry(store, config.registry.model_name)
@@ -281,9 +341,9 @@ def champion_stage(config: Config, workdir: str | Path) -> dict[str, Any] | None
 
 
 # ---------------------------------------------------------------------- train
-def train_stage(config: Config, prepared: dict[str, Any], workdir: str | Path, ctx: dict[str, Any],
-                champion: dict[str, Any] | None = None, reward_model: dict[str, Any] | None = None, *,
-                stage: str = "train", role: str = "actor", keep_data: bool = False) -> dict[str, Any]:
+def train_stage(config: Config, prepared: PreparedData, workdir: str | Path, ctx: PipelineContext,
+                champion: RegisteredVersion | None = None, reward_model: RewardModelInUse | None = None, *,
+                stage: str = "train", role: Role = "actor", keep_data: bool = False) -> TrainResult:
     """Train from the config (warm-started from the champion when configured), under the health
     guard; resumes from the newest complete checkpoint of this pipeline run when retried.
 
@@ -340,20 +400,21 @@ def train_stage(config: Config, prepared: dict[str, Any], workdir: str | Path, c
         candidate = candidate_folder(run_config, checkpoint, output_dir, role)
     if candidate is not None and config.tracking.log_model:
         log_model_folder(store, run_id, candidate, "model")  # an MLflow model that is an HF folder too
-        if _trained_lora(run_config, role).enabled:  # the small adapter beside the servable merged model
+        if checkpoint is not None and _trained_lora(run_config, role).enabled:  # the adapter beside the merged model
             store.log_artifact(run_id, checkpoint / adapter_folder(role), "adapter")
     if stopped is not None:
         store.set_tags(run_id, {"health.stopped": "true", "health.reason": stopped["reason"],
                                 "health.candidate": str(checkpoint) if checkpoint else "none"})
         store.set_tags(ctx["run_id"], {"health.reason": stopped["reason"]})
         notify(config.registry.webhook_url, "health_stop", {
-            "pipeline_run": ctx["run_name"], "reason": stopped["reason"], "health": stopped,
+            **notification_fields(ctx, "health_stop", stage), "reason": stopped["reason"], "health": stopped,
             "candidate_checkpoint": str(checkpoint) if checkpoint else None})
     store.end_run(run_id)
     val_key = "val/pairwise_acc" if role == "reward_model" else "val/acc"
     vals = [r for r in records if val_key in r]
     return {
         "run_id": run_id,
+        "role": role,
         "output_dir": str(output_dir),
         "candidate_dir": str(candidate) if candidate is not None else None,
         "checkpoint": str(checkpoint) if checkpoint is not None else None,
@@ -365,7 +426,9 @@ def train_stage(config: Config, prepared: dict[str, Any], workdir: str | Path, c
         "steps": max((r["step"] for r in records), default=0),
         "train_val_acc_first": vals[0][val_key] if vals else None,
         "train_val_acc_last": vals[-1][val_key] if vals else None,
-        "reward_model": {k: reward_model[k] for k in ("name", "version", "uri")} if reward_model else None,
+        "reward_model": {"name": reward_model["name"], "version": reward_model["version"], "uri": reward_model["uri"]}
+        if reward_model else None,
+        "data": prepared,
         # for lineage.json and the model version's tags (and Prefect's stored task result): redacted
         "config": redact_tree(run_config.model_dump(mode="json")),
     }
@@ -397,121 +460,59 @@ def candidate_folder(config: Config, checkpoint: Path, output_dir: Path, role: s
     return merged
 
 
-def _log_datasets(store: MlflowStore, run_id: str, prepared: dict[str, Any], contexts: dict[str, str]) -> None:
+def _log_datasets(store: MlflowStore, run_id: str, prepared: PreparedData | dict[str, Any], contexts: dict[str, str]) -> None:
     """The prepared splits as the run's MLflow datasets ({"train"|"val": context}); the digest is
     each split's content fingerprint (computed from the rows when data prep did not give it)."""
     for split, context in contexts.items():
-        tags = {"rlcore.dataset_fingerprint": prepared["fingerprint"]} if prepared.get("fingerprint") else {}
-        log_dataset(store, run_id, prepared[f"{split}_file"], split, context, prepared.get(f"{split}_fingerprint"), tags)
+        record: dict[str, Any] = dict(prepared)
+        tags = {"rlcore.dataset_fingerprint": record["fingerprint"]} if record.get("fingerprint") else {}
+        log_dataset(store, run_id, record[f"{split}_file"], split, context, record.get(f"{split}_fingerprint"), tags)
 
 
 # ---------------------------------------------------------------------- evaluate
 def evaluate_stage(config: Config, candidate_dir: str, baseline_dir: str, baseline_name: str, reference_dir: str,
-                   val_file: str, workdir: str | Path, ctx: dict[str, Any] | None = None,
-                   limit: int | None = None) -> dict[str, Any]:
-    """Candidate and baseline (champion, or the base model when there is none) on the same data."""
-    kwargs = dict(reference_dir=reference_dir, max_prompt_length=config.data.max_prompt_length,
-                  max_new_tokens=config.rollout.max_new_tokens, batch_size=config.data.val_batch_size,
-                  reward_function=config.reward.function, apply_chat_template=config.data.apply_chat_template, limit=limit,
-                  agent=config.rollout.agent)
-    candidate = evaluate_model(candidate_dir, val_file, **kwargs)
-    baseline = evaluate_model(baseline_dir, val_file, **kwargs)
-    out = {"candidate": candidate.metrics(), "baseline": baseline.metrics(), "baseline_name": baseline_name,
-           "baseline_dir": baseline_dir, "candidate_dir": candidate_dir, "val_file": val_file}
+                   val_file: str, workdir: str | Path, ctx: PipelineContext | None = None,
+                   limit: int | None = None, start_dir: str | None = None,
+                   reward_model_dir: str | None = None) -> Evaluation:
+    """Candidate and baseline (champion, or the base model when there is none) on the same data;
+    also the model training started from (`start_dir`) when that is not the baseline (a policy
+    trained from the base while a champion exists). With `reward_model_dir` (the reward model the
+    policy was trained against), each model's greedy answers are scored by it too
+    (`reward_model_score`): what RLHF optimised, beside the rule-judged accuracy."""
+    import torch
+
+    from rlcore.workers.reward_model import open_reward_model
+
+    reader = (open_reward_model(reward_model_dir, key="reward_model.path", config=config, device=torch.device("cpu"))
+              if reward_model_dir else None)
+    evaluate = partial(evaluate_model, val_file=val_file, reference_dir=reference_dir,
+                       max_prompt_length=config.data.max_prompt_length, max_new_tokens=config.rollout.max_new_tokens,
+                       batch_size=config.data.val_batch_size, reward_function=config.reward.function,
+                       apply_chat_template=config.data.apply_chat_template, limit=limit, agent=config.rollout.agent,
+                       reward_model=reader)
+    candidate = evaluate(candidate_dir)
+    baseline = evaluate(baseline_dir)
+    out: Evaluation = {"candidate": candidate.metrics(), "baseline": baseline.metrics(), "baseline_name": baseline_name,
+                       "candidate_dir": candidate_dir, "held_out": [val_file]}
+    if start_dir is not None and Path(start_dir).resolve() != Path(baseline_dir).resolve():
+        out["start"] = evaluate(start_dir).metrics()
     if ctx is not None:
         store = open_store(config, workdir)
         run_id = store.start_run("evaluate", ctx["run_id"], {**stage_tags(ctx, "evaluate"), "baseline": baseline_name})
         _log_datasets(store, run_id, {"val_file": val_file}, {"val": "evaluation"})
         store.log_metrics(run_id, {**{f"candidate/{k}": v for k, v in out["candidate"].items()},
-                                   **{f"{baseline_name}/{k}": v for k, v in out["baseline"].items()}})
+                                   **{f"{baseline_name}/{k}": v for k, v in out["baseline"].items()},
+                                   **{f"start/{k}": v for k, v in out.get("start", {}).items()}})
         store.log_json(run_id, out, "evaluation.json")
         store.end_run(run_id)
         out["run_id"] = run_id
     return out
 
 
-# ---------------------------------------------------------------------- promote
-def _existing_version(registry: ModelRegistry, run_name: str) -> str | None:
-    """A version this pipeline run already registered (a retried promote must not register twice)."""
-    try:
-        versions = registry.client.search_model_versions(f"name='{registry.name}'")
-    except Exception:  # noqa: BLE001 - no registered model yet
-        return None
-    for mv in versions:
-        if (mv.tags or {}).get(PIPELINE_TAG) == run_name:
-            return str(mv.version)
-    return None
-
-
-def promote_stage(config: Config, train: dict[str, Any], evaluation: dict[str, Any], prepared: dict[str, Any],
-                  workdir: str | Path, ctx: dict[str, Any]) -> dict[str, Any]:
-    """Register the candidate as a new version; `champion` if it passes the gate, else `challenger`."""
-    policy = GatePolicy.from_config(config.registry)
-    decision = decide(evaluation["candidate"], evaluation["baseline"], policy, evaluation["baseline_name"])
-    if train.get("stopped"):
-        # A health-stopped run may still be promoted on its last healthy checkpoint, but say so.
-        decision_reason = f"{decision.reason} (training stopped early: {train['stopped']['reason']})"
-    else:
-        decision_reason = decision.reason
-    store = open_store(config, workdir)
-    registry = ModelRegistry(store, config.registry.model_name)
-    data_sources = _data_sources(prepared["train_file"])
-    lineage = build_lineage(config=train["config"], dataset_fingerprint=prepared["fingerprint"], data_sources=data_sources,
-                            parent_model=train["parent_model"], reward_function=config.reward.function,
-                            extra={"pipeline_run": ctx["run_name"], "reference_model": train["reference_model"],
-                                   "evaluation": {"candidate": evaluation["candidate"], "baseline": evaluation["baseline"],
-                                                  "baseline_name": evaluation["baseline_name"]},
-                                   # the registered reward model version the policy was trained against
-                                   **({"reward_model": train["reward_model"]} if train.get("reward_model") else {})})
-    store.log_json(train["run_id"], lineage, "lineage.json")
-    run_id = store.start_run("promote", ctx["run_id"], stage_tags(ctx, "promote"))
-    store.log_json(run_id, lineage, "lineage.json")
-    alias = CHAMPION if decision.promote else CHALLENGER
-    decision_tags = {"rlcore.decision": "promoted" if decision.promote else "rejected", "rlcore.check": decision.check}
-    description = version_description(policy.metric, evaluation, alias, decision_reason, lineage, train["run_id"])
-    version = _existing_version(registry, ctx["run_name"])
-    if version is None:
-        tags = {**lineage_tags(lineage), PIPELINE_TAG: ctx["run_name"], **decision_tags}
-        version = registry.register(train["run_id"], "model", tags=tags, description=description).version
-    else:  # a retried promote: the version this pipeline run registered, decided again
-        registry.set_tags(version, decision_tags)
-        registry.describe(version, description)
-    registry.set_alias(alias, version)
-    store.set_tags(run_id, {"version": version, "alias": alias, "decision": decision.check, "reason": decision_reason})
-    store.end_run(run_id)
-    cand, base = evaluation["candidate"][policy.metric], evaluation["baseline"][policy.metric]
-    _announce(f"{config.registry.model_name} version {version} "
-              f"{'promoted to champion' if decision.promote else 'not promoted (challenger)'}: {policy.metric} "
-              f"{cand:.4f} vs the {evaluation['baseline_name']}'s {base:.4f}: {decision_reason}")
-    result = {"version": version, "alias": alias, "promoted": decision.promote, "reason": decision_reason,
-              "check": decision.check, "model": config.registry.model_name, "uri": registry.uri(alias)}
-    notify(config.registry.webhook_url, "promoted" if decision.promote else "rejected", {
-        "pipeline_run": ctx["run_name"], **result, "evaluation": {k: evaluation[k] for k in ("candidate", "baseline", "baseline_name")},
-        "dataset_fingerprint": prepared["fingerprint"]})
-    return result
-
-
-def version_description(metric: str, evaluation: dict[str, Any], alias: str, reason: str, lineage: dict[str, Any],
-                        train_run_id: str) -> str:
-    """A registered version's description (markdown, on its MLflow page): the metric against
-    the baseline, the decision and why, and where it came from."""
-    cand, base = evaluation["candidate"], evaluation["baseline"]
-    name = evaluation["baseline_name"]
-    verdict = "Promoted to **champion**" if alias == CHAMPION else "Not promoted: **challenger**"
-    algorithm = lineage.get("config", {}).get("algorithm", {}).get("name", "?")
-    return (f"{verdict}. {metric} {cand[metric]:.4f} vs the {name}'s {base[metric]:.4f} "
-            f"({cand[metric] - base[metric]:+.4f}) on the same {int(cand.get('num_prompts', 0))} held-out prompts.\n\n"
-            f"Why: {reason}.\n\n"
-            f"Candidate: accuracy {cand['accuracy']:.4f}, mean reward {cand['mean_reward']:.4f}, KL to the reference "
-            f"{cand['kl_to_reference']:.4g}, mean response length {cand['response_length']:.3g} tokens.\n\n"
-            f"Trained with {algorithm} from `{lineage.get('parent_model')}` on dataset "
-            f"`{str(lineage.get('dataset_fingerprint'))[:16]}`, pipeline run `{lineage.get('pipeline_run')}`; the full "
-            f"lineage is `lineage.json` of MLflow run `{train_run_id}`.")
-
-
-def _no_promotion_reason(train: dict[str, Any]) -> str:
-    if not train.get("candidate_dir"):
-        return "no candidate: " + (train["stopped"]["reason"] if train.get("stopped") else "no complete checkpoint")
+# ---------------------------------------------------------------------- summary
+def _no_promotion_reason(train: TrainResult) -> str:
+    if not train["candidate_dir"]:
+        return "no candidate: " + (train["stopped"]["reason"] if train["stopped"] else "no complete checkpoint")
     return "not registered: the model was not logged (tracking.log_model=false)"
 
 
@@ -531,22 +532,22 @@ def _prefect_ui_hint() -> str:
     return f"prefect server start  (UI at http://127.0.0.1:4200; flow runs are stored under {home})"
 
 
-def _data_sources(train_file: str) -> list[str]:
-    from rlcore.data.io import read_rows
-
-    return sorted({str(r.get("data_source")) for r in read_rows(train_file)})
-
-
-def summarize(ctx: dict[str, Any], prepared: dict[str, Any], train: dict[str, Any], evaluation: dict[str, Any] | None,
-              promotion: dict[str, Any] | None, champion: dict[str, Any] | None, workdir: str | Path) -> dict[str, Any]:
+def summarize(ctx: PipelineContext, prepared: PreparedData, train: TrainResult, evaluation: Evaluation | None,
+              promotion: Promotion | None, champion: RegisteredVersion | None, workdir: str | Path) -> Summary:
     """What a person wants to know after a run, and where to look for more."""
-    summary: dict[str, Any] = {
+    warm = champion is not None and train["start_model"] != train["reference_model"]
+    # the model training started from: the baseline itself, or (a champion exists but training
+    # started from the base or SFT model) evaluated on its own
+    start = (evaluation.get("start") or evaluation["baseline"]) if evaluation else None
+    summary: Summary = {
         "pipeline_run": ctx["run_name"],
         "dataset_fingerprint": prepared["fingerprint"],
-        "warm_start": train["parent_model"] if champion is not None and train["start_model"] != train["reference_model"] else None,
+        "warm_start": train["parent_model"] if warm else None,
+        "warm_start_accuracy": evaluation["baseline"]["accuracy"] if warm and evaluation else None,
         "steps": train["steps"],
-        "health_stop": train["stopped"]["reason"] if train.get("stopped") else None,
+        "health_stop": train["stopped"]["reason"] if train["stopped"] else None,
         "baseline": evaluation["baseline_name"] if evaluation else None,
+        "accuracy_start": evaluation["start"]["accuracy"] if evaluation and "start" in evaluation else None,
         "accuracy_before": evaluation["baseline"]["accuracy"] if evaluation else None,
         "accuracy_after": evaluation["candidate"]["accuracy"] if evaluation else None,
         "kl_to_reference": evaluation["candidate"]["kl_to_reference"] if evaluation else None,
@@ -556,15 +557,25 @@ def summarize(ctx: dict[str, Any], prepared: dict[str, Any], train: dict[str, An
         "model_uri": promotion["uri"] if promotion else None,
         "run_dir": train["output_dir"],
         "mlflow_run_id": ctx["run_id"],
-        "prefect_flow_run_id": ctx.get("prefect_flow_run_id"),
+        "prefect_flow_run_id": ctx["prefect_flow_run_id"],
+        "links": {"mlflow_run": mlflow_run_url(ctx["tracking_uri"], ctx["experiment_id"], ctx["run_id"])},
         "mlflow_ui": f"mlflow ui --backend-store-uri {ctx['tracking_uri']}",
         "prefect_ui": _prefect_ui_hint(),
     }
+    if promotion:
+        summary["links"]["model_version"] = model_version_url(ctx["tracking_uri"], promotion["model"], promotion["version"])
+    if ctx["prefect_flow_run_id"]:
+        summary["links"]["prefect_flow_run"] = prefect_flow_run_url(ctx["prefect_flow_run_id"])
+    if train["reward_model"] and evaluation and "reward_model_score" in evaluation["candidate"]:
+        summary["reward_model_score_start"] = start.get("reward_model_score") if start else None
+        summary["reward_model_score_after"] = evaluation["candidate"]["reward_model_score"]
     return summary
 
 
 __all__ = [
-    "PIPELINE_TAG", "STAGE_TAG", "champion_stage", "data_prep_key", "evaluate_stage", "fail_pipeline", "finish_pipeline",
-    "load_pipeline_config", "new_run_name", "open_store", "prefect_flow_run", "prepare_data_stage", "promote_stage",
-    "sft_stage", "sft_stage_config", "stage_tags", "start_pipeline", "summarize", "train_stage", "version_description",
+    "PIPELINE_TAG", "STAGE_TAG", "announce", "champion_stage", "data_prep_key", "end_open_runs", "evaluate_stage",
+    "finish_pipeline", "load_pipeline_config", "mlflow_run_url", "model_version_url", "new_run_name", "notification_fields",
+    "open_runs",
+    "open_store", "prefect_flow_run", "prefect_flow_run_url", "prepare_data_stage", "sft_stage", "sft_stage_config",
+    "stage_tags", "start_pipeline", "summarize", "train_stage",
 ]

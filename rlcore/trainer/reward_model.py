@@ -27,7 +27,7 @@ from rlcore.trainer.metrics import Timer, mean_over_ranks
 from rlcore.trainer.roles import build_worker_groups
 from rlcore.trainer.run_state import BadStepGuard, RunCheckpoints, prepare_run_dir
 from rlcore.trainer.step_log import StepHook, StepLog
-from rlcore.workers.reward_model import pair_metrics
+from rlcore.workers.reward_model import held_out_pair_metrics
 from rlcore.workers.tokenizer import load_tokenizer
 
 
@@ -87,17 +87,18 @@ class RewardModelTrainer:
 
 
 def pair_validation(groups: WorkerGroups, loader: PreferenceLoader, margin: float) -> dict[str, float]:
-    """`pair_metrics` of the reward model being trained over every held-out pair (margins as in training)."""
-    timer = Timer()
+    """`held_out_pair_metrics` of the reward model being trained over every held-out pair, as `val/*`
+    (the promotion gate computes the same numbers from the registered folder)."""
     reward_model = required(groups.reward_model, "reward_model")
-    chosen, rejected, margins = [], [], []
+
+    def score_pairs(batch: Batch) -> tuple[torch.Tensor, torch.Tensor]:
+        out = reward_model.score_pairs(batch)
+        return out.tensors["chosen_scores"], out.tensors["rejected_scores"]
+
+    timer = Timer()
     with timer.phase("validate"):
-        for batch in loader.epoch_batches():
-            out = reward_model.score_pairs(batch)
-            chosen.append(out.tensors["chosen_scores"])
-            rejected.append(out.tensors["rejected_scores"])
-            margins.append(torch.where(batch.tensors["margin_given"] > 0, batch.tensors["margin"], torch.full_like(batch.tensors["margin"], margin)))
-    metrics = pair_metrics(torch.cat(chosen), torch.cat(rejected), torch.cat(margins))
+        found = held_out_pair_metrics(loader.epoch_batches(), score_pairs, margin)
+    metrics = {f"val/{k}": v for k, v in found.items() if k != "num_pairs"}
     metrics["time/validate_s"] = timer.seconds["validate"]
     return metrics
 

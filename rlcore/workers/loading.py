@@ -7,6 +7,7 @@ score rlcore would read otherwise than its own forward is refused at load time.
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -94,12 +95,19 @@ def load_value_model(
     `trainer.seed`, the same on every rank and run)."""
     config = AutoConfig.from_pretrained(Path(path), num_labels=1, local_files_only=True)
     config.classifier_dropout = 0.0
-    with _rng_left_alone():
-        model, info = AutoModelForTokenClassification.from_pretrained(
-            Path(path), config=config, dtype=_DTYPES[dtype], local_files_only=True, output_loading_info=True)
+    verbosity = hf_logging.get_verbosity()
+    hf_logging.set_verbosity_error()  # not transformers' load report: a missing value head is expected, said below
+    try:
+        with _rng_left_alone():
+            model, info = AutoModelForTokenClassification.from_pretrained(
+                Path(path), config=config, dtype=_DTYPES[dtype], local_files_only=True, output_loading_info=True)
+    finally:
+        hf_logging.set_verbosity(verbosity)
     name = next(n for n in ("score", "classifier") if isinstance(getattr(model, n, None), nn.Linear))  # transformers' names
     if any(name in k.split(".") for k in info.get("missing_keys", [])):
         init_fresh_head(model, getattr(model, name), seed)
+        print(f"rlcore: critic: a new value head ({name}, one value per token, drawn from seed {seed}) on the "
+              f"backbone of {path}; PPO trains it from there", file=sys.stderr, flush=True)
     model = model.to(device)
     if remove_padding:
         check_packed_forward(use_packed_attention(model))

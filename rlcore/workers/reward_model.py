@@ -18,6 +18,7 @@ beside it (`rlcore.workers.lora.apply_lora`); checkpoints hold the two as one pe
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
@@ -115,8 +116,7 @@ class BradleyTerryObjective:
 
     def micro_loss(self, mb: Batch, global_pairs: float) -> MicroLoss:
         chosen, rejected = score_pair_sides(self.model, mb, self.remove_padding)
-        margin = torch.where(mb["margin_given"] > 0, mb["margin"], torch.full_like(mb["margin"], self.margin))
-        losses = bradley_terry_loss(chosen, rejected, margin)
+        losses = bradley_terry_loss(chosen, rejected, pair_margins(mb, self.margin))
         stats = value_stats({
             "reward_model/accuracy": (chosen > rejected).float().detach(),
             "reward_model/margin": (chosen - rejected).detach(),
@@ -144,16 +144,34 @@ def rm_micro_batching(rm: RewardModelConfig) -> MicroBatching:
     return MicroBatching(rm.micro_batch_size, rm.dynamic_batch_size, rm.max_tokens_per_micro_batch)
 
 
-def pair_metrics(chosen: torch.Tensor, rejected: torch.Tensor, margin: torch.Tensor | float = 0.0,
-                 prefix: str = "val/") -> dict[str, float]:
-    """Held-out numbers of a reward model on pairs: pairwise accuracy (chosen scored strictly
-    above rejected), the Bradley-Terry loss, the mean score gap and the mean scores."""
+def pair_margins(batch: Batch, margin: float) -> torch.Tensor:
+    """Each pair's margin as the loss reads it: the row's own (`margin` column), else `margin`
+    (`reward_model.margin`)."""
+    given, own = batch.tensors["margin_given"], batch.tensors["margin"]
+    return torch.where(given > 0, own, torch.full_like(own, margin))
+
+
+def held_out_pair_metrics(batches: Iterable[Batch], score_pairs: Callable[[Batch], tuple[torch.Tensor, torch.Tensor]],
+                          margin: float) -> dict[str, float]:
+    """A reward model's numbers over held-out pairs (`collate_rm_pairs` batches scored by
+    `score_pairs` into (chosen, rejected) scores): pairwise accuracy (chosen scored strictly above
+    rejected), the Bradley-Terry loss with the margins training used (`pair_margins`), the mean
+    score gap, the mean scores and the pair count. The one copy behind both training's `val/*`
+    and the promotion gate's numbers, so the two agree on one checkpoint."""
+    chosen, rejected, margins = [], [], []
+    for batch in batches:
+        c, r = score_pairs(batch)
+        chosen.append(c.float())
+        rejected.append(r.float())
+        margins.append(pair_margins(batch, margin))
+    c, r, m = torch.cat(chosen), torch.cat(rejected), torch.cat(margins)
     return {
-        f"{prefix}pairwise_acc": float((chosen > rejected).float().mean()),
-        f"{prefix}rm_loss": float(bradley_terry_loss(chosen, rejected, margin).mean()),
-        f"{prefix}score_margin": float((chosen - rejected).mean()),
-        f"{prefix}chosen_score": float(chosen.mean()),
-        f"{prefix}rejected_score": float(rejected.mean()),
+        "pairwise_acc": float((c > r).float().mean()),
+        "rm_loss": float(bradley_terry_loss(c, r, m).mean()),
+        "score_margin": float((c - r).mean()),
+        "chosen_score": float(c.mean()),
+        "rejected_score": float(r.mean()),
+        "num_pairs": float(len(c)),
     }
 
 
@@ -337,5 +355,6 @@ class RewardModelWorker(Worker):
 
 __all__ = [
     "BradleyTerryObjective", "Encoded", "RewardModelInputError", "RewardModelReader", "RewardModelWorker",
-    "decode_responses", "encode_conversations", "merge_reward_model", "open_reward_model", "pair_metrics", "rm_settings",
+    "decode_responses", "encode_conversations", "held_out_pair_metrics", "merge_reward_model", "open_reward_model",
+    "pair_margins", "rm_settings",
 ]

@@ -145,9 +145,15 @@ def simulate_depth(role: RolePlan, model_config: Any, layout: Layout, depth: int
         micro = _MicroInputs.of(role, model, layout)
         model.forward = types.MethodType(_FORWARDS[role.head], model)  # the root's call: FSDP gathers its parameters around it
         count = min(2, role.micro_batches(layout.dp))
-        if role.trains:
-            assert optimizer is not None and role.optim is not None
-            with fake:  # untracked: AdamW makes its state, DTensor caches its sharding propagation (see `_track`)
+        with fake:  # untracked: AdamW makes its state, DTensor caches its sharding propagation (see `_track`)
+            if layout.tp > 1:  # the step's DTensor ops too: the forward and backward of the same shapes
+                with torch.set_grad_enabled(role.trains):
+                    out = model(*micro.full)
+                if role.trains:
+                    out.sum().backward()
+                del out
+            if role.trains:
+                assert optimizer is not None and role.optim is not None
                 _warm_up(model, optimizer, role.optim.grad_clip)
         tracker = _track(tools, model, optimizer)
         with fake, tracker:

@@ -80,6 +80,17 @@ def _cmd_pipeline_stage(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_plan(args: argparse.Namespace) -> int:
+    """Which layouts of the config's roles fit on the given hardware (`rlcore.plan`)."""
+    config = load_config(args.config, args.overrides)  # first: a typo is reported before torch loads
+    from rlcore.plan import Hardware, parse_fraction, parse_size, plan_run, render
+
+    hardware = Hardware(args.nodes, args.devices_per_node, parse_size(args.device_memory), parse_fraction(args.headroom))
+    report = plan_run(config, hardware, exact=args.exact, tensor_parallel=args.tensor_parallel, progress=_say)
+    print(render(report, args.config, args.device))
+    return 0
+
+
 def _cmd_trace(args: argparse.Namespace) -> int:
     """One recorded trajectory of a run's trace.jsonl as a readable conversation."""
     from rlcore.trainer.tracing import format_trajectory, recorded_conversation
@@ -374,6 +385,23 @@ def build_parser() -> argparse.ArgumentParser:
     sft.add_argument("config")
     sft.add_argument("overrides", nargs="*")
     sft.set_defaults(func=_cmd_sft)
+
+    plan = sub.add_parser("plan", help="which layouts of a run fit: rlcore plan CONFIG --nodes N --devices-per-node G "
+                          "--device-memory 80GiB [dotted.key=value ...] (simulated on fake tensors, no device needed)")
+    plan.add_argument("config")
+    plan.add_argument("overrides", nargs="*", help="dotted.key=value")
+    plan.add_argument("--nodes", type=int, default=1)
+    plan.add_argument("--devices-per-node", type=int, default=8)
+    plan.add_argument("--device-memory", required=True, help="memory of one device: 80GiB, 141GiB, 96GB")
+    plan.add_argument("--headroom", default="10%", help="share of each device a layout may not use (CUDA context, NCCL, "
+                      "allocator fragmentation: not simulated); default 10%%")
+    plan.add_argument("--device", default=None, help="device name (H100, A100, ...): also print each role's seconds per step "
+                      "at its dense bf16 peak")
+    plan.add_argument("--exact", action="store_true", help="simulate every decoder layer instead of extrapolating from two")
+    plan.add_argument("--tensor-parallel", type=int, action="append", default=None, metavar="TP",
+                      help="plan the trained roles at this tensor-parallel size only (repeatable; default: every size the "
+                      "model takes within a node)")
+    plan.set_defaults(func=_cmd_plan)
 
     trace = sub.add_parser("trace", help="print one recorded trajectory of a run (trace.jsonl) as a conversation: "
                            "rlcore trace RUN_DIR [--step N] [--sample K]")

@@ -21,7 +21,7 @@ LAYERS: dict[str, int] = {
     "flows": 9,  # the Prefect flows of the lifecycle (the repository's flows/ re-exports them)
     "example": 8,
     "lifecycle": 7,
-    "trainer": 6,
+    "trainer": 6, "plan": 6,  # the memory planner: workers' layouts and forwards on fake tensors, beside the recipes
     "workers": 5,
     "controller": 4, "rollout": 4, "data": 4, "rewards": 4, "triton_kernels": 4,
     "packing": 3, "checkpoint": 3, "tracking": 3, "flops": 3, "cpus": 3,

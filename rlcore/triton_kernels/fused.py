@@ -159,7 +159,7 @@ class _FusedLogprobFunction(torch.autograd.Function):
         return grad_hidden, grad_weight, grad_bias, None, None
 
 
-def _check_inputs(hidden, weight, bias, targets, chunk_tokens, chunk_vocab, vocab: int | None = None):
+def _check_inputs(hidden, weight, bias, targets, chunk_tokens, chunk_vocab, vocab: int | None = None, check_targets=True):
     if hidden.dim() < 2:
         raise ValueError(f"hidden must be [N, H] (or [..., H]), got shape {tuple(hidden.shape)}")
     if weight.dim() != 2:
@@ -176,7 +176,7 @@ def _check_inputs(hidden, weight, bias, targets, chunk_tokens, chunk_vocab, voca
         )
     if targets.dtype.is_floating_point or targets.dtype == torch.bool:
         raise TypeError(f"targets must be an integer tensor, got {targets.dtype}")
-    if targets.numel():
+    if check_targets and targets.numel():
         lo, hi = (int(x) for x in torch.aminmax(targets))  # one host sync; bad ids would be silent
         vocab = weight.shape[0] if vocab is None else vocab
         if lo < 0 or hi >= vocab:
@@ -207,6 +207,7 @@ def fused_token_logprobs(
     chunk_vocab: int | None = None,
     backend: str = "auto",
     vocab_shard: VocabShard | None = None,
+    check_targets: bool = True,
 ) -> FusedOutput:
     """Per-token log p(target) and softmax entropy from the last hidden state and the LM head.
 
@@ -223,8 +224,13 @@ def fused_token_logprobs(
     ``vocab_shard``: ``weight`` (and ``bias``) are this rank's rows of a head split over a
     tensor-parallel group, every rank of which calls this with the same hidden states and targets
     (module docstring); the results are the full head's.
+
+    ``check_targets=False`` skips the one host sync that checks the target ids lie in the
+    vocabulary: for a caller that checked them itself, or tensors without data (the memory
+    planner's fake tensors).
     """
-    _check_inputs(hidden, weight, bias, targets, chunk_tokens, chunk_vocab, None if vocab_shard is None else vocab_shard.vocab)
+    _check_inputs(hidden, weight, bias, targets, chunk_tokens, chunk_vocab,
+                  None if vocab_shard is None else vocab_shard.vocab, check_targets)
     lmap = LogitMap.of(float(temperature), float(logit_scale), None if softcap is None else float(softcap))
     chosen = resolve_backend(backend, hidden.device)
     out_shape = targets.shape

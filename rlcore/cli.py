@@ -2,7 +2,8 @@
 
 rlcore's own errors (a bad config, data file, reward function, checkpoint or path, and a run
 that stopped itself) are printed as their message alone, the traceback only with -v (anywhere
-on the command line); exit status 2 when the input was refused, 3 when a run stopped itself.
+on the command line); exit status 2 when the input was refused, 3 when a run stopped itself, 4
+when a worker was lost (its process or its node died, or it hung): rerunning resumes.
 """
 
 from __future__ import annotations
@@ -42,7 +43,11 @@ def _cmd_train(args: argparse.Namespace) -> int:
         raise
     except BaseException as err:
         error = "".join(traceback.format_exception_only(type(err), err)).strip()
-        notify(url, "failed", {**about, "error": error, "checkpoint": _latest_checkpoint(config)})
+        checkpoint = _latest_checkpoint(config)
+        notify(url, "failed", {**about, "error": error, "checkpoint": checkpoint})
+        if user_error_exit(err) == EXIT_WORKER_LOST:
+            err.add_note(f"the run's newest intact checkpoint: {checkpoint or 'none yet'}; the same command resumes "
+                         "from it (trainer.resume=auto)")
         raise
     last = history[-1] if history else {}
     shown = {k: v for k, v in last.items() if k.startswith(("val/", "acc/", "reward/"))}
@@ -62,6 +67,16 @@ def _cmd_sft(args: argparse.Namespace) -> int:
     last = history[-1] if history else {}
     shown = {k: v for k, v in last.items() if k.endswith("/loss")}
     print(json.dumps({"model": str(model_dir.resolve()), "steps": last.get("step", 0), **shown}, indent=1))
+    return 0
+
+
+def _cmd_pipeline_stage(args: argparse.Namespace) -> int:
+    """One pipeline stage from a file the flow wrote: what a stage's Ray job runs (`--ray-address`).
+    The stage's result is the last line printed (rlcore.lifecycle.ray_job.RESULT_MARK)."""
+    from rlcore.lifecycle.ray_job import RESULT_MARK, run_stage_file
+
+    result = run_stage_file(args.file)
+    print(RESULT_MARK + json.dumps(result, default=str), flush=True)
     return 0
 
 
@@ -156,6 +171,8 @@ def _pipeline_inputs(args: argparse.Namespace) -> dict:
         "workdir": str(Path(args.output_dir).resolve()),
         "sft": sft,
     }
+    if args.ray_address:  # only when given: a deployment made without it keeps the flow's default
+        inputs["ray_address"] = args.ray_address
     if args.reward == "model":
         if args.reward_config is None and not example:
             raise RLCoreError("--reward model: give the reward model's training config (--reward-config FILE, "
@@ -250,6 +267,17 @@ def check_pipeline_inputs(inputs: dict[str, Any], data_path: str | None) -> Conf
     return config
 
 
+def _check_job_server(address: str) -> None:
+    """--ray-address answers as a Ray job server, before Prefect starts (a typo is one line)."""
+    from rlcore.lifecycle.ray_job import job_client, job_server
+
+    try:
+        job_client(address)
+    except Exception as err:  # noqa: BLE001 - Ray raises ConnectionError or RuntimeError here
+        raise RLCoreError(f"--ray-address: no Ray job server answers at {job_server(address)} (the head node's "
+                          f"dashboard, `ray start --head --dashboard-host ...`): {str(err).splitlines()[0]}") from None
+
+
 EPHEMERAL_TIMEOUT_VAR = "PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS"
 EPHEMERAL_TIMEOUT_S = 120  # Prefect's 20 s is too short on a loaded 2-core machine
 
@@ -269,6 +297,8 @@ def _cmd_pipeline_run(args: argparse.Namespace) -> int:
     example, with Prefect in ephemeral mode and MLflow in a SQLite file here."""
     inputs = _pipeline_inputs(args)
     check_pipeline_inputs(inputs, args.data)
+    if args.ray_address:
+        _check_job_server(args.ray_address)
     if inputs["example"]:  # built here with progress on stderr (first time ~1 min), not silently in the flow
         from rlcore.example import build_tiny_example
 
@@ -409,6 +439,10 @@ def build_parser() -> argparse.ArgumentParser:
                        "(algorithm.name: rm; default for the tiny example: its embedded tiny_rm.yaml)")
         p.add_argument("--reward-override", action="append", default=[], metavar="KEY=VALUE",
                        help="with --reward model: a dotted override of the reward model's config (repeatable)")
+        p.add_argument("--ray-address", default=None, metavar="URL",
+                       help="run the train and evaluate stages as Ray jobs on this cluster's job server (the head "
+                            "node's dashboard, http://HEAD:8265); the work directory and MLflow store must be at the "
+                            "same paths there. Default: every stage runs in this process")
 
     run = pipeline_sub.add_parser("run", help="run rl_pipeline once (ephemeral Prefect, SQLite MLflow here) and print a summary")
     common(run)
@@ -427,6 +461,10 @@ def build_parser() -> argparse.ArgumentParser:
                        help="a run that sent no heartbeat for this long is marked crashed by the Prefect server (and, "
                             "with registry.webhook_url, notified), e.g. when the machine running it died")
     serve.set_defaults(func=_cmd_pipeline_serve)
+    stage = pipeline_sub.add_parser("stage", help="run one pipeline stage from a file the flow wrote (what a stage's "
+                                    "Ray job runs with --ray-address)")
+    stage.add_argument("file")
+    stage.set_defaults(func=_cmd_pipeline_stage)
     emit = pipeline_sub.add_parser("emit", help="emit rlcore.data.arrived for a data file (triggers the served pipeline)")
     emit.add_argument("path")
     emit.set_defaults(func=_cmd_pipeline_emit)
@@ -436,6 +474,7 @@ def build_parser() -> argparse.ArgumentParser:
 VERBOSE_FLAGS = ("-v", "--verbose")
 EXIT_REFUSED = 2  # the config, data, a named file or a checkpoint cannot be used: nothing ran
 EXIT_STOPPED = 3  # the run stopped itself (health check, non-finite steps); its work so far is saved
+EXIT_WORKER_LOST = 4  # a worker died (its node lost, killed) or hung mid-run; its checkpoints are intact
 
 
 def pop_verbose(argv: list[str]) -> tuple[list[str], bool]:
@@ -454,8 +493,12 @@ def user_error_exit(err: BaseException) -> int | None:
     before a config typo is reported."""
     stopped = getattr(sys.modules.get("rlcore.trainer.run_state"), "TrainingStopped", None)
     checkpoint_error = getattr(sys.modules.get("rlcore.checkpoint"), "CheckpointError", None)
+    ray_backend = sys.modules.get("rlcore.controller.ray_backend")
+    lost = tuple(getattr(ray_backend, name) for name in ("WorkerDiedError", "WorkerTimeoutError") if hasattr(ray_backend, name))
     if stopped is not None and isinstance(err, stopped):
         return EXIT_STOPPED
+    if lost and isinstance(err, lost):
+        return EXIT_WORKER_LOST
     if isinstance(err, RLCoreError) or (checkpoint_error is not None and isinstance(err, checkpoint_error)):
         return EXIT_REFUSED
     return None
@@ -504,7 +547,11 @@ def main(argv: list[str] | None = None) -> int:
         if verbose:
             traceback.print_exc()
         what = "training stopped" if code == EXIT_STOPPED else "error"
-        print(f"rlcore: {what}: {err}", file=sys.stderr)
+        # a lost worker: its one-line headline (role, rank, method, node); Ray's own text with -v
+        message = str(err).splitlines()[0] if code == EXIT_WORKER_LOST else str(err)
+        print(f"rlcore: {what}: {message}", file=sys.stderr)
+        for note in getattr(err, "__notes__", ()) if not verbose else ():
+            print(f"rlcore: {note}", file=sys.stderr)
         return code
 
 

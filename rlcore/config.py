@@ -605,18 +605,54 @@ class TrainerConfig(_Section):
 ROLES: tuple[Role, ...] = get_args(Role)
 
 
+RAY_BUILTIN_RESOURCES = ("CPU", "GPU", "memory", "object_store_memory")
+
+
 class RayPoolConfig(_Section):
-    """A placement group: one bundle per rank of the largest group placed on it."""
+    """A placement group: one bundle per rank of the largest group placed on it. `strategy` spreads
+    the bundles over nodes (STRICT_SPREAD: one node each); `resources` and `label_selector` say
+    which nodes may hold them (every bundle alike)."""
 
     cpus_per_bundle: float = Field(1.0, ge=0)
     gpus_per_bundle: float = Field(0.0, ge=0)
     strategy: Literal["PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD"] = "PACK"
+    resources: dict[str, float] = Field(
+        {}, description="custom resources each bundle reserves, e.g. {node_a: 1}: only nodes started with them "
+        "(`ray start --resources '{\"node_a\": 2}'`) hold the pool")
+    label_selector: dict[str, str] = Field(
+        {}, description="node labels each bundle's node must match (Ray's label selectors: 'v', '!v', 'in(a,b)', "
+        "'!in(a,b)'), e.g. {pool: train} for nodes started with `ray start --labels pool=train`")
+
+    @field_validator("resources")
+    @classmethod
+    def _custom_resources_only(cls, value: dict[str, float]) -> dict[str, float]:
+        for name, amount in value.items():
+            if name in RAY_BUILTIN_RESOURCES:
+                raise ValueError(f"{name!r} is set by cpus_per_bundle/gpus_per_bundle (or not per bundle), not here")
+            if not amount > 0:
+                raise ValueError(f"{name!r}: the amount must be > 0, got {amount}")
+        return value
+
+    @field_validator("label_selector")
+    @classmethod
+    def _valid_label_selector(cls, value: dict[str, str]) -> dict[str, str]:
+        """Checked with Ray's own validator (imported only when a selector is given)."""
+        if value:
+            try:
+                from ray._private.label_utils import validate_label_selector
+            except ImportError:  # no Ray (or another layout): Ray checks it when the pool is made
+                return value
+            error = validate_label_selector(value)
+            if error:
+                raise ValueError(error)
+        return value
 
 
 class RayConfig(_Section):
     """Where the Ray backend runs workers (trainer.backend=ray)."""
 
-    address: str | None = Field(None, description="existing cluster ('auto', 'host:port'); none: start a local one")
+    address: str | None = Field(None, description="existing cluster ('auto', 'host:port' of its head's GCS); none: "
+                                "$RAY_ADDRESS when set (as inside a Ray job), else start a local one")
     num_cpus: float | None = Field(None, gt=0, description="local cluster only; default: what the pools reserve")
     temp_dir: str | None = Field(None, description="local cluster's temp/session folder (keep it short: socket paths)")
     pools: dict[str, RayPoolConfig] = {"default": RayPoolConfig()}

@@ -13,9 +13,12 @@
   a config, or connect this process with `ray_driver`. What a test made on it belongs to that
   test's Ray job and is freed when its driver disconnects.
 - `ray_driver` (per test): this process connected to `ray_local` (disconnected after the test).
+- `ray_cluster` (session): a 3-node Ray cluster on 127.0.0.1 (tests/ray_cluster.py: the head with
+  the job server, two `pool=train` workers) for tests that place roles across nodes, lose a node
+  or submit Ray jobs; a test that kills a node adds a replacement.
 
-Tests that must watch a server or a cluster of their own start, die or listen (test_ray_binding,
-multi-node clusters) start their own and say why. Every test that starts Ray, vLLM, a Prefect
+Tests that must watch a server or a cluster of their own start, die or listen (test_ray_binding)
+start their own and say why. Every test that starts Ray, vLLM, a Prefect
 server or flow, the pipeline or several torch.distributed processes carries the matching marker
 (`ray`, `vllm`, `prefect`, `pipeline`, `distributed`) beside `slow`; tests that use the fixtures
 above get the marker automatically (`pytest_collection_modifyitems`)."""
@@ -135,6 +138,22 @@ def train_on_ray(config: Path, overrides: list[str], timeout: float = 600, addre
     finally:
         shutil.rmtree(ray_tmp, ignore_errors=True)
     assert done.returncode == 0, done.stderr[-3000:]
+
+
+@pytest.fixture(scope="session")
+def ray_cluster():
+    """One multi-node Ray cluster on 127.0.0.1 for the session (tests/ray_cluster.py): the head
+    (dashboard and job server; label pool=gen, resource gen_slot) and two worker nodes labelled
+    pool=train, one CPU each. A test that kills a node leaves the cluster as it found it: it adds
+    a node with the same labels."""
+    from ray_cluster import LocalCluster  # tests/ is on sys.path (pytest rootdir conftest)
+
+    cluster = LocalCluster(head={"num_cpus": 3, "labels": {"pool": "gen"}, "resources": {"gen_slot": 4}},
+                           workers=[{"num_cpus": 1, "labels": {"pool": "train"}}] * 2)
+    try:
+        yield cluster
+    finally:
+        cluster.stop()
 
 
 @contextlib.contextmanager
@@ -370,7 +389,8 @@ def ray_driver(ray_local: str) -> Iterator[str]:
 # ------------------------------------------------------------------------------------ markers
 
 # Fixtures that start (or reach) something an area marker names.
-_FIXTURE_MARKERS = {"prefect_server_session": "prefect", "prefect_api": "prefect", "ray_local": "ray", "ray_driver": "ray"}
+_FIXTURE_MARKERS = {"prefect_server_session": "prefect", "prefect_api": "prefect", "ray_local": "ray", "ray_driver": "ray",
+                    "ray_cluster": "ray"}
 _AREA_MARKERS = ("ray", "prefect", "vllm", "pipeline", "distributed")
 
 

@@ -63,6 +63,17 @@ def test_pipeline_run_reports_a_config_typo_in_one_line_before_prefect_starts(tm
     assert missing.returncode == 2
     assert missing.stderr.splitlines() == [f"rlcore: error: --data: no such data file: {tmp_path / 'nope.parquet'}"]
 
+    import socket
+
+    with socket.socket() as s:  # a port nothing listens on
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    no_server = rlcore_cli(["pipeline", "run", "--ray-address", f"127.0.0.1:{port}"], tmp_path, env)
+    assert no_server.returncode == 2
+    [line] = no_server.stderr.splitlines()
+    assert line.startswith(f"rlcore: error: --ray-address: no Ray job server answers at http://127.0.0.1:{port} ")
+    assert not (tmp_path / "prefect").exists()
+
 
 def test_rlcore_configures_only_its_own_loggers(capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch) -> None:
     root = logging.getLogger()

@@ -43,7 +43,8 @@ def test_rl_pipeline_parameters_and_task_policies():
 
     flow = load_flow()
     params = flow.parameters.properties
-    assert {"config_path", "overrides", "data_path", "example", "workdir"} <= set(params)
+    assert {"config_path", "overrides", "data_path", "example", "workdir", "ray_address"} <= set(params)
+    assert params["ray_address"]["default"] is None  # without it every stage runs in the flow's process
     from rlcore.flows.data_prep import prepare_data_task
     from rlcore.flows.train import train_task
 

@@ -34,11 +34,30 @@ def test_defaults_keep_the_in_process_backend():
         (["trainer.backend=ray", "ray.pools={train: {}}", "ray.roles={actor: train}"],
          "roles ['rollout', 'reward'] use pool 'default', which is not defined"),
         (["trainer.backend=ray", "ray.pools.default.cpus_per_bundle=-1"], "ray.pools.default.cpus_per_bundle"),
+        (["trainer.backend=ray", "ray.pools.default.resources={CPU: 2}"],
+         "ray.pools.default.resources: .*'CPU' is set by cpus_per_bundle"),
+        (["trainer.backend=ray", "ray.pools.default.resources={node_a: 0}"], "ray.pools.default.resources: .*must be > 0"),
+        (["trainer.backend=ray", "ray.pools.default.label_selector={pool: 'in(a,'}"],
+         "ray.pools.default.label_selector: .*Invalid label selector value"),
     ],
 )
 def test_bad_ray_settings_name_the_key(overrides, message):
-    with pytest.raises(ConfigError, match=message.replace("[", r"\[").replace("]", r"\]")):
+    pattern = message if ".*" in message else message.replace("[", r"\[").replace("]", r"\]")
+    with pytest.raises(ConfigError, match=pattern):
         _load(*overrides)
+
+
+def test_pool_placement_keys_and_ray_address_from_the_environment(monkeypatch):
+    cfg = _load("trainer.backend=ray", "ray.pools.default.resources={node_a: 1}",
+                "ray.pools.default.label_selector={pool: train, zone: '!us-east'}")
+    assert cfg.ray.pools["default"].resources == {"node_a": 1.0}
+    assert cfg.ray.pools["default"].label_selector == {"pool": "train", "zone": "!us-east"}
+    from rlcore.controller.ray_backend import ensure_ray
+
+    # a dashboard URL in RAY_ADDRESS (as `ray job submit` users set it) is refused, naming the key
+    monkeypatch.setenv("RAY_ADDRESS", "http://127.0.0.1:8265")
+    with pytest.raises(ValueError, match="is a dashboard \\(job server\\) URL; ray.address"):
+        ensure_ray()
 
 
 def test_colocated_roles_become_one_unit_and_must_share_world_size():

@@ -117,6 +117,47 @@ def test_killed_worker_is_a_clear_error_not_a_hang(cluster):
         g.shutdown()
 
 
+class Reducing(Worker):
+    """Ranks of a gloo group that all-reduce for a while, then return a shared array."""
+
+    @register(dispatch=Dispatch.COLLECTIVE)
+    def reduce_many(self, n: int) -> np.ndarray:
+        import time
+
+        import torch.distributed as dist
+
+        t = torch.ones(64)
+        for _ in range(n):
+            dist.all_reduce(t)
+            time.sleep(0.01)
+        return np.ones(4, dtype=np.float32)
+
+
+def test_a_rank_lost_mid_collective_is_named_through_a_passed_future(cluster):
+    """Rank 1 dies in a collective whose future went on to another group as an ObjectRef: rank 0's
+    collective breaks at once (gloo: connection closed by peer), the receiving call fails with
+    it, and what is reported is the root cause, the dead rank of the producing group."""
+    a = RayWorkerGroup(lambda r, ws: Reducing(r, ws), 2, "a", distributed=True, dist_backend="gloo", call_timeout_s=120)
+    b = RayWorkerGroup(lambda r, ws: Toy(r, ws), 1, "b", distributed=False, call_timeout_s=120)
+    try:
+        pids = a.pids()
+        produced = a.call_async("reduce_many", 3000)
+        received = b.call_async("total", produced)  # the ref goes worker to worker
+        import time
+
+        time.sleep(1.0)
+        os.kill(pids[1], signal.SIGKILL)
+        with pytest.raises(WorkerDiedError) as info:
+            received.result()
+        assert (info.value.role, info.value.rank, info.value.method) == ("a", 1, "reduce_many")
+        assert info.value.node_id and not info.value.node_lost  # the process died, its node is alive
+        assert "the worker process died on node" in str(info.value)
+        with pytest.raises(RuntimeError, match="unusable after rank 1 failed in 'reduce_many'"):
+            a.pids()
+    finally:
+        a.shutdown(), b.shutdown()
+
+
 def test_colocated_roles_share_one_process_per_rank(cluster):
     factory = lambda r, ws: ColocatedWorker({"x": Toy(r, ws, "x"), "y": Toy(r, ws, "y")}, r, ws)  # noqa: E731
     g = RayWorkerGroup(factory, 2, "x+y", distributed=False)

@@ -8,9 +8,13 @@ only starts per-rank calls (`execute.remote`) and waits for them. What it adds:
   colocated roles via `ColocatedWorker`, can live on one pool);
 - futures that travel: a rank-zero/collective result passed to another group's call goes over
   as an ObjectRef, worker to worker, without being fetched into the controller;
+- placement across nodes: a pool's strategy spreads its bundles over a cluster's nodes, and its
+  custom resources and label selector pick which nodes (`ray.pools.*`); each rank reports the node
+  it runs on (`identities()`);
 - failures: a worker that raises becomes `WorkerError` (role, rank, method, remote traceback);
-  a worker process that dies becomes `WorkerDiedError` as soon as Ray notices, and a call that
-  runs past `call_timeout_s` becomes `WorkerTimeoutError`: never an unbounded wait;
+  a worker process that dies becomes `WorkerDiedError` as soon as Ray notices, naming the node it
+  ran on and whether that node was lost, and a call that runs past `call_timeout_s` becomes
+  `WorkerTimeoutError`: never an unbounded wait;
 - torch.distributed: with `distributed=True` the ranks rendezvous (rank 0's node address and a
   free port it picks) before `setup()`, gloo on CPU, nccl with GPUs.
 """
@@ -63,7 +67,17 @@ def worker_threads(cpus: float) -> tuple[int | None, dict[str, str]]:
 
 
 class WorkerDiedError(WorkerError):
-    """The worker process is gone (killed, out of memory, node lost)."""
+    """The worker process is gone (killed, out of memory, node lost). `node_id` is the Ray node it
+    ran on (None when it died before reporting it) and `node_lost` whether that node is gone too."""
+
+    def __init__(self, role: str, rank: int, method: str, error: str, remote_traceback: str,
+                 node_id: str | None = None, node_lost: bool = False):
+        super().__init__(role, rank, method, error, remote_traceback)
+        self.node_id, self.node_lost = node_id, node_lost
+
+    def __reduce__(self):
+        return (type(self), (self.role, self.rank, self.method, self.error, self.remote_traceback, self.node_id,
+                             self.node_lost))
 
 
 class WorkerTimeoutError(WorkerError):
@@ -71,6 +85,11 @@ class WorkerTimeoutError(WorkerError):
 
 
 LOOPBACK = "127.0.0.1"
+# A collective that failed with one of these lost its connection to a peer rank: that rank's
+# process (or node) is probably gone, which Ray confirms when it notices (a lost node: when its
+# health checks go unanswered, ~15-30 s with Ray's defaults, `RAY_health_check_*`).
+PEER_LOST_SIGNS = ("closed by peer", "reset by peer", "Broken pipe", "remote process exited", "Connection refused")
+PEER_DEATH_WAIT_S = 60.0
 
 
 def is_loopback(host: str) -> bool:
@@ -139,6 +158,10 @@ def ensure_ray(address: str | None = None, num_cpus: float | None = None, temp_d
 
     if ray.is_initialized():
         return False
+    address = address or os.environ.get("RAY_ADDRESS") or None  # what Ray sets for a job's driver
+    if address and address.startswith(("http://", "https://")):
+        raise ValueError(f"Ray address {address!r} is a dashboard (job server) URL; ray.address (and RAY_ADDRESS for "
+                         "a run) takes the cluster's GCS address, host:port (`ray start --head --port`), or 'auto'")
     # Object and actor ids repeat across sessions of one process (same job id): a stale ObjectRef
     # from an earlier session, freed later by the cycle collector, would drop the count of a new
     # object or actor with the same id and kill it. Free such garbage before starting.
@@ -195,7 +218,10 @@ class ResourcePool:
     """A placement group of `bundles` equal bundles; rank r of each group on it uses bundle r."""
 
     def __init__(self, name: str, bundles: int, cpus_per_bundle: float = 1.0, gpus_per_bundle: float = 0.0,
-                 strategy: str = "PACK", timeout_s: float = 120.0):
+                 strategy: str = "PACK", timeout_s: float = 120.0, resources: dict[str, float] | None = None,
+                 label_selector: dict[str, str] | None = None):
+        """`resources`: custom resources every bundle also reserves (only nodes that have them hold
+        the pool); `label_selector`: node labels every bundle's node must match (Ray's syntax)."""
         import ray
         from ray.util.placement_group import placement_group
 
@@ -203,17 +229,20 @@ class ResourcePool:
             raise ValueError(f"resource pool {name!r}: bundles must be >= 1, got {bundles}")
         self.name, self.bundles = name, bundles
         self.cpus_per_bundle, self.gpus_per_bundle = float(cpus_per_bundle), float(gpus_per_bundle)
-        bundle = {"CPU": self.cpus_per_bundle}
+        bundle = {"CPU": self.cpus_per_bundle, **{k: float(v) for k, v in (resources or {}).items()}}
         if self.gpus_per_bundle:
             bundle["GPU"] = self.gpus_per_bundle
-        self.pg = placement_group([dict(bundle) for _ in range(bundles)], strategy=strategy)
+        selectors = [dict(label_selector) for _ in range(bundles)] if label_selector else None
+        self.pg = placement_group([dict(bundle) for _ in range(bundles)], strategy=strategy,
+                                  bundle_label_selector=selectors)
         try:
             ray.get(self.pg.ready(), timeout=timeout_s)
         except ray.exceptions.GetTimeoutError:
             self.remove()
+            where = f" on nodes labelled {label_selector}" if label_selector else ""
             raise RuntimeError(
-                f"resource pool {name!r}: could not reserve {bundles} x {bundle} ({strategy}) within "
-                f"{timeout_s:.0f}s; the cluster has {ray.available_resources()} available"
+                f"resource pool {name!r} (ray.pools.{name}): could not reserve {bundles} x {bundle}{where} "
+                f"({strategy}) within {timeout_s:.0f}s; the cluster's live nodes: {describe_nodes()}"
             ) from None
 
     def remove(self) -> None:
@@ -226,6 +255,31 @@ class ResourcePool:
 
     def __repr__(self) -> str:
         return f"ResourcePool({self.name!r}, bundles={self.bundles}, cpu={self.cpus_per_bundle}, gpu={self.gpus_per_bundle})"
+
+
+def describe_nodes() -> str:
+    """The cluster's live nodes, one short entry each: id prefix, address, resources, labels."""
+    import ray
+
+    parts = []
+    for node in ray.nodes():
+        if node.get("Alive"):
+            resources = {k: v for k, v in node.get("Resources", {}).items() if not k.startswith(("node:", "memory", "object_store"))}
+            labels = {k: v for k, v in (node.get("Labels") or {}).items() if not k.startswith("ray.io/")}
+            parts.append(f"{node['NodeID'][:12]} at {node.get('NodeManagerAddress')} {resources}"
+                         + (f" labels {labels}" if labels else ""))
+    return "; ".join(parts) or "none"
+
+
+def node_state(node_id: str) -> tuple[bool, str]:
+    """Whether the node is alive, and how to name it: 'node <id prefix> (<host>, <ip>)'."""
+    import ray
+
+    for node in ray.nodes():
+        if node["NodeID"] == node_id:
+            return bool(node.get("Alive")), (f"node {node_id[:12]} ({node.get('NodeManagerHostname')}, "
+                                             f"{node.get('NodeManagerAddress')})")
+    return False, f"node {node_id[:12]}"
 
 
 class _WorkerHost:
@@ -300,8 +354,15 @@ class _WorkerHost:
             raise WorkerError.from_exception(self.role, self.rank, method, e) from None
 
     def identity(self) -> dict[str, Any]:
-        """Where this rank runs: process id and host name (for traces)."""
-        return {"pid": os.getpid(), "host": socket.gethostname()}
+        """Where this rank runs: process id, host name, Ray node id and address (for traces and
+        for naming the node when the rank is lost)."""
+        import ray
+
+        return {"pid": os.getpid(), "host": socket.gethostname(), "node_id": ray.get_runtime_context().get_node_id(),
+                "node_ip": ray.util.get_node_ip_address()}
+
+    def __repr__(self) -> str:  # Ray prefixes the worker's log lines with it: "(actor:1 pid=...)"
+        return f"{self.role}:{self.rank}"
 
 
 class RayGroupFuture(GroupFuture):
@@ -340,6 +401,7 @@ class RayWorkerGroup(WorkerGroup):
         self._failed: WorkerError | None = None
         self._distributed = False
         self._actors: list[Any] = []
+        self._where: list[dict[str, Any]] = []  # identity() of each rank, once started
         gpus = pool.gpus_per_bundle * share if pool is not None else 0.0
         cpus = _floor4(pool.cpus_per_bundle * share) if pool is not None else 1.0
         threads, thread_env = worker_threads(cpus)
@@ -374,6 +436,7 @@ class RayWorkerGroup(WorkerGroup):
         try:
             specs = self._wait_all("__init__", self._build_refs, self.init_timeout_s)
             self._methods: dict[str, MethodSpec] = specs[0]
+            self._where = self.identities()
             self._distributed = self._want_distributed
             if self._distributed:
                 addr, port = self._wait_all("init_distributed", [(0, self._actors[0].rendezvous_address.remote())],
@@ -405,7 +468,7 @@ class RayWorkerGroup(WorkerGroup):
         return [ident["pid"] for ident in self.identities()]
 
     def identities(self) -> list[dict[str, Any]]:
-        """{pid, host} of each rank, in rank order."""
+        """{pid, host, node_id, node_ip} of each rank, in rank order."""
         return self._wait_all("identity", [(r, a.identity.remote()) for r, a in enumerate(self._actors)], 60.0)
 
     def call_async(self, method: str, *args: Any, **kwargs: Any) -> RayGroupFuture:
@@ -415,7 +478,11 @@ class RayWorkerGroup(WorkerGroup):
                 f"{self._failed.method!r} (its ranks may be stuck in a collective); rebuild the "
                 f"groups (resume from the last checkpoint). First failure: {self._failed.error}"
             )
-        return super().call_async(method, *args, **kwargs)  # the future comes from _make_future
+        future = super().call_async(method, *args, **kwargs)  # the future comes from _make_future
+        upstream = [v for v in (*args, *kwargs.values()) if isinstance(v, RayGroupFuture) and v.ref is not None]
+        if not upstream:
+            return future
+        return RayGroupFuture(lambda: _blaming_upstream(future, upstream), future.ref)
 
     def _prepare_args(self, dispatch: Dispatch, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
         """Futures as arguments: a single-rank result goes on as its ObjectRef (Ray resolves it in
@@ -507,20 +574,35 @@ class RayWorkerGroup(WorkerGroup):
     def _root_cause(self, err: WorkerError, pending: list[Any], rank_of: dict, method: str) -> WorkerError:
         """When one rank of a distributed group fails, its peers' collectives fail too: a rank
         whose collective broke because another rank died must not hide that death. Give the
-        other ranks a few seconds and report a death among them first."""
+        other ranks a few seconds and report a death among them first. When the failure is a
+        broken connection to a peer (its process, or its whole node, is gone), wait as long as Ray
+        may take to notice a lost node (`PEER_DEATH_WAIT_S`), and ask every other rank whether it
+        is alive: the dead one may have finished its part of this call before it died."""
         import ray
 
-        if not self._distributed or not pending or isinstance(err, WorkerDiedError):
+        if not self._distributed or isinstance(err, WorkerDiedError):
             return err
-        ready, _ = ray.wait(pending, num_returns=len(pending), timeout=5.0)
-        for ref in ready:
-            try:
-                self._get(ref, rank_of[ref], method)
-            except WorkerDiedError as died:
-                self._failed = died
-                return died
-            except WorkerError:
-                pass
+        peer_lost = any(sign in err.error for sign in PEER_LOST_SIGNS)
+        deadline = time.monotonic() + (PEER_DEATH_WAIT_S if peer_lost else 5.0)
+        probes = [(rank_of[ref], ref) for ref in pending]
+        if peer_lost:
+            probes += [(r, a.identity.remote()) for r, a in enumerate(self._actors) if r != err.rank]
+        waiting = {ref: rank for rank, ref in probes}
+        while waiting and time.monotonic() < deadline:
+            ready, _ = ray.wait(list(waiting), num_returns=1, timeout=max(0.0, deadline - time.monotonic()))
+            for ref in ready:
+                rank = waiting.pop(ref)
+                try:
+                    ray.get(ref, timeout=60.0)
+                except ray.exceptions.RayTaskError:  # this rank failed too (its collective broke): not the cause
+                    pass
+                except (ray.exceptions.RayActorError, ray.exceptions.WorkerCrashedError,
+                        ray.exceptions.NodeDiedError) as e:
+                    died = self._died(rank, method, e)
+                    self._failed = died
+                    return died
+                except ray.exceptions.RayError:
+                    pass
         return err
 
     def _get(self, ref: Any, rank: int, method: str) -> Any:
@@ -537,16 +619,74 @@ class RayWorkerGroup(WorkerGroup):
         except (ray.exceptions.RayActorError, ray.exceptions.WorkerCrashedError,
                 ray.exceptions.OutOfMemoryError, ray.exceptions.NodeDiedError,
                 ray.exceptions.ObjectLostError, ray.exceptions.OwnerDiedError) as e:
-            err = WorkerDiedError(self.role, rank, method,
-                                  f"the worker process died ({type(e).__name__})", str(e))
+            err = self._died(rank, method, e)
         except ray.exceptions.GetTimeoutError as e:
             err = WorkerTimeoutError(self.role, rank, method, "fetching the result timed out", str(e))
         self._fail(err)
         raise err
 
+    def _died(self, rank: int, method: str, e: BaseException) -> WorkerDiedError:
+        """The error for a rank whose process is gone, naming its node and whether the node was lost
+        (a dead node's workers all die with it; Ray notices when its health checks go unanswered).
+        A rank that is only unreachable is asked again until Ray says it died or it answers."""
+        import ray
+
+        if isinstance(e, ray.exceptions.ActorUnavailableError):
+            e = self._settle(rank, e)
+        node_id = self._where[rank]["node_id"] if rank < len(self._where) else None
+        if node_id is None:
+            return WorkerDiedError(self.role, rank, method, f"the worker process died ({type(e).__name__})", str(e))
+        try:
+            alive, name = node_state(node_id)
+        except Exception:  # noqa: BLE001 - the GCS itself is unreachable: say what is known
+            alive, name = True, f"node {node_id[:12]}"
+        if not alive:
+            what = f"its {name} was lost"
+        elif isinstance(e, ray.exceptions.ActorUnavailableError):
+            what = f"the worker became unreachable on {name}"
+        else:
+            what = f"the worker process died on {name}"
+        return WorkerDiedError(self.role, rank, method, f"{what} ({type(e).__name__})", str(e),
+                               node_id=node_id, node_lost=not alive)
+
+    def _settle(self, rank: int, unavailable: BaseException) -> BaseException:
+        """Ask an unreachable rank (Ray: "temporarily unavailable", e.g. its node stopped answering)
+        until Ray says it died (returns that error) or it answers (returns `unavailable`), for at
+        most PEER_DEATH_WAIT_S: Ray declares a lost node dead only after its health checks fail."""
+        import ray
+
+        deadline = time.monotonic() + PEER_DEATH_WAIT_S
+        while rank < len(self._actors) and time.monotonic() < deadline:
+            try:
+                ray.get(self._actors[rank].identity.remote(), timeout=max(1.0, deadline - time.monotonic()))
+                return unavailable
+            except ray.exceptions.ActorUnavailableError:
+                time.sleep(1.0)
+            except ray.exceptions.RayActorError as e:
+                return e
+            except ray.exceptions.GetTimeoutError:  # reachable, busy: alive
+                return unavailable
+        return unavailable
+
     def _fail(self, err: WorkerError) -> None:
         if self._distributed or isinstance(err, (WorkerDiedError, WorkerTimeoutError)):
             self._failed = self._failed or err
+
+
+def _blaming_upstream(future: RayGroupFuture, upstream: list[RayGroupFuture]) -> Any:
+    """The result of a call that took other groups' futures as ObjectRefs. When it fails because
+    one of those failed (the error names another role), the producing group's own wait reports
+    the root cause: a rank of it that died, not its peer whose collective broke, and that group
+    is marked failed. Only on failure: a passed future is otherwise never fetched here."""
+    try:
+        return future.result()
+    except WorkerError:
+        for up in upstream:
+            try:
+                up.result()
+            except WorkerError as cause:
+                raise cause from None
+        raise
 
 
 def _floor4(x: float) -> float:

@@ -5,11 +5,11 @@ from __future__ import annotations
 
 from typing import Any
 
-from prefect import flow, task
+from prefect import flow, get_run_logger, task
 from prefect.cache_policies import NO_CACHE
 
 from rlcore.config import config_from_dict
-from rlcore.lifecycle import stages
+from rlcore.lifecycle import ray_job, stages
 from rlcore.lifecycle.data_prep import retry_if_transient
 from rlcore.lifecycle.results import Evaluation, PipelineContext
 
@@ -17,7 +17,14 @@ from rlcore.lifecycle.results import Evaluation, PipelineContext
 @task(name="evaluate", retries=1, retry_delay_seconds=2, retry_condition_fn=retry_if_transient, timeout_seconds=3600, cache_policy=NO_CACHE)
 def evaluate_task(config: dict[str, Any], candidate_dir: str, baseline_dir: str, baseline_name: str,
                   reference_dir: str, val_file: str, workdir: str, ctx: PipelineContext | None = None,
-                  start_dir: str | None = None, reward_model_dir: str | None = None) -> Evaluation:
+                  start_dir: str | None = None, reward_model_dir: str | None = None,
+                  ray_address: str | None = None) -> Evaluation:
+    """`ray_address` (a cluster's job server): the stage runs there as a Ray job, its log in this task's."""
+    if ray_address:
+        return ray_job.run_stage_as_job(ray_address, "evaluate", config, dict(  # type: ignore[return-value]
+            candidate_dir=candidate_dir, baseline_dir=baseline_dir, baseline_name=baseline_name,
+            reference_dir=reference_dir, val_file=val_file, workdir=workdir, ctx=ctx, start_dir=start_dir,
+            reward_model_dir=reward_model_dir), workdir=workdir, ctx=ctx, log_line=get_run_logger().info)
     return stages.evaluate_stage(config_from_dict(config), candidate_dir, baseline_dir, baseline_name,
                                  reference_dir, val_file, workdir, ctx, start_dir=start_dir, reward_model_dir=reward_model_dir)
 

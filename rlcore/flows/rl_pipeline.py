@@ -10,6 +10,12 @@ model, registered as its own MLflow model and gated on pairwise accuracy; the po
 trained against the champion reward model (`reward_model.path`), and its version's lineage names it.
 Its evaluation scores the answers of the start model and the candidate by that reward model too.
 
+`ray_address` (a Ray cluster's job server, `http://head:8265`) runs the train and evaluate stages
+as Ray jobs on that cluster (`rlcore.lifecycle.ray_job`): each job's log streams into its task's
+log, its id is tagged on the stage's MLflow run, and a failed or stopped job fails the task with
+its reason (a failed train job is retried: the next job resumes from the newest intact
+checkpoint). Without it, every stage runs in this process.
+
 The flow run is named after the pipeline run (`run_name`, else a fresh `pipeline-<time>-<hex>`),
 so Prefect, MLflow and every webhook notification, the server's crash ones included
 (rlcore.lifecycle.automations), name a run the same way. A run that fails or crashes is recorded
@@ -64,6 +70,7 @@ def rl_pipeline(
     reward: str = "rule",
     reward_config_path: str | None = None,
     reward_overrides: list[str] | None = None,
+    ray_address: str | None = None,
 ) -> Summary:
     """`example=True` points the config at the built-in tiny example (before `overrides`; and the
     reward model's config at its preference set).
@@ -104,7 +111,7 @@ def rl_pipeline(
                 rm_promotion = promote_task.with_options(name="promote_reward_model")(rm_tree, rm_train, rm_eval, workdir, ctx)
             reward_model = reward_model_in_use_task(rm_tree, workdir)  # the champion, this run's or an earlier one
         champion = champion_task(tree, workdir)
-        train = train_task(tree, prepared, workdir, ctx, champion, reward_model)
+        train = train_task(tree, prepared, workdir, ctx, champion, reward_model, ray_address=ray_address)
         evaluation: Evaluation | None = None
         promotion: Promotion | None = None
         if train["candidate_dir"]:  # None: stopped by the health guard before any checkpoint
@@ -112,7 +119,8 @@ def rl_pipeline(
             evaluation = evaluate_task(tree, train["candidate_dir"], baseline_dir, baseline_name,
                                        train["reference_model"], prepared["val_file"], workdir, ctx,
                                        start_dir=train["start_model"],
-                                       reward_model_dir=reward_model["path"] if reward_model else None)
+                                       reward_model_dir=reward_model["path"] if reward_model else None,
+                                       ray_address=ray_address)
             if train["model_logged"]:  # a version's files are the train run's `model` artifact
                 promotion = promote_task(tree, train, evaluation, workdir, ctx)
         summary = stages.summarize(ctx, prepared, train, evaluation, promotion, champion, workdir)

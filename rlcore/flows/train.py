@@ -5,18 +5,24 @@ from __future__ import annotations
 
 from typing import Any
 
-from prefect import flow, task
+from prefect import flow, get_run_logger, task
 from prefect.cache_policies import NO_CACHE
 
 from rlcore.config import config_from_dict
-from rlcore.lifecycle import stages
+from rlcore.lifecycle import ray_job, stages
 from rlcore.lifecycle.data_prep import retry_if_transient
 from rlcore.lifecycle.results import PipelineContext, PreparedData, RegisteredVersion, RewardModelInUse, SftResult, TrainResult
 
 
 @task(name="train", retries=1, retry_delay_seconds=5, retry_condition_fn=retry_if_transient, timeout_seconds=6 * 3600, cache_policy=NO_CACHE)
 def train_task(config: dict[str, Any], prepared: PreparedData, workdir: str, ctx: PipelineContext,
-               champion: RegisteredVersion | None = None, reward_model: RewardModelInUse | None = None) -> TrainResult:
+               champion: RegisteredVersion | None = None, reward_model: RewardModelInUse | None = None,
+               ray_address: str | None = None) -> TrainResult:
+    """`ray_address` (a cluster's job server): the stage runs there as a Ray job, its log in this task's."""
+    if ray_address:
+        return ray_job.run_stage_as_job(ray_address, "train", config, dict(  # type: ignore[return-value]
+            prepared=prepared, workdir=workdir, ctx=ctx, champion=champion, reward_model=reward_model),
+            workdir=workdir, ctx=ctx, log_line=get_run_logger().info)
     return stages.train_stage(config_from_dict(config), prepared, workdir, ctx, champion, reward_model)
 
 

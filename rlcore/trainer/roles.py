@@ -128,7 +128,8 @@ def build_ray_worker_groups(config: Config, only: Collection[str] | None = None)
         pools = {}
         for name, n in bundles.items():
             p = rc.pools[name]
-            pools[name] = ResourcePool(name, n, p.cpus_per_bundle, p.gpus_per_bundle, p.strategy)
+            pools[name] = ResourcePool(name, n, p.cpus_per_bundle, p.gpus_per_bundle, p.strategy,
+                                       resources=p.resources, label_selector=p.label_selector)
             on_close.append(pools[name].remove)
 
         def submit(unit: list[str]) -> RayWorkerGroup:

@@ -43,8 +43,8 @@ PHASE_ROLES = {
 
 
 def worker_identities(groups: Any) -> dict[str, list[dict[str, Any]]]:
-    """role -> [{rank, pid, host}] of the processes doing each role's work (Ray workers report
-    their own; in-process roles run here)."""
+    """role -> [{rank, pid, host}, plus node_id and node_ip on Ray] of the processes doing each
+    role's work (Ray workers report their own; in-process roles run here)."""
     out: dict[str, list[dict[str, Any]]] = {}
     here = {"pid": os.getpid(), "host": socket.gethostname()}
     for role in ("actor", "rollout", "reward", "ref", "critic", "reward_model"):

@@ -112,10 +112,10 @@ class RolePlan:
 def _lengths(config: Config) -> tuple[int, int, int]:
     """(prompt tokens, response tokens, rows per example) of the run's sequences at their maximum."""
     prompt = config.data.max_prompt_length
-    name = config.algorithm.name
-    if name in ("dpo", "kto"):
-        return prompt, config.preference.max_response_length, 2 if name == "dpo" else 1
-    if name == "rm":
+    traits = config.traits
+    if traits.trains_policy and not traits.generates:  # offline preference rows: pairs or single rows
+        return prompt, config.preference.max_response_length, 2 if traits.data == "pairwise" else 1
+    if "reward_model" in traits.trains:
         return prompt, max(1, config.reward_model.max_length - prompt), 2
     agent = config.rollout.agent
     return prompt, agent.max_total_tokens if agent.enabled else config.rollout.max_new_tokens, config.rollout.n
@@ -125,7 +125,7 @@ def role_plans(config: Config) -> list[RolePlan]:
     """The roles of `config` that hold a model on a device, in `Config.present_roles` order (the
     rollout is planned apart: `rlcore.plan.rollout`)."""
     prompt, response, rows_per_example = _lengths(config)
-    name = config.algorithm.name
+    traits = config.traits
     step_sequences = config.data.train_batch_size * rows_per_example
     common = dict(temperature=config.rollout.temperature, chunk_tokens=config.actor.logprob_chunk_tokens,
                   step_sequences=step_sequences)
@@ -139,10 +139,10 @@ def role_plans(config: Config) -> list[RolePlan]:
             trains = role == "actor"
             micro = MicroBatching.of(a)
             passes: tuple[tuple[str, int], ...] = (("train", a.ppo_epochs),)
-            if name in ("grpo", "ppo") and not config.old_log_probs_from_update:
+            if traits.generates and not config.old_log_probs_from_update:
                 passes += (("forward", 1),)  # the old log-probs' no-grad pass
             if not trains:
-                cached = name in ("dpo", "kto") and config.preference.ref_cache
+                cached = "ref_cache" in traits.preference_keys and config.preference.ref_cache
                 passes = () if cached else (("forward", 1),)
             plans.append(RolePlan(
                 role=role, model_path=config.model.path, model_key="model.path", head="lm", trains=trains,
@@ -169,7 +169,7 @@ def role_plans(config: Config) -> list[RolePlan]:
                 **_limits(config, role, c.lora), **common))
         elif role == "reward_model":
             r = config.reward_model
-            trains = name == "rm"
+            trains = "reward_model" in traits.trains
             micro = MicroBatching(r.micro_batch_size, r.dynamic_batch_size, r.max_tokens_per_micro_batch)
             length = min(r.max_length, prompt + response)
             mini = (r.mini_batch_size or config.data.train_batch_size) * 2 if trains else step_sequences

@@ -469,15 +469,20 @@ class RayWorkerGroup(WorkerGroup):
 
     def identities(self) -> list[dict[str, Any]]:
         """{pid, host, node_id, node_ip} of each rank, in rank order."""
+        self._check_usable()
         return self._wait_all("identity", [(r, a.identity.remote()) for r, a in enumerate(self._actors)], 60.0)
 
-    def call_async(self, method: str, *args: Any, **kwargs: Any) -> RayGroupFuture:
+    def _check_usable(self) -> None:
+        """After a rank failed, the group's other ranks may be stuck in a collective: refuse calls."""
         if self._failed is not None:
             raise RuntimeError(
                 f"worker group {self.role!r} is unusable after rank {self._failed.rank} failed in "
                 f"{self._failed.method!r} (its ranks may be stuck in a collective); rebuild the "
                 f"groups (resume from the last checkpoint). First failure: {self._failed.error}"
             )
+
+    def call_async(self, method: str, *args: Any, **kwargs: Any) -> RayGroupFuture:
+        self._check_usable()
         future = super().call_async(method, *args, **kwargs)  # the future comes from _make_future
         upstream = [v for v in (*args, *kwargs.values()) if isinstance(v, RayGroupFuture) and v.ref is not None]
         if not upstream:

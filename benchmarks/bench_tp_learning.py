@@ -4,6 +4,7 @@
     ./dev python benchmarks/bench_tp_learning.py --algorithm ppo    # PPO: one process (2 seeds) vs TP critic
     ./dev python benchmarks/bench_tp_learning.py --steps 30 --only tp
     ./dev python benchmarks/bench_tp_learning.py --only one --seeds 1
+    ./dev python benchmarks/bench_tp_learning.py --only tp --rollout-data-parallel 2   # two vLLM TP-2 engines
 
 GRPO (`rlcore/configs/tiny_grpo.yaml`, lr 1e-5 as in README): the one-process run (in-process
 backend, hf rollout) at seeds 0 and 1 (how far two seeds land apart is the noise to judge by),
@@ -13,7 +14,8 @@ PPO (`rlcore/configs/tiny_ppo.yaml`): the same, the TP run with actor and critic
 parallel 2 (`actor.layout`, `critic.layout`) and the hf rollout. Each run is its own
 `rlcore train` process; printed: greedy validation accuracy (`val/acc`) before training and at
 every validation step, and the run's wall and CPU seconds (the process tree's user + system:
-the machine may be shared, so compare CPU seconds).
+the machine may be shared, so compare CPU seconds; Ray's workers are not in that tree).
+`--rollout-data-parallel 2` (GRPO): two vLLM engines of tensor-parallel size 2, four vLLM ranks.
 """
 
 from __future__ import annotations
@@ -67,7 +69,11 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=30)
     parser.add_argument("--only", choices=["all", "one", "tp"], default="all")
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1], help="the one-process runs' seeds")
+    parser.add_argument("--rollout-data-parallel", type=int, default=1,
+                        help="GRPO's TP run: vLLM engines (each of tensor-parallel size 2)")
     args = parser.parse_args()
+    if args.rollout_data_parallel > 1 and args.algorithm != "grpo":
+        parser.error("--rollout-data-parallel: the PPO run's rollout is the hf backend (no vLLM engines)")
     example = build_tiny_example()
     config = CONFIG_DIR / f"tiny_{args.algorithm}.yaml"
     common = [f"trainer.total_steps={args.steps}", "trainer.val_every=10", "trainer.save_every=1000",
@@ -81,7 +87,12 @@ def main() -> None:
             variants += [(f"one process, seed {seed}", [f"trainer.seed={seed}"]) for seed in args.seeds]
         if args.only in ("all", "tp"):
             what = ("actor FSDP x TP 2x2 + vLLM rollout TP 2" if args.algorithm == "grpo" else "actor TP 2 + critic TP 2")
-            variants.append((f"{what}, seed 0", ["trainer.seed=0", *TP_RUNS[args.algorithm]]))
+            extra = ["trainer.seed=0", *TP_RUNS[args.algorithm]]
+            if args.rollout_data_parallel > 1:
+                dp = args.rollout_data_parallel
+                what += f" x {dp} engines"
+                extra.append(f"rollout.layout={{data_parallel: {dp}, tensor_parallel: 2}}")
+            variants.append((f"{what}, seed 0", extra))
         for i, (name, extra) in enumerate(variants):
             out = Path(tmp) / f"run{i}"
             run(name, config, [*tiny_example_overrides(example, str(out)), *common, *extra], out)

@@ -77,11 +77,11 @@ def test_model_shapes_and_architectures_are_checked_at_preflight_naming_the_key(
     cfg = load_config(None, [*BASE, f"model.path={odd}", "actor.layout={tensor_parallel: 2}", "actor.use_kl_loss=true",
                              "ref.layout={tensor_parallel: 4}", "rollout.layout={tensor_parallel: 4}"])
     assert layout_problems(cfg) == [
-        f"actor.layout.tensor_parallel=2: the model's key/value heads (3) do not divide by tensor_parallel=2 ({odd})",
-        f"ref.layout.tensor_parallel=4: the model's attention heads (6) do not divide by tensor_parallel=4 ({odd})",
-        f"ref.layout.tensor_parallel=4: the model's key/value heads (3) do not divide by tensor_parallel=4 ({odd})",
-        f"ref.layout.tensor_parallel=4: the model's vocabulary (66) do not divide by tensor_parallel=4 ({odd})",
-        f"ref.layout.tensor_parallel=4: the model's intermediate size (66) do not divide by tensor_parallel=4 ({odd})",
+        f"actor.layout.tensor_parallel=2: the model's key/value heads (3) is not divisible by tensor_parallel=2 ({odd})",
+        f"ref.layout.tensor_parallel=4: the model's attention heads (6) is not divisible by tensor_parallel=4 ({odd})",
+        f"ref.layout.tensor_parallel=4: the model's key/value heads (3) is not divisible by tensor_parallel=4 ({odd})",
+        f"ref.layout.tensor_parallel=4: the model's vocabulary (66) is not divisible by tensor_parallel=4 ({odd})",
+        f"ref.layout.tensor_parallel=4: the model's intermediate size (66) is not divisible by tensor_parallel=4 ({odd})",
         f"rollout.layout.tensor_parallel=4: the model's 6 attention heads do not divide by it ({odd}; each vLLM rank "
         "serves an equal share of them)"]
     # Ulysses splits what one tensor-parallel rank holds: 4 heads / 2 = 2, then / 4 does not go

@@ -1,6 +1,7 @@
-"""Data-parallel vLLM rollout on Ray: two rollout ranks, each a Ray actor holding its own
-in-process vLLM engine. Both generate a share of every step, and both receive the actor's
-weights after each update: from step 2 on, each engine's log-probs still equal the actor's."""
+"""Data-parallel vLLM rollout on Ray: two rollout ranks, each a Ray actor holding its own vLLM
+engine (in its process, or at tensor parallel 2 an engine of two rank processes). Both generate a
+share of every step, and both receive the actor's weights after each update: from step 2 on, each
+engine's log-probs still equal the actor's."""
 
 from __future__ import annotations
 
@@ -19,11 +20,15 @@ if importlib.util.find_spec("vllm") is None:
     pytest.skip("vllm is not installed", allow_module_level=True)
 
 
-def test_two_vllm_rollout_ranks_share_the_batch_and_both_get_the_weights(tiny_example, tmp_path, ray_local):
+@pytest.mark.parametrize("layout", ["rollout.world_size=2", "rollout.layout={data_parallel: 2, tensor_parallel: 2}"],
+                         ids=["dp2", "dp2xtp2"])
+def test_two_vllm_rollout_ranks_share_the_batch_and_both_get_the_weights(tiny_example, tmp_path, ray_local, layout):
+    """dp2xtp2: two engines of tensor-parallel size 2 (four vLLM ranks; on a 2-core machine the
+    engines' threads are not pinned, "nobind"), each getting the full tensors at every sync."""
     out = tmp_path / "run"
     train_on_ray(CONFIG_DIR / "tiny_grpo.yaml", [
         *tiny_example_overrides(tiny_example, str(out)),
-        "trainer.backend=ray", "rollout.backend=vllm", "rollout.world_size=2", "rollout.vllm.kv_cache_gib=0.25",
+        "trainer.backend=ray", "rollout.backend=vllm", layout, "rollout.vllm.kv_cache_gib=0.25",
         "trainer.total_steps=3", "trainer.save_every=100", "trainer.val_every=100", "trainer.val_before_train=false",
         "trainer.loggers=[jsonl]", "data.train_batch_size=16", "actor.ppo_mini_batch_size=8",
     ], address=ray_local)

@@ -34,7 +34,7 @@ from rlcore.errors import RLCoreError
 from rlcore.rewards.registry import builtin_data_sources, load_function, load_reward_fn, resolve_spec
 from rlcore.rewards.tools import load_tools, tool_schemas
 from rlcore.trainer.model_folders import read_model_config, reward_model_config_problems, weight_problems
-from rlcore.workers.parallel.shapes import layout_problems
+from rlcore.workers.parallel.shapes import layout_problems, model_layout_problems
 from rlcore.workers.ulysses import head_problem
 
 log = logging.getLogger(__name__)
@@ -377,9 +377,20 @@ def resume_problems(resume: str, algorithm: str) -> list[str]:
 
 
 def sft_preflight(config: SFTConfig) -> None:
-    """`preflight` for an SFT run (`rlcore sft`): the model folder, the data files (a messages
-    column, or prompt and response columns), the checkpoint to resume and the output folder."""
+    """`preflight` for an SFT run (`rlcore sft`): the model folder (and whether the actor's tensor-
+    parallel size splits it), the data files (a messages column, or prompt and response columns),
+    the checkpoint to resume and the output folder."""
     problems = model_folder_problems("model.path", config.model.path, tokenizer=True)
+    actor = config.worker_config(1)  # the layout the actor worker takes (total_steps plays no part in it)
+    layout = actor.layout_of("actor")
+    if layout.tensor_parallel > 1:
+        try:  # an unreadable folder is model_folder_problems' to report
+            model_config = json.loads((Path(config.model.path) / "config.json").read_text(encoding="utf-8"))
+        except (OSError, ValueError):
+            model_config = None
+        if model_config is not None:
+            problems += model_layout_problems(actor.layout_key("actor", "tensor_parallel"), model_config,
+                                              layout.tensor_parallel, layout.sequence_parallel, config.model.path)
     data = config.data
     problems += [] if data.train_files else ["data.train_files: empty (give at least one .parquet or .jsonl file)"]
     needed = [(data.messages_key,), (data.prompt_key, data.response_key)]

@@ -35,7 +35,7 @@ def tensor_parallel_problems(config: dict[str, Any], tp: int, sp: int = 1) -> li
             ("intermediate size", int(text.get("intermediate_size") or 0))]
     for what, n in dims:
         if tp > 1 and (n == 0 or n % tp):
-            problems.append(f"the model's {what} ({n}) do not divide by tensor_parallel={tp}")
+            problems.append(f"the model's {what} ({n}) is not divisible by tensor_parallel={tp}")
     if sp > 1 and not problems:
         problem = ulysses_problem(heads // tp, kv_heads // tp, sp)
         if problem:
@@ -102,13 +102,19 @@ def layout_problems(config: Any) -> list[str]:
                 problems.append(f"{key}={tp}: the model's {heads} attention heads do not divide by it ({path}; each "
                                 "vLLM rank serves an equal share of them)")
             continue
-        found = tensor_parallel_problems(model_config, tp, layout.sequence_parallel)
-        if plan_source(model_config) is None:
-            found.append(f"{architecture_name(model_config)} has no tensor-parallel plan (none in transformers, and "
-                         f"rlcore owns plans for the {', '.join(OWN_PLAN_FAMILIES)} families only)")
-        problems += [f"{key}={tp}: {p} ({path})" for p in found]
+        problems += model_layout_problems(key, model_config, tp, layout.sequence_parallel, path)
     return problems
 
 
-__all__ = ["OWN_PLAN_FAMILIES", "architecture_name", "layout_problems", "plan_source", "role_model_path",
-           "tensor_parallel_problems", "text_config", "ulysses_problem"]
+def model_layout_problems(key: str, model_config: dict[str, Any], tp: int, sp: int, path: str) -> list[str]:
+    """Why one trained role cannot split the model of this config.json over `tp` tensor-parallel
+    ranks (with `sp` Ulysses ranks on top), each naming `key` and the model folder `path`."""
+    found = tensor_parallel_problems(model_config, tp, sp)
+    if plan_source(model_config) is None:
+        found.append(f"{architecture_name(model_config)} has no tensor-parallel plan (none in transformers, and "
+                     f"rlcore owns plans for the {', '.join(OWN_PLAN_FAMILIES)} families only)")
+    return [f"{key}={tp}: {p} ({path})" for p in found]
+
+
+__all__ = ["OWN_PLAN_FAMILIES", "architecture_name", "layout_problems", "model_layout_problems", "plan_source",
+           "role_model_path", "tensor_parallel_problems", "text_config", "ulysses_problem"]

@@ -21,7 +21,10 @@ Tests that must watch a server or a cluster of their own start, die or listen (t
 start their own and say why. Every test that starts Ray, vLLM, a Prefect
 server or flow, the pipeline or several torch.distributed processes carries the matching marker
 (`ray`, `vllm`, `prefect`, `pipeline`, `distributed`) beside `slow`; tests that use the fixtures
-above get the marker automatically (`pytest_collection_modifyitems`)."""
+above get the marker automatically (`pytest_collection_modifyitems`).
+
+`./dev test` runs the suite on two pytest-xdist workers (`--dist loadgroup`): "per session" above
+means per worker, except `ray_cluster`, whose tests are one xdist group (one worker, one cluster)."""
 
 from __future__ import annotations
 
@@ -305,19 +308,28 @@ def _stop_process_group(pgid: int, grace_s: float = 5) -> None:
             return
 
 
-def _start_ray_head(temp: str) -> tuple[subprocess.Popen, str]:
-    """`ray start --head` (see `ray_local`): the finished `ray start` process, whose id names the
-    process group the cluster runs in, and the cluster's address."""
+def _free_port() -> int:
     import socket
-    import sys
 
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+        return int(s.getsockname()[1])
+
+
+def _start_ray_head(temp: str) -> tuple[subprocess.Popen, str]:
+    """`ray start --head` (see `ray_local`): the finished `ray start` process, whose id names the
+    process group the cluster runs in, and the cluster's address."""
+    import sys
+
+    port = _free_port()
     ray_bin = str(Path(sys.executable).with_name("ray"))
     with open(Path(temp) / "start.log", "w") as log:
         starter = subprocess.Popen([ray_bin, "start", "--head", "--node-ip-address", "127.0.0.1", "--port", str(port),
                                     "--num-cpus", "4", "--disable-usage-stats", "--include-dashboard=false",
+                                    # ports Ray would otherwise take at fixed defaults (52365, 10001): the other
+                                    # pytest-xdist worker's cluster, or a user's, may hold them
+                                    "--dashboard-agent-listen-port", str(_free_port()),
+                                    "--ray-client-server-port", str(_free_port()),
                                     "--temp-dir", temp], stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
     try:
         starter.wait(timeout=300)
@@ -398,7 +410,10 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     """Tests using the fixtures above get their area marker; every test with an area marker is
     `slow` (what `./dev fast` leaves out), whether or not it says so itself."""
     for item in items:
-        for fixture in _FIXTURE_MARKERS.keys() & set(getattr(item, "fixturenames", ())):
+        fixtures = set(getattr(item, "fixturenames", ()))
+        for fixture in _FIXTURE_MARKERS.keys() & fixtures:
             item.add_marker(_FIXTURE_MARKERS[fixture])
+        if "ray_cluster" in fixtures:  # one 3-node cluster per session, not one per pytest-xdist worker
+            item.add_marker(pytest.mark.xdist_group("ray_cluster"))
         if item.get_closest_marker("slow") is None and any(item.get_closest_marker(m) for m in _AREA_MARKERS):
             item.add_marker("slow")

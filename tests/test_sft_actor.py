@@ -76,7 +76,7 @@ def test_sft_on_two_fsdp_or_two_tensor_parallel_ranks_takes_the_one_process_step
         # gradient, so an element whose gradient is near 0 turns float-summation noise into a
         # visible move (2.6e-5 seen in 1 of 32,768 down_proj elements at tp2); a wrong shard is off by far more
         for key in w1:
-            torch.testing.assert_close(w2[key], w1[key], atol=1e-4, rtol=0, msg=lambda m, key=key: f"{name}: {key}: {m}")
+            torch.testing.assert_close(w2[key], w1[key], atol=1e-4, rtol=0, msg=lambda m, key=key, name=name: f"{name}: {key}: {m}")
 
 
 def test_a_tensor_parallel_size_the_model_cannot_take_is_refused_before_anything_loads(own_model, tmp_path, capsys):

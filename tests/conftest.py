@@ -23,8 +23,10 @@ server or flow, the pipeline or several torch.distributed processes carries the 
 (`ray`, `vllm`, `prefect`, `pipeline`, `distributed`) beside `slow`; tests that use the fixtures
 above get the marker automatically (`pytest_collection_modifyitems`).
 
-`./dev test` runs the suite on two pytest-xdist workers (`--dist loadgroup`): "per session" above
-means per worker, except `ray_cluster`, whose tests are one xdist group (one worker, one cluster)."""
+`./dev test` runs the suite on two pytest-xdist workers, each file's tests on one worker (`--dist
+loadfile`): "per session" above means per worker that needs it; `ray_cluster` is used by
+test_ray_cluster.py alone, so it starts once. (`--dist loadgroup` with `xdist_group` marks groups
+nothing under pytest 9.2: pytest-xdist 3.8 renames `item._nodeid`, which pytest 9 no longer reads.)"""
 
 from __future__ import annotations
 
@@ -410,10 +412,7 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     """Tests using the fixtures above get their area marker; every test with an area marker is
     `slow` (what `./dev fast` leaves out), whether or not it says so itself."""
     for item in items:
-        fixtures = set(getattr(item, "fixturenames", ()))
-        for fixture in _FIXTURE_MARKERS.keys() & fixtures:
+        for fixture in _FIXTURE_MARKERS.keys() & set(getattr(item, "fixturenames", ())):
             item.add_marker(_FIXTURE_MARKERS[fixture])
-        if "ray_cluster" in fixtures:  # one 3-node cluster per session, not one per pytest-xdist worker
-            item.add_marker(pytest.mark.xdist_group("ray_cluster"))
         if item.get_closest_marker("slow") is None and any(item.get_closest_marker(m) for m in _AREA_MARKERS):
             item.add_marker("slow")

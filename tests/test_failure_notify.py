@@ -278,7 +278,10 @@ def test_a_run_killed_with_its_serving_process_is_crashed_by_the_server_once_and
         dep = deployment(api, serve)
         killed = start_run(api, dep)
         wait_for("the run's train stage", lambda: training(work, killed), 400, procs=[serve], interval=2)
-        assert events(api, ["rlcore.pipeline.heartbeat"], f"prefect.flow-run.{killed}")
+        # a heartbeat every 5 s; the server stores events asynchronously (its event persister), so
+        # on a loaded machine the first may be readable only after the train stage has begun
+        wait_for("the run's heartbeat event", lambda: events(api, ["rlcore.pipeline.heartbeat"], f"prefect.flow-run.{killed}"),
+                 60, procs=[serve], interval=1)
         everyone = [run_process(serve, killed), *psutil.Process(serve.pid).children(recursive=True)]
         os.killpg(serve.pid, signal.SIGKILL)  # the serving process first: nobody is left to report
         for proc in everyone:

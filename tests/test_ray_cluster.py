@@ -221,7 +221,11 @@ def test_pipeline_runs_its_stages_as_ray_jobs_and_retries_a_lost_node_from_the_c
             assert time.monotonic() < deadline, "no checkpoint in 600 s"
             time.sleep(0.1)
         [train_dir] = work.glob("pipeline-*/train")
-        victim = read_jsonl(train_dir / "trace.jsonl")[0]["workers"]["actor"][1]["node_id"]
+        # the node of an actor rank other than the spare's: STRICT_SPREAD put the two ranks on two of
+        # the three train nodes, the spare among them or not (rank 1's node unless that is the
+        # spare); the two train nodes left include the spare, so the retry must use it
+        ranks = [w["node_id"] for w in read_jsonl(train_dir / "trace.jsonl")[0]["workers"]["actor"]]
+        victim = next(node for node in reversed(ranks) if node != spare)
         ray_cluster.kill_node(victim)
         written = {p.name: (p / "COMPLETE.json").read_text() for p in CheckpointManager(train_dir / "checkpoints").complete()}
         out, err = proc.communicate(timeout=900)

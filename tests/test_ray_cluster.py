@@ -226,6 +226,7 @@ def test_pipeline_runs_its_stages_as_ray_jobs_and_retries_a_lost_node_from_the_c
         # spare); the two train nodes left include the spare, so the retry must use it
         ranks = [w["node_id"] for w in read_jsonl(train_dir / "trace.jsonl")[0]["workers"]["actor"]]
         victim = next(node for node in reversed(ranks) if node != spare)
+        victim_rank = ranks.index(victim)
         ray_cluster.kill_node(victim)
         written = {p.name: (p / "COMPLETE.json").read_text() for p in CheckpointManager(train_dir / "checkpoints").complete()}
         out, err = proc.communicate(timeout=900)
@@ -276,7 +277,7 @@ def test_pipeline_runs_its_stages_as_ray_jobs_and_retries_a_lost_node_from_the_c
     train_log = "\n".join(logs[train_task])
     assert f"train: submitted Ray job {failed_job.submission_id}" in train_log
     assert f"train: submitted Ray job {train_job.submission_id}" in train_log
-    lost = "rlcore: error: worker role='actor' rank=1 method="
+    lost = f"rlcore: error: worker role='actor' rank={victim_rank} method="
     assert lost in train_log  # a line of the failed job's own log, streamed
     reason = next(m for m in logs[train_task] if f"Ray job {failed_job.submission_id} (train) failed with exit code 4: "
                   f"{lost}" in m)

@@ -305,3 +305,35 @@ def test_lifecycle_config_sections_default_and_name_bad_keys():
         load_config(None, base + ["health.max_kll=1"])
     with pytest.raises(ConfigError, match=r"registry\.metric"):
         load_config(None, base + ["registry.metric=bleu"])
+
+
+# ---------------------------------------------------------------------- Ray job logs
+class _JobServerWhoseTailClosesEarly:
+    """A stand-in for Ray's JobSubmissionClient (the real one is exercised in test_ray_cluster):
+    its log tail closes before the driver's last lines reach it, as Ray's websocket sometimes
+    does when a job fails, while the stored log holds them."""
+
+    def __init__(self, log: str, streamed: str) -> None:
+        self.log, self.streamed = log, streamed
+
+    async def tail_job_logs(self, job_id):
+        yield self.streamed
+
+    def get_job_logs(self, job_id) -> str:
+        return self.log
+
+    def get_job_info(self, job_id):
+        from ray.job_submission import JobStatus
+
+        return type("JobDetails", (), {"status": JobStatus.FAILED})()
+
+
+def test_a_job_log_line_the_tail_missed_still_reaches_the_stage_log():
+    pytest.importorskip("ray")
+    from rlcore.lifecycle.ray_job import RESULT_MARK, follow_job
+
+    log = f"step 1\nstep 2\n{RESULT_MARK}{{}}\nrlcore: error: worker role='actor' rank=1 died\n"
+    seen: list[str] = []
+    info = follow_job(_JobServerWhoseTailClosesEarly(log, streamed="step 1\nstep 2\nrlc"), "job", seen.append)
+    assert info.status.value == "FAILED"
+    assert seen == ["step 1", "step 2", "rlcore: error: worker role='actor' rank=1 died"]  # each line once, whole

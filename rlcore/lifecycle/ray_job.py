@@ -157,7 +157,8 @@ def finish_job(client: Any, job_id: str, stage: str, log_line: Callable[[str], N
 def follow_job(client: Any, job_id: str, log_line: Callable[[str], None], poll_s: float = 1.0) -> Any:
     """Every line of the job's log to `log_line` (from this thread), until the job ends; returns
     its final `JobDetails`. Ray's log tail (a websocket) runs on a thread of its own; if it fails,
-    the log is polled instead."""
+    the log is polled instead. Either way the stored log is read once the job has ended: the
+    tail can close before the driver's last lines (often its error) reach it."""
     lines: queue.Queue[str | None] = queue.Queue()
     failed: list[BaseException] = []
 
@@ -169,8 +170,7 @@ def follow_job(client: Any, job_id: str, log_line: Callable[[str], None], poll_s
                 *done, buffer = buffer.split("\n")
                 for line in done:
                     lines.put(line)
-            if buffer:
-                lines.put(buffer)
+            # a last line without its newline is left to the read of the stored log below
 
         try:
             asyncio.run(read())
@@ -199,18 +199,15 @@ def follow_job(client: Any, job_id: str, log_line: Callable[[str], None], poll_s
             log_line(line)
     if failed:
         log.warning("Ray job %s: following its log failed (%s); polling it instead", job_id, failed[0])
-        _poll_logs(client, job_id, log_line, shown, poll_s)
+    return _poll_logs(client, job_id, log_line, shown, poll_s)
+
+
+def _poll_logs(client: Any, job_id: str, log_line: Callable[[str], None], skip: int, poll_s: float) -> Any:
+    """The rest of the log by polling (after the first `skip` lines), until the job ends; returns
+    its final `JobDetails`."""
     while True:
         info = client.get_job_info(job_id)
-        if info.status.is_terminal():
-            return info
-        time.sleep(poll_s)
-
-
-def _poll_logs(client: Any, job_id: str, log_line: Callable[[str], None], skip: int, poll_s: float) -> None:
-    """The rest of the log by polling (after the first `skip` lines), until the job ends."""
-    while True:
-        terminal = client.get_job_info(job_id).status.is_terminal()
+        terminal = info.status.is_terminal()
         lines = client.get_job_logs(job_id).split("\n")
         complete = lines if terminal else lines[:-1]  # the last one may be half written
         for line in complete[skip:]:
@@ -218,7 +215,7 @@ def _poll_logs(client: Any, job_id: str, log_line: Callable[[str], None], skip: 
                 log_line(line)
         skip = max(skip, len(complete))
         if terminal:
-            return
+            return info
         time.sleep(poll_s)
 
 

@@ -1,21 +1,29 @@
-"""Shared fixtures and helpers. Expensive things are started once per session and shared:
+"""Shared fixtures and helpers. Expensive things are built once and shared:
 
 - `tiny_example` (session): the built-in example for seed 0, built once (or reused from the cache).
 - `own_model` (session): a user's own Qwen2 model, BPE tokenizer, data and reward (tests/own_model.py).
-- `prefect_server_session` (session): one `prefect server start` on 127.0.0.1 for the whole
-  session (its scheduler loop every 5 s); `.api`, `.env` (what a client needs), `.log`.
+- `shared_prefect_server` (shared, see below): one `prefect server start` on 127.0.0.1 (its
+  scheduler loop every 5 s); `.api`, `.env` (what a client needs), `.log`, `.start_state`.
 - `prefect_api` (per test): that server, emptied of what earlier tests made (deployments, flow
   runs, automations, work pools, flows, blocks, variables, artifacts), and a client environment
   whose Prefect home (result storage, task cache) is the test's own: `api, env = prefect_api`.
   Events cannot be deleted: filter them by the resource or run a test made.
-- `ray_local` (session): the address of one local Ray cluster (`ray start --head` on 127.0.0.1,
-  4 logical CPUs, no dashboard, no token auth) outside this process; pass it as `ray.address` in
-  a config, or connect this process with `ray_driver`. What a test made on it belongs to that
-  test's Ray job and is freed when its driver disconnects.
+- `ray_local` (shared, see below): the address of one local Ray cluster (`ray start --head` on
+  127.0.0.1, 4 logical CPUs, no dashboard, no token auth) outside this process; pass it as
+  `ray.address` in a config, or connect this process with `ray_driver`. What a test made on it
+  belongs to that test's Ray job and is freed when its driver disconnects.
 - `ray_driver` (per test): this process connected to `ray_local` (disconnected after the test).
-- `ray_cluster` (session): a 3-node Ray cluster on 127.0.0.1 (tests/ray_cluster.py: the head with
+- `ray_cluster` (module): a 3-node Ray cluster on 127.0.0.1 (tests/ray_cluster.py: the head with
   the job server, two `pool=train` workers) for tests that place roles across nodes, lose a node
   or submit Ray jobs; a test that kills a node adds a replacement.
+
+"Shared" (`SharedService`): started by the first test that asks for it and kept while the test
+files that follow use it too; stopped after a file when the next one does not. Left running idle
+they cost CPU all the same (measured idle on this machine: a Ray head ~6 CPU s a minute, a Prefect
+server ~6): so test files are ordered by what they share (`pytest_collection_modifyitems`: the
+Ray cluster's file, then `ray_local` users, then Prefect users, then other slow files, then the
+fast ones), and each service runs for one stretch per worker. Prefect's ephemeral server, which
+a flow run in this process starts when no API is set, is stopped after each test file the same way.
 
 Tests that must watch a server or a cluster of their own start, die or listen (test_ray_binding)
 start their own and say why. Every test that starts Ray, vLLM, a Prefect
@@ -23,10 +31,11 @@ server or flow, the pipeline or several torch.distributed processes carries the 
 (`ray`, `vllm`, `prefect`, `pipeline`, `distributed`) beside `slow`; tests that use the fixtures
 above get the marker automatically (`pytest_collection_modifyitems`).
 
-`./dev test` runs the suite on two pytest-xdist workers, each file's tests on one worker (`--dist
-loadfile`): "per session" above means per worker that needs it; `ray_cluster` is used by
-test_ray_cluster.py alone, so it starts once. (`--dist loadgroup` with `xdist_group` marks groups
-nothing under pytest 9.2: pytest-xdist 3.8 renames `item._nodeid`, which pytest 9 no longer reads.)"""
+`./dev test` runs the suite on two pytest-xdist workers, each file's tests on one worker, files
+handed out in the order above (`--dist loadfile --no-loadscope-reorder`; xdist's own reorder,
+most tests first, would leave the slow one-test files for last): a shared service runs once per
+worker that needs it. (`--dist loadgroup` with `xdist_group` marks groups nothing under pytest
+9.2: pytest-xdist 3.8 renames `item._nodeid`, which pytest 9 no longer reads.)"""
 
 from __future__ import annotations
 
@@ -38,7 +47,7 @@ import subprocess
 import time
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, Generic, TypeVar
 
 import pytest
 import requests
@@ -145,9 +154,9 @@ def train_on_ray(config: Path, overrides: list[str], timeout: float = 600, addre
     assert done.returncode == 0, done.stderr[-3000:]
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="module")
 def ray_cluster():
-    """One multi-node Ray cluster on 127.0.0.1 for the session (tests/ray_cluster.py): the head
+    """One multi-node Ray cluster on 127.0.0.1 for a test file (tests/ray_cluster.py): the head
     (dashboard and job server; label pool=gen, resource gen_slot) and two worker nodes labelled
     pool=train, one CPU each. A test that kills a node leaves the cluster as it found it: it adds
     a node with the same labels."""
@@ -206,11 +215,40 @@ def prefect_server(home: Path, **env: str) -> Iterator[tuple[str, dict[str, str]
 
 @dataclasses.dataclass(frozen=True)
 class PrefectServer:
-    """A running `prefect server start`: its API URL, the environment a client of it needs, its log."""
+    """A running `prefect server start`: its API URL, the environment a client of it needs, its
+    log, and what it held when it started (`reset_prefect` keeps that)."""
 
     api: str
     env: dict[str, str]
     log: Path
+    start_state: dict[str, set[str]]
+
+
+T = TypeVar("T")
+
+
+class SharedService(Generic[T]):
+    """A server or cluster that consecutive test files share (see the module docstring): `get`
+    starts it on first use (`start` is a context manager), `stop` ends it; the fixture that hands
+    it out is named `fixture`, which is how `pytest_runtest_teardown` tells whether the next
+    test file needs it."""
+
+    def __init__(self, fixture: str, start: Callable[[pytest.TempPathFactory], contextlib.AbstractContextManager[T]]):
+        self.fixture = fixture
+        self._start = start
+        self._running: tuple[contextlib.ExitStack, T] | None = None
+
+    def get(self, factory: pytest.TempPathFactory) -> T:
+        if self._running is None:
+            with contextlib.ExitStack() as stack:
+                value = stack.enter_context(self._start(factory))
+                self._running = (stack.pop_all(), value)
+        return self._running[1]
+
+    def stop(self) -> None:
+        running, self._running = self._running, None
+        if running is not None:
+            running[0].close()
 
 
 # What a test can make on a Prefect server, in an order deletion allows: (collection, the field
@@ -252,30 +290,39 @@ def reset_prefect(api: str, keep: dict[str, set[str]]) -> None:
                 assert done.status_code in (200, 204, 404), f"deleting {collection} {name}: {done.status_code} {done.text}"
 
 
-@pytest.fixture(scope="session")
-def prefect_server_session(tmp_path_factory: pytest.TempPathFactory) -> Iterator[PrefectServer]:
-    """One Prefect server for the whole session (a start costs ~10 s). Its scheduler runs every
-    5 s (Prefect's default is 60 s), so that cron schedules make runs within a test's patience.
-    Tests reach it through `prefect_api`, which clears what earlier tests left."""
-    with prefect_server(tmp_path_factory.mktemp("prefect_server"), PREFECT_API_SERVICES_SCHEDULER_LOOP_SECONDS="5") as (
+@contextlib.contextmanager
+def _shared_prefect(factory: pytest.TempPathFactory) -> Iterator[PrefectServer]:
+    """Its scheduler runs every 5 s (Prefect's default is 60 s), so that cron schedules make runs
+    within a test's patience."""
+    with prefect_server(factory.mktemp("prefect_server"), PREFECT_API_SERVICES_SCHEDULER_LOOP_SECONDS="5") as (
             api, env, log):
-        yield PrefectServer(api, env, log)
+        yield PrefectServer(api, env, log, prefect_keys(api))
 
 
-@pytest.fixture(scope="session")
-def _prefect_start_state(prefect_server_session: PrefectServer) -> dict[str, set[str]]:
-    return prefect_keys(prefect_server_session.api)
+SHARED_PREFECT = SharedService("shared_prefect_server", _shared_prefect)
+
+
+@pytest.fixture(scope="module")
+def shared_prefect_server(tmp_path_factory: pytest.TempPathFactory) -> PrefectServer:
+    """The Prefect server consecutive test files share (a start costs ~10 s). Tests reach it
+    through `prefect_api`, which clears what earlier tests left."""
+    return SHARED_PREFECT.get(tmp_path_factory)
+
+
+@pytest.fixture(scope="module")
+def _prefect_start_state(shared_prefect_server: PrefectServer) -> dict[str, set[str]]:
+    return shared_prefect_server.start_state
 
 
 @pytest.fixture
-def prefect_api(prefect_server_session: PrefectServer, _prefect_start_state: dict[str, set[str]],
+def prefect_api(shared_prefect_server: PrefectServer, _prefect_start_state: dict[str, set[str]],
                 tmp_path: Path) -> Iterator[tuple[str, dict[str, str]]]:
     """The session's Prefect server as this test's own: emptied of what earlier tests made (and
     emptied again after this one), with a client environment whose Prefect home, result storage
     and task cache are under this test's tmp_path. Yields the API URL and that environment."""
-    api = prefect_server_session.api
+    api = shared_prefect_server.api
     reset_prefect(api, _prefect_start_state)
-    env = dict(prefect_server_session.env, **prefect_env(tmp_path / "prefect_client"), PREFECT_API_URL=api)
+    env = dict(shared_prefect_server.env, **prefect_env(tmp_path / "prefect_client"), PREFECT_API_URL=api)
     try:
         yield api, env
     finally:
@@ -340,20 +387,19 @@ def _start_ray_head(temp: str) -> tuple[subprocess.Popen, str]:
     return starter, f"127.0.0.1:{port}"
 
 
-@pytest.fixture(scope="session")
-def ray_local() -> Iterator[str]:
-    """One Ray cluster for the session: `ray start --head` on 127.0.0.1 with 4 logical CPUs, no
-    dashboard and no token auth (the token file lives in the shared home folder), its files in a
-    short /tmp folder (Ray's socket paths must fit 107 bytes). `ray start` leaves its processes
-    in a process group of their own outside this process's tree (stopped by that group at the
-    end), as a user's cluster would be. Yields its address, "127.0.0.1:PORT".
+@contextlib.contextmanager
+def _ray_head(factory: pytest.TempPathFactory) -> Iterator[str]:
+    """`ray start --head` on 127.0.0.1 with 4 logical CPUs, no dashboard and no token auth (the
+    token file lives in the shared home folder), its files in a short /tmp folder (Ray's socket
+    paths must fit 107 bytes). `ray start` leaves its processes in a process group of their own
+    outside this process's tree (stopped by that group at the end), as a user's cluster would be.
+    Yields its address, "127.0.0.1:PORT".
 
     Ray gives its raylet a fixed 30 s to register (ray/_private/node.py), which a loaded machine
     can miss: a start that failed is cleaned up and tried again, three times at most."""
     import shutil
     import tempfile
 
-    pytest.importorskip("ray")
     saved = {k: os.environ.get(k) for k in ("RAY_AUTH_MODE", "RAY_USAGE_STATS_ENABLED")}
     os.environ.update(RAY_AUTH_MODE="disabled", RAY_USAGE_STATS_ENABLED="0")  # for every process that connects
     temp = ""
@@ -381,6 +427,16 @@ def ray_local() -> Iterator[str]:
                 os.environ[key] = value
 
 
+SHARED_RAY = SharedService("ray_local", _ray_head)
+
+
+@pytest.fixture(scope="module")
+def ray_local(tmp_path_factory: pytest.TempPathFactory) -> str:
+    """The local Ray cluster consecutive test files share (`_ray_head`): its address."""
+    pytest.importorskip("ray")
+    return SHARED_RAY.get(tmp_path_factory)
+
+
 @pytest.fixture
 def ray_driver(ray_local: str) -> Iterator[str]:
     """This process connected to the session's Ray (`ray_local`) for one test; yields the
@@ -403,16 +459,77 @@ def ray_driver(ray_local: str) -> Iterator[str]:
 # ------------------------------------------------------------------------------------ markers
 
 # Fixtures that start (or reach) something an area marker names.
-_FIXTURE_MARKERS = {"prefect_server_session": "prefect", "prefect_api": "prefect", "ray_local": "ray", "ray_driver": "ray",
+_FIXTURE_MARKERS = {"shared_prefect_server": "prefect", "prefect_api": "prefect", "ray_local": "ray", "ray_driver": "ray",
                     "ray_cluster": "ray"}
 _AREA_MARKERS = ("ray", "prefect", "vllm", "pipeline", "distributed")
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     """Tests using the fixtures above get their area marker; every test with an area marker is
-    `slow` (what `./dev fast` leaves out), whether or not it says so itself."""
+    `slow` (what `./dev fast` leaves out), whether or not it says so itself. Then test files are
+    put in the order of what they share (`_order_files_by_what_they_share`)."""
     for item in items:
         for fixture in _FIXTURE_MARKERS.keys() & set(getattr(item, "fixturenames", ())):
             item.add_marker(_FIXTURE_MARKERS[fixture])
         if item.get_closest_marker("slow") is None and any(item.get_closest_marker(m) for m in _AREA_MARKERS):
             item.add_marker("slow")
+    _order_files_by_what_they_share(items)
+
+
+# Test files in this order of what they use (a file's rank is its first match), then slow files,
+# then the rest; within a rank, files keep the order pytest collected them in.
+_FILE_ORDER = (("ray_cluster",), (SHARED_RAY.fixture,), (SHARED_PREFECT.fixture,))
+
+
+def _order_files_by_what_they_share(items: list[pytest.Item]) -> None:
+    """Reorder `items` file by file (tests within a file keep their order): files that use the
+    same shared service run one after another, so that it starts once per worker (see the module
+    docstring); the slow files come before the fast ones, which even out the workers' ends."""
+    by_file: dict[Path, list[pytest.Item]] = {}
+    for item in items:
+        by_file.setdefault(item.path, []).append(item)
+
+    def rank(file_items: list[pytest.Item]) -> int:
+        used = set().union(*(getattr(i, "fixturenames", ()) for i in file_items))
+        for position, fixtures in enumerate(_FILE_ORDER):
+            if used & set(fixtures):
+                return position
+        slow = any(i.get_closest_marker("slow") for i in file_items)
+        return len(_FILE_ORDER) + (0 if slow else 1)
+
+    ordered = sorted(by_file.values(), key=rank)  # stable: collection order within a rank
+    items[:] = [item for file_items in ordered for item in file_items]
+
+
+_SHARED_SERVICES: tuple[SharedService[Any], ...] = (SHARED_RAY, SHARED_PREFECT)
+
+
+def _stop_prefect_ephemeral_server() -> None:
+    """Stop the server Prefect started in this process for a flow run with no API set (it would
+    otherwise run until the process exits); the next such run starts it again."""
+    import sys
+
+    server = sys.modules.get("prefect.server.api.server")
+    if server is not None:
+        for instance in list(server.SubprocessASGIServer._instances.values()):
+            if instance.running:
+                instance.stop()
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_teardown(item: pytest.Item, nextitem: pytest.Item | None) -> Iterator[None]:
+    """After a test file's last test: stop each shared service the next file does not use."""
+    try:
+        return (yield)
+    finally:
+        if nextitem is None or nextitem.path != item.path:
+            for service in _SHARED_SERVICES:
+                if nextitem is None or service.fixture not in getattr(nextitem, "fixturenames", ()):
+                    service.stop()
+            _stop_prefect_ephemeral_server()
+
+
+def pytest_sessionfinish(session: pytest.Session) -> None:
+    """Whatever is still running when the session ends early (-x, Ctrl-C)."""
+    for service in _SHARED_SERVICES:
+        service.stop()

@@ -54,12 +54,12 @@ def grpo_config(own_model) -> dict:
 
 
 @pytest.fixture(scope="module")
-def pipeline(own_model, tmp_path_factory, prefect_server_session):
+def pipeline(own_model, tmp_path_factory, shared_prefect_server):
     """The pipeline run's summary, and its work folder."""
     root = tmp_path_factory.mktemp("own_pipeline")
     (root / "sft.yaml").write_text(yaml.safe_dump(sft_config(own_model)))
     (root / "grpo.yaml").write_text(yaml.safe_dump(grpo_config(own_model)))
-    env = dict(prefect_server_session.env, **prefect_env(root / "prefect"), OMP_NUM_THREADS="1",
+    env = dict(shared_prefect_server.env, **prefect_env(root / "prefect"), OMP_NUM_THREADS="1",
                PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
     env.pop("MLFLOW_TRACKING_URI", None)
     args = [sys.executable, "-m", "rlcore.cli", "pipeline", "run", "--json", "--config", str(root / "grpo.yaml"),

@@ -1,10 +1,10 @@
-"""rlcore on a multi-node Ray cluster (3 nodes on 127.0.0.1, `ray_cluster` in conftest, one per
-session): the pools' label selectors, custom resources and STRICT_SPREAD put the actor's two FSDP
+"""rlcore on a multi-node Ray cluster (3 nodes on 127.0.0.1, `ray_cluster` in conftest, one for this
+file): the pools' label selectors, custom resources and STRICT_SPREAD put the actor's two FSDP
 ranks on the two `pool=train` nodes (gloo between them) and critic, rollout and reward on the
 head; a node killed mid-step stops `rlcore train` (exit 4) with an error naming role, rank and
 node; `rlcore pipeline run --ray-address` runs train and evaluate as Ray jobs, retries the train
 job that lost a node, and the retry resumes from the last checkpoint on the remaining nodes and
-ends with the metrics and weights of the same run on the session's one-node Ray, bit for bit (same
+ends with the metrics and weights of the same run on the shared one-node Ray (`ray_local`), bit for bit (same
 seed, same ranks, the same float operations in the same order: where a rank runs changes none)."""
 
 from __future__ import annotations

@@ -22,7 +22,7 @@ pytestmark = [pytest.mark.slow, pytest.mark.ray]
 
 @pytest.fixture(scope="module")
 def cluster(ray_local):
-    """This process connected to the session's Ray (`ray_local`, 4 CPUs) for the module."""
+    """This process connected to the shared Ray (`ray_local`, 4 CPUs) for the module."""
     import gc
     import sys
 

@@ -25,10 +25,10 @@ pytestmark = [pytest.mark.slow, pytest.mark.prefect, pytest.mark.pipeline]
 
 
 def test_cron_schedule_creates_runs_that_register_a_model_version(
-        prefect_api: tuple[str, dict[str, str]], prefect_server_session: PrefectServer, tiny_example: Any,
+        prefect_api: tuple[str, dict[str, str]], shared_prefect_server: PrefectServer, tiny_example: Any,
         tmp_path: Path) -> None:
     api, env = prefect_api  # the session's server: its scheduler service runs every 5 s (default 60 s)
-    server_log = prefect_server_session.log
+    server_log = shared_prefect_server.log
     log_start = server_log.stat().st_size  # what the server logs from here on is this test's
     work = tmp_path / "work"
     work.mkdir()

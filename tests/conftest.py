@@ -20,9 +20,9 @@
 "Shared" (`SharedService`): started by the first test that asks for it and kept while the test
 files that follow use it too; stopped after a file when the next one does not. Left running idle
 they cost CPU all the same (measured idle on this machine: a Ray head ~6 CPU s a minute, a Prefect
-server ~6): so test files are ordered by what they share (`pytest_collection_modifyitems`: the
-Ray cluster's file, then `ray_local` users, then Prefect users, then other slow files, then the
-fast ones), and each service runs for one stretch per worker. Prefect's ephemeral server, which
+server ~6): so test files are ordered by what they share (`pytest_collection_modifyitems`: Ray
+alone, Ray and Prefect, Prefect alone, other slow files, the fast ones), and each service runs
+for one stretch per worker. Prefect's ephemeral server, which
 a flow run in this process starts when no API is set, is stopped after each test file the same way.
 
 Tests that must watch a server or a cluster of their own start, die or listen (test_ray_binding)
@@ -476,28 +476,23 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     _order_files_by_what_they_share(items)
 
 
-# Test files in this order of what they use (a file's rank is its first match), then slow files,
-# then the rest; within a rank, files keep the order pytest collected them in.
-_FILE_ORDER = (("ray_cluster",), (SHARED_RAY.fixture,), (SHARED_PREFECT.fixture,))
-
-
 def _order_files_by_what_they_share(items: list[pytest.Item]) -> None:
-    """Reorder `items` file by file (tests within a file keep their order): files that use the
-    same shared service run one after another, so that it starts once per worker (see the module
-    docstring); the slow files come before the fast ones, which even out the workers' ends."""
+    """Reorder `items` file by file (tests within a file keep their order, files of one kind the
+    order pytest collected them in): files that use Ray alone, then Ray and Prefect, then Prefect
+    alone, then the other slow files, then the fast ones. Each shared service then runs one
+    stretch per worker (see the module docstring), and the fast files even out the workers' ends."""
     by_file: dict[Path, list[pytest.Item]] = {}
     for item in items:
         by_file.setdefault(item.path, []).append(item)
 
     def rank(file_items: list[pytest.Item]) -> int:
         used = set().union(*(getattr(i, "fixturenames", ()) for i in file_items))
-        for position, fixtures in enumerate(_FILE_ORDER):
-            if used & set(fixtures):
-                return position
-        slow = any(i.get_closest_marker("slow") for i in file_items)
-        return len(_FILE_ORDER) + (0 if slow else 1)
+        ray, prefect = bool(used & {SHARED_RAY.fixture, "ray_cluster"}), SHARED_PREFECT.fixture in used
+        if ray or prefect:
+            return 0 if not prefect else 1 if ray else 2
+        return 3 if any(i.get_closest_marker("slow") for i in file_items) else 4
 
-    ordered = sorted(by_file.values(), key=rank)  # stable: collection order within a rank
+    ordered = sorted(by_file.values(), key=rank)  # stable
     items[:] = [item for file_items in ordered for item in file_items]
 
 

@@ -51,6 +51,7 @@ from typing import Any, Generic, TypeVar
 
 import pytest
 import requests
+from net import free_port  # tests/ is on sys.path (pytest rootdir conftest)
 from requests.adapters import HTTPAdapter
 from urllib3.util.retry import Retry
 
@@ -175,12 +176,9 @@ def prefect_server(home: Path, **env: str) -> Iterator[tuple[str, dict[str, str]
     """`prefect server start` on a free 127.0.0.1 port with its home under `home` (and `env` on
     top): yields the API URL, the environment a client of it needs, and the server's log file.
     Stopped with SIGINT, then SIGKILL, on exit."""
-    import socket
     import sys
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     home.mkdir(parents=True, exist_ok=True)
     server_env = dict(os.environ, **prefect_env(home), PREFECT_UI_ENABLED="false", **env)
     server_env.pop("PREFECT_API_URL", None)
@@ -357,28 +355,21 @@ def _stop_process_group(pgid: int, grace_s: float = 5) -> None:
             return
 
 
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
 
 def _start_ray_head(temp: str) -> tuple[subprocess.Popen, str]:
     """`ray start --head` (see `ray_local`): the finished `ray start` process, whose id names the
     process group the cluster runs in, and the cluster's address."""
     import sys
 
-    port = _free_port()
+    port = free_port()
     ray_bin = str(Path(sys.executable).with_name("ray"))
     with open(Path(temp) / "start.log", "w") as log:
         starter = subprocess.Popen([ray_bin, "start", "--head", "--node-ip-address", "127.0.0.1", "--port", str(port),
                                     "--num-cpus", "4", "--disable-usage-stats", "--include-dashboard=false",
                                     # ports Ray would otherwise take at fixed defaults (52365, 10001): the other
                                     # pytest-xdist worker's cluster, or a user's, may hold them
-                                    "--dashboard-agent-listen-port", str(_free_port()),
-                                    "--ray-client-server-port", str(_free_port()),
+                                    "--dashboard-agent-listen-port", str(free_port()),
+                                    "--ray-client-server-port", str(free_port()),
                                     "--temp-dir", temp], stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
     try:
         starter.wait(timeout=300)

@@ -6,7 +6,6 @@ With `backend="nccl"` each rank takes the GPU of its rank instead (the GPU-marke
 
 from __future__ import annotations
 
-import socket
 import traceback
 from collections.abc import Callable
 from pathlib import Path
@@ -14,15 +13,10 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from net import free_port
 
 from rlcore.controller import Worker
 from rlcore.controller.dispatch import plan_dispatch
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def call(worker: Worker, method: str, *args: Any) -> Any:

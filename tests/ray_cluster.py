@@ -15,7 +15,6 @@ import json
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -23,13 +22,9 @@ import time
 from pathlib import Path
 from typing import Any
 
+from net import free_port  # tests/ is on sys.path (pytest's rootdir conftest; this script's folder)
+
 ROOT = Path(__file__).resolve().parents[1]
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def cluster_env(temp_dir: str) -> dict[str, str]:
@@ -60,7 +55,7 @@ class LocalCluster:
         self.env = cluster_env(self.temp_dir)
         self.log_path = Path(self.temp_dir) / "host.log"
         self._log = open(self.log_path, "w")
-        spec = {"head": {**head, "dashboard_port": _free_port()}, "workers": workers, "temp_dir": self.temp_dir}
+        spec = {"head": {**head, "dashboard_port": free_port()}, "workers": workers, "temp_dir": self.temp_dir}
         self.proc = subprocess.Popen([sys.executable, __file__, json.dumps(spec)], stdin=subprocess.PIPE,
                                      stdout=subprocess.PIPE, stderr=self._log, text=True, env=self.env,
                                      start_new_session=True)
@@ -152,7 +147,7 @@ def _node_args(spec: dict[str, Any], temp_dir: str) -> dict[str, Any]:
     # the machine (the session's `ray_local`), and a head whose agent cannot listen runs no job
     return {"num_cpus": spec.get("num_cpus", 1), "resources": spec.get("resources") or None,
             "labels": spec.get("labels") or None, "node_ip_address": "127.0.0.1", "temp_dir": temp_dir,
-            "dashboard_agent_listen_port": _free_port()}
+            "dashboard_agent_listen_port": free_port()}
 
 
 def _patient_node_registration(timeout_s: float = 300.0) -> None:

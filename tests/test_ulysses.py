@@ -14,11 +14,11 @@ parameter's largest entry).
 
 from __future__ import annotations
 
-import socket
 from pathlib import Path
 
 import pytest
 import torch
+from net import free_port  # tests/ is on sys.path
 from tiny_models import ARCHS, SIZES, VOCAB, assert_grads_close, tiny_model  # tests/ is on sys.path
 from transformers import Qwen2Config
 
@@ -185,12 +185,6 @@ def test_gradient_checkpointing_gives_the_same_loss_and_gradients(arch):
 # ----- two gloo ranks against one process --------------------------------------------------------------
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 # every architecture, checkpointing on the Llama, prompts shared in the packed row on the Qwen2 with GQA
 SP_CASES = [("llama", "plain"), ("llama", "checkpointing"), ("qwen2-gqa", "plain"), ("qwen2-1kv", "plain"), ("qwen2-gqa", "shared")]
 
@@ -230,7 +224,7 @@ def _sp_rank(rank: int, world_size: int, port: int, work: Path) -> None:
 def test_two_sequence_parallel_ranks_compute_what_one_process_does(tmp_path):
     import torch.multiprocessing as mp
 
-    mp.spawn(_sp_rank, args=(2, _free_port(), tmp_path), nprocs=2)
+    mp.spawn(_sp_rank, args=(2, free_port(), tmp_path), nprocs=2)
     ranks = [torch.load(tmp_path / f"sp_rank{r}.pt", weights_only=False) for r in range(2)]
     for arch, variant in ranks[0]:
         what = f"{arch} ({variant})"

@@ -22,8 +22,8 @@ files that follow use it too; stopped after a file when the next one does not. L
 they cost CPU all the same (measured idle on this machine: a Ray head ~6 CPU s a minute, a Prefect
 server ~6): so test files are ordered by what they share (`pytest_collection_modifyitems`: Ray
 alone, Ray and Prefect, Prefect alone, other slow files, the fast ones), and each service runs
-for one stretch per worker. Prefect's ephemeral server, which
-a flow run in this process starts when no API is set, is stopped after each test file the same way.
+for one stretch per worker. Prefect's ephemeral server, which a flow run in this process starts
+when no API is set, is stopped after each test file the same way.
 
 Tests that must watch a server or a cluster of their own start, die or listen (test_ray_binding)
 start their own and say why. Every test that starts Ray, vLLM, a Prefect
@@ -135,7 +135,7 @@ def prefect_env(home: Path) -> dict[str, str]:
 def train_on_ray(config: Path, overrides: list[str], timeout: float = 600, address: str | None = None,
                  command: str = "train") -> None:
     """`rlcore train CONFIG OVERRIDES` (or `rlcore sft`: `command`) in a subprocess, as a user runs
-    it: on the Ray cluster at `address` (the session's `ray_local`), or on a fresh local Ray of its
+    it: on the Ray cluster at `address` (the shared `ray_local`), or on a fresh local Ray of its
     own when None (its own short temp dir: Ray's socket paths must fit 107 bytes); no token auth.
     Fails the test with the command's stderr."""
     import os
@@ -307,24 +307,18 @@ def shared_prefect_server(tmp_path_factory: pytest.TempPathFactory) -> PrefectSe
     return SHARED_PREFECT.get(tmp_path_factory)
 
 
-@pytest.fixture(scope="module")
-def _prefect_start_state(shared_prefect_server: PrefectServer) -> dict[str, set[str]]:
-    return shared_prefect_server.start_state
-
-
 @pytest.fixture
-def prefect_api(shared_prefect_server: PrefectServer, _prefect_start_state: dict[str, set[str]],
-                tmp_path: Path) -> Iterator[tuple[str, dict[str, str]]]:
-    """The session's Prefect server as this test's own: emptied of what earlier tests made (and
+def prefect_api(shared_prefect_server: PrefectServer, tmp_path: Path) -> Iterator[tuple[str, dict[str, str]]]:
+    """The shared Prefect server as this test's own: emptied of what earlier tests made (and
     emptied again after this one), with a client environment whose Prefect home, result storage
     and task cache are under this test's tmp_path. Yields the API URL and that environment."""
     api = shared_prefect_server.api
-    reset_prefect(api, _prefect_start_state)
+    reset_prefect(api, shared_prefect_server.start_state)
     env = dict(shared_prefect_server.env, **prefect_env(tmp_path / "prefect_client"), PREFECT_API_URL=api)
     try:
         yield api, env
     finally:
-        reset_prefect(api, _prefect_start_state)
+        reset_prefect(api, shared_prefect_server.start_state)
 
 
 # ----------------------------------------------------------------------------------------- Ray
@@ -353,7 +347,6 @@ def _stop_process_group(pgid: int, grace_s: float = 5) -> None:
         _, alive = psutil.wait_procs(members(), timeout=wait_s)
         if not alive:
             return
-
 
 
 def _start_ray_head(temp: str) -> tuple[subprocess.Popen, str]:
@@ -430,7 +423,7 @@ def ray_local(tmp_path_factory: pytest.TempPathFactory) -> str:
 
 @pytest.fixture
 def ray_driver(ray_local: str) -> Iterator[str]:
-    """This process connected to the session's Ray (`ray_local`) for one test; yields the
+    """This process connected to the shared Ray (`ray_local`) for one test; yields the
     address. Disconnecting ends the test's Ray job: its actors and placement groups go with it."""
     import gc
 

@@ -1,11 +1,12 @@
-"""rlcore on a multi-node Ray cluster (3 nodes on 127.0.0.1, `ray_cluster` in conftest, one for this
-file): the pools' label selectors, custom resources and STRICT_SPREAD put the actor's two FSDP
-ranks on the two `pool=train` nodes (gloo between them) and critic, rollout and reward on the
+"""rlcore on a multi-node Ray cluster (3 nodes on 127.0.0.1, `ray_cluster` in conftest, one for
+this file): the pools' label selectors, custom resources and STRICT_SPREAD put the actor's two
+FSDP ranks on the two `pool=train` nodes (gloo between them) and critic, rollout and reward on the
 head; a node killed mid-step stops `rlcore train` (exit 4) with an error naming role, rank and
 node; `rlcore pipeline run --ray-address` runs train and evaluate as Ray jobs, retries the train
 job that lost a node, and the retry resumes from the last checkpoint on the remaining nodes and
-ends with the metrics and weights of the same run on the shared one-node Ray (`ray_local`), bit for bit (same
-seed, same ranks, the same float operations in the same order: where a rank runs changes none)."""
+ends with the metrics and weights of the same run on the shared one-node Ray (`ray_local`), bit
+for bit (same seed, same ranks, the same float operations in the same order: where a rank runs
+changes none)."""
 
 from __future__ import annotations
 
@@ -94,7 +95,7 @@ def prepared(tiny_example, tmp_path_factory) -> dict[str, str]:
 
 @pytest.fixture(scope="module")
 def single_node_run(prepared, ray_local, ray_cluster, tmp_path_factory) -> Path:
-    """The reference: the same GRPO run on the session's one-node Ray (`ray_local`)."""
+    """The reference: the same GRPO run on the shared one-node Ray (`ray_local`)."""
     out = tmp_path_factory.mktemp("single") / "run"
     code, err = finish(rlcore_train(quick_grpo(prepared, out) + [f"ray.address={ray_local}"], ray_cluster.env))
     assert code == 0, err[-4000:]

@@ -1,15 +1,16 @@
-"""The shared fixtures keep tests apart (tests/conftest.py): what one test made on the session's
-Prefect server is gone for the next, and what one made on the session's Ray goes with its job."""
+"""The shared fixtures keep tests apart (tests/conftest.py): what one test made on the shared
+Prefect server is gone for the next, and what one made on the shared Ray goes with its job."""
 
 from __future__ import annotations
 
 from conftest import PREFECT_HTTP, prefect_keys, reset_prefect  # tests/ is on sys.path (pytest rootdir conftest)
 
 
-def test_prefect_api_gives_each_test_an_empty_server(prefect_api, _prefect_start_state):
+def test_prefect_api_gives_each_test_an_empty_server(prefect_api, shared_prefect_server):
     api, env = prefect_api
+    start_state = shared_prefect_server.start_state
     assert env["PREFECT_API_URL"] == api and "prefect_client" in env["PREFECT_HOME"]  # this test's own home
-    assert prefect_keys(api) == _prefect_start_state  # nothing of an earlier test's
+    assert prefect_keys(api) == start_state  # nothing of an earlier test's
     flow = PREFECT_HTTP.post(f"{api}/flows/", json={"name": "suite-fixture-flow"}, timeout=10).json()
     made = [
         PREFECT_HTTP.post(f"{api}/deployments/", json={"name": "d", "flow_id": flow["id"]}, timeout=10),
@@ -22,9 +23,9 @@ def test_prefect_api_gives_each_test_an_empty_server(prefect_api, _prefect_start
             "actions": [{"type": "do-nothing"}]}, timeout=10),
     ]
     assert all(r.ok for r in made), [r.text for r in made if not r.ok]
-    assert prefect_keys(api) != _prefect_start_state
-    reset_prefect(api, _prefect_start_state)  # what the fixture does before and after every test
-    assert prefect_keys(api) == _prefect_start_state
+    assert prefect_keys(api) != start_state
+    reset_prefect(api, start_state)  # what the fixture does before and after every test
+    assert prefect_keys(api) == start_state
 
 
 def test_ray_driver_frees_what_a_test_made_when_it_disconnects(ray_local):

@@ -56,14 +56,29 @@ def _to_cpu(value: Any) -> Any:
     return value
 
 
+# What every rank imports anyway: loaded once by the forkserver that `spawn` starts per test process.
+_PRELOAD = ["torch", "torch.distributed.fsdp", "torch.distributed.tensor.parallel", "transformers",
+            "rlcore.workers.actor", "rlcore.workers.critic", "gloo_ranks"]
+
+
+def spawn(fn: Callable[..., None], args: tuple, nprocs: int) -> None:
+    """`torch.multiprocessing.spawn(fn, args, nprocs)`, the ranks forked from a forkserver that has
+    imported torch, transformers and the workers once (under the `spawn` start method each rank
+    imports them itself, ~6 CPU s): still a clean process, with no threads and no process group."""
+    import multiprocessing
+
+    import torch.multiprocessing as mp
+
+    multiprocessing.set_forkserver_preload(_PRELOAD)
+    mp.start_processes(fn, args=args, nprocs=nprocs, start_method="forkserver")
+
+
 def launch(run: Callable[[int, int], dict], world: int, out: Path, backend: str = "gloo") -> list[dict]:
     """`run(rank, world)` in `world` processes of a `backend` process group (a picklable
     module-level function); each rank's returned dict (moved to the CPU), in rank order."""
-    import torch.multiprocessing as mp
-
     out.mkdir(parents=True, exist_ok=True)
     try:
-        mp.spawn(_rank_main, args=(world, free_port(), str(out), run, backend), nprocs=world)
+        spawn(_rank_main, (world, free_port(), str(out), run, backend), world)
     except Exception as err:
         errors = "\n".join(p.read_text() for p in sorted(out.glob("error*.txt")))
         raise AssertionError(f"a gloo rank failed:\n{errors or err}") from None

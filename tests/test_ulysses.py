@@ -18,6 +18,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from gloo_ranks import spawn  # tests/ is on sys.path
 from net import free_port  # tests/ is on sys.path
 from tiny_models import ARCHS, SIZES, VOCAB, assert_grads_close, tiny_model  # tests/ is on sys.path
 from transformers import Qwen2Config
@@ -220,11 +221,9 @@ def _sp_rank(rank: int, world_size: int, port: int, work: Path) -> None:
 
 
 @pytest.mark.slow
-@pytest.mark.distributed  # 2 gloo processes (mp.spawn)
+@pytest.mark.distributed  # 2 gloo processes
 def test_two_sequence_parallel_ranks_compute_what_one_process_does(tmp_path):
-    import torch.multiprocessing as mp
-
-    mp.spawn(_sp_rank, args=(2, free_port(), tmp_path), nprocs=2)
+    spawn(_sp_rank, (2, free_port(), tmp_path), 2)
     ranks = [torch.load(tmp_path / f"sp_rank{r}.pt", weights_only=False) for r in range(2)]
     for arch, variant in ranks[0]:
         what = f"{arch} ({variant})"

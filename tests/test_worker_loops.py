@@ -6,11 +6,12 @@ actor and the critic, including resuming a one-process checkpoint on 2 ranks and
 from __future__ import annotations
 
 import math
-import socket
 from pathlib import Path
 
 import pytest
 import torch
+from gloo_ranks import spawn  # tests/ is on sys.path
+from net import free_port  # tests/ is on sys.path
 from transformers import LlamaConfig, LlamaForCausalLM, LlamaForTokenClassification
 
 from rlcore.algos import get_policy_loss
@@ -206,18 +207,13 @@ def _rank_main(rank: int, world_size: int, port: int, policy: Path, critic: Path
 
 
 @pytest.mark.slow
-@pytest.mark.distributed  # 2 FSDP2 ranks on gloo (mp.spawn)
+@pytest.mark.distributed  # 2 FSDP2 ranks on gloo
 def test_two_fsdp2_ranks_report_and_step_as_one_process(tmp_path):
-    import torch.multiprocessing as mp
-
     policy, critic = _models(tmp_path)
     lp, _ = LOG_PROBS(LlamaForCausalLM.from_pretrained(policy), _batch())
     torch.save(lp.detach() - 0.05, tmp_path / "old.pt"), torch.save(lp.detach() + 0.02, tmp_path / "ref.pt")
     one = _run(1, 0, policy, critic, tmp_path)  # writes ckpt_1 (one process) first
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    mp.spawn(_rank_main, args=(2, port, policy, critic, tmp_path), nprocs=2)  # resumes from ckpt_1
+    spawn(_rank_main, (2, free_port(), policy, critic, tmp_path), 2)  # resumes from ckpt_1
     ranks = [torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in range(2)]
     assert (tmp_path / "ckpt_2" / "actor_dcp").is_dir() and (tmp_path / "ckpt_2" / "critic_dcp").is_dir()
 

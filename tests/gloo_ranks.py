@@ -64,7 +64,8 @@ _PRELOAD = ["torch", "torch.distributed.fsdp", "torch.distributed.tensor.paralle
 def spawn(fn: Callable[..., None], args: tuple, nprocs: int) -> None:
     """`torch.multiprocessing.spawn(fn, args, nprocs)`, the ranks forked from a forkserver that has
     imported torch, transformers and the workers once (under the `spawn` start method each rank
-    imports them itself, ~6 CPU s): still a clean process, with no threads and no process group."""
+    imports them itself, ~6 CPU s): still a clean process, with no threads and no process group,
+    but with the environment variables the server started with (set none for the ranks alone)."""
     import multiprocessing
 
     import torch.multiprocessing as mp

@@ -144,7 +144,7 @@ def _describe(node: Any, spec: dict[str, Any], head: bool) -> dict[str, Any]:
 
 def _node_args(spec: dict[str, Any], temp_dir: str) -> dict[str, Any]:
     # each node's dashboard agent on a free port: Ray's default (52365) is taken by any other Ray on
-    # the machine (the session's `ray_local`), and a head whose agent cannot listen runs no job
+    # the machine (the shared `ray_local`), and a head whose agent cannot listen runs no job
     return {"num_cpus": spec.get("num_cpus", 1), "resources": spec.get("resources") or None,
             "labels": spec.get("labels") or None, "node_ip_address": "127.0.0.1", "temp_dir": temp_dir,
             "dashboard_agent_listen_port": free_port()}

@@ -227,6 +227,24 @@ def _planted_records(original: dict, marker: Path) -> dict[str, dict]:
     }
 
 
+def _misshapen_records(original: dict, tmp_path: Path) -> dict[str, dict]:
+    """Records in rlcore's own JSON format whose result is not what data_prep returns."""
+    first = json.loads(original["result"])
+    elsewhere = tmp_path / "planted.parquet"
+    elsewhere.write_bytes(b"not the prepared data")
+
+    def record(result: object) -> dict:
+        return {**original, "result": json.dumps(result)}
+
+    return {
+        "fields missing": record({"train_file": str(elsewhere)}),
+        "an unknown field": record({**first, "train_file": str(elsewhere), "run_this": "rm -rf /"}),
+        "a mistyped field": record({**first, "fingerprint": 12345}),
+        "a list, not an object": record([first]),
+        "files that are gone": record({**first, "train_file": str(tmp_path / "gone.parquet")}),
+    }
+
+
 @pytest.mark.slow
 @pytest.mark.prefect
 def test_a_payload_planted_in_the_data_prep_cache_never_runs(tiny_example, tmp_path, monkeypatch):
@@ -270,4 +288,57 @@ def test_a_payload_planted_in_the_data_prep_cache_never_runs(tiny_example, tmp_p
         assert any(str(record_file) in w and "refused the cached task result" in w for w in warnings), (what, warnings)
         rewritten = json.loads(record_file.read_text())
         assert rewritten["metadata"]["serializer"] == {"type": "rlcore-json"}, what  # the fresh record replaced it
+
+    record_file.write_text(json.dumps(original))  # a good record is used as it is: no warning, not rewritten
+    written = record_file.stat().st_mtime_ns
+    warned = _Collect()
+    logging.getLogger("rlcore.flows.results").addHandler(warned)
+    try:
+        assert data_prep(overrides=overrides, workdir=str(workdir)) == first
+    finally:
+        logging.getLogger("rlcore.flows.results").removeHandler(warned)
+    assert not warned.records and record_file.stat().st_mtime_ns == written
+
+    for what, misshapen in _misshapen_records(original, tmp_path).items():
+        record_file.write_text(json.dumps(misshapen))
+        warned = _Collect()
+        logger = logging.getLogger("rlcore.flows.results")
+        logger.addHandler(warned)
+        try:
+            again = data_prep(overrides=overrides, workdir=str(workdir))
+        finally:
+            logger.removeHandler(warned)
+        assert again == first, what  # recomputed, not the misshapen value
+        warnings = [r.getMessage() for r in warned.records if r.levelno == logging.WARNING]
+        assert any(str(record_file) in w and "refused the cached task result" in w for w in warnings), (what, warnings)
+        assert json.loads(json.loads(record_file.read_text())["result"]) == first, what  # replaced by the fresh one
     assert os.environ.get("PREFECT_API_URL") is None
+
+
+GOOD_PREPARED = {"train_file": "TRAIN", "val_file": "VAL", "fingerprint": "f" * 64, "counts": {"train": 9, "val": 1},
+                 "bad_rows": [], "input_fingerprint": "i" * 64}
+
+
+@pytest.mark.parametrize(("change", "why"), [
+    ({"fingerprint": None}, "fingerprint"),
+    ({"counts": {"train": "9"}}, "counts.train"),
+    ({"counts": {"train": 9.5}}, "counts.train"),
+    ({"bad_rows": "row 3"}, "bad_rows"),
+    ({"extra": 1}, "'extra'"),
+    ({"train_file": ["a"]}, "train_file"),
+])
+def test_a_cached_result_must_be_what_its_task_returns(tmp_path, change, why):
+    from rlcore.flows.results import result_refusal
+
+    train, val = tmp_path / "train.parquet", tmp_path / "val.parquet"
+    train.touch()
+    val.touch()
+    good = {**GOOD_PREPARED, "train_file": str(train), "val_file": str(val)}
+    assert result_refusal("rlcore-data-prep-abc-def", good) is None
+    refusal = result_refusal("rlcore-data-prep-abc-def", {**good, **change})
+    assert refusal is not None and why in refusal, refusal
+    missing = {k: v for k, v in good.items() if k != "val_file"}
+    assert "val_file" in (result_refusal("rlcore-data-prep-abc-def", missing) or "")
+    assert "gone" in (result_refusal("rlcore-data-prep-abc-def", {**good, "val_file": str(tmp_path / "x")}) or "")
+    assert "no rlcore task" in (result_refusal("someone-elses-key", good) or "")
+    assert "JSON list" in (result_refusal("rlcore-data-prep-abc-def", [good]) or "")

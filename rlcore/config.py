@@ -1221,8 +1221,24 @@ def parse_override(text: str) -> tuple[list[str], Any]:
     parts = key.strip().split(".")
     if not all(parts):
         raise ConfigError(f"override {text!r}: empty key segment")
-    value = yaml.safe_load(raw) if raw.strip() else ""
+    value = _safe_yaml(raw, f"override {key.strip()!r}") if raw.strip() else ""
     return parts, value
+
+
+def _safe_yaml(text: str, where: str) -> Any:
+    """`yaml.safe_load(text)`, or a `ConfigError` naming `where` and the line and column of what is
+    not YAML (a YAML typo is one line, not a parser traceback)."""
+    try:
+        return yaml.safe_load(text)
+    except yaml.MarkedYAMLError as err:
+        mark = err.problem_mark
+        at = f" at line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ""
+        problem = err.problem or err.context or "not YAML"
+        raise ConfigError(f"{where}: not valid YAML{at}: {problem}") from None
+    except yaml.YAMLError as err:
+        raise ConfigError(f"{where}: not valid YAML: {str(err).splitlines()[0] if str(err) else type(err).__name__}") from None
+    except RecursionError:
+        raise ConfigError(f"{where}: nested too deeply to be a config") from None
 
 
 def _apply_override(tree: dict[str, Any], parts: list[str], value: Any) -> None:
@@ -1235,17 +1251,22 @@ def _apply_override(tree: dict[str, Any], parts: list[str], value: Any) -> None:
     node[parts[-1]] = value
 
 
+MAX_PROBLEMS_SHOWN = 12  # a hostile file can hold thousands; the first few say what to fix
+
+
 def _format_validation_error(err: ValidationError) -> str:
     lines = []
-    for e in err.errors():
-        loc = ".".join(str(p) for p in e["loc"]) or "<root>"
+    errors = err.errors()
+    for e in errors[:MAX_PROBLEMS_SHOWN]:
+        loc = ".".join(str(p) if str(p).isprintable() else repr(p) for p in e["loc"])[:200] or "<root>"
         if e["type"] == "extra_forbidden":
             lines.append(f"{loc}: unknown key")
         elif e["type"] == "value_error":  # our validators' own messages, without pydantic's "Value error, "
             lines.append(f"{loc}: {e.get('ctx', {}).get('error', e['msg'])}")
         else:
             lines.append(f"{loc}: {e['msg']}")
-    return "invalid config: " + "; ".join(lines)
+    more = f"; and {len(errors) - MAX_PROBLEMS_SHOWN} more" if len(errors) > MAX_PROBLEMS_SHOWN else ""
+    return "invalid config: " + "; ".join(lines) + more
 
 
 def config_from_dict(tree: dict[str, Any]) -> Config:
@@ -1269,7 +1290,13 @@ def _config_tree(path: str | Path | None, overrides: list[str] | tuple[str, ...]
         path = Path(path)
         if not path.is_file():
             raise ConfigError(f"config file not found: {path}")
-        loaded = yaml.safe_load(path.read_text()) or {}
+        try:
+            text = path.read_text(encoding="utf-8")
+        except UnicodeDecodeError as err:
+            raise ConfigError(f"{path}: not UTF-8 text (byte {err.start})") from None
+        except OSError as err:
+            raise ConfigError(f"{path}: cannot read the config file ({err.strerror or err})") from None
+        loaded = _safe_yaml(text, str(path)) or {}
         if not isinstance(loaded, dict):
             raise ConfigError(f"{path}: top level must be a mapping")
         tree = loaded

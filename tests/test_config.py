@@ -105,3 +105,35 @@ def test_every_shipped_name_loads():
 def test_kl_term_without_reference_model_is_refused(kl_term):
     with pytest.raises(ConfigError, match=rf"algorithm.use_reference=false, but {kl_term} need"):
         load_config(None, BASE + ["algorithm.use_reference=false", f"{kl_term}=true"])
+
+
+@pytest.mark.parametrize(("text", "said"), [
+    ("actor:\n  optim: {lr: 1e-6\nfoo: [1,\n", "not valid YAML at line 3, column 4"),
+    ("a: *nowhere\n", "found undefined alias"),
+    ("a: " + "[" * 5000 + "]" * 5000 + "\n", "nested too deeply"),
+    ("\tactor: 1\n", "not valid YAML at line 1"),
+])
+def test_a_config_file_that_is_not_yaml_is_one_line(tmp_path, text, said):
+    path = tmp_path / "c.yaml"
+    path.write_text(text)
+    with pytest.raises(ConfigError, match="not|nested") as err:
+        load_config(path)
+    assert str(path) in str(err.value) and said in str(err.value) and "\n" not in str(err.value)
+
+
+def test_a_config_file_that_is_not_text_or_an_override_that_is_not_yaml_is_one_line(tmp_path):
+    path = tmp_path / "c.yaml"
+    path.write_bytes(b"\xff\xfe a: 1")
+    with pytest.raises(ConfigError, match=r"not UTF-8 text \(byte 0\)"):
+        load_config(path)
+    with pytest.raises(ConfigError, match=r"override 'actor\.optim': not valid YAML at line 1, column 8"):
+        load_config(None, ["actor.optim={lr: [1"])
+
+
+def test_thousands_of_problems_are_one_line_naming_the_first(tmp_path):
+    path = tmp_path / "c.yaml"
+    path.write_text("".join(f"key{i}: 1\n" for i in range(3000)) + "\"a\\nb\": 1\n")
+    with pytest.raises(ConfigError) as err:
+        load_config(path)
+    message = str(err.value)
+    assert "key0: unknown key" in message and "more" in message and "\n" not in message and len(message) < 2000

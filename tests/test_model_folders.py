@@ -3,7 +3,9 @@ file (rlcore.trainer.model_folders via preflight): a truncated or padded safeten
 critic, reward model), a sharded index naming a missing shard or tensor, a config transformers
 cannot read, a classifier config without num_labels (transformers reads two labels), and
 non-finite weights (a NaN score head is "non-finite weights in <file>: score.weight", not "this
-architecture is not supported"). Real folders written by transformers, real safetensors files."""
+architecture is not supported"), finite weights so large that the scores overflow, and a causal LM
+whose config.json is labelled as a classifier. Real folders written by transformers, real
+safetensors files."""
 
 from __future__ import annotations
 
@@ -18,6 +20,7 @@ from transformers import LlamaConfig, LlamaForSequenceClassification
 
 from rlcore.cli import CONFIG_DIR, main, tiny_example_overrides
 from rlcore.config import load_config
+from rlcore.errors import RLCoreError
 from rlcore.example.tokenizer import build_tokenizer
 from rlcore.trainer.model_folders import safetensors_header
 from rlcore.trainer.preflight import preflight_problems
@@ -67,6 +70,40 @@ def test_a_nan_score_head_is_named_as_non_finite_weights(tiny_example, tmp_path,
     err = capsys.readouterr().err
     assert f"reward_model.path: non-finite weights in {rm / 'model.safetensors'}: score.weight (32 of 32 values NaN or inf)" in err
     assert "not supported" not in err and "Traceback" not in err
+
+
+def test_a_score_head_that_overflows_is_named_at_preflight_and_at_load(tiny_example, tmp_path, capsys):
+    """Finite weights at 1e38 give infinite scores: named as weights too large, not "not supported"."""
+    from rlcore.workers.loading import load_sequence_classifier
+
+    rm = _reward_model(tmp_path / "rm")
+    weights = load_file(rm / "model.safetensors")
+    weights["score.weight"] = torch.full_like(weights["score.weight"], 1e38)
+    save_file(weights, rm / "model.safetensors", metadata={"format": "pt"})
+    args = ["train", str(CONFIG_DIR / "tiny_grpo.yaml"), *tiny_example_overrides(tiny_example, str(tmp_path / "run")),
+            f"reward_model.path={rm}"]
+    assert main(args) == 2
+    err = capsys.readouterr().err
+    assert (f"reward_model.path: weights too large to compute with in {rm / 'model.safetensors'}: score.weight holds "
+            "values up to 1e+38") in err, err
+    assert "not supported" not in err and "Traceback" not in err
+    with pytest.raises(RLCoreError, match=r"reward_model\.path: .* overflows"):  # past preflight: the probe names it
+        load_sequence_classifier(rm, "float32", torch.device("cpu"), key="reward_model.path")
+
+
+def test_a_causal_lm_labelled_as_a_classifier_is_named_at_preflight(tiny_example, tmp_path, capsys):
+    lm = _copy_model(tiny_example, tmp_path)
+    raw = json.loads((lm / "config.json").read_text())
+    arch = raw["architectures"][0].replace("ForCausalLM", "ForSequenceClassification")
+    (lm / "config.json").write_text(json.dumps({**raw, "architectures": [arch], "num_labels": 1,
+                                                "id2label": {"0": "LABEL_0"}, "label2id": {"LABEL_0": 0}}))
+    (lm / "chat_template.jinja").write_text(CHATML)
+    args = ["train", str(CONFIG_DIR / "tiny_grpo.yaml"), *tiny_example_overrides(tiny_example, str(tmp_path / "run")),
+            f"reward_model.path={lm}"]
+    assert main(args) == 2
+    err = capsys.readouterr().err
+    assert f"reward_model.path: {lm}'s config.json names {arch} with one label, but its weights hold no score head" in err
+    assert "a causal LM whose config.json was labelled as a classifier" in err and "Traceback" not in err, err
 
 
 def test_a_classifier_config_without_num_labels_reads_as_two_labels(tiny_example, tmp_path):

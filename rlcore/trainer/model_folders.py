@@ -13,7 +13,9 @@ field, JSON, each tensor's dtype, shape and byte range inside the file, the data
 exactly: a truncated or padded copy fails); every shard an `*.safetensors.index.json` names
 exists and holds the tensors the index puts there; and every floating-point tensor of at most
 `FINITE_CHECK_ELEMENTS` values (norms, biases, score and value heads: reading them costs little
-next to loading the model) is finite.
+next to loading the model) is finite and small enough to compute with (a score head at 1e38 gives
+infinite scores from finite weights). A reward model's folder must also hold the score head its
+config promises (a causal LM whose config.json was relabelled as a classifier holds an LM head).
 """
 
 from __future__ import annotations
@@ -29,6 +31,9 @@ DTYPE_BYTES = {"BOOL": 1, "U8": 1, "I8": 1, "F8_E5M2": 1, "F8_E4M3": 1, "F8_E8M0
 FLOAT_DTYPES = {"F8_E5M2", "F8_E4M3", "F16", "BF16", "F32", "F64"}
 HEADER_LIMIT = 100 * 2**20  # the safetensors library's own limit on a header
 FINITE_CHECK_ELEMENTS = 1 << 16  # tensors up to this many values are read and checked for NaN/inf
+# A finite weight above this is damage, not training: its square, and so a dot product through it,
+# overflows float32 (3.4e38); trained weights sit many orders of magnitude below.
+OVERFLOW_LIMIT = 2.0**64
 
 
 class WeightFileError(ValueError):
@@ -80,9 +85,10 @@ def safetensors_header(path: Path) -> dict[str, dict[str, Any]]:
     return tensors
 
 
-def nonfinite_tensor(path: Path, tensors: dict[str, dict[str, Any]]) -> tuple[str, int, int] | None:
-    """(name, non-finite values, values) of the first small floating-point tensor (at most
-    `FINITE_CHECK_ELEMENTS` values) holding NaN or inf, or None."""
+def unusable_small_tensor(path: Path, tensors: dict[str, dict[str, Any]]) -> str | None:
+    """What is wrong with the first small floating-point tensor (at most `FINITE_CHECK_ELEMENTS`
+    values) that holds NaN or inf, or finite values so large (above `OVERFLOW_LIMIT`) that a
+    forward pass through them overflows to inf; None when every one is usable."""
     import torch
     from safetensors import safe_open
 
@@ -92,10 +98,14 @@ def nonfinite_tensor(path: Path, tensors: dict[str, dict[str, Any]]) -> tuple[st
         return None
     with safe_open(str(path), framework="pt") as f:
         for name in small:
-            t = f.get_tensor(name)
-            bad = int((~torch.isfinite(t.float())).sum())
+            t = f.get_tensor(name).float()
+            bad = int((~torch.isfinite(t)).sum())
             if bad:
-                return name, bad, t.numel()
+                return f"non-finite weights in {path}: {name} ({bad} of {t.numel()} values NaN or inf)"
+            largest = float(t.abs().max()) if t.numel() else 0.0
+            if largest > OVERFLOW_LIMIT:
+                return (f"weights too large to compute with in {path}: {name} holds values up to {largest:.3g} (above "
+                        f"2^64: a dot product of them overflows float32, so the model's outputs would be inf)")
     return None
 
 
@@ -113,13 +123,12 @@ def weight_problems(key: str, folder: Path) -> list[str]:
             problems.append(f"{key}: cannot read {path}: {err}")
             continue
         try:
-            found = nonfinite_tensor(path, headers[path.name])
+            found = unusable_small_tensor(path, headers[path.name])
         except Exception as err:  # noqa: BLE001 - the reader's own refusal of a file whose header passed
             problems.append(f"{key}: unreadable weights in {path}: {type(err).__name__}: {err}")
             continue
         if found is not None:
-            name, bad, total = found
-            problems.append(f"{key}: non-finite weights in {path}: {name} ({bad} of {total} values NaN or inf)")
+            problems.append(f"{key}: {found}")
     for index in sorted(folder.glob("*.safetensors.index.json")):
         problems += _index_problems(key, index, headers)
     return problems
@@ -170,8 +179,31 @@ def reward_model_config_problems(key: str, folder: Path, config: Any) -> list[st
                if "num_labels" not in raw and "id2label" not in raw else "")
         return [f"{key}: {folder} is not a one-label reward model: transformers reads num_labels={config.num_labels} "
                 f"from its config.json{why}; a reward model has num_labels: 1"]
-    return []
+    return missing_score_head(key, folder, architectures, bool(getattr(config, "tie_word_embeddings", False)))
 
 
-__all__ = ["WeightFileError", "nonfinite_tensor", "read_model_config", "reward_model_config_problems",
+def missing_score_head(key: str, folder: Path, architectures: list[str], tied: bool) -> list[str]:
+    """A one-label classifier's weights must hold its `score` head: a causal LM whose config.json
+    names a *ForSequenceClassification architecture holds an LM head instead, and transformers
+    would load it with a random score head."""
+    names: set[str] = set()
+    for path in sorted(folder.glob("*.safetensors")):
+        try:
+            names |= set(safetensors_header(path))
+        except (WeightFileError, OSError):
+            return []  # named by weight_problems
+    if not names or any(n.split(".")[-2:-1] == ["score"] for n in names):
+        return []  # no safetensors to read (a .bin folder), or the head is there
+    lm_head = sorted(n for n in names if n.split(".")[-2:-1] == ["lm_head"])
+    if lm_head:
+        what = f"it holds an LM head ({lm_head[0]}): a causal LM whose config.json was labelled as a classifier"
+    elif tied:
+        what = "its LM head is tied to its embeddings: a causal LM whose config.json was labelled as a classifier"
+    else:
+        what = "it is not a trained reward model"
+    return [f"{key}: {folder}'s config.json names {architectures[0]} with one label, but its weights hold no score "
+            f"head (score.weight); {what}. Train a reward model with algorithm.name=rm"]
+
+
+__all__ = ["missing_score_head", "OVERFLOW_LIMIT", "WeightFileError", "unusable_small_tensor", "read_model_config", "reward_model_config_problems",
            "safetensors_header", "weight_problems"]

@@ -29,6 +29,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from rlcore.errors import RLCoreError
 from rlcore.protocol import Batch
 from rlcore.triton_kernels import fused_token_logprobs
 from rlcore.workers.attention import SEQUENCE_PARALLEL_KWARG, prompt_sharing
@@ -40,8 +41,9 @@ LOG_PROBS_METHOD = "rlcore_response_log_probs"  # where a sharded model carries 
 SCORES_METHOD = "rlcore_sequence_scores"  # where a sharded model carries `forward_sequence_scores`
 
 
-class NotASequenceClassifier(ValueError):
-    """A reward model folder that is not a trained one-label sequence classifier; names the key."""
+class NotASequenceClassifier(RLCoreError, ValueError):
+    """A reward model folder that is not a trained one-label sequence classifier; names the key
+    (an input error: the command prints it as one line)."""
 
 
 @dataclass(frozen=True)

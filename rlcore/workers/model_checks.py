@@ -11,7 +11,15 @@ import torch
 from torch import nn
 
 from rlcore.workers.attention import prompt_sharing
-from rlcore.workers.forward import LMHead, backbone, forward_sequence_scores, head_logits, lm_head_semantics, model_pad_token_id
+from rlcore.workers.forward import (
+    LMHead,
+    NotASequenceClassifier,
+    backbone,
+    forward_sequence_scores,
+    head_logits,
+    lm_head_semantics,
+    model_pad_token_id,
+)
 from rlcore.workers.packed import pack_rows, token_tally
 
 
@@ -106,6 +114,10 @@ def check_sequence_scores(model: nn.Module, *, key: str, lengths: tuple[int, ...
     finally:
         model.train(was_training)
         token_tally(model).take()  # the probe is not a step's work
+    if not torch.isfinite(own).all():
+        raise NotASequenceClassifier(
+            f"{key}: {type(model).__name__} scores two probe sequences as {own.tolist()}: its forward overflows (a "
+            "score head or layer with huge weights, or non-finite ones); not a usable reward model")
     low_precision = embeddings.dtype != torch.float32
     tol = (3e-2 if low_precision else 1e-4) * max(1.0, own.abs().max().item())
     diff = max((own - o).abs().max().item() for o in ours)

@@ -80,6 +80,9 @@ def _load_module_from_file(path: str, spec: str, what: str, error: type[SpecErro
     sys.modules[mod_name] = module  # so dataclasses/pickle inside the user file can find it
     try:
         mspec.loader.exec_module(module)
+    except SystemExit as e:  # user code's sys.exit() at import is an error, not the caller's exit
+        sys.modules.pop(mod_name, None)
+        raise error(f"{what} spec {spec!r}: executing {abs_path} called sys.exit({e.code!r})") from None
     except Exception as e:
         sys.modules.pop(mod_name, None)
         raise error(f"{what} spec {spec!r}: executing {abs_path} failed: {type(e).__name__}: {e}") from e
@@ -93,6 +96,8 @@ def _load_module(name: str, spec: str, what: str, error: type[SpecError]):
         return importlib.import_module(name)
     except ModuleNotFoundError as e:
         raise error(f"{what} spec {spec!r}: cannot import module {name!r} ({e})") from e
+    except SystemExit as e:
+        raise error(f"{what} spec {spec!r}: importing {name!r} called sys.exit({e.code!r})") from None
     except Exception as e:
         raise error(f"{what} spec {spec!r}: importing {name!r} failed: {type(e).__name__}: {e}") from e
 

@@ -26,7 +26,7 @@ from pathlib import Path
 from typing import Any
 
 from .manager import PoolRun, RewardWorkerError, _stop_workers, _Worker
-from .registry import SpecError, load_function, resolve_spec
+from .registry import SpecError, resolve_spec
 
 
 class ToolSpecError(SpecError):
@@ -65,11 +65,16 @@ def tool_schema(fn: Callable[..., Any], spec: str) -> dict[str, Any]:
 
 
 def load_tools(specs: Sequence[str]) -> dict[str, Tool]:
-    """name -> `Tool` for each spec, in order; raises `ToolSpecError` naming the spec."""
+    """name -> `Tool` for each spec, in order; raises `ToolSpecError` naming the spec. The tool
+    files are loaded and their schemas read in a child interpreter (`user_code.describe`): only the
+    pool's sandboxed workers ever import them."""
+    from .user_code import describe
+
+    resolved = [str(resolve_spec(raw)) for raw in specs]
+    described = describe(resolved, "tool", ToolSpecError, schemas=True)
     tools: dict[str, Tool] = {}
-    for raw in specs:
-        spec = str(resolve_spec(raw))
-        schema = tool_schema(load_function(spec, "tool", ToolSpecError), raw)
+    for raw, spec, found in zip(specs, resolved, described, strict=True):
+        schema = _checked_schema(found, raw)
         name = schema["function"]["name"]
         if name in tools:
             raise ToolSpecError(f"tool spec {raw!r}: a second tool named {name!r} (first: {tools[name].spec})")
@@ -88,6 +93,9 @@ def tool_schemas(specs: Sequence[str]) -> list[dict[str, Any]]:
     one name are refused."""
     out: list[dict[str, Any]] = []
     seen: dict[str, str] = {}
+    functions = [raw for raw in specs if not str(raw).lower().endswith(SCHEMA_FILE_SUFFIXES)]
+    if functions:
+        load_tools(functions)  # all function specs loaded by one child (its findings kept per spec)
     for raw in specs:
         if str(raw).lower().endswith(SCHEMA_FILE_SUFFIXES):
             path = Path(raw)

@@ -31,8 +31,9 @@ from rlcore.config import Config, SFTConfig
 from rlcore.data import RL_FIELDS, DatasetError, peek_fields, read_column
 from rlcore.data.preference import PREFERENCE_FIELDS
 from rlcore.errors import RLCoreError
-from rlcore.rewards.registry import builtin_data_sources, load_function, load_reward_fn, resolve_spec
+from rlcore.rewards.registry import RewardFunctionError, SpecError, builtin_data_sources, resolve_spec
 from rlcore.rewards.tools import load_tools, tool_schemas
+from rlcore.rewards.user_code import describe
 from rlcore.trainer.model_folders import read_model_config, reward_model_config_problems, weight_problems
 from rlcore.workers.parallel.shapes import layout_problems, model_layout_problems
 from rlcore.workers.ulysses import head_problem
@@ -231,21 +232,21 @@ def reward_problems(spec: str | None) -> list[str]:
     if spec is None:
         return []
     try:
-        load_reward_fn(resolve_spec(spec))
-    except Exception as err:  # noqa: BLE001 - user code may raise anything while it is imported
+        describe([str(resolve_spec(spec))], "reward function", RewardFunctionError, schemas=False)
+    except SpecError as err:
         return [f"reward.function: {str(err).removeprefix('reward function spec ')}"]
     return []
 
 
 def agent_problems(config: Config) -> list[str]:
     """Each `rollout.agent.tools` entry loads and has a schema, no two share a name, and the
-    interaction factory loads (user code is imported here, in the driver, as a reward file is)."""
+    interaction factory loads (user code is loaded in a child interpreter, `user_code.describe`)."""
     agent = config.rollout.agent
     problems = tool_spec_problems("rollout.agent.tools", agent.tools, load_tools)
     if agent.interaction is not None:
         try:
-            load_function(str(resolve_spec(agent.interaction)), "interaction")
-        except Exception as err:  # noqa: BLE001
+            describe([str(resolve_spec(agent.interaction))], "interaction", SpecError, schemas=False)
+        except SpecError as err:
             problems.append(f"rollout.agent.interaction: {str(err).removeprefix('interaction spec ')}")
     if agent.enabled:
         problems += agent_length_problems(config)

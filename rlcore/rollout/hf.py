@@ -48,6 +48,7 @@ class HFRolloutEngine:
         self.eos_token_ids = [int(t) for t in eos_token_ids]
         self._eos = torch.tensor(self.eos_token_ids, dtype=torch.long, device=self.device)
         self._asleep = False
+        self._targets: dict[str, torch.Tensor] | None = None  # `_named_targets`, until sleep or wake moves the model
 
     @classmethod
     def from_pretrained(
@@ -220,7 +221,9 @@ class HFRolloutEngine:
         Tied embeddings: the model's state dict lists both `lm_head.weight` and
         `model.embed_tokens.weight` for the one shared tensor, so either name updates it.
         """
-        targets = self._named_targets()
+        if self._targets is None:  # kept between syncs: the same tensors until the model moves
+            self._targets = self._named_targets()
+        targets = self._targets
         with torch.no_grad():
             for name, tensor in named_tensors:
                 dst = targets.get(name)
@@ -253,6 +256,7 @@ class HFRolloutEngine:
         if self.device.type == "cpu" or self._asleep:
             return
         self.model.to("cpu")
+        self._targets = None  # `.to` replaces buffers: their tensors are new
         if self.device.type == "cuda":
             torch.cuda.empty_cache()
         self._asleep = True
@@ -262,6 +266,7 @@ class HFRolloutEngine:
         if not self._asleep:
             return
         self.model.to(self.device)
+        self._targets = None
         self._asleep = False
 
 

@@ -67,13 +67,15 @@ def build_worker_groups(config: Config, roles: Collection[str] | None = None) ->
     train_cores, rollout_cores = split_cores(2) if overlap else (available_cpus(), 0.0)
     use_cores(train_cores)
     groups: dict[str, WorkerGroup | RoleView] = {}
+    rollout_elsewhere = overlap and config.trainer.overlap_with == "process"
     for role, (factory, _) in _factories_of(config, roles).items():
-        if overlap and role == "rollout" and config.trainer.overlap_with == "process":
+        if role == "rollout" and rollout_elsewhere:
             groups[role] = SubprocessWorkerGroup(partial(RolloutWorker, config), role=role, cores=rollout_cores)
         else:
             groups[role] = InProcessWorkerGroup(factory, world_size=1, role=role, own_thread=overlap and role == "rollout",
                                                 cores=rollout_cores)
-    return _with_reference(WorkerGroups.of(groups, weight_sync=config.lora_sync), config)
+    return _with_reference(WorkerGroups.of(groups, weight_sync=config.lora_sync, same_process_sync=not rollout_elsewhere),
+                           config)
 
 
 def _with_reference(groups: WorkerGroups, config: Config) -> WorkerGroups:

@@ -244,11 +244,13 @@ class ActorWorker(Worker):
         return plan_buckets(self.model, self._bucket_bytes)
 
     @register(dispatch=Dispatch.COLLECTIVE)
-    def gather_weight_bucket(self, names: list[str]) -> list[tuple[str, torch.Tensor]]:
-        """One bucket of full weights, for streaming them to the rollout engine (merged with LoRA)."""
+    def gather_weight_bucket(self, names: list[str], on_device: bool = False) -> list[tuple[str, torch.Tensor]]:
+        """One bucket of full weights, for streaming them to the rollout engine (merged with LoRA).
+        `on_device`: the engine shares this process and device, so the bucket stays on the device
+        (one device-to-device copy into the engine, no round trip through host memory)."""
         if self.adapter is not None:
-            return self.adapter.merged_weights(names, keep=self.rank == 0)
-        return gather_to_owner(self.model, names, owner=0)[0]  # each rank's own shards, assembled on rank 0 only
+            return self.adapter.merged_weights(names, keep=self.rank == 0, on_device=on_device)
+        return gather_to_owner(self.model, names, owner=0, on_device=on_device)[0]  # assembled on rank 0 only
 
     @register(dispatch=Dispatch.COLLECTIVE, blocking=False)
     def adapter_for_rollout(self) -> tuple[dict[str, torch.Tensor], dict]:

@@ -173,8 +173,8 @@ class Adapter:
         sizes = [(name, t.numel() * t.element_size()) for name, t in self.base_state().items() if reload_group(name) in groups]
         return bucket_by_bytes(sizes, bucket_bytes)
 
-    def merged_weights(self, names: list[str], keep: bool) -> list[tuple[str, torch.Tensor]]:
-        """Full CPU tensors of `names` (from `sync_plan`): an adapted module's weight merged,
+    def merged_weights(self, names: list[str], keep: bool, on_device: bool = False) -> list[tuple[str, torch.Tensor]]:
+        """Full tensors of `names` (from `sync_plan`; in host memory unless `on_device`): an adapted module's weight merged,
         W + scaling * B @ A (peft's `Linear.get_delta_weight`; transposed for a fan-in-fan-out
         layer), in one fused `addmm` on the gathered full tensors, so from the float32 masters
         whatever the compute precision; every other tensor as it is (a view when unsharded, as the
@@ -193,7 +193,7 @@ class Adapter:
                 left, right = (a.T, b.T) if module.fan_in_fan_out else (b, a)
                 tensor = torch.addmm(tensor.float(), left, right, alpha=module.scaling[ADAPTER]).to(tensor.dtype)
             if keep:
-                out.append((name, tensor.cpu()))
+                out.append((name, tensor if on_device else tensor.cpu()))
         return out
 
     def _lora_modules(self) -> dict[str, Any]:

@@ -68,15 +68,19 @@ def _piece(t: torch.Tensor) -> tuple[tuple[int, ...], tuple[int, ...], torch.Ten
     return tuple(offset), tuple(shape), t.to_local()
 
 
-def gather_to_owner(model: nn.Module, names: list[str], owner: int = 0) -> tuple[list[tuple[str, torch.Tensor]], SyncStats]:
-    """The full CPU tensors of `names` on rank `owner` ([] on the others), assembled from every
-    rank's shards with one gather; every rank of the model's process group calls it with the same
-    names. Without a process group: the model's own tensors (views)."""
+def gather_to_owner(model: nn.Module, names: list[str], owner: int = 0, *,
+                    on_device: bool = False) -> tuple[list[tuple[str, torch.Tensor]], SyncStats]:
+    """The full tensors of `names` on rank `owner` ([] on the others), assembled from every rank's
+    shards with one gather; every rank of the model's process group calls it with the same names.
+    One rank: the model's own tensors (views, no copy). The bucket is staged where the collective
+    runs (on the GPU under NCCL, in host memory under gloo) and handed over on the host, unless
+    `on_device` (the engine shares this process and device: it then copies device to device)."""
     state = sync_state(model)
     stats = SyncStats(buckets=1, per_bucket=[sum(state[n].numel() * state[n].element_size() for n in names)])
     if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
-        return [(n, _whole(state[n])) for n in names], stats
+        return [(n, _whole(state[n], on_device)) for n in names], stats
     rank, world = dist.get_rank(), dist.get_world_size()
+    staging = _staging_device(state[names[0]]) if names else torch.device("cpu")
     params = dict(model.named_parameters(remove_duplicate=False))  # tied names: one parameter (state_dict detaches each)
     key = {name: id(params.get(name, state[name])) for name in names}
     distinct: dict[int, str] = {}  # tied names share one tensor: gathered once
@@ -90,13 +94,13 @@ def gather_to_owner(model: nn.Module, names: list[str], owner: int = 0) -> tuple
             offset, shape, local = _piece(t)
             if local.numel():
                 meta.append((name, offset, shape))
-                parts.append(local.contiguous().view(-1).cpu().view(torch.uint8))
-    mine = torch.cat(parts) if parts else torch.empty(0, dtype=torch.uint8)
+                parts.append(local.contiguous().view(-1).to(staging).view(torch.uint8))
+    mine = torch.cat(parts) if parts else torch.empty(0, dtype=torch.uint8, device=staging)
     sizes = [None] * world if rank == owner else None
     dist.gather_object((meta, mine.numel()), sizes, dst=owner)
-    width = torch.tensor([mine.numel()])
+    width = torch.tensor([mine.numel()], device=staging)
     dist.all_reduce(width, op=dist.ReduceOp.MAX)  # gather takes equal sizes
-    send = torch.zeros(int(width), dtype=torch.uint8)
+    send = torch.zeros(int(width), dtype=torch.uint8, device=staging)
     send[: mine.numel()] = mine
     stats.sent_bytes = mine.numel() if rank != owner else 0
     stats.peak_bytes = mine.numel() + send.numel()
@@ -105,8 +109,8 @@ def gather_to_owner(model: nn.Module, names: list[str], owner: int = 0) -> tuple
         return [], stats
     inbox = [torch.empty_like(send) for _ in range(world)]
     dist.gather(send, inbox, dst=owner)
-    full = {name: _whole(state[name]) if not is_dtensor(state[name]) else torch.empty(state[name].shape, dtype=state[name].dtype)
-            for name in distinct.values()}
+    full = {name: _whole(state[name], True).to(staging) if not is_dtensor(state[name])
+            else torch.empty(state[name].shape, dtype=state[name].dtype, device=staging) for name in distinct.values()}
     for r, ((their_meta, used), buffer) in enumerate(zip(sizes, inbox)):
         at = 0
         for name, offset, shape in their_meta:
@@ -117,11 +121,25 @@ def gather_to_owner(model: nn.Module, names: list[str], owner: int = 0) -> tuple
             at += n
         stats.received_bytes += used if r != owner else 0
     stats.peak_bytes = stats.peak_bytes + sum(b.numel() for b in inbox) + sum(t.numel() * t.element_size() for t in full.values())
-    return [(name, full[distinct[key[name]]]) for name in names], stats
+    handed = full if on_device else {name: t.cpu() for name, t in full.items()}
+    return [(name, handed[distinct[key[name]]]) for name in names], stats
 
 
-def _whole(t: torch.Tensor) -> torch.Tensor:
-    return t.detach().cpu()
+def _staging_device(t: torch.Tensor) -> torch.device:
+    """Where a bucket is assembled: the tensors' device when the process group's backend moves
+    tensors there (NCCL on CUDA), else host memory (gloo)."""
+    local = t.to_local() if is_dtensor(t) else t
+    if local.is_cuda and dist.get_backend() == "nccl":
+        return local.device
+    return torch.device("cpu")
+
+
+def _whole(t: torch.Tensor, on_device: bool) -> torch.Tensor:
+    """A one-rank tensor as a plain tensor: a view where it is (`on_device`), else on the host."""
+    plain = t.detach()
+    if is_dtensor(plain):  # a one-rank mesh holds the whole tensor locally
+        plain = plain.to_local()
+    return plain if on_device else plain.cpu()
 
 
 __all__ = ["SyncStats", "gather_to_owner"]

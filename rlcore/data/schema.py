@@ -46,7 +46,7 @@ class DataValidationError(DatasetError):
         more = len(self.errors) - len(lines)
         if more > 0:
             lines.append(f"... and {more} more")
-        rows = len({(e.file, e.row) for e in self.errors})
+        rows = len({(e.file, r) for e in self.errors for r in getattr(e, "rows", (e.row,))})  # a grouped error: its rows
         super().__init__(f"{rows} bad row(s) in the dataset:\n  " + "\n  ".join(lines))
 
     def __reduce__(self):

@@ -316,6 +316,8 @@ def tool_calls_of(message: dict[str, Any]) -> list[tuple[str, dict[str, Any]]]:
         if not isinstance(fn, dict) or not isinstance(fn.get("name"), str) or not fn["name"]:
             raise ValueError(f"tool_calls[{k}]: expected {{'type': 'function', 'function': {{'name': str, "
                              f"'arguments': ...}}}}, got {short_repr(call, 120)}")
+        if not isinstance(call.get("id", ""), str):
+            raise ValueError(f"tool_calls[{k}].id: expected a string, got {short_repr(call['id'])}")
         args = fn.get("arguments")
         args = {} if args is None else args
         if isinstance(args, str):

@@ -47,7 +47,8 @@ class DataValidationError(DatasetError):
         if more > 0:
             lines.append(f"... and {more} more")
         rows = len({(e.file, r) for e in self.errors for r in getattr(e, "rows", (e.row,))})  # a grouped error: its rows
-        super().__init__(f"{rows} bad row(s) in the dataset:\n  " + "\n  ".join(lines))
+        head = f"{rows} bad row(s) in the dataset:"  # one problem (of one or many rows): one line
+        super().__init__(f"{head} {lines[0]}" if len(lines) == 1 else f"{head}\n  " + "\n  ".join(lines))
 
     def __reduce__(self):
         return (DataValidationError, (self.errors,))

@@ -143,6 +143,9 @@ def _messages_problem(value: Any) -> str | None:
         content_ok = isinstance(m.get("content"), str) or (m.get("content") is None and bool(calls))
         if not content_ok:
             return f"message {j}: expected {{'role': str, 'content': str}}, got {short_repr(m)}"
+        for key in ("name", "tool_call_id"):  # a tool message's: which call it answers
+            if m.get(key) is not None and not isinstance(m[key], str):
+                return f"message {j}: {key}: expected a string, got {short_repr(m[key])}"
     return None
 
 
@@ -282,7 +285,7 @@ class SFTDataset:
                     errors.extend(row.errors)
                     continue
                 try:
-                    ids, labels = self._tokenize(row, file, i, multi_turn, tools_key in fields)
+                    ids, labels = self._tokenize(row, file, i, multi_turn)
                 except DataError as err:
                     errors.append(err)
                     continue
@@ -331,14 +334,16 @@ class SFTDataset:
             self._turns = ChatTurns(self.tokenizer)
         return self._turns
 
-    def _tokenize(self, row: Any, file: str, i: int, multi_turn: bool, own_tools: bool) -> tuple[list[int], list[int]]:
+    def _tokenize(self, row: Any, file: str, i: int, multi_turn: bool) -> tuple[list[int], list[int]]:
         """(ids, labels) of row `i` of `file`; a `DataError` naming the row and field of whatever is
-        wrong with it (its shape, its tools, the calls it trains, or what the template makes of it)."""
+        wrong with it (its shape, its tools, the calls it trains, or what the template makes of it).
+        A row's own tools are read wherever it has the column (a JSON-lines row may have it when
+        the file's first row does not)."""
         key = self.messages_key if multi_turn else self.prompt_key
         if not isinstance(row, dict):
             raise DataError(file, i, "<row>", f"expected an object, got {type(row).__name__}")
         schemas = self.tools
-        if own_tools:
+        if self.tools_key in row:
             try:
                 schemas = row_tools(row.get(self.tools_key)) or self.tools
             except ValueError as err:

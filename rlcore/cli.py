@@ -92,14 +92,19 @@ def _cmd_plan(args: argparse.Namespace) -> int:
 
 
 def _cmd_trace(args: argparse.Namespace) -> int:
-    """One recorded trajectory of a run's trace.jsonl (a training step's, or with --validation a
-    validation's) as a readable conversation; unreadable lines skipped are named in one note."""
+    """One recorded trajectory of a run's trace.jsonl (a training step's) or, with --validation,
+    val_trace.jsonl (a validation's), as a readable conversation; unreadable lines skipped are named
+    in one note."""
     from rlcore.trainer.tracing import format_trajectory, recorded_conversation
 
     found = recorded_conversation(args.run_dir, args.step, args.sample, validation=args.validation)
     if found.note:
         print(f"rlcore: note: {found.note}", file=sys.stderr)
-    print(format_trajectory(found.step, found.sample, args.sample, found.recorded, validation=args.validation))
+    try:
+        print(format_trajectory(found.step, found.sample, args.sample, found.recorded, validation=args.validation),
+              flush=True)
+    except BrokenPipeError:  # `rlcore trace RUN | head -1`: the reader has what it wanted
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # nothing left to flush at exit
     return 0
 
 
@@ -412,7 +417,7 @@ def build_parser() -> argparse.ArgumentParser:
     trace.add_argument("--step", type=int, default=None, help="default: the last step that recorded conversations")
     trace.add_argument("--sample", type=int, default=0, help="which of the step's trainer.trace_samples conversations")
     trace.add_argument("--validation", action="store_true",
-                       help="a conversation of the validation run at --step (0: before training), not of training")
+                       help="a conversation of the validation at --step (0: before training; val_trace.jsonl), not of training")
     trace.set_defaults(func=_cmd_trace)
 
     example = sub.add_parser("example", help="the built-in tiny example")

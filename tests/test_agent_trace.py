@@ -2,7 +2,7 @@
 per turn, each call's name and arguments, the tool's result, cut and with secrets redacted, for
 `trainer.trace_samples` trajectories per step), `rlcore trace` printing one, the trace keys refused
 when they would change nothing, the agent numbers validation reports per data source, and
-validation's own record in trace.jsonl, from which every `val/agent/*` number is recomputed.
+validation's own record (val_trace.jsonl), from which every `val/agent/*` number is recomputed.
 
 The rollouts are the real agent loop and sandboxed tool pool on the tool example's tokenizer, with
 an engine that stands in for the model by writing a script of turns per sample (the texts and
@@ -205,7 +205,7 @@ class AnswerReward:
 @pytest.mark.parametrize("conversations", [5, 2])
 def test_validation_is_recorded_and_every_val_agent_number_recomputes_from_it(tmp_path, capsys, conversations):
     """RLValidator through the real agent loop and tool pool (model and reward stood in), its
-    samples written by StepLog as trace.jsonl's validation record: every `val/agent/*` number the
+    samples written by StepLog as val_trace.jsonl's record: every `val/agent/*` number the
     validation logged is recomputed from the record; with every conversation recorded (5 of 5),
     from the recorded turns and texts alone, with `trainer.trace_samples` of them (2) from the
     per-sample episode facts, which the recorded turns confirm."""
@@ -227,7 +227,8 @@ def test_validation_is_recorded_and_every_val_agent_number_recomputes_from_it(tm
     run_dir.mkdir()
     with StepLog(config, run_dir, "grpo", SimpleNamespace()) as steps:
         steps.validation(0, metrics, validator.samples)
-    [line] = read_trace(run_dir).lines
+    assert not (run_dir / "trace.jsonl").exists()  # training's file keeps training's records
+    [line] = read_trace(run_dir, validation=True).lines
     record = line.record
     assert record["validation"] is True and record["step"] == 0 and len(record["samples"]) == 5
     logged = {k: v for k, v in metrics.items() if "/agent/" in k}
@@ -255,7 +256,8 @@ def test_validation_is_recorded_and_every_val_agent_number_recomputes_from_it(tm
     assert head.startswith(f"validation at step 0, conversation {conversations} of {conversations} | request ")
     assert head.endswith("answer holds the tool result: yes")  # the last sample, q4
     assert main(["trace", str(run_dir)]) == 2  # training steps: none recorded here
-    assert "no step recorded a conversation" in capsys.readouterr().err
+    assert capsys.readouterr().err == f"rlcore: error: {run_dir / 'trace.jsonl'}: no such file (trainer.trace writes it in " \
+                                      "trainer.output_dir)\n"
 
 
 def test_trace_keys_are_refused_when_they_would_change_nothing():

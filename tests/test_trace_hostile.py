@@ -101,6 +101,7 @@ class Case:
     says: tuple[str, ...] = ()  # what the one line must contain (besides the file's path)
     shown: str = ""  # exit 0: how the conversation printed starts
     run_dir: str | None = None  # a RUN_DIR other than the case's folder
+    file: str = "trace.jsonl"  # where `lines` go (val_trace.jsonl: what --validation reads)
 
 
 def cases(rng: random.Random) -> list[Case]:
@@ -125,6 +126,15 @@ def cases(rng: random.Random) -> list[Case]:
         code = 0 if step == "0" and sample in ("0", "1") else 2
         out.append(Case(f"absurd-{i}", [good_record(0)], ["--step", step, "--sample", sample], code=code, says=says,
                         shown="step 0, conversation" if code == 0 else ""))
+    for i in range(20):  # --validation reads val_trace.jsonl, as hostile as trace.jsonl
+        bad = [hostile_line(rng) for _ in range(rng.randint(1, 3))]
+        if i % 2:
+            out.append(Case(f"validation-{i}", [*bad, good_record(5).replace(b'"step": 5', b'"step": 5, "validation": true')],
+                            ["--validation"], code=0, says=("rlcore: note:", f"skipped {len(bad)} unreadable line(s)"),
+                            shown="validation at step 5, conversation 1 of 2", file="val_trace.jsonl"))
+        else:
+            out.append(Case(f"validation-{i}", bad, ["--validation", "--step", "0"], file="val_trace.jsonl",
+                            says=("no validation recorded a conversation", "unreadable line(s) (line ")))
     for i in range(30):  # what argparse refuses: not integers
         flag = rng.choice(["--step", "--sample"])
         value = rng.choice(["1e9", "inf", "nan", "", " ", "0x10", "1.0", "abc", "9" * 5000, "\x00", "--", "１e3"])
@@ -134,7 +144,7 @@ def cases(rng: random.Random) -> list[Case]:
             Case("blank-lines", [b"\n", b"   \n", b"\t\n"], says=("none is readable",)),
             Case("trace-is-a-folder", None, says=("not a file",)),
             Case("empty-run-dir", None, says=("RUN_DIR is empty",), run_dir=""),
-            Case("validation-absent", [good_record(3)], ["--validation"], says=("no validation recorded",))]
+            Case("validation-absent", [good_record(3)], ["--validation"], says=("no such file",), file="val_trace.jsonl")]
     return out
 
 
@@ -147,8 +157,10 @@ def test_rlcore_trace_on_hostile_files_and_arguments_exits_2_with_one_line(tmp_p
     for n, case in enumerate(checked):
         run = tmp_path / f"{n:03d}"
         run.mkdir()
-        trace = run / "trace.jsonl"
-        if case.lines is not None:
+        trace = run / case.file
+        if case.name == "validation-absent":
+            (run / "trace.jsonl").write_bytes(b"".join(case.lines or []))
+        elif case.lines is not None:
             trace.write_bytes(b"".join(case.lines))
         elif case.name == "trace-is-a-folder":
             trace.mkdir()
@@ -190,3 +202,15 @@ def test_the_console_shows_one_line_and_no_traceback(tmp_path):
         f"rlcore: error: {tmp_path / 'trace.jsonl'}: no step recorded a conversation (none is readable); skipped 3 "
         "unreadable line(s) (line 1: not UTF-8 (byte 0xff at column 1); line 2: nested too deep for the JSON parser; "
         "line 3: field 'step': expected an integer, got str)"]
+
+
+def test_a_reader_that_stops_early_is_no_error(tmp_path, monkeypatch):
+    """`rlcore trace RUN | head -1`: the pipe closes after the first line; the command still exits 0
+    without a traceback (in this process: stdout is a pipe whose reading end is closed)."""
+    (tmp_path / "trace.jsonl").write_bytes(good_record(1))
+    read, write = os.pipe()
+    os.close(read)
+    with os.fdopen(write, "w") as closed:
+        monkeypatch.setattr(sys, "stdout", closed)
+        assert main(["trace", str(tmp_path)]) == 0
+        monkeypatch.undo()

@@ -93,7 +93,7 @@ class OnPolicyTrainer:
                     metrics, trace = self.train_step(self.next_prompts())
                     metrics["time/step_s"] = time.perf_counter() - start
                     self.guard.check(metrics)
-                    validation = None  # its per-sample records, for trace.jsonl
+                    validation = None  # its per-sample records, for val_trace.jsonl
                     if self.validator is not None and (self.step % cfg.val_every == 0 or last):
                         metrics.update(self.validator.run(self.groups, self.step, self.rollout_version))
                         validation = self.validator.samples

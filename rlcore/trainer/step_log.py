@@ -1,5 +1,6 @@
 """Where a step's metrics go once the step is done: the run-health hooks, the tracker
-(console, metrics.jsonl, MLflow) and trace.jsonl, and the history `fit()` returns."""
+(console, metrics.jsonl, MLflow), trace.jsonl (and val_trace.jsonl for validations), and the
+history `fit()` returns."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ from typing import Any
 from rlcore.config import Config
 from rlcore.tracking import Tracker, open_tracker
 from rlcore.trainer.groups import WorkerGroups
-from rlcore.trainer.tracing import step_record, validation_record, worker_identities
+from rlcore.trainer.tracing import TRACE_FILE, VAL_TRACE_FILE, step_record, validation_record, worker_identities
 
 StepHook = Callable[[int, dict[str, Any]], None]
 
@@ -72,13 +73,13 @@ class StepLog:
         self.history.append(metrics)
 
     def _trace_validation(self, step: int, samples: list[dict[str, Any]] | None) -> None:
-        """A validation's samples as their own trace.jsonl record (`validation_record`)."""
+        """A validation's samples as a record of val_trace.jsonl (`validation_record`)."""
         t = self.config.trainer
         if t.trace and samples:
-            self._write_trace(validation_record(step, samples, t.trace_samples, t.trace_max_chars))
+            self._write_trace(validation_record(step, samples, t.trace_samples, t.trace_max_chars), VAL_TRACE_FILE)
 
-    def _write_trace(self, record: dict[str, Any]) -> None:
-        with open(self.run_dir / "trace.jsonl", "a") as f:
+    def _write_trace(self, record: dict[str, Any], name: str = TRACE_FILE) -> None:
+        with open(self.run_dir / name, "a") as f:
             f.write(json.dumps(record, default=str) + "\n")
 
 

@@ -12,9 +12,10 @@ cut to `trainer.trace_max_chars`. The other samples keep
 their ids, ranks, reward and per-turn counts only. `rlcore trace RUN_DIR` prints one
 (`format_trajectory`).
 
-Validation is recorded the same way, as a record of its own marked `"validation": true` with the
-step it ran after (0: before training): every validation sample, with the facts of its episode that
-the `val/agent/*` numbers are means of, and `trainer.trace_samples` of them with their conversation
+Validation is recorded the same way in val_trace.jsonl beside it (so trace.jsonl keeps one record
+per training step), one record per validation marked `"validation": true` with the step it ran
+after (0: before training): every validation sample, with the facts of its episode that the
+`val/agent/*` numbers are means of, and `trainer.trace_samples` of them with their conversation
 (`validation_record`; `rlcore trace RUN_DIR --validation`).
 
 Reading it back (`read_trace`) never raises on what a line holds: a line that is not a step record
@@ -222,7 +223,7 @@ def step_record(step: int, off_policy: str, step_trace: dict[str, Any] | None, m
 
 def validation_record(step: int, samples: list[dict[str, Any]], conversations: int = 0,
                       max_chars: int = 2000) -> dict[str, Any]:
-    """One trace.jsonl line for a validation run after step `step` (0: before training), marked
+    """One val_trace.jsonl line for a validation run after step `step` (0: before training), marked
     `"validation": true`: every validation sample (`sample_records`, enough to recompute each
     `val/agent/*` number: `rlcore.trainer.validation.recorded_agent_numbers`), `conversations` of
     them with their texts (`conversation_fields`)."""
@@ -230,7 +231,7 @@ def validation_record(step: int, samples: list[dict[str, Any]], conversations: i
 
 
 # ----------------------------------------------------------------------------- reading trace.jsonl back
-TRACE_FILE = "trace.jsonl"
+TRACE_FILE, VAL_TRACE_FILE = "trace.jsonl", "val_trace.jsonl"  # training steps; validations
 # rlcore's records nest about 5 levels around a call's arguments, which the agent loop keeps within
 # 32 (`rlcore.chat.MAX_ARGUMENT_DEPTH`): a line nested deeper was not written by rlcore.
 MAX_RECORD_DEPTH = 64
@@ -269,15 +270,16 @@ class TraceFile:
         return f"{self.path}: {self.skipped_lines()}" if self.skipped else ""
 
 
-def read_trace(run_dir: str | Path) -> TraceFile:
-    """Every line of `run_dir/trace.jsonl` that is a step record rlcore could have written
-    (`record_problem`); the others are skipped and named (`TraceFile.note`), never raised."""
+def read_trace(run_dir: str | Path, validation: bool = False) -> TraceFile:
+    """Every line of `run_dir/trace.jsonl` (`validation`: val_trace.jsonl) that is a step record
+    rlcore could have written (`record_problem`); the others are skipped and named
+    (`TraceFile.note`), never raised."""
     if not str(run_dir):
         raise TraceError("RUN_DIR is empty: give the run's folder (its trainer.output_dir)")
-    path = Path(run_dir) / TRACE_FILE
+    path = Path(run_dir) / (VAL_TRACE_FILE if validation else TRACE_FILE)
     if not path.is_file():
         what = "not a file" if path.exists() else "no such file"
-        raise TraceError(f"{path}: {what} (trainer.trace writes it in trainer.output_dir)")
+        raise TraceError(f"{path}: {what} (trainer.trace writes it in trainer.output_dir{', at each validation' if validation else ''})")
     lines: list[TraceLine] = []
     skipped: list[tuple[int, str]] = []
     try:
@@ -360,15 +362,14 @@ class Recorded(NamedTuple):
 def recorded_conversation(run_dir: str | Path, step: int | None = None, sample: int = 0,
                           validation: bool = False) -> Recorded:
     """The `sample`-th recorded conversation of `step` in `run_dir/trace.jsonl` (default: the last
-    step that recorded any), of its training record or, with `validation`, of the validation run
-    after that step. Unreadable lines are skipped and named in the result's `note`; a `TraceError`
+    step that recorded any) or, with `validation`, of the validation at that step in
+    val_trace.jsonl. Unreadable lines are skipped and named in the result's `note`; a `TraceError`
     naming the file (and the line) when what was asked is not there or cannot be shown."""
-    trace = read_trace(run_dir)
+    trace = read_trace(run_dir, validation)
     path, what = trace.path, "validation" if validation else "step"
     by_step: dict[int, TraceLine] = {}
     for line in trace.lines:
-        if line.record.get("validation", False) is validation:
-            by_step[line.record["step"]] = line  # a step written twice (a resumed run): its last record
+        by_step[line.record["step"]] = line  # a step written twice (a resumed run): its last record
     conversations = {k: [s for s in line.record.get("samples", []) if s.get("conversation")] for k, line in by_step.items()}
 
     def refuse(message: str) -> TraceError:

@@ -12,8 +12,8 @@ per data source (`val/<source>/agent/...`): turns_mean, tool_calls_mean, tool_ca
 tool_error_rate, answer_has_tool_result (`rlcore.trainer.metrics.episode_means`), greedy
 or sampled as validation samples.
 
-With `trainer.trace`, every validation sample is recorded (`samples`, written to trace.jsonl as
-a `"validation": true` record of the step): its data source, reward, accuracy and, for an agent,
+With `trainer.trace`, every validation sample is recorded (`samples`, written to val_trace.jsonl,
+beside trace.jsonl, as a `"validation": true` record of the step): its data source, reward, accuracy and, for an agent,
 its episode's facts (`episode_facts`), from which `agent_numbers` recomputes every `val/agent/*`
 number; `trainer.trace_samples` of them keep their conversation, as in training.
 """
@@ -120,7 +120,7 @@ def agent_validation_metrics(meta: dict[str, list[Any]], sources: list[str]) -> 
 
 def agent_numbers(facts: list[dict[str, Any]], sources: list[str]) -> dict[str, float]:
     """`val/agent/<name>` over every episode and `val/<source>/agent/<name>` per data source
-    (`episode_means` of `episode_facts`): what validation logs, and what trace.jsonl's validation
+    (`episode_means` of `episode_facts`): what validation logs, and what val_trace.jsonl's
     record recomputes it from (`recorded_agent_numbers`)."""
     out = {f"val/agent/{k}": v for k, v in episode_means(facts).items()}
     for source in sorted(set(sources)):
@@ -130,7 +130,7 @@ def agent_numbers(facts: list[dict[str, Any]], sources: list[str]) -> dict[str, 
 
 
 def recorded_agent_numbers(record: dict[str, Any]) -> dict[str, float]:
-    """Every `val/agent/*` number of a validation, recomputed from its trace.jsonl record (one
+    """Every `val/agent/*` number of a validation, recomputed from its val_trace.jsonl record (one
     entry per validation sample, each with its data source and episode facts)."""
     samples = record["samples"]
     return agent_numbers([s["episode"] for s in samples], [str(s["data_source"]) for s in samples])

@@ -1,7 +1,7 @@
 """`rlcore sft` with tools on a few hundred generated hostile rows (a seeded generator): tool-call
 arguments nested past the agent loop's limit or the JSON parser's (50,000 deep), wrong types in
-every field a row holds, empty strings, absurd numbers, bytes that are not UTF-8, calls with no
-tools given, calls to tools that are not given. Each row, after a good one, goes through the data
+every field a row holds (conversations and prompt/response rows), empty strings, absurd numbers,
+bytes that are not UTF-8, calls with no tools given, calls to tools that are not given. Each row, after a good one, goes through the data
 layer itself (`SFTDataset`, what `rlcore sft` builds before anything loads): with
 `data.on_bad_row=error` it is refused in one line naming the file, the row and the field; with
 `skip` it is counted and the good row kept. None raises anything else, none hangs. A handful go
@@ -55,7 +55,7 @@ def with_call(assistant: dict) -> list:
 
 def hostile_row(rng: random.Random) -> tuple[object, str]:
     """One bad row (a dict, or the raw bytes of its JSON line) and the field its refusal names."""
-    kind = rng.randrange(16)
+    kind = rng.randrange(17)
     if kind == 0:  # arguments nested past the agent loop's limit, as JSON text or an object
         depth = rng.choice([33, 100, 900, 5_000, 50_000])
         return {"messages": with_call(call(arguments=nested(depth)))}, "messages"
@@ -115,13 +115,26 @@ def hostile_row(rng: random.Random) -> tuple[object, str]:
         return {"messages": rows}, "messages"
     if kind == 14:  # an assistant turn opening the conversation, or none at all
         return {"messages": rng.choice([conversation("sky")[1:], conversation("sky")[:1]])}, "messages"
-    return {"messages": with_call(call(arguments={"key": rng.choice([float("inf"), -1e308, 2**80])} | {
-        "deep": json.loads(nested(40))}))}, "messages"
+    if kind == 15:
+        return {"messages": with_call(call(arguments={"key": rng.choice([float("inf"), -1e308, 2**80])} | {
+            "deep": json.loads(nested(40))}))}, "messages"
+    # a prompt/response row (after a good one): a response that calls what it cannot, or of the wrong type
+    prompt = conversation("sky")[:1]
+    response, field = rng.choice([('<tool_call>{"name": "nope", "arguments": {}}</tool_call>', "response"),
+                                  ("<tool_call>" + nested(50_000) + "</tool_call>", "response"),
+                                  ("<tool_call>{bad</tool_call>", "response"), (5, "response"), ("", "response"),
+                                  (None, "response"), (["blue"], "response")])
+    if rng.random() < 0.3:
+        prompt, field = rng.choice([5, [], [{"role": "user"}], json.loads(nested(500)), [[{"role": "user"}]]]), "prompt"
+        response = "blue"
+    return {"prompt": prompt, "response": response}, field
 
 
 def write_case(root: Path, n: int, row: object) -> Path:
     path = root / f"case{n:03d}.jsonl"
-    good = json.dumps({"messages": conversation("banana")}).encode()
+    prompt_response = isinstance(row, dict) and "response" in row
+    good = json.dumps({"prompt": conversation("banana")[:1], "response": "yellow"} if prompt_response
+                      else {"messages": conversation("banana")}).encode()
     bad = row if isinstance(row, bytes) else json.dumps(row).encode()
     path.write_bytes(good + b"\n" + bad + b"\n")
     return path

@@ -336,48 +336,54 @@ class SFTDataset:
 
     def _tokenize(self, row: Any, file: str, i: int, multi_turn: bool) -> tuple[list[int], list[int]]:
         """(ids, labels) of row `i` of `file`; a `DataError` naming the row and field of whatever is
-        wrong with it (its shape, its tools, the calls it trains, or what the template makes of it).
-        A row's own tools are read wherever it has the column (a JSON-lines row may have it when
-        the file's first row does not)."""
+        wrong with it (its shape, its tools, the calls it trains, or what the template makes of it)."""
         key = self.messages_key if multi_turn else self.prompt_key
         if not isinstance(row, dict):
             raise DataError(file, i, "<row>", f"expected an object, got {type(row).__name__}")
-        schemas = self.tools
-        if self.tools_key in row:
-            try:
-                schemas = row_tools(row.get(self.tools_key)) or self.tools
-            except ValueError as err:
-                raise DataError(file, i, self.tools_key, str(err)) from None
+        schemas = self._row_schemas(row, file, i)
         try:
             if multi_turn:
-                messages = row.get(self.messages_key)
-                problem = _messages_problem(messages)
-                if problem is not None:
-                    raise DataError(file, i, key, problem)
-                problem = check_calls(trained_calls(messages), schemas, self._lists_tools, self.tools_key)
-                if problem is not None:
-                    raise DataError(file, i, key, problem)
-                return tokenize_messages(messages, self.tokenizer, self.end_ids, schemas, self.turns)
-            prompt, response = row.get(self.prompt_key), row.get(self.response_key)
-            if not isinstance(prompt, str) and _messages_problem(prompt) is not None:
-                raise DataError(file, i, key, f"expected a string or messages: {_messages_problem(prompt)}")
-            if not isinstance(response, str) or not response:
-                raise DataError(file, i, self.response_key, f"expected a non-empty string, got {short_repr(response)}")
-            templated = not isinstance(prompt, str) and self.apply_chat_template and has_chat_template(self.tokenizer)
-            try:
-                names = trained_calls([{"role": "assistant", "content": response}], label="the response")
-            except ValueError as err:
-                raise DataError(file, i, self.response_key, str(err)) from None
-            problem = check_calls(names, schemas, lambda: templated and self._lists_tools(), self.tools_key)
-            if problem is not None:
-                raise DataError(file, i, self.response_key, problem)
-            return tokenize_prompt_response(prompt, response, self.tokenizer, self.apply_chat_template, self.end_ids, schemas)
+                return self._conversation(row.get(self.messages_key), schemas, file, i)
+            return self._prompt_response(row.get(self.prompt_key), row.get(self.response_key), schemas, file, i)
         except DataError:
             raise
         except RecursionError:
             raise DataError(file, i, key, "nested too deep for the chat template to render") from None
         except (ValueError, TypeError, KeyError, TemplateError) as err:  # the template, or a call, refused the row
             raise DataError(file, i, key, f"{err}" if isinstance(err, ValueError) else f"{type(err).__name__}: {err}") from None
+
+    def _row_schemas(self, row: dict[str, Any], file: str, i: int) -> list[dict[str, Any]] | None:
+        """The tools of a row: its own column's (read wherever a row has it: a JSON-lines row may
+        when the file's first row does not), else `data.tools`'."""
+        if self.tools_key not in row:
+            return self.tools
+        try:
+            return row_tools(row[self.tools_key]) or self.tools
+        except ValueError as err:
+            raise DataError(file, i, self.tools_key, str(err)) from None
+
+    def _conversation(self, messages: Any, schemas: list[dict[str, Any]] | None, file: str, i: int) -> tuple[list[int], list[int]]:
+        key = self.messages_key
+        problem = _messages_problem(messages) or check_calls(trained_calls(messages), schemas, self._lists_tools, self.tools_key)
+        if problem is not None:
+            raise DataError(file, i, key, problem)
+        return tokenize_messages(messages, self.tokenizer, self.end_ids, schemas, self.turns)
+
+    def _prompt_response(self, prompt: Any, response: Any, schemas: list[dict[str, Any]] | None, file: str,
+                         i: int) -> tuple[list[int], list[int]]:
+        if not isinstance(prompt, str) and _messages_problem(prompt) is not None:
+            raise DataError(file, i, self.prompt_key, f"expected a string or messages: {_messages_problem(prompt)}")
+        if not isinstance(response, str) or not response:
+            raise DataError(file, i, self.response_key, f"expected a non-empty string, got {short_repr(response)}")
+        templated = not isinstance(prompt, str) and self.apply_chat_template and has_chat_template(self.tokenizer)
+        try:
+            names = trained_calls([{"role": "assistant", "content": response}], label="the response")
+        except ValueError as err:
+            raise DataError(file, i, self.response_key, str(err)) from None
+        problem = check_calls(names, schemas, lambda: templated and self._lists_tools(), self.tools_key)
+        if problem is not None:
+            raise DataError(file, i, self.response_key, problem)
+        return tokenize_prompt_response(prompt, response, self.tokenizer, self.apply_chat_template, self.end_ids, schemas)
 
     def __len__(self) -> int:
         return len(self.examples)

@@ -368,9 +368,9 @@ def recorded_conversation(run_dir: str | Path, step: int | None = None, sample: 
     trace = read_trace(run_dir, validation)
     path, what = trace.path, "validation" if validation else "step"
     by_step: dict[int, TraceLine] = {}
-    for line in trace.lines:
-        by_step[line.record["step"]] = line  # a step written twice (a resumed run): its last record
-    conversations = {k: [s for s in line.record.get("samples", []) if s.get("conversation")] for k, line in by_step.items()}
+    for read in trace.lines:
+        by_step[read.record["step"]] = read  # a step written twice (a resumed run): its last record
+    conversations = {k: [s for s in read.record.get("samples", []) if s.get("conversation")] for k, read in by_step.items()}
 
     def refuse(message: str) -> TraceError:
         return TraceError("; ".join(m for m in (f"{path}: {message}", trace.skipped_lines()) if m))

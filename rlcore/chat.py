@@ -14,19 +14,50 @@ and scored on.
   format the agent loop parses) followed by the end token that closes assistant turns, and the
   messages between turns as `ChatTurns.between` renders them; the trained mask is 1 exactly where
   an agent rollout's `response_mask` is.
+- The calls a model writes, in the hermes format, are read back by `parse_tool_calls` (the agent
+  loop's parser; `hermes_tool_call` writes them), so SFT checks the calls it trains exactly as the
+  loop would read them.
 """
 
 from __future__ import annotations
 
 import json
+import reprlib
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any
 
 MARK = "RLCORE_AGENT_TURN"  # stand-in content whose rendering locates the template's own tokens
 
 
+_REPR = reprlib.Repr()  # keyword arguments only from Python 3.12
+_REPR.maxlevel, _REPR.maxdict, _REPR.maxlist, _REPR.maxstring, _REPR.maxother = 3, 4, 4, 60, 60
+
+
+def short_repr(value: Any, limit: int = 80) -> str:
+    """`value` for an error message: at most `limit` characters and 3 levels deep (a row's value
+    may nest 50,000 levels or hold a megabyte: `repr` would recurse or print it all)."""
+    text = _REPR.repr(value)
+    return text if len(text) <= limit else text[:limit - 3] + "..."
+
+
 def has_chat_template(tokenizer: Any) -> bool:
     return bool(getattr(tokenizer, "chat_template", None))
+
+
+def renders_tool_schemas(tokenizer: Any) -> bool:
+    """Whether the tokenizer's chat template writes tool schemas into a prompt (Qwen2.5: the system
+    turn's `<tools>` block): then a conversation that calls tools needs them, or the model learns
+    calls against a prompt that lists no tools."""
+    if not has_chat_template(tokenizer):
+        return False
+    schema = {"type": "function", "function": {"name": MARK, "description": "", "parameters": {"type": "object"}}}
+    try:
+        text = tokenizer.apply_chat_template([{"role": "user", "content": "?"}], tools=[schema], tokenize=False,
+                                             add_generation_prompt=True)
+    except Exception:  # noqa: BLE001 - a template that cannot take tools renders none
+        return False
+    return MARK in str(text)
 
 
 def render_prompt(prompt: str | list[dict[str, str]], tokenizer: Any, apply_chat_template: bool = True,
@@ -167,6 +198,98 @@ class ChatTurns:
         return text[len(self._header):len(text) - len(self.after_content)]
 
 
+# ----------------------------------------------------------------------------- reading the calls a model writes
+# The hermes format the agent loop parses (`parse_tool_calls`) and `hermes_tool_call` writes; SFT
+# checks the calls it trains with the same functions, so it never trains a call the loop refuses.
+OPEN_TAG, CLOSE_TAG = "<tool_call>", "</tool_call>"
+
+
+@dataclass(frozen=True)
+class ToolCall:
+    name: str
+    arguments: Any
+    error: str | None = None  # why the call could not be read (then it is not run)
+
+
+# Tool-call arguments nested deeper than this are refused as unreadable: no tool needs more, and
+# everything downstream (pickling to the tool worker, the trace, the reward's extra_info) stays
+# far from Python's recursion limit.
+MAX_ARGUMENT_DEPTH = 32
+
+
+def nesting_depth(value: Any, limit: int = MAX_ARGUMENT_DEPTH) -> int:
+    """How deep lists and dicts nest in `value` (a scalar: 0), counted without recursion; stops
+    counting once past `limit`."""
+    deepest, stack = 0, [(value, 1)]
+    while stack:
+        item, depth = stack.pop()
+        children = item.values() if isinstance(item, dict) else item if isinstance(item, list) else None
+        if children is None:
+            continue
+        deepest = max(deepest, depth)
+        if depth > limit:
+            return deepest
+        stack.extend((child, depth + 1) for child in children)
+    return deepest
+
+
+def read_json(text: str) -> tuple[Any, str | None]:
+    """`text` parsed as JSON, or the reason it cannot be read (any input: never raises)."""
+    try:
+        value = json.loads(text)
+    except RecursionError:
+        return None, f"nested deeper than {MAX_ARGUMENT_DEPTH} levels"
+    except ValueError as e:
+        return None, f"not JSON ({str(e)[:200]})"
+    if nesting_depth(value) > MAX_ARGUMENT_DEPTH:
+        return None, f"nested deeper than {MAX_ARGUMENT_DEPTH} levels"
+    return value, None
+
+
+def tool_call_bodies(text: str) -> list[str]:
+    """The text between each <tool_call> and the first </tool_call> after it, in order (as the
+    non-greedy pattern `<tool_call>(.*?)</tool_call>` finds them, in linear time: the pattern
+    rescans to the end of the text for every unclosed tag)."""
+    bodies, pos = [], 0
+    while (start := text.find(OPEN_TAG, pos)) >= 0:
+        end = text.find(CLOSE_TAG, start + len(OPEN_TAG))
+        if end < 0:
+            break
+        bodies.append(text[start + len(OPEN_TAG):end])
+        pos = end + len(CLOSE_TAG)
+    return bodies
+
+
+def parse_tool_calls(text: str) -> list[ToolCall]:
+    """The hermes-format tool calls in an assistant turn's text, in order; an unreadable one (not
+    JSON, nested too deep, not a call) is a `ToolCall` with `error` set (the model is told why, and
+    it counts as a tool error). Never raises, whatever the text."""
+    calls = []
+    for body in tool_call_bodies(text):
+        call, why = read_json(body)
+        if why is not None:
+            calls.append(ToolCall("", None, f"InvalidToolCall: {why}"))
+            continue
+        if not isinstance(call, dict) or not isinstance(call.get("name"), str):
+            calls.append(ToolCall("", None, 'InvalidToolCall: expected {"name": ..., "arguments": {...}}'))
+            continue
+        args = call.get("arguments", {})
+        if isinstance(args, str):  # some models write the arguments as a JSON string
+            args, why = read_json(args)
+            if why is not None:
+                calls.append(ToolCall(call["name"], None, f"InvalidToolCall: arguments are {why}"))
+                continue
+        if not isinstance(args, dict):
+            calls.append(ToolCall(call["name"], None, "InvalidToolCall: arguments must be a JSON object"))
+            continue
+        calls.append(ToolCall(call["name"], args))
+    opened, closed = text.count(OPEN_TAG), text.count(CLOSE_TAG)
+    if opened > closed:
+        calls.append(ToolCall("", None, "InvalidToolCall: <tool_call> without </tool_call>"))
+    return calls
+
+
+
 def hermes_tool_call(name: str, arguments: Any) -> str:
     """A tool call in the hermes format the agent loop parses (`rlcore.rollout.agent.parse_tool_calls`)."""
     return f"<tool_call>\n{json.dumps({'name': name, 'arguments': arguments}, ensure_ascii=False)}\n</tool_call>"
@@ -180,7 +303,8 @@ def _assistant_with_calls(content: str, calls: list[tuple[str, dict[str, Any]]])
 def tool_calls_of(message: dict[str, Any]) -> list[tuple[str, dict[str, Any]]]:
     """(name, arguments) of each call in an assistant message's `tool_calls`: OpenAI's
     `{"type": "function", "function": {"name", "arguments"}}` (arguments a JSON string or an object)
-    or the agent loop's own `{"name", "arguments"}`. ValueError naming what is wrong."""
+    or the agent loop's own `{"name", "arguments"}`. ValueError naming what is wrong, also for
+    arguments the agent loop would refuse (`read_json`: not JSON, nested too deep)."""
     raw = message.get("tool_calls")
     if raw is None:
         return []
@@ -191,16 +315,20 @@ def tool_calls_of(message: dict[str, Any]) -> list[tuple[str, dict[str, Any]]]:
         fn = call.get("function", call) if isinstance(call, dict) else None
         if not isinstance(fn, dict) or not isinstance(fn.get("name"), str) or not fn["name"]:
             raise ValueError(f"tool_calls[{k}]: expected {{'type': 'function', 'function': {{'name': str, "
-                             f"'arguments': ...}}}}, got {call!r:.120}")
+                             f"'arguments': ...}}}}, got {short_repr(call, 120)}")
+        if not isinstance(call.get("id", ""), str):
+            raise ValueError(f"tool_calls[{k}].id: expected a string, got {short_repr(call['id'])}")
         args = fn.get("arguments")
         args = {} if args is None else args
         if isinstance(args, str):
-            try:
-                args = json.loads(args) if args.strip() else {}
-            except ValueError as e:
-                raise ValueError(f"tool_calls[{k}].function.arguments: not JSON ({e})") from None
+            args, why = read_json(args) if args.strip() else ({}, None)
+            if why is not None:
+                raise ValueError(f"tool_calls[{k}].function.arguments: {why}")
         if not isinstance(args, dict):
             raise ValueError(f"tool_calls[{k}].function.arguments: expected a JSON object, got {type(args).__name__}")
+        if nesting_depth(args) > MAX_ARGUMENT_DEPTH:
+            raise ValueError(f"tool_calls[{k}].function.arguments: nested deeper than {MAX_ARGUMENT_DEPTH} levels "
+                             "(the agent loop refuses such a call)")
         calls.append((fn["name"], args))
     return calls
 
@@ -265,5 +393,6 @@ def _rendered_messages(span: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return out
 
 
-__all__ = ["MARK", "ChatTurns", "as_messages", "conversation_ids", "encode_prompt", "has_chat_template", "hermes_tool_call",
-           "prompt_ids", "render_conversation", "render_prompt", "tool_calls_of"]
+__all__ = ["CLOSE_TAG", "MARK", "MAX_ARGUMENT_DEPTH", "OPEN_TAG", "ChatTurns", "ToolCall", "as_messages", "conversation_ids",
+           "encode_prompt", "has_chat_template", "hermes_tool_call", "nesting_depth", "parse_tool_calls", "prompt_ids",
+           "read_json", "render_conversation", "render_prompt", "renders_tool_schemas", "short_repr", "tool_call_bodies", "tool_calls_of"]

@@ -92,11 +92,19 @@ def _cmd_plan(args: argparse.Namespace) -> int:
 
 
 def _cmd_trace(args: argparse.Namespace) -> int:
-    """One recorded trajectory of a run's trace.jsonl as a readable conversation."""
+    """One recorded trajectory of a run's trace.jsonl (a training step's) or, with --validation,
+    val_trace.jsonl (a validation's), as a readable conversation; unreadable lines skipped are named
+    in one note."""
     from rlcore.trainer.tracing import format_trajectory, recorded_conversation
 
-    step, record, recorded = recorded_conversation(args.run_dir, args.step, args.sample)
-    print(format_trajectory(step, record, args.sample, recorded))
+    found = recorded_conversation(args.run_dir, args.step, args.sample, validation=args.validation)
+    if found.note:
+        print(f"rlcore: note: {found.note}", file=sys.stderr)
+    try:
+        print(format_trajectory(found.step, found.sample, args.sample, found.recorded, validation=args.validation),
+              flush=True)
+    except BrokenPipeError:  # `rlcore trace RUN | head -1`: the reader has what it wanted
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # nothing left to flush at exit
     return 0
 
 
@@ -404,10 +412,12 @@ def build_parser() -> argparse.ArgumentParser:
     plan.set_defaults(func=_cmd_plan)
 
     trace = sub.add_parser("trace", help="print one recorded trajectory of a run (trace.jsonl) as a conversation: "
-                           "rlcore trace RUN_DIR [--step N] [--sample K]")
+                           "rlcore trace RUN_DIR [--step N] [--sample K] [--validation]")
     trace.add_argument("run_dir", help="the run's trainer.output_dir")
     trace.add_argument("--step", type=int, default=None, help="default: the last step that recorded conversations")
     trace.add_argument("--sample", type=int, default=0, help="which of the step's trainer.trace_samples conversations")
+    trace.add_argument("--validation", action="store_true",
+                       help="a conversation of the validation at --step (0: before training; val_trace.jsonl), not of training")
     trace.set_defaults(func=_cmd_trace)
 
     example = sub.add_parser("example", help="the built-in tiny example")

@@ -583,11 +583,12 @@ class TrainerConfig(_Section):
         "while the actor trains. thread: a thread of this process (torch ops release the GIL; no start-up, no copies, a "
         "breakpoint in the rollout stops here); process: a child process (no GIL shared with the trainer; ~4 s to start, "
         "batches and weights pickled across). The cores are split between it and the training thread either way")
-    trace: bool = Field(True, description="write trace.jsonl in the run dir: per step, phase timings, workers, and every sample")
-    trace_samples: int = Field(4, ge=0, description="trajectories per step (evenly spread over the batch) whose "
-                               "conversation trace.jsonl records: the prompt, the model's text of every turn, each tool "
-                               "call's arguments and result (the response, without an agent); `rlcore trace RUN_DIR` "
-                               "prints one. 0: none")
+    trace: bool = Field(True, description="write trace.jsonl in the run dir: per step, phase timings, workers, and every "
+                        "sample; and val_trace.jsonl: per validation, every validation sample")
+    trace_samples: int = Field(4, ge=0, description="trajectories per step, and per validation, (evenly spread over the "
+                               "batch) whose conversation trace.jsonl (val_trace.jsonl) records: the prompt, the model's text of every turn, "
+                               "each tool call's arguments and result (the response, without an agent); `rlcore trace "
+                               "RUN_DIR [--validation]` prints one. 0: none")
     trace_max_chars: int = Field(2000, ge=16, description="each text of a recorded conversation is cut to this many "
                                  "characters, after the secrets in it are redacted (rlcore.redact)")
 

@@ -4,7 +4,8 @@ from the warm start's by far more than 25 points in 10 steps; the vLLM engine's 
 actor scores and its log-probs are the actor's; on Ray, one step off-policy, with the vLLM rollout
 in its own pool, the agent metrics and every turn of every sample reach metrics.jsonl and
 trace.jsonl. Validation reports what the agent did (greedy and sampled), in metrics.jsonl and MLflow;
-trace.jsonl records conversations `rlcore trace` prints."""
+trace.jsonl records conversations `rlcore trace` prints; val_trace.jsonl records every validation
+sample, from which every `val/agent/*` number is recomputed."""
 
 from __future__ import annotations
 
@@ -37,6 +38,7 @@ def test_grpo_with_the_calculator_raises_greedy_val_acc_by_more_than_25_points(t
     from rlcore.example.tool_build import tool_example_overrides
     from rlcore.example.tools import calculator
     from rlcore.trainer.run import run_training
+    from rlcore.trainer.validation import recorded_agent_numbers
 
     out = tmp_path / "run"
     uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
@@ -86,6 +88,17 @@ def test_grpo_with_the_calculator_raises_greedy_val_acc_by_more_than_25_points(t
     assert main(["trace", str(out), "--step", "10", "--sample", "3"]) == 0
     shown = capsys.readouterr().out
     assert shown.startswith("step 10, conversation 4 of 4") and "[user] " in shown and "[assistant, turn 1" in shown
+    # every validation is recorded (val_trace.jsonl): each of its 200 greedy samples, from which every
+    # val/agent/* number it logged is recomputed exactly; 4 of them with their conversation
+    validations = {r["step"]: r for r in read_jsonl(out / "val_trace.jsonl")}
+    assert validations.keys() == agent.keys() and not any(r.get("validation") for r in trace)
+    for step, record in validations.items():
+        assert record["validation"] is True and len(record["samples"]) == 200
+        assert sum(bool(s.get("conversation")) for s in record["samples"]) == 4
+        assert recorded_agent_numbers(record) == agent[step], step
+    assert main(["trace", str(out), "--validation", "--step", "10"]) == 0
+    shown = capsys.readouterr().out
+    assert shown.startswith("validation at step 10, conversation 1 of 4") and "answer holds the tool result: " in shown
 
 
 def test_sampled_validation_reports_the_agent_numbers(tool_example, tmp_path):

@@ -1,7 +1,8 @@
 """What a person debugging an agent run reads: trace.jsonl's recorded conversations (the model's text
 per turn, each call's name and arguments, the tool's result, cut and with secrets redacted, for
 `trainer.trace_samples` trajectories per step), `rlcore trace` printing one, the trace keys refused
-when they would change nothing, and the agent numbers validation reports per data source.
+when they would change nothing, the agent numbers validation reports per data source, and
+validation's own record (val_trace.jsonl), from which every `val/agent/*` number is recomputed.
 
 The rollouts are the real agent loop and sandboxed tool pool on the tool example's tokenizer, with
 an engine that stands in for the model by writing a script of turns per sample (the texts and
@@ -25,9 +26,17 @@ from rlcore.protocol import Batch
 from rlcore.rewards.tools import ToolPool
 from rlcore.rollout import SamplingParams
 from rlcore.rollout.agent import AgentLoop, AgentSettings, sample_key
-from rlcore.trainer.metrics import agent_metrics
-from rlcore.trainer.tracing import format_trajectory, recorded_conversation, sample_records, step_record, traced_rows
-from rlcore.trainer.validation import agent_validation_metrics
+from rlcore.trainer.metrics import agent_metrics, answer_uses_tool_result
+from rlcore.trainer.step_log import StepLog
+from rlcore.trainer.tracing import (
+    format_trajectory,
+    read_trace,
+    recorded_conversation,
+    sample_records,
+    step_record,
+    traced_rows,
+)
+from rlcore.trainer.validation import RLValidator, agent_numbers, agent_validation_metrics, recorded_agent_numbers
 
 TOOL = '''
 def lookup(key: str, api_key: str = "") -> str:
@@ -122,12 +131,14 @@ def test_trace_records_the_conversation_of_a_sample_of_trajectories(rollout, tmp
     (tmp_path / "trace.jsonl").write_text(json.dumps(record) + "\n")
     assert main(["trace", str(tmp_path), "--sample", "2"]) == 0
     shown = capsys.readouterr().out
-    assert shown.splitlines()[0] == "step 3, conversation 3 of 3 | request 0-4/0 | reward 1.0 | finished: answer"
+    assert shown.splitlines()[0] == ("step 3, conversation 3 of 3 | request 0-4/0 | reward 1.0 | finished: answer | "
+                                     "answer holds the tool result: yes")  # "ABC" is in "#### ABC"
     assert "[user] q4" in shown and '  -> lookup({"key": "abc"}) ok' in shown and "[tool lookup] ABC" in shown
     assert shown.rstrip().endswith("#### ABC")
     assert main(["trace", str(tmp_path), "--step", "9"]) == 2
     assert "no step 9" in capsys.readouterr().err
     broken = format_trajectory(*recorded_conversation(tmp_path, 3, 1)[:2])
+    assert "answer holds" not in broken.splitlines()[0]  # no tool answered q2
     assert "[assistant, turn 1" in broken and "#### 3" in broken  # q2 answered without a call
 
 
@@ -161,6 +172,92 @@ def test_validation_reports_what_agent_episodes_did_per_data_source(rollout):
     train = agent_metrics(rollout)
     assert {k: train[f"agent/{k.removeprefix('val/agent/')}"] for k in m if k.startswith("val/agent/")} == \
         {k: v for k, v in m.items() if k.startswith("val/agent/")}
+
+
+class ScriptedRollout:
+    """Stands in for the rollout worker group: the real agent loop and tool pool, on a model that
+    writes each prompt's script (`SCRIPTS`, by the prompt's text)."""
+
+    world_size = 1
+
+    def __init__(self, tokenizer, pool) -> None:
+        self.tokenizer, self.pool = tokenizer, pool
+
+    def generate_sequences(self, prompts: Batch) -> Batch:
+        scripts = {sample_key(uid, 0): SCRIPTS[m[0]["content"]]
+                   for uid, m in zip(prompts.meta["uid"], prompts.meta["prompt_messages"])}
+        loop = AgentLoop(ScriptedModel(self.tokenizer, scripts), self.tokenizer, [self.tokenizer.eos_token_id],
+                         AgentSettings(max_turns=3, max_total_tokens=400), tools=self.pool)
+        return loop.generate(prompts, SamplingParams(n=1, max_new_tokens=200))
+
+
+class AnswerReward:
+    """Stands in for the reward group: 1 when the final answer is '#### 42' (what is scored is not tested here)."""
+
+    world_size = 1
+
+    def compute_reward(self, gen: Batch) -> Batch:
+        answers = [m[-1]["content"] for m in gen.meta["agent_messages"]]
+        scores = torch.tensor([float(a == "#### 42") for a in answers])
+        return Batch(tensors={"scores": scores, "acc": scores.clone()}, meta={"response_text": np.array(answers, dtype=object)})
+
+
+@pytest.mark.parametrize("conversations", [5, 2])
+def test_validation_is_recorded_and_every_val_agent_number_recomputes_from_it(tmp_path, capsys, conversations):
+    """RLValidator through the real agent loop and tool pool (model and reward stood in), its
+    samples written by StepLog as val_trace.jsonl's record: every `val/agent/*` number the
+    validation logged is recomputed from the record; with every conversation recorded (5 of 5),
+    from the recorded turns and texts alone, with `trainer.trace_samples` of them (2) from the
+    per-sample episode facts, which the recorded turns confirm."""
+    (tmp_path / "store.py").write_text(TOOL)
+    tokenizer = build_tool_tokenizer()
+    rows = [{"prompt": [{"role": "user", "content": q}], "data_source": "store/a" if i < 3 else "store/b",
+             "reward_model": {"ground_truth": "x", "style": "rule"}} for i, q in enumerate(SCRIPTS)]
+    val_file = write_rows(rows, tmp_path / "val.parquet")
+    config = load_config(None, ["model.path=m", f"data.train_files=[{val_file}]", f"data.val_files=[{val_file}]",
+                                f"rollout.agent.tools=[{tmp_path / 'store.py'}:lookup]", "trainer.loggers=[jsonl]",
+                                f"trainer.trace_samples={conversations}", f"trainer.output_dir={tmp_path / 'run'}"])
+    loader = PromptLoader(RLDataset([val_file], tokenizer, max_prompt_length=32), batch_size=3, seed=0, shuffle=False,
+                          drop_last=False)  # two batches: the records of both
+    validator = RLValidator(config, loader)
+    with ToolPool([f"{tmp_path / 'store.py'}:lookup"], num_workers=2, max_chars=300) as pool:
+        groups = SimpleNamespace(rollout=ScriptedRollout(tokenizer, pool), reward=AnswerReward(), actor=None)
+        metrics = validator.run(groups, step=0, policy_version=0)
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    with StepLog(config, run_dir, "grpo", SimpleNamespace()) as steps:
+        steps.validation(0, metrics, validator.samples)
+    assert not (run_dir / "trace.jsonl").exists()  # training's file keeps training's records
+    [line] = read_trace(run_dir, validation=True).lines
+    record = line.record
+    assert record["validation"] is True and record["step"] == 0 and len(record["samples"]) == 5
+    logged = {k: v for k, v in metrics.items() if "/agent/" in k}
+    assert {"val/agent/answer_has_tool_result", "val/store/a/agent/tool_error_rate"} <= logged.keys()
+    assert recorded_agent_numbers(record) == logged  # from the per-sample facts the record holds
+    assert [s["data_source"] for s in record["samples"]] == ["store/a"] * 3 + ["store/b"] * 2
+    texts = [s for s in record["samples"] if s.get("conversation")]
+    assert len(texts) == conversations
+    for s in record["samples"]:  # the facts are what the recorded turns say
+        kinds = [t["kind"] for t in s["turns"]]
+        assert s["episode"]["turns"] == kinds.count("assistant") and s["episode"]["tool_calls"] == kinds.count("tool")
+        assert s["episode"]["tool_errors"] == sum(t["kind"] == "tool" and not t["ok"] for t in s["turns"])
+    for s in texts:  # ... and the answer's use of the tool what its recorded texts say
+        assert s["episode"]["answer_has_tool_result"] == answer_uses_tool_result(s["turns"])
+    if conversations == 5:  # every conversation recorded: the numbers from the trajectories alone
+        facts = [{"turns": [t["kind"] for t in s["turns"]].count("assistant"),
+                  "tool_calls": [t["kind"] for t in s["turns"]].count("tool"),
+                  "tool_errors": sum(t["kind"] == "tool" and not t["ok"] for t in s["turns"]),
+                  "answer_has_tool_result": answer_uses_tool_result(s["turns"])} for s in record["samples"]]
+        assert agent_numbers(facts, [s["data_source"] for s in record["samples"]]) == logged
+        assert logged["val/agent/answer_has_tool_result"] == pytest.approx(1 / 3)  # q4 copies "ABC"; q0, q1 do not
+    # `rlcore trace --validation` prints one, and says whether its answer holds the tool's result
+    assert main(["trace", str(run_dir), "--validation", "--step", "0", "--sample", str(conversations - 1)]) == 0
+    head = capsys.readouterr().out.splitlines()[0]
+    assert head.startswith(f"validation at step 0, conversation {conversations} of {conversations} | request ")
+    assert head.endswith("answer holds the tool result: yes")  # the last sample, q4
+    assert main(["trace", str(run_dir)]) == 2  # training steps: none recorded here
+    assert capsys.readouterr().err == f"rlcore: error: {run_dir / 'trace.jsonl'}: no such file (trainer.trace writes it in " \
+                                      "trainer.output_dir)\n"
 
 
 def test_trace_keys_are_refused_when_they_would_change_nothing():

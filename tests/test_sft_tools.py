@@ -20,6 +20,7 @@ from own_model import IM_END, save_qwen2_model, train_bpe
 from rlcore.chat import ChatTurns, conversation_ids
 from rlcore.config import config_from_dict, load_sft_config
 from rlcore.data.io import write_rows
+from rlcore.data.schema import DataValidationError
 from rlcore.data.sft import IGNORE_INDEX, SFTDataset, tokenize_messages
 from rlcore.rewards.tools import ToolPool, ToolSpecError, tool_schemas
 from rlcore.rollout import SamplingParams
@@ -196,9 +197,9 @@ def test_verls_multi_turn_schema_with_a_tools_column_and_a_schema_file(task, tmp
     # a .json schema file is a tools setting too (tools that need describing, not running)
     (tmp_path / "tools.json").write_text(json.dumps(schemas))
     assert tool_schemas([str(tmp_path / "tools.json")]) == schemas
-    # without the schemas the prompt is another one: what SFT trained on before it rendered tools
-    bare = SFTDataset([task["sft_file"]], tokenizer, max_length=512, end_ids=ends)
-    assert all(b.input_ids != e for b, e in zip(bare, expected))
+    # without the schemas the prompt would be another one, listing no tools: refused (test_agent_data_...)
+    with pytest.raises(DataValidationError, match="3 rows \\(0, 1, 2\\): field 'messages': calls tools, but no tools"):
+        SFTDataset([task["sft_file"]], tokenizer, max_length=512, end_ids=ends)
 
 
 def test_a_template_without_tool_calls_trains_the_hermes_text_the_agent_parses(own_model):
@@ -226,8 +227,9 @@ def test_bad_tool_calls_and_tools_are_named_by_row_and_field(task, tmp_path):
     with pytest.raises(Exception) as err:
         SFTDataset([file], tokenizer, max_length=512)
     text = str(err.value)
-    assert "3 bad row(s)" in text
-    assert "row 1: field 'messages': tool_calls[0].function.arguments: not JSON" in text
+    assert "4 bad row(s)" in text
+    assert "row 0: field 'messages': calls tools, but no tools are given" in text  # no data.tools, none of its own
+    assert "row 1: field 'messages': message 1: tool_calls[0].function.arguments: not JSON" in text
     assert "row 2: field 'tools': expected a list of" in text
     assert "row 3: field 'messages': message 0: a user message with tool_calls" in text
     with pytest.raises(ToolSpecError, match="no_such_tool"):

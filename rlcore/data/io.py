@@ -232,10 +232,17 @@ def _parse_json_line(raw: bytes, file: str, row: int) -> Any:
         value = json.loads(text)
     except json.JSONDecodeError as err:
         return UnreadableRow((DataError(file, row, "<json>", f"not valid JSON: {err.msg} at column {err.colno}"),))
+    except RecursionError:  # the parser's own limit (about 1,000 levels): no row of a dataset nests so deep
+        return UnreadableRow((DataError(file, row, "<json>", "nested too deep for the JSON parser"),))
+    except ValueError as err:  # a number of more than 4,300 digits
+        return UnreadableRow((DataError(file, row, "<json>", f"not readable JSON: {str(err)[:120]}"),))
     try:
         raw.decode("utf-8")
     except UnicodeDecodeError as err:
-        found = tuple(DataError(file, row, where or "<row>", message) for where, message in _surrogates(value, ""))
+        try:
+            found = tuple(DataError(file, row, where or "<row>", message) for where, message in _surrogates(value, ""))
+        except RecursionError:  # nested near the parser's limit: name the byte, not the field
+            found = ()
         return UnreadableRow(found or (DataError(file, row, "<json>", _utf8_message(raw, err.start)),))
     return value
 

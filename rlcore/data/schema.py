@@ -46,8 +46,9 @@ class DataValidationError(DatasetError):
         more = len(self.errors) - len(lines)
         if more > 0:
             lines.append(f"... and {more} more")
-        rows = len({(e.file, e.row) for e in self.errors})
-        super().__init__(f"{rows} bad row(s) in the dataset:\n  " + "\n  ".join(lines))
+        rows = len({(e.file, r) for e in self.errors for r in getattr(e, "rows", (e.row,))})  # a grouped error: its rows
+        head = f"{rows} bad row(s) in the dataset:"  # one problem (of one or many rows): one line
+        super().__init__(f"{head} {lines[0]}" if len(lines) == 1 else f"{head}\n  " + "\n  ".join(lines))
 
     def __reduce__(self):
         return (DataValidationError, (self.errors,))

@@ -40,7 +40,6 @@ from __future__ import annotations
 
 import hashlib
 import itertools
-import json
 import logging
 import math
 import time
@@ -51,7 +50,7 @@ from typing import Any, Protocol
 import numpy as np
 import torch
 
-from rlcore.chat import ChatTurns
+from rlcore.chat import MAX_ARGUMENT_DEPTH, ChatTurns, ToolCall, nesting_depth, parse_tool_calls
 from rlcore.protocol import Batch
 from rlcore.rollout.base import SamplingParams
 from rlcore.rollout.output import rollout_output
@@ -63,9 +62,6 @@ log = logging.getLogger(__name__)
 # round, and a slow call is left behind after one gap.
 _QUIET_S = 0.02
 _WAIT_S = 1.0  # longest single wait on the tool pool (it polices timeouts in between)
-
-OPEN_TAG, CLOSE_TAG = "<tool_call>", "</tool_call>"
-
 
 class TurnEngine(Protocol):
     """What the loop needs from a rollout engine (both backends implement it)."""
@@ -141,91 +137,6 @@ InteractionFactory = Callable[..., Any]
 class AgentSettings:
     max_turns: int = 4  # assistant turns per sample
     max_total_tokens: int = 256  # response tokens: every turn, tool output and template token
-
-
-@dataclass(frozen=True)
-class ToolCall:
-    name: str
-    arguments: Any
-    error: str | None = None  # why the call could not be read (then it is not run)
-
-
-# Tool-call arguments nested deeper than this are refused as unreadable: no tool needs more, and
-# everything downstream (pickling to the tool worker, the trace, the reward's extra_info) stays
-# far from Python's recursion limit.
-MAX_ARGUMENT_DEPTH = 32
-
-
-def nesting_depth(value: Any, limit: int = MAX_ARGUMENT_DEPTH) -> int:
-    """How deep lists and dicts nest in `value` (a scalar: 0), counted without recursion; stops
-    counting once past `limit`."""
-    deepest, stack = 0, [(value, 1)]
-    while stack:
-        item, depth = stack.pop()
-        children = item.values() if isinstance(item, dict) else item if isinstance(item, list) else None
-        if children is None:
-            continue
-        deepest = max(deepest, depth)
-        if depth > limit:
-            return deepest
-        stack.extend((child, depth + 1) for child in children)
-    return deepest
-
-
-def _json(text: str) -> tuple[Any, str | None]:
-    """`text` parsed as JSON, or the reason it cannot be read (any input: never raises)."""
-    try:
-        value = json.loads(text)
-    except RecursionError:
-        return None, f"nested deeper than {MAX_ARGUMENT_DEPTH} levels"
-    except ValueError as e:
-        return None, f"not JSON ({str(e)[:200]})"
-    if nesting_depth(value) > MAX_ARGUMENT_DEPTH:
-        return None, f"nested deeper than {MAX_ARGUMENT_DEPTH} levels"
-    return value, None
-
-
-def _tool_call_bodies(text: str) -> list[str]:
-    """The text between each <tool_call> and the first </tool_call> after it, in order (as the
-    non-greedy pattern `<tool_call>(.*?)</tool_call>` finds them, in linear time: the pattern
-    rescans to the end of the text for every unclosed tag)."""
-    bodies, pos = [], 0
-    while (start := text.find(OPEN_TAG, pos)) >= 0:
-        end = text.find(CLOSE_TAG, start + len(OPEN_TAG))
-        if end < 0:
-            break
-        bodies.append(text[start + len(OPEN_TAG):end])
-        pos = end + len(CLOSE_TAG)
-    return bodies
-
-
-def parse_tool_calls(text: str) -> list[ToolCall]:
-    """The hermes-format tool calls in an assistant turn's text, in order; an unreadable one (not
-    JSON, nested too deep, not a call) is a `ToolCall` with `error` set (the model is told why, and
-    it counts as a tool error). Never raises, whatever the text."""
-    calls = []
-    for body in _tool_call_bodies(text):
-        call, why = _json(body)
-        if why is not None:
-            calls.append(ToolCall("", None, f"InvalidToolCall: {why}"))
-            continue
-        if not isinstance(call, dict) or not isinstance(call.get("name"), str):
-            calls.append(ToolCall("", None, 'InvalidToolCall: expected {"name": ..., "arguments": {...}}'))
-            continue
-        args = call.get("arguments", {})
-        if isinstance(args, str):  # some models write the arguments as a JSON string
-            args, why = _json(args)
-            if why is not None:
-                calls.append(ToolCall(call["name"], None, f"InvalidToolCall: arguments are {why}"))
-                continue
-        if not isinstance(args, dict):
-            calls.append(ToolCall(call["name"], None, "InvalidToolCall: arguments must be a JSON object"))
-            continue
-        calls.append(ToolCall(call["name"], args))
-    opened, closed = text.count(OPEN_TAG), text.count(CLOSE_TAG)
-    if opened > closed:
-        calls.append(ToolCall("", None, "InvalidToolCall: <tool_call> without </tool_call>"))
-    return calls
 
 
 def model_text(text: Any) -> tuple[str, bool]:

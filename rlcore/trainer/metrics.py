@@ -140,26 +140,39 @@ def answer_uses_tool_result(trace: Sequence[Mapping[str, Any]]) -> bool | None:
     return results[-1] in answers[-1]
 
 
-def agent_episode_metrics(meta: Mapping[str, Any], rows: Sequence[int] | None = None) -> dict[str, float]:
-    """What agent episodes did (of `rows`, default all; from the agent loop's `agent_*` meta), the
-    one formula training (`agent/...`) and validation (`val/agent/...`, per data source too) report:
-    turns_mean, tool_calls_mean (calls per sample), tool_call_rate (samples with a call),
-    tool_error_rate (failed calls per call: raised, timed out, unreadable, unknown tool),
-    answer_has_tool_result (of the samples a tool answered, those whose final answer contains the
-    last result: `answer_uses_tool_result`; absent when none was answered)."""
-    idx = np.arange(len(meta["agent_turns"])) if rows is None else np.asarray(rows, dtype=np.int64)
-    turns = np.asarray(meta["agent_turns"], dtype=np.float64)[idx]
-    calls = np.asarray(meta["agent_tool_calls"], dtype=np.float64)[idx]
-    errors = np.asarray(meta["agent_tool_errors"], dtype=np.float64)[idx]
+def episode_facts(meta: Mapping[str, Any], i: int) -> dict[str, Any]:
+    """What sample `i`'s agent episode did (from the agent loop's `agent_*` meta): its assistant
+    turns, tool calls, failed calls, and whether its final answer holds the last tool result
+    (`answer_uses_tool_result`; None when no tool answered). trace.jsonl records these per sample,
+    so `episode_means` recomputes the logged numbers from it."""
+    return {"turns": int(meta["agent_turns"][i]), "tool_calls": int(meta["agent_tool_calls"][i]),
+            "tool_errors": int(meta["agent_tool_errors"][i]),
+            "answer_has_tool_result": answer_uses_tool_result(meta["agent_trace"][i])}
+
+
+def episode_means(facts: Sequence[Mapping[str, Any]]) -> dict[str, float]:
+    """The one formula training (`agent/...`) and validation (`val/agent/...`, per data source too)
+    report over episodes (`episode_facts`): turns_mean, tool_calls_mean (calls per sample),
+    tool_call_rate (samples with a call), tool_error_rate (failed calls per call: raised, timed
+    out, unreadable, unknown tool), answer_has_tool_result (of the samples a tool answered, those
+    whose final answer contains the last result; absent when none was answered)."""
+    turns = np.array([f["turns"] for f in facts], dtype=np.float64)
+    calls = np.array([f["tool_calls"] for f in facts], dtype=np.float64)
+    errors = np.array([f["tool_errors"] for f in facts], dtype=np.float64)
     m = {"turns_mean": float(turns.mean()), "tool_calls_mean": float(calls.mean()),
          "tool_call_rate": float((calls > 0).mean()),
          "tool_error_rate": float(errors.sum() / calls.sum()) if calls.sum() else 0.0}
-    used = [answer_uses_tool_result(meta["agent_trace"][i]) for i in idx]
-    answered = [u for u in used if u is not None]
+    answered = [f["answer_has_tool_result"] for f in facts if f["answer_has_tool_result"] is not None]
     if answered:
         m["answer_has_tool_result"] = float(np.mean(answered))
     return m
 
 
-__all__ = ["Timer", "agent_episode_metrics", "agent_metrics", "answer_uses_tool_result", "mean_over_ranks",
-           "rl_batch_metrics"]
+def agent_episode_metrics(meta: Mapping[str, Any], rows: Sequence[int] | None = None) -> dict[str, float]:
+    """`episode_means` of the episodes of `rows` (default all)."""
+    idx = range(len(meta["agent_turns"])) if rows is None else rows
+    return episode_means([episode_facts(meta, int(i)) for i in idx])
+
+
+__all__ = ["Timer", "agent_episode_metrics", "agent_metrics", "answer_uses_tool_result", "episode_facts", "episode_means",
+           "mean_over_ranks", "rl_batch_metrics"]

@@ -85,7 +85,7 @@ class OnPolicyTrainer:
             self.step = self.rollout_version = self.checkpoints.resume()
             with self.log:
                 if self.step == 0 and cfg.val_before_train and self.validator is not None:
-                    self.log.validation(0, self.validator.run(self.groups, 0, self.rollout_version))
+                    self.log.validation(0, self.validator.run(self.groups, 0, self.rollout_version), self.validator.samples)
                 while self.step < cfg.total_steps:
                     self.step += 1
                     last = self.step == cfg.total_steps
@@ -93,9 +93,11 @@ class OnPolicyTrainer:
                     metrics, trace = self.train_step(self.next_prompts())
                     metrics["time/step_s"] = time.perf_counter() - start
                     self.guard.check(metrics)
+                    validation = None  # its per-sample records, for val_trace.jsonl
                     if self.validator is not None and (self.step % cfg.val_every == 0 or last):
                         metrics.update(self.validator.run(self.groups, self.step, self.rollout_version))
-                    self.log.step(self.step, metrics, trace)
+                        validation = self.validator.samples
+                    self.log.step(self.step, metrics, trace, validation)
                     if self.step % cfg.save_every == 0 or last:
                         self.checkpoints.save(self.step)
         finally:

@@ -92,7 +92,7 @@ class RunCheckpoints:
     """Save and resume a run: the worker groups' checkpoints and, beside them, the state of every
     controller-side object named in `state` (data loader, KL controller, guard...) and the RNG.
 
-    Resuming also cuts `metrics.jsonl` and `trace.jsonl` back to the checkpoint's step, so a
+    Resuming also cuts `metrics.jsonl`, `trace.jsonl` and `val_trace.jsonl` back to the checkpoint's step, so a
     resumed run's logs read like an uninterrupted run's; a fresh start empties them. A checkpoint
     that verifies but cannot be restored (content forged to match its manifest: trainer state of
     another shape, weights of another model) is refused in one line naming the folder and file;
@@ -100,7 +100,7 @@ class RunCheckpoints:
     resumed run says which step it continued from, and where (console and logs).
     """
 
-    LOGS = ("metrics.jsonl", "trace.jsonl")
+    LOGS = ("metrics.jsonl", "trace.jsonl", "val_trace.jsonl")
 
     def __init__(self, config: Config, run_dir: Path, groups: WorkerGroups, algorithm: str, state: dict[str, Stateful]) -> None:
         self.config = config

@@ -1,5 +1,6 @@
 """Where a step's metrics go once the step is done: the run-health hooks, the tracker
-(console, metrics.jsonl, MLflow) and trace.jsonl, and the history `fit()` returns."""
+(console, metrics.jsonl, MLflow), trace.jsonl (and val_trace.jsonl for validations), and the
+history `fit()` returns."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ from typing import Any
 from rlcore.config import Config
 from rlcore.tracking import Tracker, open_tracker
 from rlcore.trainer.groups import WorkerGroups
-from rlcore.trainer.tracing import step_record, worker_identities
+from rlcore.trainer.tracing import TRACE_FILE, VAL_TRACE_FILE, step_record, validation_record, worker_identities
 
 StepHook = Callable[[int, dict[str, Any]], None]
 
@@ -47,13 +48,17 @@ class StepLog:
         if self.tracker is not None:
             self.tracker.close()
 
-    def validation(self, step: int, metrics: dict[str, Any]) -> None:
-        """Validation before training (step 0): logged, no hooks, no trace."""
+    def validation(self, step: int, metrics: dict[str, Any], samples: list[dict[str, Any]] | None = None) -> None:
+        """Validation before training (step 0): logged, no hooks; its samples (`samples`, per-sample
+        records) traced as a validation record."""
         assert self.tracker is not None
         self.tracker.log(step, metrics)
+        self._trace_validation(step, samples)
 
-    def step(self, step: int, metrics: dict[str, Any], trace: dict[str, Any] | None = None) -> None:
-        """Hooks, then the tracker and trace.jsonl (`trace`: phases and per-sample records)."""
+    def step(self, step: int, metrics: dict[str, Any], trace: dict[str, Any] | None = None,
+             validation: list[dict[str, Any]] | None = None) -> None:
+        """Hooks, then the tracker and trace.jsonl (`trace`: phases and per-sample records;
+        `validation`: the per-sample records of the validation run after this step, if one ran)."""
         assert self.tracker is not None
         try:
             for hook in self.step_hooks:
@@ -62,10 +67,20 @@ class StepLog:
             self.tracker.log(step, metrics)
             if self.config.trainer.trace:
                 t = self.config.trainer
-                record = step_record(step, t.off_policy, trace, metrics, self.workers, t.trace_samples, t.trace_max_chars)
-                with open(self.run_dir / "trace.jsonl", "a") as f:
-                    f.write(json.dumps(record, default=str) + "\n")
+                self._write_trace(step_record(step, t.off_policy, trace, metrics, self.workers, t.trace_samples,
+                                              t.trace_max_chars))
+            self._trace_validation(step, validation)
         self.history.append(metrics)
+
+    def _trace_validation(self, step: int, samples: list[dict[str, Any]] | None) -> None:
+        """A validation's samples as a record of val_trace.jsonl (`validation_record`)."""
+        t = self.config.trainer
+        if t.trace and samples:
+            self._write_trace(validation_record(step, samples, t.trace_samples, t.trace_max_chars), VAL_TRACE_FILE)
+
+    def _write_trace(self, record: dict[str, Any], name: str = TRACE_FILE) -> None:
+        with open(self.run_dir / name, "a") as f:
+            f.write(json.dumps(record, default=str) + "\n")
 
 
 __all__ = ["StepHook", "StepLog"]

@@ -9,8 +9,13 @@
 An agent run (`rollout.agent`) validates through the agent loop, as it trains (the rollout worker
 generates every batch with it), and reports what its episodes did, overall (`val/agent/...`) and
 per data source (`val/<source>/agent/...`): turns_mean, tool_calls_mean, tool_call_rate,
-tool_error_rate, answer_has_tool_result (`rlcore.trainer.metrics.agent_episode_metrics`), greedy
+tool_error_rate, answer_has_tool_result (`rlcore.trainer.metrics.episode_means`), greedy
 or sampled as validation samples.
+
+With `trainer.trace`, every validation sample is recorded (`samples`, written to val_trace.jsonl,
+beside trace.jsonl, as a `"validation": true` record of the step): its data source, reward, accuracy and, for an agent,
+its episode's facts (`episode_facts`), from which `agent_numbers` recomputes every `val/agent/*`
+number; `trainer.trace_samples` of them keep their conversation, as in training.
 """
 
 from __future__ import annotations
@@ -23,9 +28,10 @@ import torch
 from rlcore.config import Config
 from rlcore.data import PromptLoader
 from rlcore.trainer.groups import WorkerGroups
-from rlcore.trainer.metrics import Timer, agent_episode_metrics
+from rlcore.trainer.metrics import Timer, episode_facts, episode_means
 from rlcore.trainer.rl_steps import score
 from rlcore.trainer.rollout_parts import generate, val_sampling
+from rlcore.trainer.tracing import sample_records
 
 
 def sampled_validation_metrics(uids: list[str], sources: list[str], answers: list[str], acc: list[float],
@@ -64,6 +70,7 @@ class RLValidator:
     def __init__(self, config: Config, loader: PromptLoader) -> None:
         self.config = config
         self.loader = loader
+        self.samples: list[dict[str, Any]] = []  # the last run's per-sample records (with trainer.trace)
 
     def run(self, groups: WorkerGroups, step: int, policy_version: int) -> dict[str, float]:
         timer = Timer()
@@ -73,9 +80,13 @@ class RLValidator:
         sources: list[str] = []
         answers: list[str] = []
         agent: dict[str, list[Any]] = {k: [] for k in AGENT_META}
+        self.samples = []
         for prompts in self.loader.epoch_batches():
             gen = generate(groups, prompts, val_sampling(self.config, step), policy_version, timer)
             gen, _ = score(groups, gen, timer, self.config.reward)
+            if self.config.trainer.trace:
+                n = int(gen.info.get("n", self.config.rollout.val_n))
+                self.samples += sample_records(gen, groups, n, trained=False)
             if AGENT_META[0] in gen.meta:
                 for key in AGENT_META:
                     agent[key].extend(gen.meta[key])
@@ -103,12 +114,26 @@ AGENT_META = ("agent_turns", "agent_tool_calls", "agent_tool_errors", "agent_tra
 
 def agent_validation_metrics(meta: dict[str, list[Any]], sources: list[str]) -> dict[str, float]:
     """`val/agent/<name>` over every validation sample and `val/<source>/agent/<name>` per data
-    source (`agent_episode_metrics`)."""
-    out = {f"val/agent/{k}": v for k, v in agent_episode_metrics(meta).items()}
+    source, of the agent loop's `agent_*` meta."""
+    return agent_numbers([episode_facts(meta, i) for i in range(len(sources))], sources)
+
+
+def agent_numbers(facts: list[dict[str, Any]], sources: list[str]) -> dict[str, float]:
+    """`val/agent/<name>` over every episode and `val/<source>/agent/<name>` per data source
+    (`episode_means` of `episode_facts`): what validation logs, and what val_trace.jsonl's
+    record recomputes it from (`recorded_agent_numbers`)."""
+    out = {f"val/agent/{k}": v for k, v in episode_means(facts).items()}
     for source in sorted(set(sources)):
-        rows = [i for i, s in enumerate(sources) if s == source]
-        out.update({f"val/{source}/agent/{k}": v for k, v in agent_episode_metrics(meta, rows).items()})
+        mine = [f for f, s in zip(facts, sources) if s == source]
+        out.update({f"val/{source}/agent/{k}": v for k, v in episode_means(mine).items()})
     return out
 
 
-__all__ = ["RLValidator", "agent_validation_metrics", "sampled_validation_metrics"]
+def recorded_agent_numbers(record: dict[str, Any]) -> dict[str, float]:
+    """Every `val/agent/*` number of a validation, recomputed from its val_trace.jsonl record (one
+    entry per validation sample, each with its data source and episode facts)."""
+    samples = record["samples"]
+    return agent_numbers([s["episode"] for s in samples], [str(s["data_source"]) for s in samples])
+
+
+__all__ = ["RLValidator", "agent_numbers", "agent_validation_metrics", "recorded_agent_numbers", "sampled_validation_metrics"]

@@ -105,6 +105,8 @@ def tool_schemas(specs: Sequence[str]) -> list[dict[str, Any]]:
                 raise ToolSpecError(f"tool spec {raw!r}: cannot read the schema file ({e.strerror or e})") from None
             except ValueError as e:
                 raise ToolSpecError(f"tool spec {raw!r}: the schema file is not JSON ({e})") from None
+            except RecursionError:
+                raise ToolSpecError(f"tool spec {raw!r}: the schema file is nested too deeply to be a tool schema") from None
             schemas = [_checked_schema(x, raw) for x in (loaded if isinstance(loaded, list) else [loaded])]
         else:
             schemas = [t.schema for t in load_tools([raw]).values()]

@@ -36,6 +36,26 @@ def test_a_cpu_tensor_takes_the_per_length_loop_which_shares_prompts():
     assert path_for(torch.zeros(1, dtype=torch.bfloat16)) == "sdpa_per_length"
 
 
+def test_prompt_sharing_is_judged_at_the_compute_dtype(monkeypatch):
+    """Float32 masters computing in bf16 (actor.mixed_precision=bf16) take the bf16 kernel: on a GPU
+    whose bf16 path is fused, rows must not share prompts although the weights are float32."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    import rlcore.workers.attention as attention
+    from rlcore.workers.fsdp import shard_model
+
+    model = attention.use_packed_attention(LlamaForCausalLM(LlamaConfig(
+        vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
+        num_key_value_heads=2)))
+    assert attention.prompt_sharing(model)  # float32 on a CPU
+    as_on_a_gpu = {torch.bfloat16: "torch_varlen", torch.float16: "torch_varlen"}  # what an H200 without flash-attn picks
+    monkeypatch.setattr(attention, "path_for", lambda t, dtype=None: as_on_a_gpu.get(dtype or t.dtype, "sdpa_per_length"))
+    assert attention.prompt_sharing(model)  # float32 compute: the per-length loop, prompts shared
+    shard_model(model, torch.device("cpu"), mixed_precision="bf16")
+    assert model.get_input_embeddings().weight.dtype == torch.float32
+    assert not attention.prompt_sharing(model)
+
+
 def _per_sequence(q, k, v, lengths):
     """The reference: causal SDPA on each sequence alone, `[1, H, T, D]` in, `[1, T, H, D]` out."""
     outs, start = [], 0

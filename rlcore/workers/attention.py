@@ -49,6 +49,7 @@ from rlcore.workers.packed import SHARED_PROMPTS_KWARG, SharedPrompts
 log = logging.getLogger(__name__)
 
 VARLEN = "rlcore_varlen"
+COMPUTE_DTYPE = "rlcore_compute_dtype"  # set on a model whose forward computes in another dtype than its weights
 PackedPath = Literal["flash_attn", "torch_varlen", "sdpa_per_length"]
 FUSED_DTYPES = (torch.float16, torch.bfloat16)  # what the Flash kernels take
 SEQUENCE_PARALLEL_KWARG = "rlcore_sequence_parallel"  # a `ulysses.SequenceParallel`, passed through the backbone
@@ -72,11 +73,9 @@ def varlen_attention(
     if query.shape[0] != 1:
         raise ValueError(f"packed attention takes one packed row, got a batch of {query.shape[0]}")
     path = path_for(query)
-    if path == "torch_varlen" and dropout:
-        path = "sdpa_per_length"  # torch's varlen_attn has no attention dropout
+    if (path == "torch_varlen" and dropout) or shared is not None:
+        path = "sdpa_per_length"  # torch's varlen_attn has no attention dropout; the fused kernels take no shared prompts
     if path != "sdpa_per_length":
-        if shared is not None:
-            raise ValueError(f"shared prompts reached the {path} path, which does not take them (see prompt_sharing)")
         q, k, v = (t[0].transpose(0, 1) for t in (query, key, value))  # [T, heads, D]
         cu = cu_seqlens.to(device=query.device, dtype=torch.int32)
         if path == "flash_attn":
@@ -174,14 +173,16 @@ def packed_attention_path(device_type: str, dtype: torch.dtype, *, flash_attn: b
     return "sdpa_per_length"
 
 
-def path_for(tensor: torch.Tensor) -> PackedPath:
-    """`packed_attention_path` for a tensor's device and dtype on this machine (logged once)."""
+def path_for(tensor: torch.Tensor, dtype: torch.dtype | None = None) -> PackedPath:
+    """`packed_attention_path` for a tensor's device and its dtype (or `dtype`, the one attention
+    computes in) on this machine; logged once per device and dtype."""
+    dtype = dtype or tensor.dtype
     if not tensor.is_cuda:
-        return _logged("sdpa_per_length", tensor.device.type, tensor.dtype)
+        return _logged("sdpa_per_length", tensor.device.type, dtype)
     capability = torch.cuda.get_device_capability(tensor.device)
-    path = packed_attention_path("cuda", tensor.dtype, flash_attn=_flash_attn_installed(),
+    path = packed_attention_path("cuda", dtype, flash_attn=_flash_attn_installed(),
                                  torch_varlen=_torch_varlen_available(), capability=capability)
-    return _logged(path, f"cuda (sm_{capability[0]}{capability[1]})", tensor.dtype)
+    return _logged(path, f"cuda (sm_{capability[0]}{capability[1]})", dtype)
 
 
 @cache
@@ -198,10 +199,12 @@ def _logged(path: PackedPath, device: str, dtype: torch.dtype) -> PackedPath:
 def prompt_sharing(model: nn.Module) -> bool:
     """Whether `model`'s packed attention takes shared prompts: rlcore's (`use_packed_attention`; any
     other attention would drop the keyword and let followers see no prompt) on the per-length SDPA
-    path only (the fused kernels take each sequence whole)."""
+    path only (the fused kernels take each sequence whole). Judged at the dtype attention computes
+    in: float32 masters under bf16 mixed precision compute in bf16 (`COMPUTE_DTYPE`)."""
     if getattr(model.config, "_attn_implementation", None) != VARLEN:
         return False
-    return path_for(model.get_input_embeddings().weight) == "sdpa_per_length"
+    weight = model.get_input_embeddings().weight
+    return path_for(weight, getattr(model, COMPUTE_DTYPE, None)) == "sdpa_per_length"
 
 
 @cache
@@ -301,5 +304,5 @@ def use_packed_attention(model: nn.Module) -> nn.Module:
     return model
 
 
-__all__ = ["SEQUENCE_PARALLEL_KWARG", "VARLEN", "PackedPath", "packed_attention_path", "path_for", "prompt_sharing", "register",
+__all__ = ["COMPUTE_DTYPE", "SEQUENCE_PARALLEL_KWARG", "VARLEN", "PackedPath", "packed_attention_path", "path_for", "prompt_sharing", "register",
            "torch_varlen_causal", "use_packed_attention", "varlen_attention"]

@@ -21,6 +21,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from rlcore.workers.attention import COMPUTE_DTYPE
 from rlcore.workers.ranks import distributed_world, max_over_ranks
 
 
@@ -61,6 +62,8 @@ def shard_model(
         raise ValueError(f"actor.cpu_offload=true needs a CUDA device (the device is {device}): on the CPU the "
                          "weights, gradients and optimizer state already live in host memory")
     wants_policy = mixed_precision != "none" or cpu_offload
+    if mixed_precision == "bf16":  # what packed attention computes in (its kernel choice, `prompt_sharing`)
+        setattr(model, COMPUTE_DTYPE, torch.bfloat16)
     has_group = dist.is_available() and dist.is_initialized()
     if not has_group:
         if not wants_policy:

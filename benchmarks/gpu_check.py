@@ -112,7 +112,9 @@ SMOKE = replace(
 )
 
 
-# Seconds a phase needs on the H200 at full size (measured 2026-12-04, rounded up), for --deadline-s.
+# Seconds a phase needs on the H200 at full size, for --deadline-s: rough, from the 2026-12-04 run
+# (kernel + actor 42 s, rollout + grpo 69 s) and, for trl, issue 39's step times (~8 s) x 4 steps x 2
+# systems plus two processes' start-up.
 MIN_PHASE_S = {"kernel": 20, "actor": 40, "rollout": 20, "grpo": 60, "trl": 150, "tp": 10}
 
 
@@ -862,6 +864,7 @@ def headline(result: dict[str, Any]) -> dict[str, Any]:
         "grpo_weight_sync_s": get("grpo", "steps_2_on", "weight_sync_s"),
         "packed_attention": get("grpo", "packed_attention", "path"),
         "trl_step_ratio": get("trl", "step_ratio"),
+        "trl_goal_met": get("trl", "goal_met"),
         "rlcore_s_per_step": get("trl", "rlcore", "s_per_step"),
         "trl_s_per_step": get("trl", "trl", "s_per_step"),
         "rlcore_peak_gib": get("trl", "rlcore", "peak_gib"),

@@ -53,6 +53,10 @@ Workloads:
   small weight changes, so that score is noisy (the untrained model's is printed beside it): this
   workload is about speed, the tiny one about learning.
 
+On a GPU: benchmarks/gpu_check.py's trl phase runs these same workers, with the same translation,
+on its generated Qwen2.5-0.5B-shape model (`model_workload`; spec keys `device` and `precision`:
+float32 master weights with bf16 compute on both, `PRECISION`), TRL imported by that interpreter.
+
 Measurement: warm-up steps excluded, the same number of measured steps, each step's wall time and
 process-tree CPU seconds (utime+stime of the worker and all its children, psutil) taken between
 consecutive step ends, generation included. Runs are interleaved (per seed and thread count, one

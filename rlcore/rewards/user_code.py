@@ -139,9 +139,9 @@ def _run_child(specs: list[str], what: str, schemas: bool) -> list[tuple[str, An
 
 def child_main(request_path: str, events_path: str) -> None:
     """The child: load each spec, appending {"loading": i} and {"done": i, "kind", "value"} lines."""
-    from ._worker import _exit_when_orphaned
-
     import threading
+
+    from ._worker import _exit_when_orphaned
 
     threading.Thread(target=_exit_when_orphaned, args=(os.getppid(),), daemon=True).start()
     request = json.loads(Path(request_path).read_text(encoding="utf-8"))

@@ -20,18 +20,15 @@ import json
 import sys
 import time
 import weakref
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from .manager import PoolRun, RewardWorkerError, _stop_workers, _Worker
-from .registry import SpecError, resolve_spec
-
-
-class ToolSpecError(SpecError):
-    """A tool that cannot be used: its spec does not load, it has no usable schema, or two tools
-    share a name. The message names the spec."""
+from .registry import resolve_spec
+from .tool_schema import ToolSpecError, checked_schema, tool_schema
+from .user_code import describe
 
 
 @dataclass(frozen=True)
@@ -41,40 +38,15 @@ class Tool:
     schema: dict[str, Any]  # {"type": "function", "function": {"name", "description", "parameters"}}
 
 
-def _checked_schema(schema: Any, spec: str) -> dict[str, Any]:
-    if not isinstance(schema, dict) or not isinstance(schema.get("function"), dict) \
-            or not isinstance(schema["function"].get("name"), str):
-        raise ToolSpecError(f"tool spec {spec!r}: the schema must be {{'type': 'function', 'function': {{'name': ..., "
-                            f"'parameters': ...}}}}, got {schema!r:.120}")
-    return dict(schema)
-
-
-def tool_schema(fn: Callable[..., Any], spec: str) -> dict[str, Any]:
-    """The OpenAI-style schema of `fn`: its `tool_schema` attribute, or transformers'
-    `get_json_schema` (type hints and a docstring with an Args section)."""
-    schema = getattr(fn, "tool_schema", None)
-    if schema is None:
-        from transformers.utils.chat_template_utils import get_json_schema  # not at import: tool workers never need it
-
-        try:
-            schema = get_json_schema(fn)
-        except Exception as e:  # transformers' DocstringParsingException / TypeHintParsingException
-            raise ToolSpecError(f"tool spec {spec!r}: no schema: give the function a `tool_schema` dict, or type hints "
-                                f"and a docstring with an Args section ({type(e).__name__}: {e})") from e
-    return _checked_schema(schema, spec)
-
-
 def load_tools(specs: Sequence[str]) -> dict[str, Tool]:
     """name -> `Tool` for each spec, in order; raises `ToolSpecError` naming the spec. The tool
     files are loaded and their schemas read in a child interpreter (`user_code.describe`): only the
     pool's sandboxed workers ever import them."""
-    from .user_code import describe
-
     resolved = [str(resolve_spec(raw)) for raw in specs]
     described = describe(resolved, "tool", ToolSpecError, schemas=True)
     tools: dict[str, Tool] = {}
     for raw, spec, found in zip(specs, resolved, described, strict=True):
-        schema = _checked_schema(found, raw)
+        schema = checked_schema(found, raw)
         name = schema["function"]["name"]
         if name in tools:
             raise ToolSpecError(f"tool spec {raw!r}: a second tool named {name!r} (first: {tools[name].spec})")
@@ -107,7 +79,7 @@ def tool_schemas(specs: Sequence[str]) -> list[dict[str, Any]]:
                 raise ToolSpecError(f"tool spec {raw!r}: the schema file is not JSON ({e})") from None
             except RecursionError:
                 raise ToolSpecError(f"tool spec {raw!r}: the schema file is nested too deeply to be a tool schema") from None
-            schemas = [_checked_schema(x, raw) for x in (loaded if isinstance(loaded, list) else [loaded])]
+            schemas = [checked_schema(x, raw) for x in (loaded if isinstance(loaded, list) else [loaded])]
         else:
             schemas = [t.schema for t in load_tools([raw]).values()]
         for schema in schemas:

@@ -160,7 +160,7 @@ def child_main(request_path: str, events_path: str) -> None:
                 fn = load_function(spec, what)
                 value = None
                 if schemas:
-                    from .tools import tool_schema
+                    from .tool_schema import tool_schema
 
                     value = tool_schema(fn, spec)
                     json.dumps(value)  # what the parent reads back must be JSON

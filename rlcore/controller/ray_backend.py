@@ -27,12 +27,15 @@ import logging
 import math
 import os
 import socket
+import subprocess
+import sys
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from datetime import timedelta
 from typing import Any
 
+from rlcore.controller import ray_reaper
 from rlcore.controller.dispatch import Dispatch, MethodSpec
 from rlcore.controller.errors import WorkerError
 from rlcore.controller.group import GroupFuture, WorkerGroup
@@ -152,8 +155,10 @@ def ensure_ray(address: str | None = None, num_cpus: float | None = None, temp_d
     (the caller then owns `ray.shutdown()`); an already initialised Ray is reused as it is.
 
     A local cluster listens on 127.0.0.1 only (GCS, raylet, object manager, agents, workers; no
-    dashboard): nothing of it is reachable from the network. A cluster given by `address` is
-    used as it was started (one on a loopback address is reached there)."""
+    dashboard): nothing of it is reachable from the network, and nothing of it outlives this
+    process by more than a second or two, however this process ends (`_guard_local_ray`). A
+    cluster given by `address` is used as it was started (one on a loopback address is reached
+    there)."""
     import ray
 
     if ray.is_initialized():
@@ -192,8 +197,11 @@ def ensure_ray(address: str | None = None, num_cpus: float | None = None, temp_d
     if temp_dir:
         os.makedirs(temp_dir, exist_ok=True)
         kwargs["_temp_dir"] = os.path.abspath(temp_dir)
+    before = ray_reaper.children_of(os.getpid()) if _CAN_GUARD else set()
     with _ray_node_ip_kept_local():
         ray.init(**kwargs)
+    if _CAN_GUARD:
+        _guard_local_ray(ray_reaper.children_of(os.getpid()) - before)
     node_ip = ray.util.get_node_ip_address()
     if not is_loopback(node_ip):
         ray.shutdown()
@@ -202,6 +210,22 @@ def ensure_ray(address: str | None = None, num_cpus: float | None = None, temp_d
             f"network. This Ray ({ray.__version__}) does not keep a local node on loopback the way rlcore asks it to; "
             "start a cluster yourself (`ray start --head ...`) and pass its address as ray.address")
     return True
+
+
+_CAN_GUARD = sys.platform.startswith("linux")  # /proc, as the kernel fate-sharing Ray relies on
+_GUARDS: list[subprocess.Popen] = []  # the watchers of this process's local Rays (their pipes stay open here)
+
+
+def _guard_local_ray(roots: set[int]) -> None:
+    """Start `rlcore.controller.ray_reaper` over the processes a local `ray.init` started (`roots`):
+    should this process die without `ray.shutdown()` (SIGKILL, the OOM killer), it kills what
+    Ray's own fate-sharing leaves running (the raylet's agents, for a minute or more)."""
+    if not roots:
+        return
+    _GUARDS[:] = [g for g in _GUARDS if g.poll() is None]  # an earlier session's watcher exited with its Ray
+    _GUARDS.append(subprocess.Popen(
+        [sys.executable, "-I", ray_reaper.__file__, str(os.getpid()), *map(str, sorted(roots))],
+        stdin=subprocess.PIPE, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
 
 
 def interface_with(addr: str) -> str | None:

@@ -21,6 +21,7 @@ import rlcore
 from rlcore.algorithms import names_where
 from rlcore.config import Config, load_config, load_sft_config
 from rlcore.errors import RLCoreError
+from rlcore.lifecycle.job_server import TIMEOUT_S as JOB_SERVER_TIMEOUT_S
 
 CONFIG_DIR = Path(__file__).resolve().parent / "configs"
 
@@ -179,8 +180,8 @@ def _pipeline_inputs(args: argparse.Namespace) -> dict:
         "workdir": str(Path(args.output_dir).resolve()),
         "sft": sft,
     }
-    if args.ray_address:  # only when given: a deployment made without it keeps the flow's default
-        inputs["ray_address"] = args.ray_address
+    if args.ray_address is not None:  # only when given: a deployment made without it keeps the flow's default
+        inputs["ray_address"] = _ray_address(args.ray_address)
     if args.reward == "model":
         if args.reward_config is None and not example:
             raise RLCoreError("--reward model: give the reward model's training config (--reward-config FILE, "
@@ -275,15 +276,29 @@ def check_pipeline_inputs(inputs: dict[str, Any], data_path: str | None) -> Conf
     return config
 
 
-def _check_job_server(address: str) -> None:
-    """--ray-address answers as a Ray job server, before Prefect starts (a typo is one line)."""
-    from rlcore.lifecycle.ray_job import job_client, job_server
+def _ray_address(address: str) -> str:
+    """--ray-address as a job server URL, checked without the network (milliseconds): an empty,
+    malformed or non-HTTP address is one line naming the option, its secrets redacted."""
+    from rlcore.lifecycle.job_server import JobServerAddressError, job_server_url
 
     try:
-        job_client(address)
-    except Exception as err:  # noqa: BLE001 - Ray raises ConnectionError or RuntimeError here
-        raise RLCoreError(f"--ray-address: no Ray job server answers at {job_server(address)} (the head node's "
-                          f"dashboard, `ray start --head --dashboard-host ...`): {str(err).splitlines()[0]}") from None
+        return job_server_url(address)
+    except JobServerAddressError as err:
+        raise RLCoreError(f"--ray-address {err}") from None
+
+
+def _check_job_server(address: str) -> None:
+    """--ray-address answers as a Ray job server, before Prefect starts (a typo is one line): each
+    network step within rlcore.lifecycle.job_server.TIMEOUT_S, the address shown redacted."""
+    from rlcore.lifecycle.job_server import JobServerAddressError, JobServerUnreachable, connect
+
+    try:
+        connect(address)
+    except JobServerAddressError as err:
+        raise RLCoreError(f"--ray-address {err}") from None
+    except JobServerUnreachable as err:
+        raise RLCoreError(f"--ray-address {err}; the job server is the head node's dashboard (`ray start --head "
+                          "--dashboard-host ...`, port 8265)") from None
 
 
 EPHEMERAL_TIMEOUT_VAR = "PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS"
@@ -305,8 +320,8 @@ def _cmd_pipeline_run(args: argparse.Namespace) -> int:
     example, with Prefect in ephemeral mode and MLflow in a SQLite file here."""
     inputs = _pipeline_inputs(args)
     check_pipeline_inputs(inputs, args.data)
-    if args.ray_address:
-        _check_job_server(args.ray_address)
+    if "ray_address" in inputs:
+        _check_job_server(inputs["ray_address"])
     if inputs["example"]:  # built here with progress on stderr (first time ~1 min), not silently in the flow
         from rlcore.example import build_tiny_example
 
@@ -351,6 +366,8 @@ def _cmd_pipeline_serve(args: argparse.Namespace) -> int:
     # The config as run (the example's paths change neither its webhook nor its MLflow store): runs
     # that crash unseen are notified by the server, whatever happens to the processes running them.
     config = load_config(inputs["config_path"], inputs["overrides"])
+    if "ray_address" in inputs:
+        _check_job_server(inputs["ray_address"])
     if args.unresponsive_after <= args.heartbeat:
         raise RLCoreError(f"--unresponsive-after ({args.unresponsive_after:g} s) must exceed --heartbeat ({args.heartbeat:g} s)")
     print(f"rlcore: serving rl_pipeline (cron {args.cron or 'none'}{f', watching {args.watch}' if args.watch else ''}) "
@@ -452,7 +469,9 @@ def build_parser() -> argparse.ArgumentParser:
         p.add_argument("--ray-address", default=None, metavar="URL",
                        help="run the train and evaluate stages as Ray jobs on this cluster's job server (the head "
                             "node's dashboard, http://HEAD:8265); the work directory and MLflow store must be at the "
-                            "same paths there. Default: every stage runs in this process")
+                            "same paths there. Checked first: resolving its host, connecting and the job server's "
+                            f"answer must each finish within {JOB_SERVER_TIMEOUT_S:g} s. Default: every stage runs in this "
+                            "process")
 
     run = pipeline_sub.add_parser("run", help="run rl_pipeline once (ephemeral Prefect, SQLite MLflow here) and print a summary")
     common(run)

@@ -654,7 +654,8 @@ class RayConfig(_Section):
 
     address: str | None = Field(None, description="existing cluster ('auto', 'host:port' of its head's GCS); none: "
                                 "$RAY_ADDRESS when set (as inside a Ray job), else start a local one")
-    num_cpus: float | None = Field(None, gt=0, description="local cluster only; default: what the pools reserve")
+    num_cpus: float | None = Field(None, gt=0, description="local cluster only; default: this machine's cores (Ray's "
+                                   "count); more lets more ranks than cores run, sharing them")
     temp_dir: str | None = Field(None, description="local cluster's temp/session folder (keep it short: socket paths)")
     pools: dict[str, RayPoolConfig] = {"default": RayPoolConfig()}
     roles: dict[str, str] = Field({}, description="role -> pool name; roles not listed use the pool 'default'")

@@ -71,7 +71,7 @@ def test_pipeline_run_reports_a_config_typo_in_one_line_before_prefect_starts(tm
     no_server = rlcore_cli(["pipeline", "run", "--ray-address", f"127.0.0.1:{port}"], tmp_path, env)
     assert no_server.returncode == 2
     [line] = no_server.stderr.splitlines()
-    assert line.startswith(f"rlcore: error: --ray-address: no Ray job server answers at http://127.0.0.1:{port} ")
+    assert line.startswith(f"rlcore: error: --ray-address http://127.0.0.1:{port}: nothing accepts connections on port {port} ")
     assert not (tmp_path / "prefect").exists()
 
 

@@ -6,12 +6,14 @@ outlives rlcore's connection to it."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import subprocess
 import sys
 import tempfile
 import textwrap
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -160,3 +162,68 @@ def test_a_cluster_given_by_address_is_used_as_it_is(ray_temp):
         if owner.poll() is None:
             owner.kill()
             owner.wait()
+
+
+def _ray_processes(root: int) -> dict[int, tuple[float, str]]:
+    """Every process under `root` (not `root` itself): pid -> (start time, command line)."""
+    found = {}
+    for p in psutil.Process(root).children(recursive=True):
+        try:
+            found[p.pid] = (p.create_time(), " ".join(p.cmdline()).strip() or p.name())
+        except psutil.Error:  # exited meanwhile
+            pass
+    return found
+
+
+def _still_running(procs: dict[int, tuple[float, str]]) -> dict[int, str]:
+    """Those of `procs` that still run (the same pid and start time; a zombie has ended)."""
+    alive = {}
+    for pid, (started, what) in procs.items():
+        try:
+            p = psutil.Process(pid)
+            if p.create_time() == started and p.status() != psutil.STATUS_ZOMBIE:
+                alive[pid] = what
+        except psutil.Error:
+            pass
+    return alive
+
+
+@pytest.mark.timeout(900)
+def test_a_sigkilled_rlcore_train_leaves_nothing_of_its_local_ray_running(tiny_example, ray_temp, tmp_path):
+    """`rlcore train` on the local Ray it starts, SIGKILLed once its workers and Ray's agents run:
+    every process of that Ray is gone within seconds (Ray alone left the dashboard and
+    runtime-env agents running a minute or more: they first try to report their raylet's death to
+    the GCS, killed with it). One run; it is killed before the model loads."""
+    from rlcore.cli import CONFIG_DIR, tiny_example_overrides
+
+    args = [sys.executable, "-m", "rlcore.cli", "train", str(CONFIG_DIR / "tiny_grpo.yaml"),
+            *tiny_example_overrides(tiny_example, str(tmp_path / "run")), "trainer.backend=ray",
+            f"ray.temp_dir={ray_temp}", "trainer.total_steps=1000", "trainer.val_before_train=false"]
+    env = dict(os.environ, PYTHONPATH=str(ROOT), RAY_AUTH_MODE="disabled", RAY_USAGE_STATS_ENABLED="0")
+    with open(tmp_path / "stderr.txt", "w") as log:
+        run = subprocess.Popen(args, env=env, stdout=subprocess.DEVNULL, stderr=log)
+    procs: dict[int, tuple[float, str]] = {}
+    try:
+        wanted = ("ray::DashboardAgent", "ray::RuntimeEnvAgent", "ray::_WorkerHost", "gcs_server", "raylet")
+        deadline = time.monotonic() + 600
+        while True:  # progress: every kind of process the run's Ray has, each started
+            procs = _ray_processes(run.pid)
+            if all(any(kind in what for _, what in procs.values()) for kind in wanted):
+                break
+            assert run.poll() is None, (tmp_path / "stderr.txt").read_text()[-3000:]
+            assert time.monotonic() < deadline, f"the run's Ray did not start in 600 s: {[w[:150] for _, w in procs.values()]}"
+            time.sleep(0.2)
+        procs = _ray_processes(run.pid)
+        run.kill()
+        run.wait()
+        deadline = time.monotonic() + 30  # seconds are enough (the watcher acts at once); a loaded machine
+        while (left := _still_running(procs)) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert not left, f"still running 30 s after the SIGKILL: { {pid: what[:150] for pid, what in left.items()} }"
+    finally:
+        if run.poll() is None:
+            run.kill()
+            run.wait()
+        for pid in _still_running(procs):  # a failed test leaves nothing behind
+            with contextlib.suppress(psutil.Error):
+                psutil.Process(pid).kill()

@@ -86,3 +86,86 @@ def test_collective_returns_rank_zero_and_futures_are_resolved_as_arguments():
     assert g.add(fut) == [100, 101, 102]
     with pytest.raises(AttributeError, match="no registered method 'nope_async'"):
         g.nope_async()
+
+
+# ---------------------------------------------------------------------- placement on the cluster
+
+def _node(cpu: float, gpu: float = 0, alive: bool = True, labels: dict | None = None, **custom: float) -> dict:
+    """One entry of `ray.nodes()` as Ray 2.60 returns it (the fields the placement check reads)."""
+    return {"Alive": alive, "Resources": {"CPU": cpu, "GPU": gpu, "memory": 8e9, **custom}, "Labels": labels or {}}
+
+
+def _demands(*overrides: str) -> list:
+    from rlcore.trainer.roles import _factories, _units, pool_demands
+
+    cfg = _load("trainer.backend=ray", *overrides)
+    roles = _factories(cfg)
+    pools: dict[str, list[list[str]]] = {}
+    for unit in _units(cfg, roles):
+        pools.setdefault(cfg.ray.pool_of(unit[0]), []).append(unit)
+    return pool_demands(cfg, roles, pools)
+
+
+def test_each_pool_asks_for_a_bundle_per_rank_of_its_largest_group_naming_the_key():
+    [pool] = _demands("actor.layout={data_parallel: 100000}")
+    assert (pool.name, pool.bundles, pool.bundle) == ("default", 100000, {"CPU": 1.0})
+    assert pool.why == "actor.layout (data_parallel=100000 x sequence_parallel=1 x tensor_parallel=1 = 100000 ranks)"
+    train, gen = _demands("actor.world_size=4", "rollout.world_size=3", "ray.pools={train: {gpus_per_bundle: 1, "
+                          "strategy: STRICT_SPREAD, label_selector: {pool: train}}, gen: {cpus_per_bundle: 2}}",
+                          "ray.roles={actor: train, ref: train, rollout: gen, reward: gen}")
+    assert (train.bundles, train.bundle, train.strategy, train.label_selector, train.why) == (
+        4, {"CPU": 1.0, "GPU": 1.0}, "STRICT_SPREAD", {"pool": "train"}, "actor.world_size=4")
+    assert (gen.bundles, gen.bundle, gen.why) == (3, {"CPU": 2.0}, "rollout.world_size=3")
+
+
+@pytest.mark.parametrize("overrides, nodes, ceiling, local, verdict, says", [
+    # the issue's layout on the local Ray rlcore starts (this machine: 2 cores)
+    (["actor.layout={data_parallel: 100000}"], [_node(2)], None, True, "refuse",
+     "actor.layout (data_parallel=100000 x sequence_parallel=1 x tensor_parallel=1 = 100000 ranks): pool 'default' "
+     "(ray.pools.default) needs 100000 bundles of {CPU: 1}, PACK ({CPU: 100000} in all), and the cluster has room for "
+     "2: {CPU: 2, GPU: 0} on 1 live node (the local Ray"),
+    # GPUs the machine does not have
+    (["actor.world_size=2", "ray.pools.default.gpus_per_bundle=1"], [_node(8)], None, True, "refuse",
+     "actor.world_size=2: pool 'default' (ray.pools.default) needs 2 bundles of {CPU: 1, GPU: 1}, PACK ({CPU: 2, GPU: 2} "
+     "in all), and the cluster has room for 0: {CPU: 8, GPU: 0} on 1 live node"),
+    # a cluster: one node per rank, on nodes with a label
+    (["actor.world_size=3", "ray.pools.default.strategy=STRICT_SPREAD", "ray.pools.default.label_selector={pool: train}"],
+     [_node(4, labels={"pool": "train"}), _node(4, labels={"pool": "train"}), _node(16, labels={"pool": "gen"})], None,
+     False, "refuse", "needs 3 bundles of {CPU: 1}, each on its own node (STRICT_SPREAD) on nodes labelled {'pool': "
+     "'train'} ({CPU: 3} in all), and the cluster has room for 2: {CPU: 24, GPU: 0} on 3 live nodes, 2 labelled"),
+    (["actor.world_size=4", "ray.pools.default.strategy=STRICT_PACK"], [_node(2), _node(2)], None, False, "refuse",
+     "all on one node (STRICT_PACK)"),
+    # custom resources only some nodes have; 'in(...)' and '!' selectors
+    (["actor.world_size=2", "ray.pools.default.resources={node_a: 1}"], [_node(8, node_a=1), _node(8)], None, False,
+     "refuse", "needs 2 bundles of {CPU: 1, node_a: 1}"),
+    (["actor.world_size=2", "ray.pools.default.label_selector={zone: 'in(a,b)'}"],
+     [_node(1, labels={"zone": "a"}), _node(1, labels={"zone": "b"}), _node(8, labels={"zone": "c"})], None, False, "fits",
+     None),
+    (["actor.world_size=2", "ray.pools.default.label_selector={zone: '!c'}"],
+     [_node(1, labels={"zone": "a"}), _node(8, labels={"zone": "c"})], None, False, "refuse", "room for 1"),
+    # every pool fits alone, not all together
+    (["actor.world_size=3", "ray.pools={default: {}, gen: {}}", "ray.roles={rollout: gen, reward: gen}"], [_node(3)], None,
+     False, "refuse", "the pools together need {CPU: 4} ('default' 3 x {CPU: 1} (actor.world_size=3), 'gen' 1 x "
+     "{CPU: 1} (rollout.world_size=1)), more than the cluster has: {CPU: 3, GPU: 0} on 1 live node"),
+    # a cluster that lost a node waits for its replacement; beyond what it had, it is refused
+    (["actor.world_size=2", "ray.pools.default.strategy=STRICT_SPREAD"], [_node(4), _node(4, alive=False)], None, False,
+     "wait", "room for 1 since it lost 1 node(s): {CPU: 4, GPU: 0} on 1 live node; the pools wait up to 120 s"),
+    (["actor.world_size=3", "ray.pools.default.strategy=STRICT_SPREAD"], [_node(4), _node(4, alive=False)], None, False,
+     "refuse", "room for 1: {CPU: 4, GPU: 0} on 1 live node"),
+    # an autoscaling cluster is refused only beyond its ceiling
+    (["actor.layout={data_parallel: 64}"], [_node(2)], {"CPU": 512.0}, False, "wait",
+     "its autoscaler may add nodes (up to {CPU: 512}): the pools wait up to 120 s"),
+    (["actor.layout={data_parallel: 100000}"], [_node(2)], {"CPU": 512.0}, False, "refuse",
+     "and its autoscaler grows it to at most {CPU: 512}"),
+    (["actor.layout={data_parallel: 2}"], [_node(2)], None, True, "fits", None),
+])
+def test_pools_the_cluster_cannot_hold_are_refused_naming_key_need_and_what_it_has(overrides, nodes, ceiling, local,
+                                                                                    verdict, says):
+    from rlcore.controller.ray_backend import placement_verdict
+    from rlcore.trainer.roles import LOCAL_RAY_HINT
+
+    got, why = placement_verdict(_demands(*overrides), nodes, ceiling, local, LOCAL_RAY_HINT if local else "")
+    assert got == verdict, why
+    assert (why is None) if says is None else (says in why), why
+    if verdict == "refuse" and local:
+        assert why.endswith("ray.num_cpus gives it more CPUs, ranks then sharing cores; ray.address runs on a cluster)")

@@ -350,3 +350,52 @@ def test_fsdp2_lora_two_ranks_update_equals_one_process(cluster, tmp_path):
         back.shutdown()
     finally:
         one.shutdown(), two.shutdown()
+
+
+def test_a_layout_the_cluster_cannot_hold_is_refused_before_anything_is_placed(cluster, ray_local, tiny_example,
+                                                                              tmp_path, capsys):
+    """`rlcore train` with actor.layout={data_parallel: 100000} on the shared cluster (4 CPUs):
+    exit 2 and one line naming the key, what the pool needs and what the cluster has, with no
+    placement group or worker made (it sat silent until killed before)."""
+    from rlcore.cli import CONFIG_DIR, main, tiny_example_overrides
+
+    groups_before = set(ray.util.placement_group_table())
+    code = main(["train", str(CONFIG_DIR / "tiny_grpo.yaml"), *tiny_example_overrides(tiny_example, str(tmp_path / "run")),
+                 "trainer.backend=ray", f"ray.address={ray_local}", "actor.layout={data_parallel: 100000}",
+                 "trainer.val_before_train=false"])
+    err = capsys.readouterr().err
+    lines = [line for line in err.splitlines() if line.startswith("rlcore:")]
+    assert code == 2 and len(lines) == 1, err[-3000:]
+    assert lines[0].startswith("rlcore: error: actor.layout (data_parallel=100000 x sequence_parallel=1 x "
+                               "tensor_parallel=1 = 100000 ranks): pool 'default' (ray.pools.default) needs 100000 "
+                               "bundles of {CPU: 1}, PACK ({CPU: 100000} in all), and the cluster has room for 4: "
+                               "{CPU: 4, GPU: 0} on 1 live node"), lines[0]
+    assert "Traceback" not in err
+    assert set(ray.util.placement_group_table()) == groups_before
+
+
+def test_an_autoscaling_cluster_is_refused_only_beyond_its_ceiling(cluster, caplog):
+    """A cluster whose autoscaler reported a ceiling to the GCS (as Ray's autoscaler does: the
+    cluster config under its key, planted here on the shared cluster and removed after) may grow:
+    pools within the ceiling are let through to wait for nodes, said at once; beyond it, refused."""
+    from ray.core.generated import autoscaler_pb2
+    from ray.experimental.internal_kv import _internal_kv_del, _internal_kv_put
+
+    from rlcore.controller.ray_backend import PlacementError, PoolDemand, bundle_of, check_placement
+
+    key, namespace = ray._raylet.GCS_AUTOSCALER_CLUSTER_CONFIG_KEY, ray._raylet.GCS_AUTOSCALER_STATE_NAMESPACE
+    config = autoscaler_pb2.ClusterConfig(max_resources={"CPU": 64}, node_group_configs=[
+        autoscaler_pb2.NodeGroupConfig(name="cpu", resources={"CPU": 8}, max_count=8)])
+    within = [PoolDemand("default", 32, bundle_of(1), why="actor.world_size=32")]
+    beyond = [PoolDemand("default", 100000, bundle_of(1), why="actor.world_size=100000")]
+    with pytest.raises(PlacementError, match=r"room for 4: \{CPU: 4, GPU: 0\} on 1 live node$"):
+        check_placement(within, local=False)  # no autoscaler: the cluster is what it has
+    _internal_kv_put(key, config.SerializeToString(), namespace=namespace)
+    try:
+        with caplog.at_level("WARNING", logger="rlcore.controller.ray_backend"):
+            check_placement(within, local=False)
+        assert "its autoscaler may add nodes (up to {CPU: 64}): the pools wait up to 120 s for them" in caplog.text
+        with pytest.raises(PlacementError, match=r"and its autoscaler grows it to at most \{CPU: 64\}"):
+            check_placement(beyond, local=False)
+    finally:
+        _internal_kv_del(key, namespace=namespace)

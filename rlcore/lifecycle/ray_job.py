@@ -30,7 +30,9 @@ from typing import Any
 from rlcore.config import config_from_dict
 from rlcore.errors import RLCoreError
 from rlcore.lifecycle import stages
+from rlcore.lifecycle.job_server import connect, job_server_url, shown
 from rlcore.lifecycle.results import PipelineContext
+from rlcore.redact import redact_text
 
 log = logging.getLogger(__name__)
 
@@ -60,14 +62,14 @@ class RayJobStopped(RayJobError, RLCoreError):
 
 def job_server(address: str) -> str:
     """The job server's URL: `http://` is added to a bare `host:port` (the dashboard's port, 8265
-    by default)."""
-    return address if "://" in address else f"http://{address}"
+    by default); an address that is not a job server URL raises JobServerAddressError."""
+    return job_server_url(address)
 
 
 def job_client(address: str) -> Any:
-    from ray.job_submission import JobSubmissionClient
-
-    return JobSubmissionClient(job_server(address))
+    """Ray's job client for the job server at `address`, reached within the bounds of
+    `rlcore.lifecycle.job_server.connect` (or JobServerAddressError / JobServerUnreachable)."""
+    return connect(address)
 
 
 # ---------------------------------------------------------------------- inside the job
@@ -114,7 +116,7 @@ def run_stage_as_job(address: str, stage: str, config: dict[str, Any], kwargs: d
         metadata={stages.PIPELINE_TAG: run_name, stages.STAGE_TAG: stage},
         runtime_env={"env_vars": {"MLFLOW_TRACKING_URI": tracking}},
     )
-    log_line(f"{stage}: submitted Ray job {job_id} to {job_server(address)}")
+    log_line(f"{stage}: submitted Ray job {job_id} to {shown(job_server(address))}")
     try:
         logs = finish_job(client, job_id, stage, log_line, poll_s)
     finally:
@@ -133,7 +135,7 @@ def submit(client: Any, *, entrypoint: str, retry_for_s: float = 120.0, **kwargs
         except RuntimeError as e:
             if "try again later" not in str(e) or time.monotonic() > deadline:
                 raise
-            log.warning("Ray job server: %s; trying again", str(e).splitlines()[0])
+            log.warning("Ray job server: %s; trying again", redact_text(str(e).splitlines()[0]))
             time.sleep(2.0)
 
 
@@ -198,7 +200,8 @@ def follow_job(client: Any, job_id: str, log_line: Callable[[str], None], poll_s
         if not line.startswith(RESULT_MARK):
             log_line(line)
     if failed:
-        log.warning("Ray job %s: following its log failed (%s); polling it instead", job_id, failed[0])
+        log.warning("Ray job %s: following its log failed (%s); polling it instead", job_id,
+                    redact_text(str(failed[0])))
     return _poll_logs(client, job_id, log_line, shown, poll_s)
 
 
@@ -224,7 +227,7 @@ def _stop_quietly(client: Any, job_id: str) -> None:
         client.stop_job(job_id)
         log.warning("stopped Ray job %s", job_id)
     except Exception as e:  # noqa: BLE001 - the interruption being handled matters more
-        log.warning("could not stop Ray job %s: %s", job_id, e)
+        log.warning("could not stop Ray job %s: %s", job_id, redact_text(str(e)))
 
 
 def job_error(stage: str, job_id: str, status: str, exit_code: int | None, message: str | None, logs: str) -> RayJobError:
@@ -265,12 +268,12 @@ def record_job(config: dict[str, Any], ctx: PipelineContext, stage: str, job_id:
             filter_string=f"tags.`{stages.PIPELINE_TAG}` = '{ctx['run_name']}' and tags.`{stages.STAGE_TAG}` = '{stage}' "
                           f"and attributes.start_time >= {started_ms - 60_000}")
         tags = {**stages.stage_tags(ctx, stage), JOB_TAG: job_id, "ray.job_status": status,
-                "ray.job_server": job_server(address)}
+                "ray.job_server": shown(job_server(address))}
         for run in runs:
             if JOB_TAG not in run.data.tags:
                 store.set_tags(run.info.run_id, tags)
     except Exception as e:  # noqa: BLE001
-        log.warning("could not record Ray job %s on the MLflow run of %s: %s", job_id, stage, e)
+        log.warning("could not record Ray job %s on the MLflow run of %s: %s", job_id, stage, redact_text(str(e)))
 
 
 __all__ = ["JOB_TAG", "RESULT_MARK", "STAGES", "RayJobError", "RayJobRefused", "RayJobStopped", "finish_job", "follow_job",

@@ -10,6 +10,7 @@ from __future__ import annotations
 from collections.abc import Callable, Collection
 from concurrent.futures import ThreadPoolExecutor
 from functools import partial
+from typing import TYPE_CHECKING
 
 from rlcore.config import Config
 from rlcore.controller import (
@@ -27,6 +28,9 @@ from rlcore.workers.critic import CriticWorker
 from rlcore.workers.reward import RewardWorker
 from rlcore.workers.reward_model import RewardModelWorker
 from rlcore.workers.rollout import RolloutWorker
+
+if TYPE_CHECKING:
+    from rlcore.controller.ray_backend import PoolDemand
 
 Factory = Callable[[int, int], Worker]  # (rank, world size) -> the worker of that rank
 
@@ -107,9 +111,40 @@ def _units(config: Config, roles: dict[str, tuple[Factory, int]]) -> list[list[s
     return units
 
 
+def _size_key(config: Config, role: str) -> str:
+    """The config key that sets how many ranks `role` has, with its value (for messages)."""
+    if role == "reward":
+        return "reward (1 rank)"
+    owner = "actor" if role == "ref" and config.ref.layout is None else role  # ref follows the actor
+    section = getattr(config, owner)
+    if section.layout is not None:
+        return f"{owner}.layout ({config.layout_of(role).describe()})"
+    return f"{owner}.world_size={section.world_size}"
+
+
+def pool_demands(config: Config, roles: dict[str, tuple[Factory, int]],
+                 pool_units: dict[str, list[list[str]]]) -> list[PoolDemand]:
+    """What each pool asks of the cluster: a bundle per rank of its largest group (the key that
+    set that size named), as `ResourcePool` will reserve them."""
+    from rlcore.controller.ray_backend import PoolDemand, bundle_of
+
+    demands = []
+    for name, units in pool_units.items():
+        largest = max((role for unit in units for role in unit), key=lambda role: roles[role][1])
+        p = config.ray.pools[name]
+        demands.append(PoolDemand(name, roles[largest][1], bundle_of(p.cpus_per_bundle, p.gpus_per_bundle, p.resources),
+                                  p.strategy, dict(p.label_selector), why=_size_key(config, largest)))
+    return demands
+
+
+LOCAL_RAY_HINT = (" (the local Ray rlcore started: this machine's CPUs and GPUs; ray.num_cpus gives it more CPUs, "
+                  "ranks then sharing cores; ray.address runs on a cluster)")
+
+
 def build_ray_worker_groups(config: Config, only: Collection[str] | None = None) -> WorkerGroups:
-    """Ray actors for every role (or those in `only`), on placement-group pools mapped by `ray.roles`."""
-    from rlcore.controller.ray_backend import RayWorkerGroup, ResourcePool, ensure_ray
+    """Ray actors for every role (or those in `only`), on placement-group pools mapped by `ray.roles`.
+    Pools the cluster can never hold are refused first (`check_placement`), before any is made."""
+    from rlcore.controller.ray_backend import RayWorkerGroup, ResourcePool, check_placement, effective_address, ensure_ray
 
     rc = config.ray
     roles = _factories_of(config, only)
@@ -118,15 +153,17 @@ def build_ray_worker_groups(config: Config, only: Collection[str] | None = None)
     for unit in units:
         pool_units.setdefault(rc.pool_of(unit[0]), []).append(unit)
     bundles = {name: max(roles[u[0]][1] for u in us) for name, us in pool_units.items()}
-    need = sum(bundles[n] * rc.pools[n].cpus_per_bundle for n in bundles)
 
     on_close: list[Callable[[], None]] = []
-    if ensure_ray(rc.address, rc.num_cpus if rc.num_cpus is not None else max(1.0, need), rc.temp_dir):
+    started = ensure_ray(rc.address, rc.num_cpus, rc.temp_dir)
+    local = started and effective_address(rc.address) is None  # a Ray this run started here: it never grows
+    if started:
         import ray
 
         on_close.append(ray.shutdown)
     made: dict[tuple[str, ...], RayWorkerGroup] = {}
     try:
+        check_placement(pool_demands(config, roles, pool_units), local=local, hint=LOCAL_RAY_HINT if local else "")
         pools = {}
         for name, n in bundles.items():
             p = rc.pools[name]

@@ -20,7 +20,7 @@ def evaluate_task(config: dict[str, Any], candidate_dir: str, baseline_dir: str,
                   start_dir: str | None = None, reward_model_dir: str | None = None,
                   ray_address: str | None = None) -> Evaluation:
     """`ray_address` (a cluster's job server): the stage runs there as a Ray job, its log in this task's."""
-    if ray_address:
+    if ray_address is not None:  # "" is refused by run_stage_as_job, not read as "run here"
         return ray_job.run_stage_as_job(ray_address, "evaluate", config, dict(  # type: ignore[return-value]
             candidate_dir=candidate_dir, baseline_dir=baseline_dir, baseline_name=baseline_name,
             reference_dir=reference_dir, val_file=val_file, workdir=workdir, ctx=ctx, start_dir=start_dir,

@@ -38,6 +38,7 @@ from rlcore.flows.reward_model import evaluate_reward_model_task, reward_model_i
 from rlcore.flows.train import champion_task, sft_task, train_task
 from rlcore.lifecycle import rm_plan, run_end, stages
 from rlcore.lifecycle.automations import served_heartbeat
+from rlcore.lifecycle.job_server import job_server_url
 from rlcore.lifecycle.results import Evaluation, Promotion, RewardModelInUse, Summary
 
 
@@ -79,6 +80,8 @@ def rl_pipeline(
     `reward`: "rule" (the config's reward) or "model" (train and gate a reward model first, see the
     module's doc)."""
     with served_heartbeat():  # served: liveness events until this returns or raises, none after
+        if ray_address is not None:  # before any stage: "" or a malformed address is one line, not a local run
+            job_server_url(ray_address)
         base = example_overrides() if example else []
         rm_config = None
         if reward == "model":

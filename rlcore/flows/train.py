@@ -19,7 +19,7 @@ def train_task(config: dict[str, Any], prepared: PreparedData, workdir: str, ctx
                champion: RegisteredVersion | None = None, reward_model: RewardModelInUse | None = None,
                ray_address: str | None = None) -> TrainResult:
     """`ray_address` (a cluster's job server): the stage runs there as a Ray job, its log in this task's."""
-    if ray_address:
+    if ray_address is not None:  # "" is refused by run_stage_as_job, not read as "run here"
         return ray_job.run_stage_as_job(ray_address, "train", config, dict(  # type: ignore[return-value]
             prepared=prepared, workdir=workdir, ctx=ctx, champion=champion, reward_model=reward_model),
             workdir=workdir, ctx=ctx, log_line=get_run_logger().info)

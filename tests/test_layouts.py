@@ -84,11 +84,19 @@ def test_model_shapes_and_architectures_are_checked_at_preflight_naming_the_key(
         f"ref.layout.tensor_parallel=4: the model's intermediate size (66) is not divisible by tensor_parallel=4 ({odd})",
         f"rollout.layout.tensor_parallel=4: the model's 6 attention heads do not divide by it ({odd}; each vLLM rank "
         "serves an equal share of them)"]
-    # Ulysses splits what one tensor-parallel rank holds: 4 heads / 2 = 2, then / 4 does not go
+    # Ulysses splits what one tensor-parallel rank holds: 4 heads / 2 = 2, then / 4 does not go; the
+    # sequence-parallel size is at fault, named once (the reference shares the actor's layout)
     llama = _folder(tmp_path, "llama", ARCHS["llama"][0])
-    sp = load_config(None, [*BASE, f"model.path={llama}", "actor.layout={tensor_parallel: 2, sequence_parallel: 4}"])
-    assert layout_problems(sp) == [f"actor.layout.tensor_parallel=2: the model's 2 attention heads do not divide by 4 "
-                                   f"(the heads of one of 2 tensor-parallel ranks) ({llama})"]
+    sp = load_config(None, [*BASE, f"model.path={llama}", "actor.layout={tensor_parallel: 2, sequence_parallel: 4}",
+                            "actor.use_kl_loss=true"])
+    assert "ref" in sp.trained_roles
+    assert layout_problems(sp) == [f"actor.layout.sequence_parallel=4: each of the 2 tensor-parallel ranks holds 2 of the "
+                                   f"model's 4 attention heads, and 2 do not divide by 4, with actor.layout.tensor_parallel=2 "
+                                   f"({llama}; Ulysses splits a rank's attention heads over its sequence-parallel group)"]
+    # without tensor parallelism, under the key the user set (not the legacy one)
+    alone = load_config(None, [*BASE, f"model.path={llama}", "actor.layout={sequence_parallel: 8}"])
+    assert layout_problems(alone) == [f"actor.layout.sequence_parallel=8: the model's 4 attention heads do not divide by 8 "
+                                      f"({llama}; Ulysses splits a rank's attention heads over its sequence-parallel group)"]
     gpt2 = _folder(tmp_path, "gpt2", GPT2Config(n_embd=32, n_layer=1, n_head=4, vocab_size=64))
     arch = load_config(None, [*BASE, f"model.path={gpt2}", "actor.layout={tensor_parallel: 2}"])
     assert any("model_type 'gpt2'" in p and "has no tensor-parallel plan" in p for p in layout_problems(arch))

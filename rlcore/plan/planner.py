@@ -35,7 +35,7 @@ from rlcore.plan.models import ModelFacts, config_dict, read_config
 from rlcore.plan.roles import RolePlan, role_plans
 from rlcore.plan.rollout import RolloutNeeds, RolloutPlan, plan_rollout, rollout_flops
 from rlcore.plan.simulate import Layout, Peak, simulate, static_bytes
-from rlcore.workers.parallel.shapes import plan_source, tensor_parallel_problems
+from rlcore.workers.parallel.shapes import plan_source, sequence_parallel_problem, tensor_parallel_problems
 
 MAX_CONFIRMATIONS = 4  # simulations spent confirming predicted fits before the planner gives up on a role
 
@@ -158,7 +158,7 @@ def parallel_shapes(result: RoleResult, model_config: Any, hardware: Hardware, t
                     ) -> list[tuple[int, int]]:
     """(sequence-parallel, tensor-parallel) sizes the role may use, ascending by TP then SP: powers of
     two (and the configured sizes) whose product divides a node's devices, that the model's shape
-    takes (`tensor_parallel_problems`, as `apply_layout` checks it); Ulysses only where the role has
+    takes (`tensor_parallel_problems`, `sequence_parallel_problem`, as `apply_layout` checks them); Ulysses only where the role has
     it, TP only where the architecture has a plan and the role no LoRA; `tensor_parallel` narrows
     the TP sizes."""
     role, g = result.role, hardware.devices_per_node
@@ -169,8 +169,8 @@ def parallel_shapes(result: RoleResult, model_config: Any, hardware: Hardware, t
     tps = (sizes | {role.layout.tensor_parallel}) if splittable else {1}
     if tensor_parallel is not None:
         tps = set(tensor_parallel) if splittable else tps & set(tensor_parallel)
-    return sorted(((sp, tp) for sp in sps for tp in tps if g % (sp * tp) == 0 and not tensor_parallel_problems(shape, tp, sp)),
-                  key=lambda st: (st[1], st[0]))
+    return sorted(((sp, tp) for sp in sps for tp in tps if g % (sp * tp) == 0 and not tensor_parallel_problems(shape, tp)
+                   and not sequence_parallel_problem(shape, sp, tp)), key=lambda st: (st[1], st[0]))
 
 
 def _search(result: RoleResult, model_config: Any, hardware: Hardware, exact: bool, tensor_parallel: list[int] | None,

@@ -395,7 +395,7 @@ def build_parser() -> argparse.ArgumentParser:
     plan = sub.add_parser("plan", help="which layouts of a run fit: rlcore plan CONFIG --nodes N --devices-per-node G "
                           "--device-memory 80GiB [dotted.key=value ...] (simulated on fake tensors, no device needed)")
     plan.add_argument("config")
-    plan.add_argument("overrides", nargs="*", help="dotted.key=value")
+    plan.add_argument("overrides", nargs="*", help="dotted.key=value (before or after the options)")
     plan.add_argument("--nodes", type=int, default=1)
     plan.add_argument("--devices-per-node", type=int, default=8)
     plan.add_argument("--device-memory", required=True, help="memory of one device: 80GiB, 141GiB, 96GB")

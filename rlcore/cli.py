@@ -82,11 +82,17 @@ def _cmd_pipeline_stage(args: argparse.Namespace) -> int:
 
 
 def _cmd_plan(args: argparse.Namespace) -> int:
-    """Which layouts of the config's roles fit on the given hardware (`rlcore.plan`)."""
-    config = load_config(args.config, args.overrides)  # first: a typo is reported before torch loads
-    from rlcore.plan import Hardware, parse_fraction, parse_size, plan_run, render
+    """Which layouts of the config's roles fit on the given hardware (`rlcore.plan`). The
+    arguments and the config are checked first, before torch loads."""
+    from rlcore.flops import PEAK_BF16_FLOPS, peak_flops_for
+    from rlcore.plan.hardware import Hardware, PlanInputError, parse_fraction, parse_size, shown
 
     hardware = Hardware(args.nodes, args.devices_per_node, parse_size(args.device_memory), parse_fraction(args.headroom))
+    if args.device is not None and peak_flops_for(args.device) is None:
+        raise PlanInputError(f"--device {shown(args.device)}: no known peak for it (known: {', '.join(PEAK_BF16_FLOPS)})")
+    config = load_config(args.config, args.overrides)
+    from rlcore.plan import plan_run, render
+
     report = plan_run(config, hardware, exact=args.exact, tensor_parallel=args.tensor_parallel, progress=_say)
     print(render(report, args.config, args.device))
     return 0
@@ -414,7 +420,7 @@ def build_parser() -> argparse.ArgumentParser:
     plan = sub.add_parser("plan", help="which layouts of a run fit: rlcore plan CONFIG --nodes N --devices-per-node G "
                           "--device-memory 80GiB [dotted.key=value ...] (simulated on fake tensors, no device needed)")
     plan.add_argument("config")
-    plan.add_argument("overrides", nargs="*", help="dotted.key=value")
+    plan.add_argument("overrides", nargs="*", help="dotted.key=value (before or after the options)")
     plan.add_argument("--nodes", type=int, default=1)
     plan.add_argument("--devices-per-node", type=int, default=8)
     plan.add_argument("--device-memory", required=True, help="memory of one device: 80GiB, 141GiB, 96GB")
@@ -426,7 +432,7 @@ def build_parser() -> argparse.ArgumentParser:
     plan.add_argument("--tensor-parallel", type=int, action="append", default=None, metavar="TP",
                       help="plan the trained roles at this tensor-parallel size only (repeatable; default: every size the "
                       "model takes within a node)")
-    plan.set_defaults(func=_cmd_plan)
+    plan.set_defaults(func=_cmd_plan, overrides_anywhere=True)
 
     trace = sub.add_parser("trace", help="print one recorded trajectory of a run (trace.jsonl) as a conversation: "
                            "rlcore trace RUN_DIR [--step N] [--sample K] [--validation]")
@@ -559,9 +565,22 @@ def configure_logging(verbose: bool) -> None:
     logger.addHandler(handler)
 
 
+def parse_args(argv: list[str]) -> argparse.Namespace:
+    """`argv` parsed; a subcommand with `overrides_anywhere` (`rlcore plan`) also takes its
+    dotted.key=value overrides after its options, as its usage shows (argparse gives a `nargs="*"`
+    positional the arguments before the first option only: the rest come back unrecognized)."""
+    parser = build_parser()
+    args, extra = parser.parse_known_args(argv)
+    if extra and getattr(args, "overrides_anywhere", False) and not any(a.startswith("-") for a in extra):
+        args.overrides = [*args.overrides, *extra]  # in command-line order: the overrides after the options come later
+    elif extra:
+        parser.error(f"unrecognized arguments: {' '.join(extra)}")
+    return args
+
+
 def main(argv: list[str] | None = None) -> int:
     argv, verbose = pop_verbose(list(sys.argv[1:] if argv is None else argv))
-    args = build_parser().parse_args(argv)
+    args = parse_args(argv)
     verbose = verbose or args.verbose
     configure_logging(verbose)
     # No per-file "Loading weights" bars from transformers (a run loads several models; off a

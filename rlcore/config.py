@@ -7,10 +7,10 @@ the key instead of a silently ignored setting.
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any, ClassVar, Literal, get_args
+from typing import Annotated, Any, ClassVar, Literal, get_args
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from rlcore.algorithms import AlgorithmName, AlgorithmTraits, Role, names_where, traits_of
 from rlcore.errors import RLCoreError
@@ -153,22 +153,46 @@ class LoraConfig(_Section):
         return self.rank > 0
 
 
+MAX_RANKS = 2**20  # ranks of one role: more than any cluster holds (the largest have ~10^5 accelerators)
+
+
+def _number(n: int) -> str:
+    """`n` with thousands separators, or its digit count when it would fill the line."""
+    return f"{n:,}" if n < 10**15 else f"a {len(str(n))}-digit number of"
+
+
+def _ranks(value: int) -> int:
+    if value > MAX_RANKS:
+        raise ValueError(f"{_number(value)} ranks, more than any cluster holds (at most {MAX_RANKS:,} per role)")
+    return value
+
+
+# A rank count: a whole number (strict: no 2.0, "2" or true), at least 1, at most MAX_RANKS.
+Ranks = Annotated[int, Field(strict=True, ge=1), AfterValidator(_ranks)]
+
+
 class LayoutConfig(_Section):
     """How a role's ranks share its work: one device mesh named ("dp", "sp", "tp") whose size is the
     role's world size (the product). Tensor-parallel ranks vary fastest, then sequence-parallel ones,
     so the `sequence_parallel * tensor_parallel` consecutive ranks of a data-parallel shard receive
     the same rows. `rlcore.workers.parallel` builds the mesh and applies it (README: "Layouts")."""
 
-    data_parallel: int = Field(1, ge=1, description="FSDP2 shards: groups of ranks that get different rows; the "
+    data_parallel: Ranks = Field(1, description="FSDP2 shards: groups of ranks that get different rows; the "
                                "parameters, gradients and optimizer state are sharded over data_parallel x "
                                "sequence_parallel ranks")
-    sequence_parallel: int = Field(1, ge=1, description="Ulysses sequence parallelism: ranks that split each packed "
+    sequence_parallel: Ranks = Field(1, description="Ulysses sequence parallelism: ranks that split each packed "
                                    "row along its tokens (all-to-all over attention heads); needs "
                                    "model.use_remove_padding, and the attention and key/value heads of a "
                                    "tensor-parallel rank divisible by it")
-    tensor_parallel: int = Field(1, ge=1, description="tensor parallelism (DTensor): ranks that split every "
+    tensor_parallel: Ranks = Field(1, description="tensor parallelism (DTensor): ranks that split every "
                                  "attention, MLP, embedding and LM-head matrix; the model's attention heads, "
                                  "key/value heads, vocabulary and intermediate size must be divisible by it")
+
+    @model_validator(mode="after")
+    def _check_world(self) -> LayoutConfig:
+        if self.world_size > MAX_RANKS:
+            raise ValueError(f"{self.describe()}: more than any cluster holds (at most {MAX_RANKS:,} ranks per role)")
+        return self
 
     @property
     def world_size(self) -> int:
@@ -225,13 +249,13 @@ class ActorConfig(_Section):
     fused_kernels: bool = False
     max_consecutive_bad_steps: int = Field(3, ge=1, description="NaN/inf loss or grad steps in a row before the run stops")
     tis_cap: float | None = Field(None, gt=0, description="truncated importance sampling cap for rollout/actor mismatch")
-    world_size: int = Field(1, ge=1, description="ranks of the actor (and, unless ref.layout, the reference); FSDP2 "
+    world_size: Ranks = Field(1, description="ranks of the actor (and, unless ref.layout, the reference); FSDP2 "
                             "when > 1 (Ray backend). Set by actor.layout when that is given (its product)")
     layout: LayoutConfig | None = Field(
         None, description="data-parallel x sequence-parallel x tensor-parallel ranks of the actor (one device mesh). "
         "Default: world_size / ulysses_sequence_parallel_size data-parallel ranks, no tensor parallelism")
-    ulysses_sequence_parallel_size: int = Field(
-        1, ge=1, description="Ulysses sequence parallelism for actor and reference: each group of this many "
+    ulysses_sequence_parallel_size: Ranks = Field(
+        1, description="Ulysses sequence parallelism for actor and reference: each group of this many "
         "consecutive ranks gets the same rows and splits every packed micro-batch along its tokens, with an "
         "all-to-all over attention heads around attention, so a rank holds 1/size of a long sequence's "
         "activations. Must divide actor.world_size (data-parallel ranks: world_size / size), the model's "
@@ -337,7 +361,7 @@ class RolloutConfig(_Section):
         None, description="rollout engine dtype; default model.dtype. bfloat16 is what GPU rollouts run (and is ~1.7x "
         "faster on AMX CPUs); the actor still recomputes log-probs in model.dtype, rollout/logprob_diff_* shows the gap "
         "and actor.tis_cap corrects for it")
-    world_size: int = Field(1, ge=1, description="rollout engines (data parallel; Ray backend); set by rollout.layout "
+    world_size: Ranks = Field(1, description="rollout engines (data parallel; Ray backend); set by rollout.layout "
                             "when that is given (its data_parallel)")
     layout: LayoutConfig | None = Field(
         None, description="data_parallel: rollout engines (Ray workers), each serving a share of the prompts; "
@@ -394,13 +418,13 @@ class CriticConfig(_Section):
     max_tokens_per_micro_batch: int | None = Field(None, ge=1, description="default: actor's")
     cliprange_value: float = Field(0.5, gt=0)
     loss_agg_mode: Literal["token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm"] = "token-mean"
-    world_size: int = Field(1, ge=1, description="ranks of the critic; FSDP2 when > 1 (Ray backend); set by "
+    world_size: Ranks = Field(1, description="ranks of the critic; FSDP2 when > 1 (Ray backend); set by "
                             "critic.layout when that is given")
     layout: LayoutConfig | None = Field(
         None, description="data-parallel x sequence-parallel x tensor-parallel ranks of the critic (see actor.layout). "
         "Default: world_size / its Ulysses size data-parallel ranks, no tensor parallelism")
-    ulysses_sequence_parallel_size: int | None = Field(
-        None, ge=1, description="the critic's Ulysses sequence-parallel size (see actor.ulysses_sequence_parallel_size); "
+    ulysses_sequence_parallel_size: Ranks | None = Field(
+        None, description="the critic's Ulysses sequence-parallel size (see actor.ulysses_sequence_parallel_size); "
         "default: the actor's. Must divide critic.world_size")
     lora: LoraConfig = Field(LoraConfig(), description="LoRA on the critic (its value head trains in full)")
 
@@ -459,7 +483,7 @@ class RewardModelConfig(_Section):
     micro_batch_size: int = Field(64, ge=1, description="sequences per forward without dynamic batching")
     dynamic_batch_size: bool = True
     max_tokens_per_micro_batch: int = Field(8192, ge=1)
-    world_size: int = Field(1, ge=1, description="ranks of the reward model (Ray backend); FSDP2 when training with "
+    world_size: Ranks = Field(1, description="ranks of the reward model (Ray backend); FSDP2 when training with "
                             "> 1; set by reward_model.layout when that is given")
     layout: LayoutConfig | None = Field(
         None, description="data-parallel x tensor-parallel ranks of the reward model (scoring and training; see "

@@ -6,6 +6,8 @@ That a layout computes what one process computes is `test_tensor_parallel.py` (g
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -20,6 +22,7 @@ from rlcore.workers.parallel.shapes import layout_problems, plan_source
 
 BASE = ["model.path=m", "data.train_files=[t.parquet]", "trainer.backend=ray"]
 PPO = [*BASE, "algorithm.name=ppo", "algorithm.adv_estimator=gae"]
+ROOT = Path(__file__).resolve().parents[1]
 
 
 def test_a_layout_sets_the_world_and_the_old_keys_keep_working(tmp_path):
@@ -84,15 +87,40 @@ def test_model_shapes_and_architectures_are_checked_at_preflight_naming_the_key(
         f"ref.layout.tensor_parallel=4: the model's intermediate size (66) is not divisible by tensor_parallel=4 ({odd})",
         f"rollout.layout.tensor_parallel=4: the model's 6 attention heads do not divide by it ({odd}; each vLLM rank "
         "serves an equal share of them)"]
-    # Ulysses splits what one tensor-parallel rank holds: 4 heads / 2 = 2, then / 4 does not go
+    # Ulysses splits what one tensor-parallel rank holds: 4 heads / 2 = 2, then / 4 does not go; the
+    # sequence-parallel size is at fault, named once (the reference shares the actor's layout)
     llama = _folder(tmp_path, "llama", ARCHS["llama"][0])
-    sp = load_config(None, [*BASE, f"model.path={llama}", "actor.layout={tensor_parallel: 2, sequence_parallel: 4}"])
-    assert layout_problems(sp) == [f"actor.layout.tensor_parallel=2: the model's 2 attention heads do not divide by 4 "
-                                   f"(the heads of one of 2 tensor-parallel ranks) ({llama})"]
+    sp = load_config(None, [*BASE, f"model.path={llama}", "actor.layout={tensor_parallel: 2, sequence_parallel: 4}",
+                            "actor.use_kl_loss=true"])
+    assert "ref" in sp.trained_roles
+    assert layout_problems(sp) == [f"actor.layout.sequence_parallel=4: each of the 2 tensor-parallel ranks holds 2 of the "
+                                   f"model's 4 attention heads, and 2 do not divide by 4, with actor.layout.tensor_parallel=2 "
+                                   f"({llama}; Ulysses splits a rank's attention heads over its sequence-parallel group)"]
+    # without tensor parallelism, under the key the user set (not the legacy one)
+    alone = load_config(None, [*BASE, f"model.path={llama}", "actor.layout={sequence_parallel: 8}"])
+    assert layout_problems(alone) == [f"actor.layout.sequence_parallel=8: the model's 4 attention heads do not divide by 8 "
+                                      f"({llama}; Ulysses splits a rank's attention heads over its sequence-parallel group)"]
     gpt2 = _folder(tmp_path, "gpt2", GPT2Config(n_embd=32, n_layer=1, n_head=4, vocab_size=64))
     arch = load_config(None, [*BASE, f"model.path={gpt2}", "actor.layout={tensor_parallel: 2}"])
     assert any("model_type 'gpt2'" in p and "has no tensor-parallel plan" in p for p in layout_problems(arch))
     assert layout_problems(load_config(None, [*BASE, f"model.path={llama}", "actor.layout={tensor_parallel: 2}"])) == []
+
+
+def test_train_names_the_sequence_parallel_size_a_tensor_parallel_ranks_heads_cannot_take(tiny_example, tmp_path, capsys):
+    """`rlcore train` on the tiny example (8 attention heads) at sequence parallel 8 x tensor
+    parallel 2: each TP rank holds 4 heads, which 8 Ulysses ranks cannot split. One line at
+    preflight, before Ray starts, naming the sequence-parallel key and both head counts."""
+    from rlcore.cli import main as cli_main
+
+    code = cli_main(["train", str(ROOT / "rlcore/configs/tiny_grpo.yaml"), f"model.path={tiny_example.model_dir}",
+                     f"data.train_files=[{tiny_example.train_file}]", f"data.val_files=[{tiny_example.val_file}]",
+                     "trainer.backend=ray", f"trainer.output_dir={tmp_path / 'run'}",
+                     "actor.layout={sequence_parallel: 8, tensor_parallel: 2}"])
+    assert code == 2
+    assert capsys.readouterr().err == (
+        f"rlcore: error: actor.layout.sequence_parallel=8: each of the 2 tensor-parallel ranks holds 4 of the model's 8 "
+        f"attention heads, and 4 do not divide by 8, with actor.layout.tensor_parallel=2 ({tiny_example.model_dir}; Ulysses "
+        "splits a rank's attention heads over its sequence-parallel group)\n")
 
 
 def test_plans_come_from_transformers_else_from_rlcore_else_the_architecture_is_refused():

@@ -63,7 +63,9 @@ def _plan(capsys, *args: str) -> tuple[int, str]:
 def test_plan_prints_each_roles_peaks_smallest_layout_and_flops(tmp_path, capsys):
     model = _model_dir(tmp_path)
     config_path = _config_file(tmp_path, model)
-    code, out = _plan(capsys, str(config_path), "--nodes", "1", "--devices-per-node", "2", "--device-memory", "1GiB")
+    config_path.write_text(config_path.read_text().replace("n: 4,", "n: 3,"))
+    # as the usage shows it: the overrides after the options
+    code, out = _plan(capsys, str(config_path), "--nodes", "1", "--devices-per-node", "2", "--device-memory", "1GiB", "rollout.n=4")
     assert code == 0, out
     for section in ("actor (Qwen2ForCausalLM", "ref (Qwen2ForCausalLM", "rollout (vLLM, bfloat16"):
         assert section in out

@@ -148,13 +148,13 @@ def test_sizes_that_do_not_fit_are_refused_naming_the_key(tmp_path):
     with pytest.raises(ValueError, match=r"actor.ulysses_sequence_parallel_size=2 does not divide the 1 ranks"):
         enable_sequence_parallel(tiny_model("llama"), 2, torch.device("cpu"), "actor.ulysses_sequence_parallel_size")
     # the heads, from config.json, before any model loads (preflight)
-    from rlcore.trainer.preflight import sequence_parallel_problems
+    from rlcore.workers.parallel.shapes import layout_problems
 
     Qwen2Config(**SIZES, num_attention_heads=6, num_key_value_heads=3).save_pretrained(tmp_path / "m")
     cfg = load_config(None, [*ppo, f"model.path={tmp_path / 'm'}", "critic.ulysses_sequence_parallel_size=1"])
-    assert sequence_parallel_problems(cfg) == [
+    assert layout_problems(cfg) == [
         f"actor.ulysses_sequence_parallel_size=2: the model's 3 key/value heads neither divide by 2 nor divide 2 "
-        f"({tmp_path / 'm'}; Ulysses splits attention heads over the sequence-parallel ranks)"]
+        f"({tmp_path / 'm'}; Ulysses splits a rank's attention heads over its sequence-parallel group)"]
 
 
 # ----- gradient checkpointing ------------------------------------------------------------------------

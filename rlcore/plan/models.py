@@ -1,10 +1,12 @@
 """A role's model from its `config.json` alone, built on the meta device (no weights, no memory).
 
 The planner needs only the architecture: a user plans before downloading. A folder with a
-`config.json` (or the file itself) is read with `AutoConfig`, and the model is built by
-transformers on the meta device as the worker would build it: a causal LM (actor, reference), a
-one-label token classifier (the critic's values), a one-label sequence classifier (the reward
-model). Any architecture transformers builds that way is accepted.
+`config.json` (or the file itself) is checked (`rlcore.plan.model_json`: a JSON object whose sizes a
+real model could have, so nothing absurd is ever built), read with `AutoConfig`, and the model is
+built by transformers on the meta device as the worker would build it: a causal LM (actor,
+reference), a one-label token classifier (the critic's values), a one-label sequence classifier
+(the reward model). Any architecture transformers builds that way is accepted whose decoder layers
+are where the workers shard them (`check_supported`).
 
 `with_layers` gives the same model with fewer decoder layers: when every layer is the same
 (`uniform_layers`), a step's peak memory is an affine function of the number of layers (each
@@ -16,6 +18,7 @@ from __future__ import annotations
 
 import copy
 import json
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
@@ -24,6 +27,7 @@ import torch
 from torch import nn
 
 from rlcore.plan.hardware import PlanInputError
+from rlcore.plan.model_json import SIZE_BOUNDS, brief, check_sizes, read_config_json
 
 Head = Literal["lm", "value", "score"]  # log-probs (actor, reference), values (critic), a sequence score (reward model)
 
@@ -38,14 +42,37 @@ def config_file(path: str | Path, key: str) -> Path:
 
 
 def read_config(path: str | Path, key: str) -> Any:
-    """The transformers config of the model at `path` (`key` names the setting in errors)."""
-    from transformers import AutoConfig
-
+    """The transformers config of the model at `path` (`key` names the setting in errors): its
+    config.json checked first (`model_json`: shape, types, sizes a real model has), then read by
+    transformers, whose own names for the sizes (`attribute_map`) are checked again."""
     found = config_file(path, key)
+    raw = read_config_json(found, key)  # before transformers reads it: a bad file never reaches a config class
+    from transformers import AutoConfig
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING_NAMES
+
+    if raw["model_type"] not in CONFIG_MAPPING_NAMES:
+        raise PlanInputError(f"{key}: {found}: model_type {brief(raw['model_type'])} is not an architecture transformers knows "
+                             "(llama, qwen2, mistral, ...)")
     try:
-        return AutoConfig.from_pretrained(found.parent if found.name == "config.json" else found, local_files_only=True)
-    except (ValueError, OSError, KeyError) as err:
-        raise PlanInputError(f"{key}: transformers cannot read {found}: {err}") from None
+        config = AutoConfig.from_pretrained(found.parent if found.name == "config.json" else found, local_files_only=True)
+    except Exception as err:  # noqa: BLE001 - transformers' complaint about the user's file, whatever its class
+        raise PlanInputError(f"{key}: transformers cannot read {found}: {one_line(err)}") from err
+    check_sizes(*_standard_sizes(config), f"{key}: {found}")
+    return config
+
+
+def one_line(err: BaseException) -> str:
+    """An exception's message on one line (transformers' validation errors span several)."""
+    return " ".join(f"{type(err).__name__}: {err}".split())[:500]
+
+
+def _standard_sizes(config: Any) -> tuple[dict[str, Any], Callable[[str], str]]:
+    """The size keys of `config`'s text config under transformers' standard names, and how the file
+    spells each (GPT-2's `n_layer` for `num_hidden_layers`, under `text_config.` when nested)."""
+    text = text_config(config)
+    prefix = "text_config." if text is not config else ""
+    spelling = dict(getattr(text, "attribute_map", None) or {})
+    return {name: getattr(text, name, None) for name in SIZE_BOUNDS}, lambda name: prefix + spelling.get(name, name)
 
 
 def config_dict(config: Any) -> dict[str, Any]:
@@ -92,13 +119,34 @@ def build_meta(config: Any, head: Head, dtype: torch.dtype, key: str) -> nn.Modu
     try:
         with torch.device("meta"):
             return auto.from_config(head_config(config, head), dtype=dtype)
-    except (ValueError, KeyError, TypeError) as err:
-        raise PlanInputError(f"{key}: transformers cannot build a {auto.__name__} of {type(config).__name__}: {err}") from None
+    except Exception as err:  # noqa: BLE001 - transformers' complaint about the user's config, whatever its class
+        raise PlanInputError(f"{key}: transformers cannot build the model of {_source(config)} ({auto.__name__} of "
+                             f"{type(config).__name__}): {one_line(err)}") from err
 
 
 def decoder_layers(model: nn.Module) -> nn.ModuleList:
     """The decoder layers `rlcore.workers.fsdp.shard_model` shards one by one."""
     return getattr(model, model.base_model_prefix).layers
+
+
+def check_supported(model: nn.Module, config: Any, key: str) -> None:
+    """Refuse (naming `key`, what is unsupported and what is) a model whose decoder layers are not
+    where rlcore's workers shard them (`decoder_layers`): the planner simulates them there."""
+    backbone = getattr(model, getattr(model, "base_model_prefix", ""), None)
+    layers = getattr(backbone, "layers", None)
+    if isinstance(layers, nn.ModuleList) and len(layers) > 0:
+        return
+    where = f"{model.base_model_prefix}.layers" if backbone is not None else "base_model_prefix.layers"
+    raise PlanInputError(
+        f"{key}: {type(model).__name__} (model_type {getattr(config, 'model_type', None)!r}) is not supported: it has no "
+        f"decoder layers at {where}, where rlcore's FSDP workers and the planner shard a model layer by layer; supported "
+        f"are decoder-only models built that way, as transformers builds Llama, Qwen2, Qwen3, Mistral and Gemma "
+        f"({_source(config)})")
+
+
+def _source(config: Any) -> str:
+    """Where `config` was read from (transformers records the folder)."""
+    return str(getattr(config, "_name_or_path", "") or "a config")
 
 
 def uniform_layers(model: nn.Module) -> bool:
@@ -126,7 +174,11 @@ class ModelFacts:
 
     @classmethod
     def of(cls, config: Any, head: Head, key: str) -> ModelFacts:
+        """Refused (PlanInputError naming `key`) for a model the planner cannot simulate: one
+        without decoder layers where the workers shard them, or without a size the planner reads."""
         model = build_meta(config, head, torch.float32, key)
+        check_supported(model, config, key)
+        check_sizes(*_standard_sizes(config), f"{key}: {_source(config)}", required=True)
         text = text_config(config)
         heads = int(text.num_attention_heads)
         return cls(
@@ -142,5 +194,5 @@ class ModelFacts:
         )
 
 
-__all__ = ["Head", "ModelFacts", "build_meta", "config_dict", "config_file", "decoder_layers", "head_config", "num_layers",
-           "read_config", "text_config", "uniform_layers", "with_layers"]
+__all__ = ["Head", "ModelFacts", "build_meta", "check_supported", "config_dict", "config_file", "decoder_layers", "head_config",
+           "num_layers", "one_line", "read_config", "text_config", "uniform_layers", "with_layers"]

@@ -30,12 +30,12 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from rlcore.config import Config
-from rlcore.plan.hardware import Hardware, gib
+from rlcore.plan.hardware import MAX_DEVICES, Hardware, gib
 from rlcore.plan.models import ModelFacts, config_dict, read_config
-from rlcore.plan.roles import RolePlan, role_plans
+from rlcore.plan.roles import RolePlan, check_micro_batch, role_plans
 from rlcore.plan.rollout import RolloutNeeds, RolloutPlan, plan_rollout, rollout_flops
 from rlcore.plan.simulate import Layout, Peak, simulate, static_bytes
-from rlcore.workers.parallel.shapes import plan_source, tensor_parallel_problems
+from rlcore.workers.parallel.shapes import plan_source, sequence_parallel_problem, tensor_parallel_problems
 
 MAX_CONFIRMATIONS = 4  # simulations spent confirming predicted fits before the planner gives up on a role
 
@@ -102,34 +102,40 @@ def plan_run(config: Config, hardware: Hardware, *, exact: bool = False, tensor_
              progress: Callable[[str], None] = lambda line: None) -> PlanReport:
     """Plan every role of `config` on `hardware` (see the module docstring). `exact`: simulate every
     layer instead of extrapolating from two shallow copies. `tensor_parallel`: the trained roles'
-    tensor-parallel sizes to consider (default: every size the model takes within a node)."""
-    if tensor_parallel is not None:
-        from rlcore.plan.hardware import PlanInputError
+    tensor-parallel sizes to consider (default: every size the model takes within a node).
 
-        for tp in tensor_parallel:
-            if tp < 1 or hardware.devices_per_node % tp:
-                raise PlanInputError(f"--tensor-parallel {tp}: a tensor-parallel group lies within a node, so its size must "
-                                     f"divide --devices-per-node {hardware.devices_per_node}")
+    Everything the run names is checked before the first simulation: the tensor-parallel sizes,
+    each role's micro-batch, every model's config.json and architecture (PlanInputError naming the
+    argument, key or file), so a bad input never waits behind minutes of simulation."""
+    hardware.check_tensor_parallel(tensor_parallel)
+    plans = role_plans(config)
+    for role in plans:
+        check_micro_batch(role)
     configs: dict[str, Any] = {}
+    facts: list[ModelFacts] = []
+    for role in plans:
+        if role.model_path not in configs:
+            configs[role.model_path] = read_config(role.model_path, role.model_key)
+        facts.append(ModelFacts.of(configs[role.model_path], role.head, role.model_key))
+    rollout_config, rollout_facts = None, None
+    if "rollout" in config.present_roles:
+        rollout_config = configs.get(config.model.path) or read_config(config.model.path, "model.path")
+        rollout_facts = ModelFacts.of(rollout_config, "lm", "model.path")
     results: list[RoleResult] = []
-    for role in role_plans(config):
-        model_config = configs.get(role.model_path) or read_config(role.model_path, role.model_key)
-        configs[role.model_path] = model_config
-        facts = ModelFacts.of(model_config, role.head, role.model_key)
-        result = RoleResult(role, facts, role.step_flops(config_dict(model_config)))
+    for role, role_facts in zip(plans, facts):
+        model_config = configs[role.model_path]
+        result = RoleResult(role, role_facts, role.step_flops(config_dict(model_config)))
         if role.not_planned:
             result.skipped = role.not_planned
         else:
-            progress(f"planning {role.role} ({facts.architecture}, {facts.parameters:,} parameters)")
+            progress(f"planning {role.role} ({role_facts.architecture}, {role_facts.parameters:,} parameters)")
             _search(result, model_config, hardware, exact, tensor_parallel, progress)
         results.append(result)
     rollout = None
-    if "rollout" in config.present_roles:
-        model_config = configs.get(config.model.path) or read_config(config.model.path, "model.path")
-        facts = ModelFacts.of(model_config, "lm", "model.path")
-        needs = RolloutNeeds.of(config, model_config, facts)
+    if rollout_config is not None and rollout_facts is not None:
+        needs = RolloutNeeds.of(config, rollout_config, rollout_facts)
         rollout = RolloutResult(needs, [plan_rollout(needs, t, hardware) for t in needs.tp_sizes(hardware)],
-                                rollout_flops(config, config_dict(model_config), needs), config.rollout.backend)
+                                rollout_flops(config, config_dict(rollout_config), needs), config.rollout.backend)
     return PlanReport(hardware, config, results, rollout, exact, colocated(config, results, rollout, hardware))
 
 
@@ -158,7 +164,7 @@ def parallel_shapes(result: RoleResult, model_config: Any, hardware: Hardware, t
                     ) -> list[tuple[int, int]]:
     """(sequence-parallel, tensor-parallel) sizes the role may use, ascending by TP then SP: powers of
     two (and the configured sizes) whose product divides a node's devices, that the model's shape
-    takes (`tensor_parallel_problems`, as `apply_layout` checks it); Ulysses only where the role has
+    takes (`tensor_parallel_problems`, `sequence_parallel_problem`, as `apply_layout` checks them); Ulysses only where the role has
     it, TP only where the architecture has a plan and the role no LoRA; `tensor_parallel` narrows
     the TP sizes."""
     role, g = result.role, hardware.devices_per_node
@@ -169,8 +175,8 @@ def parallel_shapes(result: RoleResult, model_config: Any, hardware: Hardware, t
     tps = (sizes | {role.layout.tensor_parallel}) if splittable else {1}
     if tensor_parallel is not None:
         tps = set(tensor_parallel) if splittable else tps & set(tensor_parallel)
-    return sorted(((sp, tp) for sp in sps for tp in tps if g % (sp * tp) == 0 and not tensor_parallel_problems(shape, tp, sp)),
-                  key=lambda st: (st[1], st[0]))
+    return sorted(((sp, tp) for sp in sps for tp in tps if g % (sp * tp) == 0 and not tensor_parallel_problems(shape, tp)
+                   and not sequence_parallel_problem(shape, sp, tp)), key=lambda st: (st[1], st[0]))
 
 
 def _search(result: RoleResult, model_config: Any, hardware: Hardware, exact: bool, tensor_parallel: list[int] | None,
@@ -231,7 +237,7 @@ def _smallest_hardware(result: RoleResult, on_all: dict[tuple[int, int], Tried],
     bigger = math.ceil(best.peak.total / (1 - hardware.headroom) / 2**30)
     lines = [f"{role.role} fits nowhere on {hardware.devices} devices of {gib(hardware.device_memory)}: its lowest peak there is "
              f"{gib(best.peak.total)} per rank ({best.layout})."]
-    options = []
+    options, beyond = [], False
     for (sp, tp), tried in on_all.items():
         rest, sharded_all = tried.peak.total - tried.peak.sharded, tried.peak.sharded * full
         if rest >= usable:
@@ -239,6 +245,9 @@ def _smallest_hardware(result: RoleResult, on_all: dict[tuple[int, int], Tried],
         nodes = math.ceil(sharded_all / (usable - rest) / g)
         for extra in range(3):  # confirm by simulation; FSDP's padding may need a node more
             n = max(nodes + extra, hardware.nodes + 1)
+            if n * g > MAX_DEVICES:  # more than the planner simulates (`Hardware`)
+                beyond = True
+                break
             check = run(Layout(n * g // (sp * tp), sp, tp))
             if check.fits:
                 options.append((n, check))
@@ -248,6 +257,9 @@ def _smallest_hardware(result: RoleResult, on_all: dict[tuple[int, int], Tried],
         lines.append(f"Smallest hardware that fits it: {n} nodes x {g} devices of {gib(hardware.device_memory)} "
                      f"({check.layout}: {gib(check.peak.total)} per rank), or devices of at least {bigger} GiB on "
                      f"{hardware.nodes} x {g}.")
+    elif beyond:
+        lines.append(f"Smallest hardware that fits it: more than {MAX_DEVICES:,} devices of {gib(hardware.device_memory)} "
+                     f"(beyond what the planner simulates), or devices of at least {bigger} GiB on {hardware.nodes} x {g}.")
     else:
         lines.append(f"More devices do not help: what FSDP does not shard (activations, gathered layers) is "
                      f"{gib(min(t.peak.total - t.peak.sharded for t in on_all.values()))} per rank even at the largest "

@@ -18,12 +18,14 @@ import torch
 
 from rlcore.config import Config, LayoutConfig, OptimConfig
 from rlcore.flops import ModelFlops, causal_pairs
+from rlcore.plan.hardware import PlanInputError
 from rlcore.plan.models import Head, config_dict
 from rlcore.workers.critic import critic_settings
 from rlcore.workers.loading import compute_precision, trained_dtype
 from rlcore.workers.loops import MicroBatching
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+MAX_MICRO_BATCH_TOKENS = 2**24  # 16M tokens: a sequence or a micro-batch beyond any model's context
 
 
 @dataclass(frozen=True)
@@ -76,6 +78,8 @@ class RolePlan:
     temperature: float
     step_sequences: int          # sequences this role sees per training step (all ranks)
     passes: tuple[tuple[str, int], ...]  # ("train" | "forward", times per step): for FLOPs
+    length_keys: str = ""           # the config keys a sequence's length comes from (errors)
+    micro_key: str = ""             # the config key that sizes its micro-batches (errors)
     not_planned: str | None = None  # why the planner cannot simulate this role as configured
     lora: bool = False              # LoRA on this role: the workers refuse tensor parallelism with it
     caveat: str | None = None       # what the simulation leaves out (its peak is then an upper bound)
@@ -109,26 +113,38 @@ class RolePlan:
         return total
 
 
-def _lengths(config: Config) -> tuple[int, int, int]:
-    """(prompt tokens, response tokens, rows per example) of the run's sequences at their maximum."""
+def _lengths(config: Config) -> tuple[int, int, int, str]:
+    """(prompt tokens, response tokens, rows per example) of the run's sequences at their maximum,
+    and the config keys their length comes from."""
     prompt = config.data.max_prompt_length
     traits = config.traits
     if traits.trains_policy and not traits.generates:  # offline preference rows: pairs or single rows
-        return prompt, config.preference.max_response_length, 2 if traits.data == "pairwise" else 1
+        return prompt, config.preference.max_response_length, 2 if traits.data == "pairwise" else 1, \
+            "data.max_prompt_length + preference.max_response_length"
     if "reward_model" in traits.trains:
-        return prompt, max(1, config.reward_model.max_length - prompt), 2
+        return prompt, max(1, config.reward_model.max_length - prompt), 2, "reward_model.max_length"
     agent = config.rollout.agent
-    return prompt, agent.max_total_tokens if agent.enabled else config.rollout.max_new_tokens, config.rollout.n
+    if agent.enabled:
+        return prompt, agent.max_total_tokens, config.rollout.n, "data.max_prompt_length + rollout.agent.max_total_tokens"
+    return prompt, config.rollout.max_new_tokens, config.rollout.n, "data.max_prompt_length + rollout.max_new_tokens"
+
+
+def _micro_key(section: str, micro: MicroBatching, own: Any = None) -> str:
+    """The key that sizes `micro` (`own`: the section whose batch fields are unset fall back to the actor's)."""
+    field = "max_tokens_per_micro_batch" if micro.dynamic else "micro_batch_size"
+    if own is not None and getattr(own, field) is None:
+        section = "actor"
+    return f"{section}.{field}"
 
 
 def role_plans(config: Config) -> list[RolePlan]:
     """The roles of `config` that hold a model on a device, in `Config.present_roles` order (the
     rollout is planned apart: `rlcore.plan.rollout`)."""
-    prompt, response, rows_per_example = _lengths(config)
+    prompt, response, rows_per_example, length_keys = _lengths(config)
     traits = config.traits
     step_sequences = config.data.train_batch_size * rows_per_example
     common = dict(temperature=config.rollout.temperature, chunk_tokens=config.actor.logprob_chunk_tokens,
-                  step_sequences=step_sequences)
+                  step_sequences=step_sequences, length_keys=length_keys)
     lora = {"actor": config.actor.lora, "critic": config.critic.lora, "reward_model": config.reward_model.lora}
     plans: list[RolePlan] = []
     for role in config.present_roles:
@@ -154,7 +170,7 @@ def role_plans(config: Config) -> list[RolePlan]:
                 mini_batch_rows=a.ppo_mini_batch_size * rows_per_example if trains else step_sequences,
                 optim=a.optim if trains else None,
                 compute_entropy=trains and (a.entropy_coeff != 0 or config.old_log_probs_from_update),
-                passes=passes, **_limits(config, role, lora.get(role)), **common))
+                passes=passes, micro_key=_micro_key("actor", micro), **_limits(config, role, lora.get(role)), **common))
         elif role == "critic":
             c = config.critic
             settings = critic_settings(config)
@@ -166,7 +182,7 @@ def role_plans(config: Config) -> list[RolePlan]:
                 sp_key=config.layout_key(role, "sequence_parallel"), tp_key=config.layout_key(role, "tensor_parallel"),
                 micro=MicroBatch.of(settings.micro, prompt, response), mini_batch_rows=settings.mini_batch_size * rows_per_example,
                 optim=c.optim, compute_entropy=False, passes=(("forward", 1), ("train", c.ppo_epochs)),
-                **_limits(config, role, c.lora), **common))
+                micro_key=_micro_key("critic", settings.micro, c), **_limits(config, role, c.lora), **common))
         elif role == "reward_model":
             r = config.reward_model
             trains = "reward_model" in traits.trains
@@ -182,9 +198,21 @@ def role_plans(config: Config) -> list[RolePlan]:
                 tp_key=config.layout_key(role, "tensor_parallel"),
                 micro=MicroBatch.of(micro, min(prompt, length - 1), length - min(prompt, length - 1)),
                 mini_batch_rows=mini, optim=r.optim if trains else None, compute_entropy=False,
-                passes=(("train", 1),) if trains else (("forward", 1),),
+                passes=(("train", 1),) if trains else (("forward", 1),), micro_key=_micro_key("reward_model", micro),
                 **_limits(config, role, r.lora if trains else None), **common))
     return plans
+
+
+def check_micro_batch(role: RolePlan) -> None:
+    """Refuse (PlanInputError naming the keys) a micro-batch beyond what any device trains on at
+    once, before any model is built: the planner builds each simulated micro-batch's token ids."""
+    m = role.micro_at(1)  # the largest: one data-parallel shard
+    if m.length > MAX_MICRO_BATCH_TOKENS:
+        raise PlanInputError(f"{role.role}: {role.length_keys} = {m.length:,} tokens per sequence, more than "
+                             f"{MAX_MICRO_BATCH_TOKENS:,}: longer than any model's context")
+    if m.tokens > MAX_MICRO_BATCH_TOKENS:
+        raise PlanInputError(f"{role.role}: {role.micro_key} makes micro-batches of {m.describe()}, more than "
+                             f"{MAX_MICRO_BATCH_TOKENS:,} tokens: beyond what any device trains on at once")
 
 
 def _limits(config: Config, role: str, lora: Any) -> dict[str, Any]:
@@ -205,4 +233,4 @@ def _limits(config: Config, role: str, lora: Any) -> dict[str, Any]:
     return {}
 
 
-__all__ = ["MicroBatch", "RolePlan", "config_dict", "role_plans"]
+__all__ = ["MAX_MICRO_BATCH_TOKENS", "MicroBatch", "RolePlan", "check_micro_batch", "config_dict", "role_plans"]

@@ -133,7 +133,7 @@ def rollout_flops(config: Config, config_json: dict[str, Any], needs: RolloutNee
     prompt, response = config.data.max_prompt_length, needs.sequence_tokens - config.data.max_prompt_length
     prefill = model.forward(prompts * prompt, prompts, prompts * causal_pairs([prompt]))
     samples = prompts * n
-    decode = model.forward(samples * response, samples * response, decode_pairs([prompt] * samples, [response] * samples))
+    decode = model.forward(samples * response, samples * response, samples * decode_pairs([prompt], [response]))  # all alike
     return prefill + decode
 
 

@@ -35,8 +35,7 @@ from rlcore.rewards.registry import RewardFunctionError, SpecError, builtin_data
 from rlcore.rewards.tools import load_tools, tool_schemas
 from rlcore.rewards.user_code import describe
 from rlcore.trainer.model_folders import read_model_config, reward_model_config_problems, weight_problems
-from rlcore.workers.parallel.shapes import layout_problems, model_layout_problems
-from rlcore.workers.ulysses import head_problem
+from rlcore.workers.parallel.shapes import layout_problems, role_layout_problems
 
 log = logging.getLogger(__name__)
 
@@ -79,7 +78,6 @@ def preflight_problems(config: Config) -> list[str]:
         problems += reward_model_problems("reward_model.path", config.reward_model.path)
     if "reward_model" in traits.trains and not problems:  # the reward model to train renders with model.path's template
         problems += chat_template_problems("model.path", config.model.path)
-    problems += sequence_parallel_problems(config)
     problems += layout_problems(config)
     problems += data_problems(config)
     problems += reward_problems(config.reward.function)
@@ -87,30 +85,6 @@ def preflight_problems(config: Config) -> list[str]:
     problems += agent_problems(config)
     problems += resume_problems(config.trainer.resume, config.algorithm.name)
     problems += output_dir_problems(config.trainer.output_dir)
-    return problems
-
-
-def sequence_parallel_problems(config: Config) -> list[str]:
-    """A sequence-parallel size the model's attention heads cannot be split by (read from its
-    config.json; an unreadable one is reported by `model_folder_problems`)."""
-    roles = [("actor", config.actor.ulysses_sequence_parallel_size, config.model.path)]
-    if config.traits.critic:
-        roles.append(("critic", config.critic_sequence_parallel_size, config.critic.model_path or config.model.path))
-    problems = []
-    for role, size, path in roles:
-        if size == 1 or config.layout_of(role).tensor_parallel > 1:  # then `layout_problems` checks each rank's heads
-            continue
-        try:
-            model_config = json.loads((Path(path) / "config.json").read_text(encoding="utf-8"))
-            text = model_config.get("text_config", model_config)
-            heads = int(text["num_attention_heads"])
-            kv_heads = int(text.get("num_key_value_heads") or heads)
-        except (OSError, ValueError, KeyError, TypeError, AttributeError):
-            continue
-        problem = head_problem(heads, kv_heads, size)
-        if problem:
-            problems.append(f"{role}.ulysses_sequence_parallel_size={size}: {problem} ({path}; Ulysses splits "
-                            "attention heads over the sequence-parallel ranks)")
     return problems
 
 
@@ -384,14 +358,14 @@ def sft_preflight(config: SFTConfig) -> None:
     problems = model_folder_problems("model.path", config.model.path, tokenizer=True)
     actor = config.worker_config(1)  # the layout the actor worker takes (total_steps plays no part in it)
     layout = actor.layout_of("actor")
-    if layout.tensor_parallel > 1:
+    if layout.tensor_parallel > 1 or layout.sequence_parallel > 1:
         try:  # an unreadable folder is model_folder_problems' to report
             model_config = json.loads((Path(config.model.path) / "config.json").read_text(encoding="utf-8"))
-        except (OSError, ValueError):
+        except (OSError, ValueError, RecursionError):
             model_config = None
-        if model_config is not None:
-            problems += model_layout_problems(actor.layout_key("actor", "tensor_parallel"), model_config,
-                                              layout.tensor_parallel, layout.sequence_parallel, config.model.path)
+        if isinstance(model_config, dict):
+            problems += role_layout_problems(model_config, layout, actor.layout_key("actor", "tensor_parallel"),
+                                             actor.layout_key("actor", "sequence_parallel"), config.model.path)
     data = config.data
     problems += [] if data.train_files else ["data.train_files: empty (give at least one .parquet or .jsonl file)"]
     needed = [(data.messages_key,), (data.prompt_key, data.response_key)]

@@ -35,6 +35,7 @@ from torch import nn
 
 from rlcore.workers.attention import varlen_attention
 from rlcore.workers.packed import SharedPrompts
+from rlcore.workers.parallel.shapes import ulysses_problem
 from rlcore.workers.ranks import distributed_world
 
 _ATTRIBUTE = "rlcore_sequence_parallel"
@@ -100,11 +101,7 @@ class SequenceParallel:
 
 def head_problem(num_heads: int, num_kv_heads: int, size: int) -> str | None:
     """Why a model with these attention heads cannot be split over `size` ranks (None: it can)."""
-    if num_heads % size:
-        return f"the model's {num_heads} attention heads do not divide by {size}"
-    if num_kv_heads % size and size % num_kv_heads:
-        return f"the model's {num_kv_heads} key/value heads neither divide by {size} nor divide {size}"
-    return None
+    return ulysses_problem(num_heads, num_kv_heads, size)
 
 
 def model_heads(config: Any) -> tuple[int, int]:

@@ -33,7 +33,7 @@ from rlcore.workers.fsdp import shard_model
 from rlcore.workers.packed import token_tally
 from rlcore.workers.parallel.mesh import Layout, device_mesh, fsdp_mesh
 from rlcore.workers.parallel.plans import parallelize
-from rlcore.workers.parallel.shapes import tensor_parallel_problems
+from rlcore.workers.parallel.shapes import sequence_parallel_problem
 from rlcore.workers.ulysses import enable_sequence_parallel, use_sequence_parallel_group
 
 
@@ -62,10 +62,9 @@ def apply_layout(
             use_sequence_parallel_group(model, mesh["sp"].get_group())
         return shard_model(model, device, mixed_precision, cpu_offload, forward_methods,
                            mesh=None if mesh is None else fsdp_mesh(mesh))
-    if sp > 1:
-        problems = tensor_parallel_problems(model.config.to_dict(), tp, sp)
-        if problems:
-            raise ValueError(f"{sp_key}={sp} with {tp_key}={tp}: {'; '.join(problems)}")
+    problem = sequence_parallel_problem(model.config.to_dict(), sp, tp)
+    if problem:
+        raise ValueError(f"{sp_key}={sp}: {problem}, with {tp_key}={tp}")
     mesh = mesh if mesh is not None else device_mesh(layout, device.type)
     parallelize(model, mesh["tp"], tp_key)
     if sp > 1:

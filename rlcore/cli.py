@@ -483,7 +483,7 @@ def build_parser() -> argparse.ArgumentParser:
     common(run)
     run.add_argument("--data", default=None, help="train on this data file instead of the config's")
     run.add_argument("--json", action="store_true", help="print the summary as JSON")
-    run.set_defaults(func=_cmd_pipeline_run)
+    run.set_defaults(func=_cmd_pipeline_run, overrides_anywhere=True)
     serve = pipeline_sub.add_parser("serve", help="deploy rl_pipeline (cron + data-event trigger) on PREFECT_API_URL and serve it")
     common(serve)
     serve.add_argument("--cron", default="0 3 * * *", help="retraining schedule ('' for none)")
@@ -495,7 +495,7 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--unresponsive-after", type=float, default=90.0, metavar="SECONDS",
                        help="a run that sent no heartbeat for this long is marked crashed by the Prefect server (and, "
                             "with registry.webhook_url, notified), e.g. when the machine running it died")
-    serve.set_defaults(func=_cmd_pipeline_serve)
+    serve.set_defaults(func=_cmd_pipeline_serve, overrides_anywhere=True)
     stage = pipeline_sub.add_parser("stage", help="run one pipeline stage from a file the flow wrote (what a stage's "
                                     "Ray job runs with --ray-address)")
     stage.add_argument("file")
@@ -566,7 +566,7 @@ def configure_logging(verbose: bool) -> None:
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
-    """`argv` parsed; a subcommand with `overrides_anywhere` (`rlcore plan`) also takes its
+    """`argv` parsed; a subcommand with `overrides_anywhere` (`rlcore plan`, `pipeline run/serve`) also takes its
     dotted.key=value overrides after its options, as its usage shows (argparse gives a `nargs="*"`
     positional the arguments before the first option only: the rest come back unrecognized)."""
     parser = build_parser()

@@ -1265,6 +1265,8 @@ def _safe_yaml(text: str, where: str) -> Any:
         raise ConfigError(f"{where}: not valid YAML: {str(err).splitlines()[0] if str(err) else type(err).__name__}") from None
     except RecursionError:
         raise ConfigError(f"{where}: nested too deeply to be a config") from None
+    except ValueError as err:  # a constructor's refusal: an integer of more than 4,300 digits, say
+        raise ConfigError(f"{where}: not a usable YAML value ({str(err).split(';')[0][:200]})") from None
 
 
 def _apply_override(tree: dict[str, Any], parts: list[str], value: Any) -> None:

@@ -137,3 +137,12 @@ def test_thousands_of_problems_are_one_line_naming_the_first(tmp_path):
         load_config(path)
     message = str(err.value)
     assert "key0: unknown key" in message and "more" in message and "\n" not in message and len(message) < 2000
+
+
+def test_an_integer_beyond_python_s_digit_limit_is_one_line(tmp_path):
+    with pytest.raises(ConfigError, match=r"override 'x': not a usable YAML value \(Exceeds the limit"):
+        load_config(None, ["x=" + "9" * 5000])
+    path = tmp_path / "c.yaml"
+    path.write_text("trainer:\n  total_steps: " + "9" * 5000 + "\n")
+    with pytest.raises(ConfigError, match="c.yaml: not a usable YAML value"):
+        load_config(path)

@@ -197,6 +197,14 @@ def test_the_usage_the_help_shows_works_overrides_after_the_options(run, capfd):
     assert code == 2 and "unrecognized arguments: --nodez 2" in err
 
 
+def test_pipeline_commands_take_overrides_after_their_options_too():
+    from rlcore.cli import parse_args
+
+    for command in ("run", "serve"):
+        args = parse_args(["pipeline", command, "trainer.total_steps=2", "--output-dir", "w", "actor.optim.lr=1e-5"])
+        assert args.overrides == ["trainer.total_steps=2", "actor.optim.lr=1e-5"] and args.output_dir == "w"
+
+
 # ----- rlcore plan: the model's config.json -------------------------------------------------------
 
 

@@ -59,10 +59,11 @@ def assert_refused(address: str) -> str:
 @pytest.mark.parametrize("address, says", [
     ("", "--ray-address is empty"),
     ("   ", "--ray-address is empty"),
-    (f"http://{USER}:{PASSWORD}@127.0.0.1:{CLOSED}/?token={TOKEN}", "has no query or fragment"),
-    (f"http://{USER}:{PASSWORD}@127.0.0.1:{CLOSED}", f"--ray-address http://***@127.0.0.1:{CLOSED}: nothing accepts "
-                                                     f"connections on port {CLOSED}"),
-    (f"127.0.0.1:{CLOSED}", f"--ray-address http://127.0.0.1:{CLOSED}: nothing accepts connections"),
+    # <closed>: `CLOSED`, put in at run time (a free port differs between xdist workers, whose test ids must agree)
+    (f"http://{USER}:{PASSWORD}@127.0.0.1:<closed>/?token={TOKEN}", "has no query or fragment"),
+    (f"http://{USER}:{PASSWORD}@127.0.0.1:<closed>", "--ray-address http://***@127.0.0.1:<closed>: nothing accepts "
+                                                     "connections on port <closed>"),
+    ("127.0.0.1:<closed>", "--ray-address http://127.0.0.1:<closed>: nothing accepts connections"),
     ("head", "has no port"),
     ("head:0", "port 0 is not a port (1-65535)"),
     ("head:70000", "the port is out of range (1-65535)"),
@@ -76,6 +77,7 @@ def assert_refused(address: str) -> str:
     ("http://[::1:8265", "an IPv6 address must be written in closed brackets"),
 ])
 def test_each_kind_of_bad_address_is_one_line_naming_the_option(address, says):
+    address, says = (text.replace("<closed>", str(CLOSED)) for text in (address, says))
     line = assert_refused(address)
     assert says in line, line
     assert len(line) < 400  # a 10,000-character address is not echoed

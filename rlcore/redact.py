@@ -306,6 +306,7 @@ def redacts_errors(fn: F) -> F:
         except Exception as err:
             raise redact_exception(err)  # noqa: B904 - the same exception, not a new one
 
+    wrapper.rlcore_redacts_errors = True  # type: ignore[attr-defined]
     return wrapper  # type: ignore[return-value]
 
 

@@ -27,6 +27,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
 
+import psutil
 import pytest
 
 from rlcore.cli import CONFIG_DIR, main, tiny_example_overrides
@@ -42,6 +43,7 @@ from rlcore.redact import (
     redact_text,
     redact_tree,
     redact_url,
+    redacts_errors,
 )
 
 USER, PASSWORD, PATH_SECRET, TOKEN = "hookuser", "s3cr3t-PW", "T0KENPATH9", "tok-abc123"
@@ -298,6 +300,33 @@ def test_error_messages_hold_no_secret(env_secrets, capsys):
     assert isinstance(oserror, FileNotFoundError) and planted_in(str(oserror)) == []
 
 
+def test_every_prefect_task_and_flow_redacts_its_errors():
+    """Prefect stores a failed task's or flow's message (its state) where the API serves it."""
+    import importlib
+    import pkgutil
+
+    import prefect
+
+    import rlcore.flows
+
+    found, bare = [], []
+    for info in pkgutil.iter_modules(rlcore.flows.__path__):
+        module = importlib.import_module(f"rlcore.flows.{info.name}")
+        for name, obj in vars(module).items():
+            if isinstance(obj, (prefect.Task, prefect.Flow)) and obj.fn.__module__ == module.__name__:
+                found.append(name)
+                if not getattr(obj.fn, "rlcore_redacts_errors", False):
+                    bare.append(f"{module.__name__}.{name}")
+    assert len(found) >= 10 and bare == []
+
+    @redacts_errors
+    def fails(path: str) -> None:
+        raise FileNotFoundError(f"no such file {path}")
+
+    with pytest.raises(FileNotFoundError, match=r"^no such file /x/\*\*\*$"):  # the same type: retries and exit codes hold
+        fails(f"/x/{KEYS['github']}")
+
+
 # ---------------------------------------------------------------------- trace.jsonl and `rlcore trace`
 def hostile_sample() -> dict[str, Any]:
     """A sample record as the trainer collects it, secrets in every text a tool call touches."""
@@ -463,3 +492,92 @@ def test_training_run_with_secrets_everywhere_leaks_them_nowhere(tiny_example, t
     assert leaks(caplog.text) == [] and leaks(out) == [] and leaks(err) == []
     assert main(["trace", str(run_dir)]) == 0
     assert "step 1, conversation 1 of" in (shown := capfd.readouterr().out) and leaks(shown) == []
+
+
+# ---------------------------------------------------------------------- a served pipeline
+def prefect_outputs(api: str, deployment_id: str, flow_run_id: str) -> dict[str, str]:
+    """Everything Prefect's API serves about the deployment and its run, as text."""
+    from conftest import PREFECT_HTTP  # tests/ is on sys.path (pytest rootdir conftest)
+
+    def post(path: str, body: dict[str, Any]) -> str:
+        got = PREFECT_HTTP.post(f"{api}{path}", json=body, timeout=10)
+        assert got.ok, got.text
+        return got.text
+
+    about_run = {"flow_runs": {"id": {"any_": [flow_run_id]}}}
+    return {
+        "deployment": PREFECT_HTTP.get(f"{api}/deployments/{deployment_id}", timeout=10).text,
+        "deployments": post("/deployments/filter", {}),
+        "flow run": PREFECT_HTTP.get(f"{api}/flow_runs/{flow_run_id}", timeout=10).text,
+        "flow runs": post("/flow_runs/filter", {}),
+        "flow run states": PREFECT_HTTP.get(f"{api}/flow_run_states/", params={"flow_run_id": flow_run_id}, timeout=10).text,
+        "task runs": post("/task_runs/filter", about_run),
+        "logs": post("/logs/filter", {"logs": {"flow_run_id": {"any_": [flow_run_id]}}, "limit": 200}),
+        "automations": post("/automations/filter", {}),
+        "blocks": post("/block_documents/filter", {}),
+        "events": post("/events/filter", {"filter": {"any_resource": {"id": [f"prefect.flow-run.{flow_run_id}"]}},
+                                          "limit": 50}),
+        "variables": post("/variables/filter", {}),
+    }
+
+
+@pytest.mark.slow
+@pytest.mark.prefect
+@pytest.mark.pipeline
+def test_served_pipeline_keeps_secrets_out_of_prefect(prefect_api, receiver, tiny_example, tmp_path):
+    """`rlcore pipeline serve` with a secret webhook (an override) and a data file whose path holds
+    an API key and a secret environment variable's value: a run from the deployment fails in
+    data_prep naming that file, and notifies `failed` to the webhook (its URL, credentials and
+    token as given). Prefect's deployment, flow run, task runs, states, logs, events, automations
+    and blocks, and the serving process's output, hold none of the secrets."""
+    from conftest import PREFECT_HTTP, stop_process_group, wait_for
+
+    api, env = prefect_api
+    work, log = tmp_path / "work", tmp_path / "serve.log"
+    work.mkdir()
+    secret_file = f"/nonexistent/{KEYS['anthropic']}/{ENV_SECRETS['RLCORE_TEST_SERVICE_TOKEN']}.parquet"
+    env = dict(env, **ENV_SECRETS, PREFECT_API_URL=api, PREFECT_RUNNER_POLL_FREQUENCY="2", OMP_NUM_THREADS="1",
+               PYTHONPATH=str(Path(__file__).resolve().parents[1]) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    env.pop("MLFLOW_TRACKING_URI", None)
+    with open(log, "w") as out:
+        serve = subprocess.Popen([sys.executable, "-m", "rlcore.cli", "pipeline", "serve", "--cron", "",
+                                  f"registry.webhook_url={receiver.secret_url}", f"data.train_files=[{secret_file}]"],
+                                 cwd=work, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+    try:
+        def deployed() -> dict[str, Any] | None:
+            got = PREFECT_HTTP.get(f"{api}/deployments/name/rl_pipeline/rl-pipeline", timeout=5)
+            return got.json() if got.ok else None
+
+        dep = wait_for("the deployment", deployed, 180, procs=[serve])
+        created = PREFECT_HTTP.post(f"{api}/deployments/{dep['id']}/create_flow_run", json={"parameters": {}}, timeout=10)
+        assert created.ok, created.text
+        run_id = created.json()["id"]
+
+        def ended() -> str | None:
+            state = (PREFECT_HTTP.get(f"{api}/flow_runs/{run_id}", timeout=5).json().get("state") or {}).get("type")
+            return state if state in ("COMPLETED", "FAILED", "CRASHED", "CANCELLED") else None
+
+        assert wait_for("the run to end", ended, 400, procs=[serve], interval=2) == "FAILED"
+        wait_for("the failed notification", lambda: receiver.posts, 60, procs=[serve])
+        wait_for("the run's process to exit", lambda: not psutil.Process(serve.pid).children(recursive=True), 60,
+                 procs=[serve])
+        serve.send_signal(signal.SIGTERM)
+        assert serve.wait(timeout=60) == 0, log.read_text()[-3000:]
+    finally:
+        stop_process_group(serve)
+
+    # the flow run read the webhook from the serving process, and POSTed with it as given
+    [post] = receiver.posts
+    assert post["path"] == f"/hook/{PATH_SECRET}?token={TOKEN}" and post["body"]["event"] == "failed"
+    assert post["authorization"] == "Basic " + base64.b64encode(f"{USER}:{PASSWORD}".encode()).decode()
+    assert "/nonexistent/***/***.parquet" in post["body"]["error"] and planted_in(json.dumps(post["body"])) == []
+
+    outputs = {**prefect_outputs(api, dep["id"], run_id), "serve output": log.read_text()}
+    assert {where: planted_in(text) for where, text in outputs.items() if planted_in(text)} == {}
+    # ...what they show instead: the redacted forms
+    run = json.loads(outputs["flow run"])
+    assert run["parameters"]["overrides"] == [f"registry.webhook_url=http://127.0.0.1:{receiver.port}/***",
+                                              "data.train_files=[/nonexistent/***/***.parquet]"]
+    [failed] = [s for s in json.loads(outputs["flow run states"]) if s["type"] == "FAILED"]
+    assert "/nonexistent/***/***.parquet" in failed["message"]
+    assert "/nonexistent/***/***.parquet" in outputs["task runs"] and "/nonexistent/***/***.parquet" in outputs["logs"]

@@ -316,18 +316,18 @@ def _redacted_record(record: logging.LogRecord) -> logging.LogRecord:
     handlers and filters see the record as made otherwise)."""
     try:
         message = record.getMessage()
-    except Exception:  # noqa: BLE001 - a bad format string: the handler reports it as it would
-        return record
-    redacted = redact_text(message)
-    if redacted != message:
-        record.msg, record.args = redacted, ()
-    if record.exc_info and record.exc_info[0] is not None and not record.exc_text:
-        text = "".join(traceback.format_exception(*record.exc_info)).rstrip("\n")
-        shown = redact_text(text)
-        if shown != text:
-            record.exc_text = shown  # what Formatter.format prints instead of formatting exc_info again
-    if record.stack_info:
-        record.stack_info = redact_text(record.stack_info)
+        redacted = redact_text(message)
+        if redacted != message:
+            record.msg, record.args = redacted, ()
+        if record.exc_info and record.exc_info[0] is not None and not record.exc_text:
+            text = "".join(traceback.format_exception(*record.exc_info)).rstrip("\n")
+            shown = redact_text(text)
+            if shown != text:
+                record.exc_text = shown  # what Formatter.format prints instead of formatting exc_info again
+        if record.stack_info:
+            record.stack_info = redact_text(record.stack_info)
+    except Exception:  # noqa: BLE001 - a bad format string or __str__: the handler reports it as it would
+        pass
     return record
 
 

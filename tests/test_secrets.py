@@ -38,7 +38,6 @@ from rlcore.redact import (
     is_secret_env_name,
     is_secret_key,
     redact_exception,
-    redact_json,
     redact_secret,
     redact_text,
     redact_tree,

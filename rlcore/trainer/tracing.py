@@ -30,7 +30,7 @@ from rlcore.controller import Dispatch, RoleView
 from rlcore.controller.dispatch import balanced_partitions
 from rlcore.errors import RLCoreError
 from rlcore.protocol import Batch
-from rlcore.redact import REDACTED, is_secret_key, redact_json, redact_text, redact_tree
+from rlcore.redact import REDACTED, is_secret_key, redact_text, redact_tree
 
 log = logging.getLogger(__name__)
 
@@ -193,7 +193,7 @@ def step_record(step: int, off_policy: str, step_trace: dict[str, Any] | None, m
                                           if k.startswith("time/") and k.endswith("_s")}
     # the texts were redacted before they were cut; every other string (a tool's error, a host
     # name) is redacted here: no secret reaches the file, whichever field carries it
-    return redact_json({
+    return redact_tree({
         "step": step,
         "off_policy": off_policy,
         "phases": {name: {"s": secs, "role": PHASE_ROLES.get(name)} for name, secs in phases.items()},

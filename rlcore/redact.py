@@ -1,7 +1,8 @@
 """The one redaction policy for everything a person or a server can read: log records (every
 logger's, Prefect's included: `install_log_redaction`), console output and error messages, the run
 folder's `config.yaml` and `trace.jsonl`, `rlcore trace`, MLflow params and tags, lineage records,
-Prefect flow-run parameters (`rlcore.lifecycle.flow_secrets`).
+webhook payloads, Prefect flow-run parameters (`rlcore.lifecycle.flow_secrets`) and the messages
+of failed Prefect tasks and flows (`redacts_errors`).
 
 What is recognised as a secret:
 
@@ -281,15 +282,19 @@ def redact_json(value: Any) -> Any:
 def redact_exception(err: BaseException) -> BaseException:
     """`err` with the secrets in its message redacted in place (its args, an OSError's file names,
     its notes), its type and traceback kept: whoever catches it (an exit status by type) sees the
-    same error, and whatever shows or stores its message (Prefect keeps a failed run's) no secret."""
-    err.args = tuple(redact_text(a) if isinstance(a, str) else a for a in err.args)
-    for name in ("filename", "filename2"):
-        value = getattr(err, name, None)
-        if isinstance(value, str):
-            setattr(err, name, redact_text(value))
-    notes = getattr(err, "__notes__", None)
-    if isinstance(notes, list):
-        err.__notes__ = [redact_text(n) if isinstance(n, str) else n for n in notes]
+    same error, and whatever shows or stores its message (Prefect keeps a failed run's) no secret.
+    An exception whose message is not its args (a custom `__str__`) keeps what its args do not hold."""
+    try:
+        err.args = tuple(redact_text(a) if isinstance(a, str) else a for a in err.args)
+        for name in ("filename", "filename2"):
+            value = getattr(err, name, None)
+            if isinstance(value, str):
+                setattr(err, name, redact_text(value))
+        notes = getattr(err, "__notes__", None)
+        if isinstance(notes, list):
+            err.__notes__ = [redact_text(n) if isinstance(n, str) else n for n in notes]
+    except Exception:  # noqa: BLE001 - read-only attributes: the error itself matters more than its redaction
+        pass
     return err
 
 

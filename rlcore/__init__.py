@@ -14,3 +14,9 @@ __version__ = "0.1.0"
 from rlcore.native import load as _load_native  # noqa: E402
 
 _load_native(__version__)
+
+# Every log record this process makes has its secrets redacted, whoever logs it (rlcore, Prefect,
+# Ray, transformers) and wherever it goes (rlcore.redact): one policy for every log line.
+from rlcore.redact import install_log_redaction as _install_log_redaction  # noqa: E402
+
+_install_log_redaction()

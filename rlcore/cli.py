@@ -22,6 +22,7 @@ from rlcore.algorithms import names_where
 from rlcore.config import Config, load_config, load_sft_config
 from rlcore.errors import RLCoreError
 from rlcore.lifecycle.job_server import TIMEOUT_S as JOB_SERVER_TIMEOUT_S
+from rlcore.redact import redact_text
 
 CONFIG_DIR = Path(__file__).resolve().parent / "configs"
 
@@ -54,7 +55,7 @@ def _cmd_train(args: argparse.Namespace) -> int:
     shown = {k: v for k, v in last.items() if k.startswith(("val/", "acc/", "reward/"))}
     notify(url, "finished", {**about, "steps_run": len(history), "total_steps": config.trainer.total_steps,
                              "metrics": shown, "checkpoint": _latest_checkpoint(config)})
-    print(json.dumps(shown, indent=1))
+    print(redact_text(json.dumps(shown, indent=1)))
     return 0
 
 
@@ -67,7 +68,7 @@ def _cmd_sft(args: argparse.Namespace) -> int:
     model_dir, history = run_sft_config(config)
     last = history[-1] if history else {}
     shown = {k: v for k, v in last.items() if k.endswith("/loss")}
-    print(json.dumps({"model": str(model_dir.resolve()), "steps": last.get("step", 0), **shown}, indent=1))
+    print(redact_text(json.dumps({"model": str(model_dir.resolve()), "steps": last.get("step", 0), **shown}, indent=1)))
     return 0
 
 
@@ -106,10 +107,10 @@ def _cmd_trace(args: argparse.Namespace) -> int:
 
     found = recorded_conversation(args.run_dir, args.step, args.sample, validation=args.validation)
     if found.note:
-        print(f"rlcore: note: {found.note}", file=sys.stderr)
+        print(f"rlcore: note: {redact_text(found.note)}", file=sys.stderr)
     try:
-        print(format_trajectory(found.step, found.sample, args.sample, found.recorded, validation=args.validation),
-              flush=True)
+        text = format_trajectory(found.step, found.sample, args.sample, found.recorded, validation=args.validation)
+        print(redact_text(text), flush=True)  # a trace written before the redaction policy, too
     except BrokenPipeError:  # `rlcore trace RUN | head -1`: the reader has what it wanted
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # nothing left to flush at exit
     return 0
@@ -338,8 +339,11 @@ def _cmd_pipeline_run(args: argparse.Namespace) -> int:
 
     use_own_database_if_foreign()
     flow = load_flow()
+    from rlcore.lifecycle.flow_secrets import sealed
+
     try:
-        summary = flow(**inputs, data_path=args.data)
+        with sealed({**inputs, "data_path": args.data}) as stored:  # Prefect stores the parameters: no secrets
+            summary = flow(**stored)
     except RuntimeError as err:
         if "ephemeral Prefect API server" not in str(err):
             raise
@@ -347,7 +351,7 @@ def _cmd_pipeline_run(args: argparse.Namespace) -> int:
             f"Prefect's ephemeral API server did not start within {os.environ[EPHEMERAL_TIMEOUT_VAR]} s "
             f"({EPHEMERAL_TIMEOUT_VAR}): set it higher on a loaded machine, or start a server "
             "(`prefect server start`) and set PREFECT_API_URL=http://127.0.0.1:4200/api") from err
-    print(json.dumps(summary, indent=1, default=str) if args.json else format_summary(summary))
+    print(redact_text(json.dumps(summary, indent=1, default=str) if args.json else format_summary(summary)))
     return 0
 
 
@@ -377,7 +381,7 @@ def _cmd_pipeline_serve(args: argparse.Namespace) -> int:
     if args.unresponsive_after <= args.heartbeat:
         raise RLCoreError(f"--unresponsive-after ({args.unresponsive_after:g} s) must exceed --heartbeat ({args.heartbeat:g} s)")
     print(f"rlcore: serving rl_pipeline (cron {args.cron or 'none'}{f', watching {args.watch}' if args.watch else ''}) "
-          f"on {_require_server()}; Ctrl-C or SIGTERM stops it", file=sys.stderr, flush=True)
+          f"on {redact_text(str(_require_server()))}; Ctrl-C or SIGTERM stops it", file=sys.stderr, flush=True)
     serve_until_stopped(load_flow(), inputs, cron=args.cron or None, watch_dir=args.watch,
                         watch_interval_s=args.watch_interval, limit=args.limit, webhook_url=config.registry.webhook_url,
                         unresponsive_after_s=args.unresponsive_after, heartbeat_s=args.heartbeat, config=config)
@@ -578,11 +582,17 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     return args
 
 
+def _redacted_excepthook(kind: type[BaseException], err: BaseException, tb: Any) -> None:
+    """An unexpected error's traceback, as Python prints it, with its secrets redacted (rlcore.redact)."""
+    print(redact_text("".join(traceback.format_exception(kind, err, tb))), end="", file=sys.stderr)
+
+
 def main(argv: list[str] | None = None) -> int:
     argv, verbose = pop_verbose(list(sys.argv[1:] if argv is None else argv))
     args = parse_args(argv)
     verbose = verbose or args.verbose
     configure_logging(verbose)
+    sys.excepthook = _redacted_excepthook
     # No per-file "Loading weights" bars from transformers (a run loads several models; off a
     # terminal each is a line of carriage returns): rlcore's own progress says where a run is.
     os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
@@ -593,13 +603,13 @@ def main(argv: list[str] | None = None) -> int:
         if code is None:
             raise
         if verbose:
-            traceback.print_exc()
+            print(redact_text(traceback.format_exc()), end="", file=sys.stderr)
         what = "training stopped" if code == EXIT_STOPPED else "error"
         # a lost worker: its one-line headline (role, rank, method, node); Ray's own text with -v
         message = str(err).splitlines()[0] if code == EXIT_WORKER_LOST else str(err)
-        print(f"rlcore: {what}: {message}", file=sys.stderr)
+        print(f"rlcore: {what}: {redact_text(message)}", file=sys.stderr)
         for note in getattr(err, "__notes__", ()) if not verbose else ():
-            print(f"rlcore: {note}", file=sys.stderr)
+            print(f"rlcore: {redact_text(str(note))}", file=sys.stderr)
         return code
 
 

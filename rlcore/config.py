@@ -6,6 +6,7 @@ the key instead of a silently ignored setting.
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 from typing import Annotated, Any, ClassVar, Literal, get_args
 
@@ -1334,9 +1335,19 @@ def _config_tree(path: str | Path | None, overrides: list[str] | tuple[str, ...]
     return tree
 
 
+# The webhook URL when the config leaves `registry.webhook_url` unset: a secret kept out of config
+# files, command lines and Prefect parameters (a served pipeline's runs inherit it from `pipeline serve`).
+WEBHOOK_ENV = "RLCORE_WEBHOOK_URL"
+
+
 def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str, ...] = ()) -> Config:
-    """Read a YAML file (optional), apply dotted overrides, validate."""
-    return config_from_dict(_config_tree(path, overrides))
+    """Read a YAML file (optional), apply dotted overrides, validate; `registry.webhook_url` unset
+    there is $RLCORE_WEBHOOK_URL."""
+    tree = _config_tree(path, overrides)
+    registry = tree.setdefault("registry", {})
+    if isinstance(registry, dict) and registry.get("webhook_url") is None and os.environ.get(WEBHOOK_ENV):
+        registry["webhook_url"] = os.environ[WEBHOOK_ENV]
+    return config_from_dict(tree)
 
 
 def load_sft_config(path: str | Path | None = None, overrides: list[str] | tuple[str, ...] = ()) -> SFTConfig:

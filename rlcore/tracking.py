@@ -19,7 +19,7 @@ from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any, Protocol, TextIO
 
-from rlcore.redact import redact_params
+from rlcore.redact import redact_json, redact_params, redact_text
 
 log = logging.getLogger(__name__)
 
@@ -157,6 +157,8 @@ class Tracker:
         self.sinks = list(sinks)
 
     def log(self, step: int, metrics: dict[str, Any]) -> None:
+        # a text metric (the first reward error) may quote user code: redacted for every sink
+        metrics = {k: redact_text(v) if isinstance(v, str) else v for k, v in metrics.items()}
         for sink in self.sinks:
             sink.log(step, metrics)
 
@@ -290,7 +292,7 @@ class MlflowStore:
     def log_json(self, run_id: str, obj: Any, name: str) -> None:
         with tempfile.TemporaryDirectory() as tmp:
             p = Path(tmp) / name
-            p.write_text(json.dumps(obj, indent=1, default=str))
+            p.write_text(json.dumps(redact_json(obj), indent=1, default=str))
             self.client.log_artifact(run_id, str(p))
 
     def artifact_uri(self, run_id: str, path: str = "") -> str:

@@ -17,6 +17,7 @@ from rlcore.flows.results import DATA_ONLY_JSON, result_storage_for
 from rlcore.lifecycle import stages
 from rlcore.lifecycle.data_prep import retry_if_transient
 from rlcore.lifecycle.results import PipelineContext, PreparedData
+from rlcore.redact import redacts_errors  # a failed task's or flow's message is stored by Prefect
 
 
 def _cache_key(context: Any, parameters: dict[str, Any]) -> str:
@@ -31,6 +32,7 @@ def _cache_key(context: Any, parameters: dict[str, Any]) -> str:
 # Call it through `prepare_data`, which stores its result under the workdir.
 @task(name="data_prep", cache_key_fn=_cache_key, persist_result=True, result_serializer=DATA_ONLY_JSON,
       retries=1, retry_delay_seconds=2, retry_condition_fn=retry_if_transient)
+@redacts_errors
 def prepare_data_task(config: dict[str, Any], workdir: str, val_fraction: float = 0.1,
                       ctx: PipelineContext | None = None) -> PreparedData:
     return stages.prepare_data_stage(config_from_dict(config), workdir, val_fraction, ctx)
@@ -44,6 +46,7 @@ def prepare_data(config: dict[str, Any], workdir: str, val_fraction: float = 0.1
 
 
 @flow(name="data_prep")
+@redacts_errors
 def data_prep(config_path: str | None = None, overrides: list[str] | None = None, data_path: str | None = None,
               workdir: str = "runs/pipeline", val_fraction: float = 0.1) -> PreparedData:
     config = stages.load_pipeline_config(config_path, overrides or [], data_path)

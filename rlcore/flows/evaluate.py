@@ -12,9 +12,11 @@ from rlcore.config import config_from_dict
 from rlcore.lifecycle import ray_job, stages
 from rlcore.lifecycle.data_prep import retry_if_transient
 from rlcore.lifecycle.results import Evaluation, PipelineContext
+from rlcore.redact import redacts_errors  # a failed task's or flow's message is stored by Prefect
 
 
 @task(name="evaluate", retries=1, retry_delay_seconds=2, retry_condition_fn=retry_if_transient, timeout_seconds=3600, cache_policy=NO_CACHE)
+@redacts_errors
 def evaluate_task(config: dict[str, Any], candidate_dir: str, baseline_dir: str, baseline_name: str,
                   reference_dir: str, val_file: str, workdir: str, ctx: PipelineContext | None = None,
                   start_dir: str | None = None, reward_model_dir: str | None = None,
@@ -30,6 +32,7 @@ def evaluate_task(config: dict[str, Any], candidate_dir: str, baseline_dir: str,
 
 
 @flow(name="evaluate")
+@redacts_errors
 def evaluate(candidate_dir: str, val_file: str, config_path: str | None = None, overrides: list[str] | None = None,
              workdir: str = "runs/pipeline") -> Evaluation:
     """Candidate vs the registry's champion (or `model.path` when there is none)."""

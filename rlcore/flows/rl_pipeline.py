@@ -36,10 +36,11 @@ from rlcore.flows.evaluate import evaluate_task
 from rlcore.flows.promote import promote_task
 from rlcore.flows.reward_model import evaluate_reward_model_task, reward_model_in_use_task, train_reward_model_task
 from rlcore.flows.train import champion_task, sft_task, train_task
-from rlcore.lifecycle import rm_plan, run_end, stages
+from rlcore.lifecycle import flow_secrets, rm_plan, run_end, stages
 from rlcore.lifecycle.automations import served_heartbeat
 from rlcore.lifecycle.job_server import job_server_url
 from rlcore.lifecycle.results import Evaluation, Promotion, RewardModelInUse, Summary
+from rlcore.redact import redacts_errors
 
 
 def pipeline_run_name() -> str:
@@ -59,6 +60,7 @@ def _current_run_name() -> str:
 
 @flow(name="rl_pipeline", flow_run_name=pipeline_run_name, on_failure=[run_end.on_failure], on_crashed=[run_end.on_crashed],
       on_cancellation=[run_end.on_cancellation])
+@redacts_errors  # a failed run's message is kept by Prefect and sent to the webhook
 def rl_pipeline(
     config_path: str | None = None,
     overrides: list[str] | None = None,
@@ -79,6 +81,11 @@ def rl_pipeline(
     `rlcore.lifecycle.stages.sft_stage`); None: RL starts from `model.path` as given.
     `reward`: "rule" (the config's reward) or "model" (train and gate a reward model first, see the
     module's doc)."""
+    # the secrets among the parameters come from this process's environment: Prefect stores them redacted
+    config_path, overrides, data_path, sft, reward_config_path, reward_overrides, ray_address = flow_secrets.unseal({
+        "config_path": config_path, "overrides": overrides, "data_path": data_path, "sft": sft,
+        "reward_config_path": reward_config_path, "reward_overrides": reward_overrides, "ray_address": ray_address,
+    }).values()
     with served_heartbeat():  # served: liveness events until this returns or raises, none after
         if ray_address is not None:  # before any stage: "" or a malformed address is one line, not a local run
             job_server_url(ray_address)

@@ -4,6 +4,11 @@ against the Prefect server at PREFECT_API_URL, with liveness and crash notificat
 (rlcore.lifecycle.automations). `rlcore pipeline serve` calls `serve_pipeline`; `prefect.yaml` at
 the repository root declares the same deployment for `prefect deploy`.
 
+No secret is stored with the deployment: its parameters hold the redacted form of any secret in
+them (an override of `registry.webhook_url`, credentials in a URL), and this process holds the
+values for the flow runs it starts (`rlcore.lifecycle.flow_secrets`); the server's crash
+notification reads the webhook from a Prefect Webhook block, whose URL is stored as a secret.
+
 One SIGINT or SIGTERM stops serving cleanly: runs in progress are cancelled (Prefect's runner
 does that), and the deployment stays active (not paused), so the next `serve` picks it up as is."""
 
@@ -30,6 +35,7 @@ from rlcore.lifecycle.automations import (
     install_failure_notifications,
 )
 from rlcore.lifecycle.events import DATA_EVENT, RESOURCE_PREFIX
+from rlcore.lifecycle.flow_secrets import sealed
 
 log = logging.getLogger(__name__)
 
@@ -112,21 +118,22 @@ def serve_pipeline(flow: Flow[..., Any], parameters: dict[str, Any], cron: str |
     from rlcore.lifecycle.events import DirectoryWatcher
     from rlcore.lifecycle.run_end import end_runs_of_finished_flow_runs
 
-    deployment = build_deployment(flow, parameters, cron)
-    runner = Runner(name=f"rlcore-{deployment.name}", limit=limit, pause_on_shutdown=False)
-    # applied once, here (applying again would replace the runs its schedule already made)
-    deployment_id = cast(UUID, runner.add_deployment(deployment))  # sync here: a UUID
-    setup_liveness(deployment_id, flow.name, deployment.name, webhook_url, unresponsive_after_s, heartbeat_s)
-    if config is not None:
-        ended = end_runs_of_finished_flow_runs(config)
-        if ended:
-            log.warning("rlcore: ended %d MLflow run(s) of pipeline runs that died with their process", len(ended))
-    watcher = DirectoryWatcher(watch_dir, interval_s=watch_interval_s).start() if watch_dir else None
-    try:
-        asyncio.run(serve_until_signal(runner))
-    finally:
-        if watcher is not None:
-            watcher.stop()
+    with sealed(parameters) as stored:  # the deployment's parameters, secrets redacted; their values stay here
+        deployment = build_deployment(flow, stored, cron)
+        runner = Runner(name=f"rlcore-{deployment.name}", limit=limit, pause_on_shutdown=False)
+        # applied once, here (applying again would replace the runs its schedule already made)
+        deployment_id = cast(UUID, runner.add_deployment(deployment))  # sync here: a UUID
+        setup_liveness(deployment_id, flow.name, deployment.name, webhook_url, unresponsive_after_s, heartbeat_s)
+        if config is not None:
+            ended = end_runs_of_finished_flow_runs(config)
+            if ended:
+                log.warning("rlcore: ended %d MLflow run(s) of pipeline runs that died with their process", len(ended))
+        watcher = DirectoryWatcher(watch_dir, interval_s=watch_interval_s).start() if watch_dir else None
+        try:
+            asyncio.run(serve_until_signal(runner))
+        finally:
+            if watcher is not None:
+                watcher.stop()
 
 
 def _interrupt(signum: int, frame: object) -> None:

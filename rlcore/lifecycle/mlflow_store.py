@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from rlcore.redact import redact_params, redact_text
 from rlcore.tracking import MlflowStore, flatten, read_jsonl
 from rlcore.tracking import default_tracking_uri as default_tracking_uri  # re-exported for the stages
 
@@ -176,8 +177,8 @@ class ModelRegistry:
         MLflow model too when logged by `log_model_folder`)."""
         self.ensure()
         source = self.store.artifact_uri(run_id, artifact_path)
-        mv = self.client.create_model_version(self.name, source=source, run_id=run_id, tags=tags or {},
-                                              description=description)
+        mv = self.client.create_model_version(self.name, source=source, run_id=run_id, tags=redact_params(tags or {}),
+                                              description=redact_text(description) if description else description)
         return self.get(mv.version)
 
     def get(self, version: str) -> VersionInfo:
@@ -187,7 +188,7 @@ class ModelRegistry:
 
     def describe(self, version: str, description: str) -> None:
         """The version's description (shown on its page in the MLflow UI)."""
-        self.client.update_model_version(self.name, str(version), description=description)
+        self.client.update_model_version(self.name, str(version), description=redact_text(description))
 
     def by_alias(self, alias: str) -> VersionInfo | None:
         from mlflow.exceptions import MlflowException
@@ -202,7 +203,7 @@ class ModelRegistry:
         self.client.set_registered_model_alias(self.name, alias, str(version))
 
     def set_tags(self, version: str, tags: dict[str, Any]) -> None:
-        for k, v in tags.items():
+        for k, v in redact_params(tags).items():  # no secrets in MLflow
             self.client.set_model_version_tag(self.name, str(version), k, str(v))
 
     def uri(self, alias_or_version: str) -> str:

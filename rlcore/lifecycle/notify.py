@@ -22,7 +22,7 @@ import urllib.parse
 import urllib.request
 from typing import Any
 
-from rlcore.redact import redact_secret, redact_text
+from rlcore.redact import redact_json, redact_secret, redact_text
 
 log = logging.getLogger(__name__)
 
@@ -34,7 +34,8 @@ EVENTS = ("promoted", "rejected", "health_stop", "failed", "crashed", "finished"
 def build_payload(event: str, summary: dict[str, Any]) -> dict[str, Any]:
     if event not in EVENTS:
         raise ValueError(f"unknown notification event {event!r} (expected one of {', '.join(EVENTS)})")
-    return {"source": "rlcore", "event": event, "time": time.time(), **summary}
+    # what a run reports (an error's message, a path) is redacted like every other output
+    return {"source": "rlcore", "event": event, "time": time.time(), **redact_json(summary)}
 
 
 def request_target(url: str) -> tuple[str, dict[str, str]]:

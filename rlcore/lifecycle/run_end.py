@@ -44,9 +44,11 @@ def flow_run_ui_url(flow_run_id: str) -> str | None:
 def config_of(parameters: dict[str, Any]) -> Config | None:
     """The pipeline's config as its flow run's parameters give it (the tiny example's model and data
     paths aside, which tracking and the webhook do not depend on); None when it does not load."""
+    from rlcore.lifecycle.flow_secrets import unseal
     from rlcore.lifecycle.stages import load_pipeline_config
 
     try:
+        parameters = unseal(parameters)  # the secrets Prefect stores redacted, from this process's environment
         return load_pipeline_config(parameters.get("config_path"), list(parameters.get("overrides") or []),
                                     parameters.get("data_path"))
     except Exception as err:  # noqa: BLE001 - the run may have failed for exactly this

@@ -43,6 +43,8 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from rlcore.redact import redact_text
+
 from ._worker import Row, score_row
 from .registry import load_reward_fn, resolve_spec
 
@@ -275,7 +277,8 @@ class RewardScorer:
                 n_errors += 1
                 message, tb = payload
             if first_error is None:
-                first_error = f"{message} (item {i}, data_source={items[i].data_source!r})"
+                # user code's text: redacted as it enters (it becomes a metric, a log line, an error)
+                first_error = redact_text(f"{message} (item {i}, data_source={items[i].data_source!r})")
                 first_tb = tb
         if first_error is not None:
             log.warning(

@@ -6,10 +6,11 @@ batch), not reported back by the workers.
 What a person debugging a run reads: for `trainer.trace_samples` trajectories per step (evenly
 spread over the batch), the conversation itself: the prompt, the model's text of every turn, each
 tool call's name, arguments and result (or, without an agent, the response), each text with its
-secrets redacted (credentials in URLs and values under secret-looking keys, `rlcore.redact`, and
-those values wherever else they appear in the record, such as the model's text of the call) and
-cut to `trainer.trace_max_chars`. The other samples keep
-their ids, ranks, reward and per-turn counts only. `rlcore trace RUN_DIR` prints one
+secrets redacted (`rlcore.redact`'s policy: credentials in URLs, API keys and tokens in known
+formats, the values of secret environment variables, values under secret-looking keys, and those
+values wherever else they appear in the record, such as the model's text of the call) and cut to
+`trainer.trace_max_chars`; every other string of a record (a tool's error) is redacted too. The
+other samples keep their ids, ranks, reward and per-turn counts only. `rlcore trace RUN_DIR` prints one
 (`format_trajectory`).
 
 Validation is recorded the same way in val_trace.jsonl beside it (so trace.jsonl keeps one record
@@ -212,13 +213,15 @@ def step_record(step: int, off_policy: str, step_trace: dict[str, Any] | None, m
     step_trace = step_trace or {}
     phases = step_trace.get("phases") or {k[5:-2]: v for k, v in metrics.items()
                                           if k.startswith("time/") and k.endswith("_s")}
-    return {
+    # the texts were redacted before they were cut; every other string (a tool's error, a host
+    # name) is redacted here: no secret reaches the file, whichever field carries it
+    return redact_tree({
         "step": step,
         "off_policy": off_policy,
         "phases": {name: {"s": secs, "role": PHASE_ROLES.get(name)} for name, secs in phases.items()},
         "workers": workers,
         "samples": conversation_fields(step_trace.get("samples", []), conversations, max_chars),
-    }
+    })
 
 
 def validation_record(step: int, samples: list[dict[str, Any]], conversations: int = 0,

@@ -65,6 +65,7 @@ URL = re.compile(r"^(?P<scheme>[A-Za-z][A-Za-z0-9+.\-]*://)(?P<authority>[^/?#]*
                  r"(?:\?(?P<query>[^#]*))?(?:#(?P<fragment>.*))?$", re.DOTALL)
 # A URL inside free text ends at whitespace, quotes or angle brackets.
 URL_IN_TEXT = re.compile(r"[A-Za-z][A-Za-z0-9+.\-]*://[^\s'\"<>`]+")
+URL_TRAILING_PUNCTUATION = ".,;:!?)]}"  # after a URL in prose: the sentence's, not the URL's
 # A PEM private key block (to the end of the text when cut before its END line).
 PEM_PRIVATE_KEY = re.compile(r"-----BEGIN [A-Z0-9 ]*PRIVATE KEY-----.*?(?:-----END [A-Z0-9 ]*PRIVATE KEY-----|\Z)",
                              re.DOTALL)
@@ -147,6 +148,14 @@ def redact_url(url: str) -> str:
     return out
 
 
+def _redact_url_in_text(m: re.Match[str]) -> str:
+    """A URL found in prose, redacted without the punctuation that ends its sentence or clause
+    (`...?token=abc:` keeps its colon, and redacting the result again changes nothing)."""
+    url = m.group(0)
+    core = url.rstrip(URL_TRAILING_PUNCTUATION)
+    return redact_url(core) + url[len(core):]
+
+
 def redact_secret(value: Any) -> str:
     """A secret value as it may be shown: a URL keeps its scheme and host (`https://host/***`),
     anything else is `***`. Unset (None, or its flattened forms "None", "null", "") stays as it
@@ -227,7 +236,7 @@ def redact_text(text: str) -> str:
     if "PRIVATE KEY-----" in text:
         text = PEM_PRIVATE_KEY.sub(REDACTED, text)
     if "://" in text:
-        text = URL_IN_TEXT.sub(lambda m: redact_url(m.group(0)), text)
+        text = URL_IN_TEXT.sub(_redact_url_in_text, text)
     lower = None
     for name, hints, pattern in KEY_FORMATS:
         if hints:

@@ -580,3 +580,9 @@ def test_served_pipeline_keeps_secrets_out_of_prefect(prefect_api, receiver, tin
     [failed] = [s for s in json.loads(outputs["flow run states"]) if s["type"] == "FAILED"]
     assert "/nonexistent/***/***.parquet" in failed["message"]
     assert "/nonexistent/***/***.parquet" in outputs["task runs"] and "/nonexistent/***/***.parquet" in outputs["logs"]
+
+
+def test_a_url_in_prose_keeps_its_sentence_punctuation_and_redacting_twice_changes_nothing():
+    for text in ("see https://u:p@h/x?token=abc: then", "at http://a:b@h:1/?t=1.", "(http://u:p@h/?k=v), next"):
+        once = redact_text(text)
+        assert once == redact_text(once) and "p@" not in once and once[-1] == text[-1], once

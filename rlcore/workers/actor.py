@@ -36,6 +36,7 @@ from rlcore.workers.loops import (
     run_update,
 )
 from rlcore.workers.lora import Adapter, apply_lora, parameter_counts
+from rlcore.workers.memory import resolve_budget, role_budget
 from rlcore.workers.optim import build_optimizer, build_scheduler
 from rlcore.workers.packed import forward_token_metrics
 from rlcore.workers.parallel.apply import apply_role_layout
@@ -115,6 +116,7 @@ class ActorWorker(Worker):
         self.optimizer: torch.optim.Optimizer | None = None
         self.scheduler: torch.optim.lr_scheduler.LRScheduler | None = None
         self.adapter: Adapter | None = None
+        self.budget = role_budget(config, "actor")  # `actor.max_tokens_per_micro_batch: auto`, sized on first use
 
     def setup(self, model_path: str | None = None, adapter_dir: str | None = None) -> None:
         """Load the model (`model.path`, or a checkpoint's); with `actor.lora`, add the adapter
@@ -146,7 +148,8 @@ class ActorWorker(Worker):
 
     @property
     def settings(self) -> UpdateSettings:
-        return UpdateSettings.of(self.config.actor, self.config.model.shares_prompts)
+        budget = resolve_budget(self.budget, self.config, "actor", self.device, self.model, self.optimizer)
+        return UpdateSettings.of(self.config.actor, self.config.model.shares_prompts, budget)
 
     @register(dispatch=Dispatch.DP_BALANCED)
     def compute_log_prob(self, batch: Batch) -> Batch:
@@ -218,7 +221,8 @@ class ActorWorker(Worker):
         return self.world_size // self.ranks_per_shard
 
     def _step_metrics(self, result: UpdateResult) -> dict[str, float]:
-        return {"actor/grad_norm": result.grad_norm, "actor/lr": self.trained.lr, "actor/bad_updates": float(result.skipped_steps),
+        return {**result.peak_metrics("actor"),
+                "actor/grad_norm": result.grad_norm, "actor/lr": self.trained.lr, "actor/bad_updates": float(result.skipped_steps),
                 "actor/param_norm": result.param_norm, "actor/param_norm_growth": result.param_norm_growth,
                 "actor/nonfinite_state": result.nonfinite_state,
                 "actor/trainable_params": float(self.param_counts[0]), "actor/total_params": float(self.param_counts[1])}
@@ -287,6 +291,7 @@ class ReferenceWorker(Worker):
         self.ranks_per_shard = config.layout_of("ref").ranks_per_shard  # `ref.layout`, else the actor's
         self.device = resolve_device(config.trainer.device)
         self.model: nn.Module | None = None
+        self.budget = role_budget(config, "ref")  # the actor's key; sized for a forward on this worker's device
 
     def setup(self, model_path: str | None = None) -> None:
         cfg = self.config
@@ -297,5 +302,6 @@ class ReferenceWorker(Worker):
     @register(dispatch=Dispatch.DP_BALANCED)
     def compute_ref_log_prob(self, batch: Batch) -> Batch:
         log_probs = PolicyLogProbs.of(self.config)
-        micro = MicroBatching.of(self.config.actor, self.config.model.shares_prompts)
+        budget = resolve_budget(self.budget, self.config, "ref", self.device, self.model)
+        micro = MicroBatching.of(self.config.actor, self.config.model.shares_prompts, budget)
         return log_probs.no_grad(self.model, batch, "ref_log_probs", micro, self.device)

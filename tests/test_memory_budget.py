@@ -6,6 +6,7 @@ stand-in that raises torch's CUDA out-of-memory error (there is no GPU here to r
 
 from __future__ import annotations
 
+import gc
 import logging
 import math
 from pathlib import Path
@@ -395,3 +396,27 @@ def test_plan_shows_the_colocated_run_with_the_engine_as_rollout_sleep_leaves_it
     lines = render_colocated(report)
     assert lines[0].startswith(f"all roles on all 8 devices at once (one Ray pool; the rollout {'asleep' if asleep else 'awake'}")
     assert lines[1] == f"  {result.why}"
+
+
+def test_a_role_leaves_room_for_what_every_trained_model_of_its_process_still_allocates():
+    """`pending_bytes`: the gradients and AdamW moments not made yet of the trained models its
+    workers registered (so the actor's `auto` budget leaves room for the critic's first step)."""
+    from rlcore.workers.memory import bytes_to_come, pending_bytes, track_trained
+
+    before = pending_bytes(CPU)  # other tests' workers in this process, if any are still alive
+    actor, critic = torch.nn.Linear(10, 10), torch.nn.Linear(10, 4)  # 440 and 176 bytes of float32 parameters
+    actor_opt = torch.optim.AdamW(actor.parameters())
+    track_trained(actor, actor_opt)
+    track_trained(critic, torch.optim.AdamW(critic.parameters()))
+    assert bytes_to_come(actor, actor_opt, CPU) == 3 * 440  # gradients and two moments to come
+    assert bytes_to_come(actor, None, CPU) == 3 * 440       # no optimizer yet: its moments still come
+    assert pending_bytes(CPU) - before == 3 * 440 + 3 * 176
+    actor(torch.ones(1, 10)).sum().backward()
+    actor_opt.step()  # its first step: gradients and state now exist, nothing more to come
+    assert pending_bytes(CPU) - before == 3 * 176
+    assert pending_bytes(CPU, also=(actor, actor_opt)) - before == 3 * 176  # counted once
+    frozen = torch.nn.Linear(10, 10).requires_grad_(False)
+    assert pending_bytes(CPU, also=(frozen, None)) - before == 3 * 176  # a forward-only model allocates nothing
+    del critic
+    gc.collect()
+    assert pending_bytes(CPU) - before == 0  # a model gone is forgotten

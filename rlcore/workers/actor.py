@@ -36,7 +36,7 @@ from rlcore.workers.loops import (
     run_update,
 )
 from rlcore.workers.lora import Adapter, apply_lora, parameter_counts
-from rlcore.workers.memory import resolve_budget, role_budget
+from rlcore.workers.memory import resolve_budget, role_budget, track_trained
 from rlcore.workers.optim import build_optimizer, build_scheduler
 from rlcore.workers.packed import forward_token_metrics
 from rlcore.workers.parallel.apply import apply_role_layout
@@ -137,6 +137,7 @@ class ActorWorker(Worker):
         self.optimizer = build_optimizer(self.model, cfg.actor.optim)
         self.scheduler = build_scheduler(self.optimizer, cfg.actor.optim, cfg.trainer.total_steps)
         self.policy_loss = get_policy_loss(cfg.actor.policy_loss)
+        track_trained(self.model, self.optimizer)  # other roles' `auto` micro-batches leave room for its first step
 
     @property
     def trained(self) -> Trainable:

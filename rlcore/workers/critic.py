@@ -33,7 +33,7 @@ from rlcore.workers.loops import (
     run_update,
 )
 from rlcore.workers.lora import Adapter, apply_lora, parameter_counts
-from rlcore.workers.memory import MicroBudget, resolve_budget, role_budget
+from rlcore.workers.memory import MicroBudget, resolve_budget, role_budget, track_trained
 from rlcore.workers.optim import build_optimizer, build_scheduler
 from rlcore.workers.packed import forward_token_metrics
 from rlcore.workers.parallel.apply import apply_role_layout
@@ -115,6 +115,7 @@ class CriticWorker(Worker):
         self.model = apply_role_layout(model, cfg, "critic", self.device, mixed_precision=precision)  # TP / SP, FSDP2
         self.optimizer = build_optimizer(self.model, cfg.critic.optim)
         self.scheduler = build_scheduler(self.optimizer, cfg.critic.optim, cfg.trainer.total_steps)
+        track_trained(self.model, self.optimizer)  # other roles' `auto` micro-batches leave room for its first step
 
     @property
     def trained(self) -> Trainable:

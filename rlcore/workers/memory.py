@@ -21,6 +21,7 @@ import gc
 import json
 import logging
 import math
+import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -244,17 +245,44 @@ def bytes_to_come(model: nn.Module, optimizer: torch.optim.Optimizer | None, dev
     return total
 
 
+# The trained models of this process (weakly held): a role sizing its micro-batches leaves room for
+# what every one of them still allocates, so roles sharing a process and its device (the in-process
+# backend, colocated Ray roles) do not each count on the same free memory. Roles in other
+# processes on the same device are not seen; their memory counts once it is allocated.
+_TRAINED: list[tuple[weakref.ref[nn.Module], Callable[[], torch.optim.Optimizer | None]]] = []
+
+
+def track_trained(model: nn.Module, optimizer: torch.optim.Optimizer | None) -> None:
+    """Register a trained role's model and optimizer (its worker's `setup`): see `pending_bytes`."""
+    _TRAINED[:] = [(m, o) for m, o in _TRAINED if m() is not None and m() is not model]
+    _TRAINED.append((weakref.ref(model), weakref.ref(optimizer) if optimizer is not None else lambda: None))
+
+
+def pending_bytes(device: torch.device, also: tuple[nn.Module, torch.optim.Optimizer | None] | None = None) -> int:
+    """What the first optimizer steps of this process's trained models (`track_trained`, and
+    `also`) still allocate on `device` (`bytes_to_come`)."""
+    models: dict[int, tuple[nn.Module, torch.optim.Optimizer | None]] = {}
+    for model_ref, optimizer_ref in _TRAINED:
+        model = model_ref()
+        if model is not None:
+            models[id(model)] = (model, optimizer_ref())
+    if also is not None:
+        models.setdefault(id(also[0]), also)
+    return sum(bytes_to_come(model, optimizer, device) for model, optimizer in models.values())
+
+
 def choose_micro_batch(key: str, device: torch.device, cost: Callable[[], ActivationCost], *, trains: bool, model: nn.Module,
                        optimizer: torch.optim.Optimizer | None = None) -> MicroBatchChoice:
-    """`size_micro_batch` for a loaded role on `device`: its free memory now, what its first step
-    still allocates (`bytes_to_come`), the per-token and fixed bytes of `cost()` (read only on a
-    device). The ranks of a group take the smallest of their choices, so every rank packs alike."""
+    """`size_micro_batch` for a loaded role on `device`: its free memory now, what the first steps
+    of this process's trained models (this one's too when `trains`) still allocate
+    (`pending_bytes`), the per-token and fixed bytes of `cost()` (read only on a device). The ranks
+    of a group take the smallest of their choices, so every rank packs alike."""
     memory = device_memory(device)
     if memory is None:
         return size_micro_batch(key, device=device.type)
     activations = cost()
     choice = size_micro_batch(key, device=str(device), total=memory.total, available=memory.free,
-                              to_come=bytes_to_come(model, optimizer, device) if trains else 0,
+                              to_come=pending_bytes(device, (model, optimizer) if trains else None),
                               per_token=activations.per_token(trains), fixed=activations.fixed())
     smallest = -max_over_ranks(-choice.tokens, device)
     if smallest != choice.tokens:
@@ -357,6 +385,6 @@ def resolve_budget(budget: MicroBudget | None, config: Config, role: Literal["ac
 __all__ = [
     "CPU_MICRO_BATCH_TOKENS", "GRANULE", "MAX_AUTO_TOKENS", "MIN_AUTO_TOKENS", "SAFETY_MARGIN", "ActivationCost",
     "DeviceMemory", "MicroBatchChoice", "MicroBudget", "PeakMeter", "SleepDecision", "bytes_to_come",
-    "choose_micro_batch", "device_memory", "resolve_budget", "role_budget", "role_cost", "role_trains", "size_micro_batch",
-    "sleep_decision",
+    "choose_micro_batch", "device_memory", "pending_bytes", "resolve_budget", "role_budget", "role_cost", "role_trains", "size_micro_batch",
+    "sleep_decision", "track_trained",
 ]

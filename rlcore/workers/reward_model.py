@@ -49,7 +49,7 @@ from rlcore.workers.loops import (
     value_stats,
 )
 from rlcore.workers.lora import Adapter, apply_lora, merge_adapter, parameter_counts
-from rlcore.workers.memory import MicroBudget, resolve_budget, role_budget
+from rlcore.workers.memory import MicroBudget, resolve_budget, role_budget, track_trained
 from rlcore.workers.optim import build_optimizer, build_scheduler
 from rlcore.workers.packed import forward_token_metrics
 from rlcore.workers.parallel.apply import apply_role_layout
@@ -296,6 +296,7 @@ class RewardModelWorker(Worker):
                                       forward_methods=SCORE_FORWARD_METHODS)
             self.optimizer = build_optimizer(model, cfg.reward_model.optim)
             self.scheduler = build_scheduler(self.optimizer, cfg.reward_model.optim, cfg.trainer.total_steps)
+            track_trained(model, self.optimizer)
         else:
             model.requires_grad_(False)
             model = apply_role_layout(model, cfg, ROLE, self.device, forward_methods=SCORE_FORWARD_METHODS)

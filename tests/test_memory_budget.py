@@ -420,3 +420,24 @@ def test_a_role_leaves_room_for_what_every_trained_model_of_its_process_still_al
     del critic
     gc.collect()
     assert pending_bytes(CPU) - before == 0  # a model gone is forgotten
+
+
+def test_the_sleep_decision_weighs_the_update_at_the_largest_micro_batch_a_later_step_may_pack():
+    """Step 1's responses may be short: the peak it measured is grown to the micro-batch the
+    budget and the config's length limits allow, before the engine is kept awake beside it."""
+    from rlcore.trainer.rollout_parts import update_peak_bytes
+    from rlcore.workers.loops import UpdateResult
+    from rlcore.workers.memory import largest_micro_batch
+
+    config = load_config(None, ["model.path=m", "data.train_files=[t]", "data.max_prompt_length=32", "rollout.max_new_tokens=96"])
+    assert largest_micro_batch(config, dynamic=True, max_tokens=8192, rows_per_micro=64, mini_rows=16) == 16 * 128
+    assert largest_micro_batch(config, dynamic=True, max_tokens=1024, rows_per_micro=64, mini_rows=16) == 1024
+    assert largest_micro_batch(config, dynamic=False, max_tokens=8192, rows_per_micro=4, mini_rows=16) == 4 * 128
+    result = UpdateResult(loss=0.0, grad_norm=0.0, skipped_steps=0, metrics={}, device_peak=10 * GIB, largest_micro_tokens=1000)
+    metrics = result.peak_metrics("actor", most_tokens=3000, per_token=MIB)
+    assert metrics == {"memory/actor_update_device_peak_gib": 10.0, "memory/actor_update_device_bound_gib": 10.0 + 2000 / 1024}
+    assert UpdateResult(loss=0.0, grad_norm=0.0, skipped_steps=0, metrics={}).peak_metrics("actor", 3000, MIB) == {}  # CPU
+    critic = {"memory/critic_update_device_peak_gib": 4.0, "memory/critic_update_device_bound_gib": 30.0}
+    assert update_peak_bytes({**metrics, **critic}) == 30 * GIB  # the largest bound of any role
+    assert update_peak_bytes({"memory/actor_update_device_peak_gib": 12.0}) == 12 * GIB
+    assert update_peak_bytes({"actor/pg_loss": 1.0}) is None

@@ -161,3 +161,15 @@ def test_engine_sleeps_after_generation_and_wakes_before_weight_sync(tiny_exampl
         assert train_calls == ["generate_sequences", "update_weights"] * 2
     assert "sleep" not in calls[len(train_calls):]  # validation generates right after a sync, awake
     assert not any(k.startswith("memory/") for h in history for k in h)  # CPU: nothing to measure
+
+
+def test_auto_weighs_the_bound_a_later_step_may_reach_not_only_step_ones_peak(caplog):
+    engine = _EngineOnAGpu(released=2 * GIB, total=140 * GIB)
+    sleep = RolloutSleep(WorkerGroups(rollout=engine), "auto")  # type: ignore[arg-type]
+    with caplog.at_level(logging.INFO, logger="rlcore.trainer.rollout_parts"):
+        sleep.after_generation(Timer(device_memory=False))
+        sleep.wake(Timer(device_memory=False))
+        sleep.after_update({"memory/actor_update_device_peak_gib": 60.0, "memory/actor_update_device_bound_gib": 130.0})
+    assert sleep.enabled  # 60 GiB measured would fit beside the engine; 130 GiB at full micro-batches does not
+    assert ("the update's peak 130.0 GiB (measured in step 1, grown to the largest micro-batch a step may pack) + the "
+            "engine's 2.0 GiB") in caplog.text

@@ -94,9 +94,11 @@ def rollout_on_cpu(config: Config) -> bool:
 
 
 def update_peak_bytes(metrics: dict[str, float]) -> int | None:
-    """The largest device-wide update peak the trained roles reported this step
-    (`memory/<role>_update_device_peak_gib`, CUDA only), in bytes; None when none did."""
-    peaks = [v for k, v in metrics.items() if k.startswith("memory/") and k.endswith("_update_device_peak_gib")]
+    """The largest device-wide update peak the trained roles reported this step (CUDA only), in
+    bytes: each role's bound (`memory/<role>_update_device_bound_gib`: its measured peak grown to
+    the largest micro-batch a later step may pack), else its measured peak; None when none did."""
+    peaks = [v for k, v in metrics.items() if k.startswith("memory/") and k.endswith("_update_device_bound_gib")]
+    peaks = peaks or [v for k, v in metrics.items() if k.startswith("memory/") and k.endswith("_update_device_peak_gib")]
     return int(max(peaks) * 2**30) if peaks else None
 
 
@@ -106,7 +108,8 @@ class RolloutSleep:
 
     `rollout.sleep=auto` on a shared GPU (`sleep_mode`): the first step sleeps, the rollout workers
     report the bytes sleeping released and the device's size, the trained roles the update's
-    device-wide peak (`memory/*_update_device_peak_gib`); `after_update` then decides once, with
+    device-wide peak grown to the largest micro-batch a later step may pack, as responses grow
+    (`memory/*_update_device_bound_gib`); `after_update` then decides once, with
     `sleep_decision`, whether later steps keep the engine awake, and logs it with the numbers."""
 
     def __init__(self, groups: WorkerGroups, mode: SleepMode, reason: str = "") -> None:
@@ -142,8 +145,9 @@ class RolloutSleep:
             log.info("rollout.sleep=auto: the engine keeps sleeping through the update (no device measurement of the "
                      "update's peak or the engine's memory this step)")
             return
+        grown = any(k.endswith("_update_device_bound_gib") for k in metrics)
         decision = sleep_decision(total=total, engine_bytes=int(self.released.get("released_bytes", 0)), update_peak=peak,
-                                  source="measured in step 1")
+                                  source="measured in step 1" + (", grown to the largest micro-batch a step may pack" if grown else ""))
         log.info(decision.reason)
         if not decision.sleep:
             self.mode, self.enabled = "never", False

@@ -36,7 +36,7 @@ from rlcore.workers.loops import (
     run_update,
 )
 from rlcore.workers.lora import Adapter, apply_lora, parameter_counts
-from rlcore.workers.memory import resolve_budget, role_budget, track_trained
+from rlcore.workers.memory import largest_micro_batch, resolve_budget, role_budget, role_cost, track_trained
 from rlcore.workers.optim import build_optimizer, build_scheduler
 from rlcore.workers.packed import forward_token_metrics
 from rlcore.workers.parallel.apply import apply_role_layout
@@ -172,7 +172,7 @@ class ActorWorker(Worker):
         objective = PolicyObjective(self.config.actor, self.policy_loss, self.log_probs, self.model)
         rows = self.settings.mini_batch_rows(int(batch.info.get("n", self.config.rollout.n)), self.data_parallel_size)
         result = run_update(self.trained, batch, objective, self.settings, mini_batch_rows=rows, device=self.device)
-        return self._policy_metrics(result)
+        return self._policy_metrics(result, rows)
 
     @register(dispatch=Dispatch.DP_BALANCED)
     def update_actor_on_policy(self, batch: Batch) -> Batch:
@@ -185,11 +185,21 @@ class ActorWorker(Worker):
                              "need the old log-probs of before the first step (actor.recompute_old_log_prob=always)")
         objective = PolicyObjective(self.config.actor, self.policy_loss, self.log_probs, self.model, old_from_current=True)
         result = run_update(self.trained, batch, objective, self.settings, mini_batch_rows=len(batch), device=self.device)
-        return Batch(tensors=result.outputs, info={"metrics": self._policy_metrics(result)})
+        return Batch(tensors=result.outputs, info={"metrics": self._policy_metrics(result, len(batch))})
 
-    def _policy_metrics(self, result: UpdateResult) -> dict[str, float]:
+    def _policy_metrics(self, result: UpdateResult, mini_rows: int) -> dict[str, float]:
         return {**{f"actor/{k}": v for k, v in result.metrics.items()}, "actor/pg_loss": result.loss, **self._step_metrics(result),
-                **forward_token_metrics("actor", self.model, self.device)}
+                **self._peak_metrics(result, mini_rows), **forward_token_metrics("actor", self.model, self.device)}
+
+    def _peak_metrics(self, result: UpdateResult, mini_rows: int) -> dict[str, float]:
+        """The update's device peak (CUDA), and that peak grown to the largest micro-batch a later
+        RL step may pack (`largest_micro_batch`): what `rollout.sleep=auto` weighs."""
+        if result.device_peak is None:
+            return {}
+        micro = self.settings.micro
+        most = largest_micro_batch(self.config, dynamic=micro.dynamic, max_tokens=micro.max_tokens, rows_per_micro=micro.size,
+                                   mini_rows=mini_rows)
+        return result.peak_metrics("actor", most, role_cost(self.config, "actor").per_token())
 
     @register(dispatch=Dispatch.DP_COMPUTE)
     def update_preference(self, batch: Batch) -> dict[str, float]:

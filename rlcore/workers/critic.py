@@ -33,7 +33,7 @@ from rlcore.workers.loops import (
     run_update,
 )
 from rlcore.workers.lora import Adapter, apply_lora, parameter_counts
-from rlcore.workers.memory import MicroBudget, resolve_budget, role_budget, track_trained
+from rlcore.workers.memory import MicroBudget, largest_micro_batch, resolve_budget, role_budget, role_cost, track_trained
 from rlcore.workers.optim import build_optimizer, build_scheduler
 from rlcore.workers.packed import forward_token_metrics
 from rlcore.workers.parallel.apply import apply_role_layout
@@ -142,8 +142,12 @@ class CriticWorker(Worker):
         result = run_update(self.trained, batch, objective, self.settings, mini_batch_rows=rows, device=self.device)
         out = {f"critic/{k}": v for k, v in result.metrics.items()}
         out.update({"critic/vf_loss": result.loss, "critic/grad_norm": result.grad_norm, "critic/bad_updates": float(result.skipped_steps),
-                    "critic/trainable_params": float(self.param_counts[0]), "critic/total_params": float(self.param_counts[1]),
-                    **result.peak_metrics("critic")})
+                    "critic/trainable_params": float(self.param_counts[0]), "critic/total_params": float(self.param_counts[1])})
+        if result.device_peak is not None:  # CUDA: what `rollout.sleep=auto` weighs (see ActorWorker._peak_metrics)
+            micro = self.settings.micro
+            most = largest_micro_batch(self.config, dynamic=micro.dynamic, max_tokens=micro.max_tokens,
+                                       rows_per_micro=micro.size, mini_rows=rows)
+            out.update(result.peak_metrics("critic", most, role_cost(self.config, "critic").per_token()))
         out.update(forward_token_metrics("critic", self.model, self.device))
         return out
 

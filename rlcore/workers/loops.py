@@ -202,9 +202,18 @@ class UpdateResult:
     outputs: dict[str, torch.Tensor] = field(default_factory=dict)  # `MicroLoss.outputs` by batch row (last epoch's)
     device_peak: int | None = None  # CUDA: the update's device-wide peak bytes (`PeakMeter`); None elsewhere
 
-    def peak_metrics(self, role: str) -> dict[str, float]:
-        """`memory/<role>_update_device_peak_gib` on CUDA (what `rollout.sleep=auto` weighs); nothing elsewhere."""
-        return {} if self.device_peak is None else {f"memory/{role}_update_device_peak_gib": self.device_peak / 2**30}
+    largest_micro_tokens: int = 0  # the most tokens one micro-batch of this update held
+
+    def peak_metrics(self, role: str, most_tokens: int = 0, per_token: float = 0.0) -> dict[str, float]:
+        """On CUDA (nothing elsewhere): `memory/<role>_update_device_peak_gib`, the measured peak, and
+        `memory/<role>_update_device_bound_gib`, that peak grown to a micro-batch of `most_tokens`
+        (the most a later step's micro-batch may hold) at `per_token` bytes each: what
+        `rollout.sleep=auto` weighs, as responses grow after the step it measured."""
+        if self.device_peak is None:
+            return {}
+        growth = max(0, most_tokens - self.largest_micro_tokens) * per_token
+        return {f"memory/{role}_update_device_peak_gib": self.device_peak / 2**30,
+                f"memory/{role}_update_device_bound_gib": (self.device_peak + growth) / 2**30}
 
 
 def run_update(
@@ -225,13 +234,15 @@ def run_update(
     stats = RankSummedMeans()
     outputs: dict[str, torch.Tensor] = {}
     taken: list[dict[str, float]] = []
-    skipped = 0
+    skipped = largest = 0
     with PeakMeter(device) as meter:
         for _ in range(settings.epochs):
             first = 0
             for mini in batch.split(mini_batch_rows):
-                step, micro = _step_on(trained, mini, objective, settings, device, lengths, stats, RowSink(outputs, first, len(batch)))
+                step, micro, tokens = _step_on(trained, mini, objective, settings, device, lengths, stats,
+                                               RowSink(outputs, first, len(batch)))
                 settings = replace(settings, micro=micro)  # halved after an out-of-memory error in the first step
+                largest = max(largest, tokens)
                 first += len(mini)
                 if step is None:
                     skipped += 1
@@ -251,6 +262,7 @@ def run_update(
         nonfinite_state=nonfinite,
         outputs=outputs,
         device_peak=meter.peak,
+        largest_micro_tokens=largest,
     )
 
 
@@ -263,17 +275,18 @@ def _step_on(
     lengths: Callable[[Batch], torch.Tensor],
     stats: RankSummedMeans,
     sink: RowSink,
-) -> tuple[dict[str, float] | None, MicroBatching]:
+) -> tuple[dict[str, float] | None, MicroBatching, int]:
     """Accumulate the gradient of one mini-batch, clip, step. Returns its rank-summed loss, terms
-    and gradient norm, or None when the step was skipped (every rank decides alike), and the
-    micro-batching it ran with (halved when the first attempt ran out of device memory)."""
+    and gradient norm, or None when the step was skipped (every rank decides alike), the
+    micro-batching it ran with (halved when the first attempt ran out of device memory), and the
+    most tokens one of its micro-batches held."""
     tokens = float(mini["response_mask"].float().sum()) if "response_mask" in mini else 0.0
     counts = GlobalCounts(*global_sums([tokens, float(len(mini))], device))
     micro_loss = objective(mini, counts)
     micro = settings.micro
     while True:
         try:
-            totals, counted = _accumulate(trained, mini, micro_loss, micro, device, lengths, sink)
+            totals, counted, largest = _accumulate(trained, mini, micro_loss, micro, device, lengths, sink)
             break
         except torch.cuda.OutOfMemoryError:
             if not micro.can_shrink():
@@ -287,9 +300,9 @@ def _step_on(
     grad_norm = clip_grad_norm(trained.model.parameters(), settings.grad_clip)
     if not (math.isfinite(summed["loss"]) and torch.isfinite(grad_norm)):
         trained.optimizer.zero_grad(set_to_none=True)
-        return None, micro
+        return None, micro, largest
     trained.optimizer.step()
-    return {**summed, "grad_norm": float(grad_norm)}, micro
+    return {**summed, "grad_norm": float(grad_norm)}, micro, largest
 
 
 def _accumulate(
@@ -300,24 +313,28 @@ def _accumulate(
     device: torch.device,
     lengths: Callable[[Batch], torch.Tensor],
     sink: RowSink,
-) -> tuple[dict[str, float], list[tuple[str, float, float]]]:
+) -> tuple[dict[str, float], list[tuple[str, float, float]], int]:
     """One mini-batch's gradient, from dropped gradients, micro-batch by micro-batch: its summed
-    loss and terms, and the statistics to count (added by the caller once the pass succeeded)."""
+    loss and terms, the statistics to count (added by the caller once the pass succeeded), and the
+    most tokens one micro-batch held."""
     scale = float(distributed_world())  # FSDP averages gradients over ranks; the shares sum to the loss
     trained.optimizer.zero_grad(set_to_none=True)
     totals: dict[str, float] = defaultdict(float)
     counted: list[tuple[str, float, float]] = []
-    for idx in micro.split(lengths(mini), trained.model, device, mini):
+    row_tokens = lengths(mini)
+    largest = 0
+    for idx in micro.split(row_tokens, trained.model, device, mini):
         out = micro_loss(mini.take(idx or [0]))
         (out.loss * (scale if idx else 0.0)).backward()  # empty share: zero-weight pass for FSDP
         if not idx:
             continue
+        largest = max(largest, int(row_tokens[idx].sum()))
         totals["loss"] += float(out.loss.detach())
         for name, value in out.terms.items():
             totals[name] += value
         counted += [(name, total, count) for name, (total, count) in out.stats.items()]
         sink.write(out.outputs, idx)  # rows written again by a retried pass are overwritten
-    return totals, counted
+    return totals, counted, largest
 
 
 @dataclass(frozen=True)

@@ -373,6 +373,17 @@ def role_cost(config: Config, role: Literal["actor", "ref", "critic", "reward_mo
                                        tensor_parallel=layout.tensor_parallel, sequence_parallel=layout.sequence_parallel)
 
 
+def largest_micro_batch(config: Config, *, dynamic: bool, max_tokens: int, rows_per_micro: int, mini_rows: int) -> int:
+    """The most tokens one micro-batch of an RL update may hold in any step: its token budget, or
+    its rows, of sequences at the longest the config allows (prompt and response limits), and no
+    more than a mini-batch's `mini_rows` rows on this rank."""
+    agent = config.rollout.agent
+    longest = config.data.max_prompt_length + (agent.max_total_tokens if agent.enabled else config.rollout.max_new_tokens)
+    if dynamic:
+        return min(max_tokens, mini_rows * longest)
+    return min(rows_per_micro, mini_rows) * longest
+
+
 def resolve_budget(budget: MicroBudget | None, config: Config, role: Literal["actor", "ref", "critic", "reward_model"],
                    device: torch.device, model: nn.Module, optimizer: torch.optim.Optimizer | None = None) -> MicroBudget | None:
     """`budget` chosen for `role`'s loaded `model` on `device` (once; see `choose_micro_batch`)."""

@@ -27,6 +27,7 @@ from rlcore.workers.memory import (
     MIN_AUTO_TOKENS,
     ActivationCost,
     MicroBudget,
+    per_token_text,
     size_micro_batch,
     sleep_decision,
 )
@@ -41,6 +42,10 @@ KEY = "actor.max_tokens_per_micro_batch"
 
 
 # ------------------------------------------------------------------ the micro-batch size, from given numbers
+
+
+def test_bytes_per_token_read_at_their_scale():
+    assert [per_token_text(b) for b in (1.5 * MIB, 12.3 * 1024, 640)] == ["1.50 MiB", "12.3 KiB", "640 bytes"]
 
 
 def test_auto_on_a_cpu_is_the_fixed_default_and_says_why():
@@ -62,7 +67,8 @@ def test_auto_on_a_device_fills_what_is_free_after_what_is_to_come_and_a_margin(
                               per_token=per_token)
     assert choice.tokens == tokens
     assert choice.reason.startswith(f"{KEY}=auto: {tokens:,} tokens on cuda:0")
-    assert f"- 8.0 GiB margin (10% of 80.0 GiB)) / {per_token / MIB:,.2f} MiB of activations per token" in choice.reason
+    assert f"8.0 GiB margin (10% of 80.0 GiB)) / {per_token_text(per_token)} of activations per token" in choice.reason
+    assert ("gradients and optimizer state to come" in choice.reason) == bool(to_come)
     assert ("short of memory" in choice.reason) == (tokens == MIN_AUTO_TOKENS)
     assert ("capped" in choice.reason) == (tokens == MAX_AUTO_TOKENS)
 
@@ -357,8 +363,10 @@ def test_plan_sizes_an_auto_budget_for_the_hardware_with_the_same_function(tmp_p
     expected = size_micro_batch(KEY, device="devices of 2.0 GiB", total=2 * GIB, per_token=cost.per_token(), fixed=cost.fixed(),
                                 available=2 * GIB - static_bytes(actor, parameters, 1))
     assert sized.micro.rows == expected.tokens // 128 and sized.micro.length == 128
-    line = f"{KEY}=auto: {expected.tokens:,} tokens on devices of 2.0 GiB: (2.0 GiB free - 0.0 MiB to come - "
-    assert sized.micro_note is not None and sized.micro_note.startswith(line)
+    line = (f"{KEY}=auto: {expected.tokens:,} tokens on devices of 2.0 GiB: (2.0 GiB free beside its parameters, gradients "
+            f"and AdamW state - 4.0 MiB head chunk - 204.8 MiB margin (10% of 2.0 GiB)) / {per_token_text(cost.per_token())} of "
+            "activations per token")
+    assert sized.micro_note == line
     assert f"  {sized.micro_note}" in render_role(_Result(sized), None)  # type: ignore[arg-type]
 
 

@@ -158,10 +158,10 @@ def size_auto_micro_batch(role: RolePlan, model_config: Any, parameters: int, ha
     static = static_bytes(role, parameters, role.layout.world_size)
     choice = size_micro_batch(role.micro_key, device=f"devices of {gib(hardware.device_memory)}", total=hardware.device_memory,
                               available=hardware.device_memory - static, per_token=cost.per_token(role.trains), fixed=cost.fixed(),
-                              margin=hardware.headroom)
+                              margin=hardware.headroom,
+                              free="free beside its parameters" + (", gradients and AdamW state" if role.trains else ""))
     rows = max(1, choice.tokens // role.micro.length)
-    return replace(role, micro=replace(role.micro, rows=rows), micro_note=choice.reason.replace(" gradients and optimizer state to come",
-                                                                                                  " to come"))
+    return replace(role, micro=replace(role.micro, rows=rows), micro_note=choice.reason)
 
 
 def colocated(config: Config, results: list[RoleResult], rollout: RolloutResult | None, hardware: Hardware) -> Colocated | None:

@@ -130,8 +130,16 @@ class MicroBatchChoice:
     reason: str
 
 
+def per_token_text(size: float) -> str:
+    """Bytes per token as the log lines show them: 1.50 MiB, 12.3 KiB, 640 bytes."""
+    if size >= 2**20:
+        return f"{size / 2**20:,.2f} MiB"
+    return f"{size / 2**10:,.1f} KiB" if size >= 2**10 else f"{size:,.0f} bytes"
+
+
 def size_micro_batch(key: str, *, device: str, total: int = 0, available: int = 0, to_come: int = 0,
-                     per_token: float = 1.0, fixed: int = 0, margin: float = SAFETY_MARGIN) -> MicroBatchChoice:
+                     per_token: float = 1.0, fixed: int = 0, margin: float = SAFETY_MARGIN,
+                     free: str = "free") -> MicroBatchChoice:
     """Tokens per micro-batch for `key: auto`: what the device's `available` bytes hold after the
     bytes still `to_come` (gradients, optimizer state not made yet), the head's `fixed` bytes and a
     `margin` of its `total`, at `per_token` bytes each; a multiple of `GRANULE` between
@@ -141,7 +149,7 @@ def size_micro_batch(key: str, *, device: str, total: int = 0, available: int = 
     shared with the rollout engine, Ray's object store and other processes, none of which a
     free-memory reading at start-up accounts for, and a CPU computes a token no faster in a larger
     micro-batch (a GPU does: fewer, larger kernels), so there is nothing to gain from sizing it up
-    and a run's numbers stay the ones a fixed 8,192 gives."""
+    and a run's numbers stay the ones a fixed 8,192 gives. `free` names `available` in the line."""
     if device == "cpu":
         return MicroBatchChoice(CPU_MICRO_BATCH_TOKENS, f"{key}=auto: {CPU_MICRO_BATCH_TOKENS:,} tokens on the CPU (the fixed "
                                 "default: host memory is shared with the rollout engine and other processes, and a CPU "
@@ -150,8 +158,10 @@ def size_micro_batch(key: str, *, device: str, total: int = 0, available: int = 
     budget = available - to_come - fixed - reserve
     fit = int(budget // per_token) if per_token > 0 else MAX_AUTO_TOKENS
     tokens = min(MAX_AUTO_TOKENS, max(MIN_AUTO_TOKENS, fit // GRANULE * GRANULE))
-    sums = (f"({gib(available)} free - {gib(to_come)} gradients and optimizer state to come - {gib(fixed)} head chunk - "
-            f"{gib(reserve)} margin ({margin:.0%} of {gib(total)})) / {per_token / 2**20:,.2f} MiB of activations per token")
+    terms = [f"{gib(available)} {free}"] + ([f"{gib(to_come)} gradients and optimizer state to come"] if to_come else [])
+    terms += [f"{gib(fixed)} head chunk"] if fixed else []
+    terms += [f"{gib(reserve)} margin ({margin:.0%} of {gib(total)})"]
+    sums = f"({' - '.join(terms)}) / {per_token_text(per_token)} of activations per token"
     short = " (the device is short of memory for this model: at the minimum)" if fit < MIN_AUTO_TOKENS else ""
     capped = f" (capped at {MAX_AUTO_TOKENS:,})" if fit >= MAX_AUTO_TOKENS + GRANULE else ""
     return MicroBatchChoice(tokens, f"{key}=auto: {tokens:,} tokens on {device}{short}{capped}: {sums}")
@@ -395,7 +405,7 @@ def resolve_budget(budget: MicroBudget | None, config: Config, role: Literal["ac
 
 __all__ = [
     "CPU_MICRO_BATCH_TOKENS", "GRANULE", "MAX_AUTO_TOKENS", "MIN_AUTO_TOKENS", "SAFETY_MARGIN", "ActivationCost",
-    "DeviceMemory", "MicroBatchChoice", "MicroBudget", "PeakMeter", "SleepDecision", "bytes_to_come",
-    "choose_micro_batch", "device_memory", "pending_bytes", "resolve_budget", "role_budget", "role_cost", "role_trains", "size_micro_batch",
-    "sleep_decision", "track_trained",
+    "DeviceMemory", "MicroBatchChoice", "MicroBudget", "PeakMeter", "SleepDecision", "bytes_to_come", "choose_micro_batch",
+    "device_memory", "largest_micro_batch", "pending_bytes", "per_token_text", "resolve_budget", "role_budget", "role_cost",
+    "role_trains", "size_micro_batch", "sleep_decision", "track_trained",
 ]

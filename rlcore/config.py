@@ -7,15 +7,19 @@ the key instead of a silently ignored setting.
 from __future__ import annotations
 
 import os
+import logging
 from pathlib import Path
 from typing import Annotated, Any, ClassVar, Literal, get_args
 
 import yaml
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic.functional_validators import BeforeValidator
 
 from rlcore.algorithms import AlgorithmName, AlgorithmTraits, Role, names_where, traits_of
 from rlcore.errors import RLCoreError
 from rlcore.redact import redact_tree
+
+log = logging.getLogger(__name__)
 
 
 class ConfigError(RLCoreError, ValueError):
@@ -172,6 +176,24 @@ def _ranks(value: int) -> int:
 Ranks = Annotated[int, Field(strict=True, ge=1), AfterValidator(_ranks)]
 
 
+def _token_budget(value: Any) -> Any:
+    """A micro-batch token budget: a whole number of tokens (at least 1) or `auto`; else one line."""
+    if value is None or value == "auto":
+        return value
+    if isinstance(value, float) and value.is_integer():
+        value = int(value)
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        text = repr(value)
+        raise ValueError(f"expected a number of tokens (at least 1) or auto, got {text if len(text) <= 40 else text[:32] + '...'}")
+    return value
+
+
+# `*.max_tokens_per_micro_batch`: tokens, or `auto` (sized to the device by its worker, rlcore.workers.memory)
+TokenBudget = Annotated[int | Literal["auto"], BeforeValidator(_token_budget)]
+MICRO_BATCH_AUTO = ("auto: from the device's free memory and the model's activations per token (rlcore.workers.memory), "
+                    "logged once per role, halved once if the role's first step runs out of device memory; 8,192 on a CPU")
+
+
 class LayoutConfig(_Section):
     """How a role's ranks share its work: one device mesh named ("dp", "sp", "tp") whose size is the
     role's world size (the product). Tensor-parallel ranks vary fastest, then sequence-parallel ones,
@@ -236,7 +258,7 @@ class ActorConfig(_Section):
     ppo_mini_batch_size: int = Field(32, ge=1, description="prompts per optimizer step (x rollout.n samples)")
     micro_batch_size: int = Field(64, ge=1, description="samples per forward when dynamic_batch_size is off")
     dynamic_batch_size: bool = True
-    max_tokens_per_micro_batch: int = Field(8192, ge=1)
+    max_tokens_per_micro_batch: TokenBudget = Field("auto", description=f"tokens per packed micro-batch; {MICRO_BATCH_AUTO}")
     policy_loss: str = "vanilla"
     clip_ratio_low: float = Field(0.2, ge=0)
     clip_ratio_high: float = Field(0.2, ge=0)
@@ -383,9 +405,35 @@ class RolloutConfig(_Section):
         "auto", description="with actor.lora: how the trained weights reach the engine. merged: the merged weights "
         "of the adapted modules only (the rest never changes); adapter: the adapter itself, which vLLM applies per "
         "request (vllm backend only). auto: merged")
-    free_memory_when_idle: bool | None = Field(
-        None, description="sleep the engine from after generation until the weight sync; "
-        "default: on when actor and rollout share a GPU (in-process on CUDA, or one GPU pool on Ray)")
+    sleep: Literal["auto", "always", "never"] = Field(
+        "auto", description="the engine sleeps (its weights and KV cache off the GPU) from after generation until the "
+        "weight sync. auto: only where it shares a GPU with the actor (in-process on CUDA, or one GPU pool on Ray) and "
+        "the update would not fit beside it: the first step sleeps and measures the update's peak, later steps keep "
+        "the engine awake when that peak, the engine and a 10% margin fit the device (logged once, with the numbers). "
+        "always / never force it (on a CPU sleeping is a no-op). Older spelling: free_memory_when_idle (true: always, "
+        "false: never)")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _older_sleep_spelling(cls, data: Any) -> Any:
+        """`rollout.free_memory_when_idle`, the older spelling of `rollout.sleep`, read as it (true:
+        always, false: never) with a note; null (a dumped config of an older run) as the default."""
+        if not isinstance(data, dict) or "free_memory_when_idle" not in data:
+            return data
+        data = dict(data)
+        old = data.pop("free_memory_when_idle")
+        if old is None:
+            return data
+        if "sleep" in data:
+            raise ValueError("free_memory_when_idle and sleep are the same setting (the first its older spelling); give "
+                             "sleep alone")
+        if not isinstance(old, bool):
+            raise ValueError(f"free_memory_when_idle (the older spelling of rollout.sleep): expected true or false, got "
+                             f"{str(old)[:40]!r}; use rollout.sleep: auto, always or never")
+        data["sleep"] = "always" if old else "never"
+        log.warning("rollout.free_memory_when_idle=%s is the older spelling of rollout.sleep: read as rollout.sleep=%s",
+                    str(old).lower(), data["sleep"])
+        return data
 
     @model_validator(mode="before")
     @classmethod
@@ -416,7 +464,8 @@ class CriticConfig(_Section):
     ppo_mini_batch_size: int | None = Field(None, ge=1, description="prompts per critic optimizer step; default: actor's")
     micro_batch_size: int | None = Field(None, ge=1, description="samples per forward without dynamic batching; default: actor's")
     dynamic_batch_size: bool | None = Field(None, description="pack micro-batches by token budget; default: actor's")
-    max_tokens_per_micro_batch: int | None = Field(None, ge=1, description="default: actor's")
+    max_tokens_per_micro_batch: TokenBudget | None = Field(None, description="tokens per packed micro-batch (or auto, "
+                                                           "sized on the critic's device); default: actor's")
     cliprange_value: float = Field(0.5, gt=0)
     loss_agg_mode: Literal["token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm"] = "token-mean"
     world_size: Ranks = Field(1, description="ranks of the critic; FSDP2 when > 1 (Ray backend); set by "
@@ -483,7 +532,7 @@ class RewardModelConfig(_Section):
                           "for it after them (on Ray with its own pool they run at once); false: score first")
     micro_batch_size: int = Field(64, ge=1, description="sequences per forward without dynamic batching")
     dynamic_batch_size: bool = True
-    max_tokens_per_micro_batch: int = Field(8192, ge=1)
+    max_tokens_per_micro_batch: TokenBudget = Field("auto", description=f"tokens per packed micro-batch; {MICRO_BATCH_AUTO}")
     world_size: Ranks = Field(1, description="ranks of the reward model (Ray backend); FSDP2 when training with "
                             "> 1; set by reward_model.layout when that is given")
     layout: LayoutConfig | None = Field(
@@ -845,8 +894,8 @@ class Config(_Section):
         if self.trainer.off_policy != "sync" and not self.traits.generates:
             raise ValueError(f"trainer.off_policy={self.trainer.off_policy!r} is not supported by the "
                              f"{self.algorithm.name!r} control flow (no generation to overlap); use trainer.off_policy=sync")
-        if self.trainer.off_policy == "one_step" and self.rollout.free_memory_when_idle:
-            raise ValueError("rollout.free_memory_when_idle=true with trainer.off_policy=one_step: the engine generates the "
+        if self.trainer.off_policy == "one_step" and self.rollout.sleep == "always":
+            raise ValueError("rollout.sleep=always with trainer.off_policy=one_step: the engine generates the "
                              "next batch while the actor trains, so it cannot sleep then (each sleep would wait for that "
                              "generation and undo the overlap); unset one of them")
         return self
@@ -1101,8 +1150,9 @@ class SFTActorConfig(ActorConfig):
         "weight_sync_bucket_mb", "recompute_old_log_prob")
 
     optim: SFTOptimConfig = SFTOptimConfig()
-    max_tokens_per_micro_batch: int = Field(
-        4096, ge=1, description="micro-batches are packed to this many real tokens (a longer sequence goes alone)")
+    max_tokens_per_micro_batch: TokenBudget = Field(
+        4096, description="micro-batches are packed to this many real tokens (a longer sequence goes alone); or "
+        f"{MICRO_BATCH_AUTO}")
 
 
 class SFTHealthConfig(HealthConfig):

@@ -220,8 +220,9 @@ def test_one_step_refuses_a_sleeping_engine_and_never_sleeps_it_by_default(tmp_p
 
     tree = {"model": {"path": "m"}, "data": {"train_files": ["t"]}, "trainer": {"off_policy": "one_step", "device": "cuda"}}
     assert rollout_shares_gpu(config_from_dict(tree)) is False  # in process on a GPU it would sleep in sync mode
-    with pytest.raises(ValueError, match=r"rollout\.free_memory_when_idle=true with trainer\.off_policy=one_step"):
-        config_from_dict({**tree, "rollout": {"free_memory_when_idle": True}})
+    for rollout in ({"sleep": "always"}, {"free_memory_when_idle": True}):  # the key, and its older spelling
+        with pytest.raises(ValueError, match=r"rollout\.sleep=always with trainer\.off_policy=one_step"):
+            config_from_dict({**tree, "rollout": rollout})
 
 
 @pytest.mark.slow  # a child process: ~4 s to start torch

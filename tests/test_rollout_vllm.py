@@ -339,3 +339,34 @@ def test_only_the_expected_chat_template_warmup_warning_is_dropped():
         assert not passes("Chat template warmup failed")
         assert passes("Something else went wrong")
     assert passes("Chat template warmup failed")  # the filter is gone after the engine started
+
+
+class _LLMOnAGpu:
+    """A stand-in for a `vllm.LLM` on a GPU (there is none here; on a CPU sleep is a no-op): it
+    records the sleep and wake calls the engine makes."""
+
+    def __init__(self) -> None:
+        self.calls: list[tuple[str, object]] = []
+
+    def sleep(self, level: int = 1) -> None:
+        self.calls.append(("sleep", level))
+
+    def wake_up(self, tags: list[str] | None = None) -> bool:
+        self.calls.append(("wake_up", tags))
+        return True
+
+
+@pytest.mark.parametrize("level", [1, 2])
+def test_sleep_uses_the_level_the_weight_sync_allows(level):
+    """Level 2 (weights dropped) when every sync sends every weight, level 1 (weights to host
+    memory) when a sync sends only some (LoRA): `rlcore.workers.rollout.vllm_sleep_level`."""
+    llm = _LLMOnAGpu()
+    engine = VLLMRolloutEngine(llm, pad_token_id=PAD, eos_token_ids=[EOS], device="cuda", param_names=["lm_head.weight"],
+                               tied_embeddings=False, sleep_level=level)  # type: ignore[arg-type]
+    engine.sleep()
+    engine.sleep()  # asleep already: nothing more
+    engine.wake()
+    assert llm.calls == [("sleep", level), ("wake_up", None)]
+    with pytest.raises(ValueError, match="sleep_level=3: vLLM's sleep levels are 1"):
+        VLLMRolloutEngine(llm, pad_token_id=PAD, eos_token_ids=[EOS], device="cuda", param_names=[],  # type: ignore[arg-type]
+                          tied_embeddings=False, sleep_level=3)

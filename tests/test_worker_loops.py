@@ -99,7 +99,7 @@ def test_update_is_the_same_however_rows_are_cut_into_micro_batches(micro):
 
 
 def test_non_finite_loss_skips_every_step_and_leaves_the_weights():
-    cfg = ActorConfig()
+    cfg = ActorConfig(max_tokens_per_micro_batch=8192)
     batch = _with_old_log_probs(_policy(), _batch())
     batch["advantages"] = torch.full_like(batch["advantages"], float("nan"))
     trained = _trainable(_policy(), cfg)
@@ -124,7 +124,7 @@ def test_forward_no_grad_writes_each_row_back_and_restores_the_mode():
 
 
 def test_checkpoint_round_trip_with_weights_only_loads(tmp_path):
-    cfg = ActorConfig(optim={"lr": 1e-3, "warmup_steps": 3, "schedule": "cosine"})
+    cfg = ActorConfig(optim={"lr": 1e-3, "warmup_steps": 3, "schedule": "cosine"}, max_tokens_per_micro_batch=8192)
     batch = _with_old_log_probs(_policy(), _batch())
 
     def step(trained: Trainable) -> None:

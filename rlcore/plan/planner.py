@@ -26,8 +26,10 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
+
+import torch
 
 from rlcore.config import Config
 from rlcore.plan.hardware import MAX_DEVICES, Hardware, gib
@@ -35,6 +37,7 @@ from rlcore.plan.models import ModelFacts, config_dict, read_config
 from rlcore.plan.roles import RolePlan, check_micro_batch, role_plans
 from rlcore.plan.rollout import RolloutNeeds, RolloutPlan, plan_rollout, rollout_flops
 from rlcore.plan.simulate import Layout, Peak, simulate, static_bytes
+from rlcore.workers.memory import ActivationCost, size_micro_batch, sleep_decision
 from rlcore.workers.parallel.shapes import plan_source, sequence_parallel_problem, tensor_parallel_problems
 
 MAX_CONFIRMATIONS = 4  # simulations spent confirming predicted fits before the planner gives up on a role
@@ -78,10 +81,12 @@ class Colocated:
     """Every role on all devices at once (one Ray pool, as `ray.pools.default` places them): each
     phase's per-device peak is its role's peak plus what the other roles keep on the device
     meanwhile (trained: parameters, gradients and AdamW state; forward-only: parameters; the rollout:
-    nothing while asleep, `rollout.free_memory_when_idle`, else its weights and KV cache)."""
+    nothing while asleep, else its weights and KV cache). `rollout.sleep: auto` is decided as the run
+    decides it (`rlcore.workers.memory.sleep_decision`), from the planned peaks."""
 
     phases: tuple[tuple[str, int], ...]  # (what runs, per-device bytes)
     rollout_sleeps: bool
+    why: str = ""  # how `rollout.sleep` chose
 
     @property
     def peak(self) -> tuple[str, int]:
@@ -117,6 +122,8 @@ def plan_run(config: Config, hardware: Hardware, *, exact: bool = False, tensor_
         if role.model_path not in configs:
             configs[role.model_path] = read_config(role.model_path, role.model_key)
         facts.append(ModelFacts.of(configs[role.model_path], role.head, role.model_key))
+    plans = [size_auto_micro_batch(role, configs[role.model_path], role_facts.parameters, hardware) if role.micro_auto else role
+             for role, role_facts in zip(plans, facts)]
     rollout_config, rollout_facts = None, None
     if "rollout" in config.present_roles:
         rollout_config = configs.get(config.model.path) or read_config(config.model.path, "model.path")
@@ -139,6 +146,24 @@ def plan_run(config: Config, hardware: Hardware, *, exact: bool = False, tensor_
     return PlanReport(hardware, config, results, rollout, exact, colocated(config, results, rollout, hardware))
 
 
+def size_auto_micro_batch(role: RolePlan, model_config: Any, parameters: int, hardware: Hardware) -> RolePlan:
+    """`role` with its `auto` token budget as its worker would size it on a device of `hardware`
+    (`rlcore.workers.memory.size_micro_batch`, the per-token estimate `ActivationCost`): the device
+    less the role's own parameters, gradients and AdamW state at its configured layout and the
+    plan's headroom. Other roles sharing the device are not subtracted (the colocated summary
+    shows them)."""
+    cost = ActivationCost.of(config_dict(model_config), compute_bytes=2 if role.precision == "bf16" or role.param_dtype == torch.bfloat16 else 4,
+                             checkpointing=role.checkpointing, head=role.head, chunk_tokens=role.chunk_tokens,
+                             tensor_parallel=role.layout.tensor_parallel, sequence_parallel=role.layout.sequence_parallel)
+    static = static_bytes(role, parameters, role.layout.world_size)
+    choice = size_micro_batch(role.micro_key, device=f"devices of {gib(hardware.device_memory)}", total=hardware.device_memory,
+                              available=hardware.device_memory - static, per_token=cost.per_token(role.trains), fixed=cost.fixed(),
+                              margin=hardware.headroom,
+                              free="free beside its parameters" + (", gradients and AdamW state" if role.trains else ""))
+    rows = max(1, choice.tokens // role.micro.length)
+    return replace(role, micro=replace(role.micro, rows=rows), micro_note=choice.reason)
+
+
 def colocated(config: Config, results: list[RoleResult], rollout: RolloutResult | None, hardware: Hardware) -> Colocated | None:
     """The run with every role on all of `hardware`'s devices (see `Colocated`), each role at its
     lowest simulated peak there and the rollout at its smallest fitting tensor-parallel size; None
@@ -150,14 +175,19 @@ def colocated(config: Config, results: list[RoleResult], rollout: RolloutResult 
             return None
         on_all[result.role.role] = min(full, key=lambda t: t.peak.total)
     kept = {role: tried.peak.sharded for role, tried in on_all.items()}  # what a role keeps between its phases
-    sleeps = config.rollout.free_memory_when_idle is not False
     best = rollout.smallest if rollout is not None else None
     awake = best.total if best is not None else 0
-    phases = [(role, tried.peak.total + sum(v for r, v in kept.items() if r != role) + (0 if sleeps else awake))
-              for role, tried in on_all.items()]
+    asleep = [(role, tried.peak.total + sum(v for r, v in kept.items() if r != role)) for role, tried in on_all.items()]
+    mode = config.rollout.sleep
+    sleeps, why = mode == "always", f"rollout.sleep={mode}"
+    if mode == "auto":
+        decision = sleep_decision(total=hardware.device_memory, engine_bytes=awake, margin=hardware.headroom, source="planned",
+                                  update_peak=max((size for _, size in asleep), default=0))
+        sleeps, why = decision.sleep, decision.reason
+    phases = [(role, size + (0 if sleeps else awake)) for role, size in asleep]
     if best is not None:
         phases.append((f"rollout (TP {best.tp})", awake + sum(kept.values())))
-    return Colocated(tuple(phases), sleeps)
+    return Colocated(tuple(phases), sleeps, why)
 
 
 def parallel_shapes(result: RoleResult, model_config: Any, hardware: Hardware, tensor_parallel: list[int] | None = None
@@ -268,4 +298,5 @@ def _smallest_hardware(result: RoleResult, on_all: dict[tuple[int, int], Tried],
     return " ".join(lines)
 
 
-__all__ = ["Colocated", "PlanReport", "RoleResult", "RolloutResult", "Tried", "colocated", "parallel_shapes", "plan_run"]
+__all__ = ["Colocated", "PlanReport", "RoleResult", "RolloutResult", "Tried", "colocated", "parallel_shapes", "plan_run",
+           "size_auto_micro_batch"]

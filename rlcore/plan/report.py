@@ -37,6 +37,8 @@ def _role_header(result: RoleResult) -> str:
 
 def render_role(result: RoleResult, device: str | None) -> list[str]:
     lines = [_role_header(result)]
+    if result.role.micro_note:
+        lines.append(f"  {result.role.micro_note}")
     if result.role.caveat:
         lines.append(f"  note: {result.role.caveat}")
     if result.skipped:
@@ -107,9 +109,10 @@ def render_colocated(report: PlanReport) -> list[str]:
     c, hw = report.colocated, report.hardware
     assert c is not None
     what, peak = c.peak
-    sleep = "asleep (rollout.free_memory_when_idle)" if c.rollout_sleeps else "awake"
+    sleep = "asleep" if c.rollout_sleeps else "awake"
     lines = [f"all roles on all {hw.devices} devices at once (one Ray pool; the rollout {sleep} while the others run): "
-             f"peak {gib(peak)} per device, in the {what} phase: {'fits' if peak <= hw.usable else 'DOES NOT FIT'}"]
+             f"peak {gib(peak)} per device, in the {what} phase: {'fits' if peak <= hw.usable else 'DOES NOT FIT'}",
+             f"  {c.why}"]
     lines += [f"  {phase:<20} {gib(size):>12}" for phase, size in c.phases]
     return lines
 

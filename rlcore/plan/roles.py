@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, replace
-from typing import Any
+from typing import Any, Literal
 
 import torch
 
@@ -22,7 +22,8 @@ from rlcore.plan.hardware import PlanInputError
 from rlcore.plan.models import Head, config_dict
 from rlcore.workers.critic import critic_settings
 from rlcore.workers.loading import compute_precision, trained_dtype
-from rlcore.workers.loops import MicroBatching
+from rlcore.workers.loops import MicroBatching, budget_tokens
+from rlcore.workers.memory import CPU_MICRO_BATCH_TOKENS, MicroBudget, role_budget
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 MAX_MICRO_BATCH_TOKENS = 2**24  # 16M tokens: a sequence or a micro-batch beyond any model's context
@@ -83,6 +84,8 @@ class RolePlan:
     not_planned: str | None = None  # why the planner cannot simulate this role as configured
     lora: bool = False              # LoRA on this role: the workers refuse tensor parallelism with it
     caveat: str | None = None       # what the simulation leaves out (its peak is then an upper bound)
+    micro_auto: bool = False        # its token budget is `auto`: sized for the hardware (`planner.size_auto_micro_batch`)
+    micro_note: str | None = None   # how an `auto` budget was sized
 
     @property
     def sequence_parallel(self) -> int:
@@ -137,6 +140,15 @@ def _micro_key(section: str, micro: MicroBatching, own: Any = None) -> str:
     return f"{section}.{field}"
 
 
+def _placeholder_budget(config: Config, role: Literal["actor", "ref", "critic", "reward_model"]) -> MicroBudget | None:
+    """`role`'s `auto` token budget, standing at the CPU default until the planner sizes it for the
+    hardware (`rlcore.plan.planner.size_auto_micro_batch`, once the model's shape is read)."""
+    budget = role_budget(config, role)
+    if budget is not None:
+        budget.tokens = CPU_MICRO_BATCH_TOKENS
+    return budget
+
+
 def role_plans(config: Config) -> list[RolePlan]:
     """The roles of `config` that hold a model on a device, in `Config.present_roles` order (the
     rollout is planned apart: `rlcore.plan.rollout`)."""
@@ -153,7 +165,8 @@ def role_plans(config: Config) -> list[RolePlan]:
         if role in ("actor", "ref"):
             a = config.actor
             trains = role == "actor"
-            micro = MicroBatching.of(a)
+            budget = _placeholder_budget(config, role)
+            micro = MicroBatching.of(a, budget=budget)
             passes: tuple[tuple[str, int], ...] = (("train", a.ppo_epochs),)
             if traits.generates and not config.old_log_probs_from_update:
                 passes += (("forward", 1),)  # the old log-probs' no-grad pass
@@ -170,10 +183,12 @@ def role_plans(config: Config) -> list[RolePlan]:
                 mini_batch_rows=a.ppo_mini_batch_size * rows_per_example if trains else step_sequences,
                 optim=a.optim if trains else None,
                 compute_entropy=trains and (a.entropy_coeff != 0 or config.old_log_probs_from_update),
-                passes=passes, micro_key=_micro_key("actor", micro), **_limits(config, role, lora.get(role)), **common))
+                passes=passes, micro_key=_micro_key("actor", micro), micro_auto=budget is not None,
+                **_limits(config, role, lora.get(role)), **common))
         elif role == "critic":
             c = config.critic
-            settings = critic_settings(config)
+            budget = _placeholder_budget(config, role)
+            settings = critic_settings(config, budget)
             plans.append(RolePlan(
                 role=role, model_path=c.model_path or config.model.path,
                 model_key="critic.model_path" if c.model_path else "model.path", head="value", trains=True,
@@ -182,11 +197,13 @@ def role_plans(config: Config) -> list[RolePlan]:
                 sp_key=config.layout_key(role, "sequence_parallel"), tp_key=config.layout_key(role, "tensor_parallel"),
                 micro=MicroBatch.of(settings.micro, prompt, response), mini_batch_rows=settings.mini_batch_size * rows_per_example,
                 optim=c.optim, compute_entropy=False, passes=(("forward", 1), ("train", c.ppo_epochs)),
-                micro_key=_micro_key("critic", settings.micro, c), **_limits(config, role, c.lora), **common))
+                micro_key=_micro_key("critic", settings.micro, c), micro_auto=budget is not None,
+                **_limits(config, role, c.lora), **common))
         elif role == "reward_model":
             r = config.reward_model
             trains = "reward_model" in traits.trains
-            micro = MicroBatching(r.micro_batch_size, r.dynamic_batch_size, r.max_tokens_per_micro_batch)
+            budget = _placeholder_budget(config, role)
+            micro = MicroBatching(r.micro_batch_size, r.dynamic_batch_size, budget_tokens(r.max_tokens_per_micro_batch, budget))
             length = min(r.max_length, prompt + response)
             mini = (r.mini_batch_size or config.data.train_batch_size) * 2 if trains else step_sequences
             plans.append(RolePlan(
@@ -199,6 +216,7 @@ def role_plans(config: Config) -> list[RolePlan]:
                 micro=MicroBatch.of(micro, min(prompt, length - 1), length - min(prompt, length - 1)),
                 mini_batch_rows=mini, optim=r.optim if trains else None, compute_entropy=False,
                 passes=(("train", 1),) if trains else (("forward", 1),), micro_key=_micro_key("reward_model", micro),
+                micro_auto=budget is not None,
                 **_limits(config, role, r.lora if trains else None), **common))
     return plans
 

@@ -271,7 +271,12 @@ class VLLMRolloutEngine:
         tied_embeddings: bool,
         weight_bucket_mb: float = 256.0,
         seed: int = 0,
+        sleep_level: int = 1,
     ) -> None:
+        if sleep_level not in (1, 2):
+            raise ValueError(f"sleep_level={sleep_level}: vLLM's sleep levels are 1 (weights to host memory) and 2 "
+                             "(weights dropped: the next weight sync must send every weight)")
+        self.sleep_level = sleep_level
         self.llm = llm
         self.device = torch.device(device)
         self.pad_token_id = int(pad_token_id)
@@ -316,6 +321,7 @@ class VLLMRolloutEngine:
         enable_sleep_mode: bool | None = None,
         block_size: int | None = None,
         weight_bucket_mb: float = 256.0,
+        sleep_level: int = 1,
         lora_rank: int | None = None,
         tensor_parallel_size: int = 1,
         extra: dict[str, Any] | None = None,
@@ -403,6 +409,7 @@ class VLLMRolloutEngine:
             tied_embeddings=tied,
             weight_bucket_mb=weight_bucket_mb,
             seed=seed,
+            sleep_level=sleep_level,
         )
 
     # ------------------------------------------------------------------ generation
@@ -635,13 +642,16 @@ class VLLMRolloutEngine:
         return sorted(n for got in self._pending.values() for n in got)
 
     def sleep(self) -> None:
-        """GPU: vLLM sleep mode level 1 (weights to host memory, KV cache dropped). CPU: no-op."""
+        """GPU: vLLM's sleep mode at `sleep_level`, as vLLM documents its levels: 1 moves the weights to
+        host memory and drops the KV cache (the engine runs the same weights again, or a sync changes
+        only some of them: LoRA's adapted layers, or only an adapter); 2 drops the weights as well (no
+        host copy: right when the next sync sends every weight). CPU: a no-op (sleep mode is GPU-only)."""
         self._finish_sync()
         if self.device.type == "cpu":
             self._warn_once("sleep", "vLLM sleep mode is GPU-only; sleep()/wake() are no-ops on CPU")
             return
         if not self._asleep:
-            self.llm.sleep(level=1)
+            self.llm.sleep(level=self.sleep_level)
             self._asleep = True
 
     def wake(self) -> None:

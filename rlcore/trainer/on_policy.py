@@ -40,7 +40,7 @@ from rlcore.trainer.rollout_parts import (
     Prefetcher,
     RolloutSleep,
     generate,
-    rollout_shares_gpu,
+    sleep_mode,
     sync_weights,
     train_sampling,
 )
@@ -72,7 +72,7 @@ class OnPolicyTrainer:
         self.checkpoints = RunCheckpoints(config, self.run_dir, self.groups, self.algorithm, {
             "train_loader": self.train_loader, "kl_ctrl": self.kl_ctrl, "guard": self.guard, "health": self.health,
             **({"reward_model": self.reward_model} if self.reward_model.enabled else {})})  # its running statistics
-        self.rollout_sleep = RolloutSleep(self.groups, rollout_shares_gpu(config))
+        self.rollout_sleep = RolloutSleep(self.groups, *sleep_mode(config))
         self.prefetcher = Prefetcher(config, self.groups, self.train_loader) if config.trainer.off_policy == "one_step" else None
         self.throughput = StepThroughput.of(config)
         self.log = StepLog(config, self.run_dir, self.algorithm, self.groups, [self.health, *step_hooks])
@@ -148,6 +148,7 @@ class OnPolicyTrainer:
                 critic_metrics = mean_over_ranks(self.critic.update_critic(gen))
         gen, actor_metrics = update_actor(self.groups, gen, timer, on_policy=on_policy)
         sync_weights(self.groups, self.rollout_sleep, timer)
+        self.rollout_sleep.after_update({**critic_metrics, **actor_metrics})  # rollout.sleep=auto decides after step 1
         self.rollout_version = self.step
 
         metrics = {**rl_batch_metrics(gen, timer, step=self.step, max_new_tokens=self.config.rollout.max_new_tokens),

@@ -101,7 +101,7 @@ class PreferenceTrainer:
         timer = Timer()
         out = preference_validation(self.val_loader, self.reference, self.logps, self.config.preference.beta, timer)
         if self.task_validator is not None:
-            sync_weights(self.groups, RolloutSleep(self.groups, enabled=False), timer)
+            sync_weights(self.groups, RolloutSleep(self.groups, "never"), timer)
             out.update(self.task_validator.run(self.groups, self.step, self.step))
         out["time/validate_s"] = sum(timer.seconds.values()) + out.get("time/validate_s", 0.0)
         return out

@@ -6,8 +6,9 @@ Each is a small object or function with one job; a recipe composes the ones it n
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Literal
 
 import numpy as np
 import torch
@@ -18,6 +19,9 @@ from rlcore.data import PromptLoader
 from rlcore.protocol import Batch
 from rlcore.trainer.groups import WorkerGroups, required
 from rlcore.trainer.metrics import Timer
+from rlcore.workers.memory import sleep_decision
+
+log = logging.getLogger(__name__)
 
 
 def sampling_seed(seed: int, step: int) -> int:
@@ -55,12 +59,9 @@ def generate(groups: WorkerGroups, prompts: Batch, sampling: dict[str, Any], pol
 
 
 def rollout_shares_gpu(config: Config) -> bool:
-    """Whether the rollout engine should sleep while the actor trains: `rollout.free_memory_when_idle`,
-    or by default when actor and rollout share GPUs (in-process on CUDA; on Ray, placed on one
-    GPU pool, which includes colocating them in one process). Never in one-step mode: the engine
-    generates the next batch while the actor trains."""
-    if config.rollout.free_memory_when_idle is not None:
-        return config.rollout.free_memory_when_idle
+    """Whether the rollout engine shares a GPU with the actor while the actor trains: in-process on
+    CUDA; on Ray, placed on one GPU pool, which includes colocating them in one process. Never in
+    one-step mode: the engine generates the next batch while the actor trains."""
     if config.trainer.off_policy == "one_step":
         return False
     if config.trainer.backend == "inprocess":
@@ -69,20 +70,63 @@ def rollout_shares_gpu(config: Config) -> bool:
     return pool == config.ray.pool_of("rollout") and config.ray.pools[pool].gpus_per_bundle > 0
 
 
+SleepMode = Literal["always", "never", "auto"]
+
+
+def sleep_mode(config: Config) -> tuple[SleepMode, str]:
+    """How the engine sleeps through the update (`rollout.sleep`), and why: always / never as set;
+    auto: never where it shares no GPU with the actor, else decided by memory (`RolloutSleep`)."""
+    mode = config.rollout.sleep
+    if mode != "auto":
+        return mode, f"rollout.sleep={mode}" + (" (a no-op on a CPU: the engine's memory is host memory)" if rollout_on_cpu(config) else "")
+    if not rollout_shares_gpu(config):
+        where = ("trainer.off_policy=one_step: it generates while the actor trains" if config.trainer.off_policy == "one_step"
+                 else "it runs on a CPU, where sleeping is a no-op" if rollout_on_cpu(config) else "it shares no GPU with the actor")
+        return "never", f"rollout.sleep=auto: the engine stays awake: {where}"
+    return "auto", "rollout.sleep=auto: step 1 sleeps the engine through the update and measures the update's peak"
+
+
+def rollout_on_cpu(config: Config) -> bool:
+    """Whether the rollout engine runs on a CPU (in process: the trainer's device; on Ray: a pool without GPUs)."""
+    if config.trainer.backend == "inprocess":
+        return config.trainer.device == "cpu" or (config.trainer.device == "auto" and not torch.cuda.is_available())
+    return config.ray.pools[config.ray.pool_of("rollout")].gpus_per_bundle == 0
+
+
+def update_peak_bytes(metrics: dict[str, float]) -> int | None:
+    """The largest device-wide update peak the trained roles reported this step (CUDA only), in
+    bytes: each role's bound (`memory/<role>_update_device_bound_gib`: its measured peak grown to
+    the largest micro-batch a later step may pack), else its measured peak; None when none did."""
+    peaks = [v for k, v in metrics.items() if k.startswith("memory/") and k.endswith("_update_device_bound_gib")]
+    peaks = peaks or [v for k, v in metrics.items() if k.startswith("memory/") and k.endswith("_update_device_peak_gib")]
+    return int(max(peaks) * 2**30) if peaks else None
+
+
 class RolloutSleep:
     """Colocated hybrid mode: the engine sleeps (weights and KV cache off the GPU) from after a
-    training generation until the weight sync, so the actor's update has the memory."""
+    training generation until the weight sync, so the actor's update has the memory.
 
-    def __init__(self, groups: WorkerGroups, enabled: bool) -> None:
+    `rollout.sleep=auto` on a shared GPU (`sleep_mode`): the first step sleeps, the rollout workers
+    report the bytes sleeping released and the device's size, the trained roles the update's
+    device-wide peak grown to the largest micro-batch a later step may pack, as responses grow
+    (`memory/*_update_device_bound_gib`); `after_update` then decides once, with
+    `sleep_decision`, whether later steps keep the engine awake, and logs it with the numbers."""
+
+    def __init__(self, groups: WorkerGroups, mode: SleepMode, reason: str = "") -> None:
         self.groups = groups
-        self.enabled = enabled
+        self.mode = mode
+        self.enabled = mode != "never"
         self.asleep = False
+        self.released: dict[str, float] = {}  # the last sleep's numbers (most over the engine's ranks)
+        if reason:
+            log.info(reason)
 
     def after_generation(self, timer: Timer) -> None:
         """Sleep (queued behind any generation still running on the engine)."""
         if self.enabled:
             with timer.phase("rollout_sleep"):
-                required(self.groups.rollout, "rollout").sleep()
+                per_rank = required(self.groups.rollout, "rollout").sleep()
+            self.released = {k: max(float(r.get(k, 0.0)) for r in per_rank) for k in ("released_bytes", "device_total_bytes")}
             self.asleep = True
 
     def wake(self, timer: Timer) -> None:
@@ -90,6 +134,23 @@ class RolloutSleep:
             with timer.phase("rollout_wake"):
                 required(self.groups.rollout, "rollout").wake()
             self.asleep = False
+
+    def after_update(self, metrics: dict[str, float]) -> None:
+        """`auto`: decide once from this step's numbers whether the engine sleeps from now on."""
+        if self.mode != "auto":
+            return
+        self.mode = "always"  # decided once; without measurements it keeps sleeping, and says so
+        peak, total = update_peak_bytes(metrics), int(self.released.get("device_total_bytes", 0))
+        if peak is None or total <= 0:
+            log.info("rollout.sleep=auto: the engine keeps sleeping through the update (no device measurement of the "
+                     "update's peak or the engine's memory this step)")
+            return
+        grown = any(k.endswith("_update_device_bound_gib") for k in metrics)
+        decision = sleep_decision(total=total, engine_bytes=int(self.released.get("released_bytes", 0)), update_peak=peak,
+                                  source="measured in step 1" + (", grown to the largest micro-batch a step may pack" if grown else ""))
+        log.info(decision.reason)
+        if not decision.sleep:
+            self.mode, self.enabled = "never", False
 
 
 def sync_weights(groups: WorkerGroups, sleep: RolloutSleep, timer: Timer) -> None:
@@ -155,6 +216,6 @@ class Prefetcher:
 
 
 __all__ = [
-    "PendingRollout", "Prefetcher", "RolloutSleep", "generate", "rollout_shares_gpu", "sampling_seed",
-    "stamp_policy_version", "sync_weights", "train_sampling", "val_sampling",
+    "PendingRollout", "Prefetcher", "RolloutSleep", "SleepMode", "generate", "rollout_shares_gpu", "sampling_seed",
+    "rollout_on_cpu", "sleep_mode", "stamp_policy_version", "sync_weights", "train_sampling", "update_peak_bytes", "val_sampling",
 ]

@@ -36,6 +36,7 @@ from rlcore.workers.loops import (
     run_update,
 )
 from rlcore.workers.lora import Adapter, apply_lora, parameter_counts
+from rlcore.workers.memory import largest_micro_batch, resolve_budget, role_budget, role_cost, track_trained
 from rlcore.workers.optim import build_optimizer, build_scheduler
 from rlcore.workers.packed import forward_token_metrics
 from rlcore.workers.parallel.apply import apply_role_layout
@@ -115,6 +116,7 @@ class ActorWorker(Worker):
         self.optimizer: torch.optim.Optimizer | None = None
         self.scheduler: torch.optim.lr_scheduler.LRScheduler | None = None
         self.adapter: Adapter | None = None
+        self.budget = role_budget(config, "actor")  # `actor.max_tokens_per_micro_batch: auto`, sized on first use
 
     def setup(self, model_path: str | None = None, adapter_dir: str | None = None) -> None:
         """Load the model (`model.path`, or a checkpoint's); with `actor.lora`, add the adapter
@@ -135,6 +137,7 @@ class ActorWorker(Worker):
         self.optimizer = build_optimizer(self.model, cfg.actor.optim)
         self.scheduler = build_scheduler(self.optimizer, cfg.actor.optim, cfg.trainer.total_steps)
         self.policy_loss = get_policy_loss(cfg.actor.policy_loss)
+        track_trained(self.model, self.optimizer)  # other roles' `auto` micro-batches leave room for its first step
 
     @property
     def trained(self) -> Trainable:
@@ -146,7 +149,8 @@ class ActorWorker(Worker):
 
     @property
     def settings(self) -> UpdateSettings:
-        return UpdateSettings.of(self.config.actor, self.config.model.shares_prompts)
+        budget = resolve_budget(self.budget, self.config, "actor", self.device, self.model, self.optimizer)
+        return UpdateSettings.of(self.config.actor, self.config.model.shares_prompts, budget)
 
     @register(dispatch=Dispatch.DP_BALANCED)
     def compute_log_prob(self, batch: Batch) -> Batch:
@@ -168,7 +172,7 @@ class ActorWorker(Worker):
         objective = PolicyObjective(self.config.actor, self.policy_loss, self.log_probs, self.model)
         rows = self.settings.mini_batch_rows(int(batch.info.get("n", self.config.rollout.n)), self.data_parallel_size)
         result = run_update(self.trained, batch, objective, self.settings, mini_batch_rows=rows, device=self.device)
-        return self._policy_metrics(result)
+        return self._policy_metrics(result, rows)
 
     @register(dispatch=Dispatch.DP_BALANCED)
     def update_actor_on_policy(self, batch: Batch) -> Batch:
@@ -181,11 +185,21 @@ class ActorWorker(Worker):
                              "need the old log-probs of before the first step (actor.recompute_old_log_prob=always)")
         objective = PolicyObjective(self.config.actor, self.policy_loss, self.log_probs, self.model, old_from_current=True)
         result = run_update(self.trained, batch, objective, self.settings, mini_batch_rows=len(batch), device=self.device)
-        return Batch(tensors=result.outputs, info={"metrics": self._policy_metrics(result)})
+        return Batch(tensors=result.outputs, info={"metrics": self._policy_metrics(result, len(batch))})
 
-    def _policy_metrics(self, result: UpdateResult) -> dict[str, float]:
+    def _policy_metrics(self, result: UpdateResult, mini_rows: int) -> dict[str, float]:
         return {**{f"actor/{k}": v for k, v in result.metrics.items()}, "actor/pg_loss": result.loss, **self._step_metrics(result),
-                **forward_token_metrics("actor", self.model, self.device)}
+                **self._peak_metrics(result, mini_rows), **forward_token_metrics("actor", self.model, self.device)}
+
+    def _peak_metrics(self, result: UpdateResult, mini_rows: int) -> dict[str, float]:
+        """The update's device peak (CUDA), and that peak grown to the largest micro-batch a later
+        RL step may pack (`largest_micro_batch`): what `rollout.sleep=auto` weighs."""
+        if result.device_peak is None:
+            return {}
+        micro = self.settings.micro
+        most = largest_micro_batch(self.config, dynamic=micro.dynamic, max_tokens=micro.max_tokens, rows_per_micro=micro.size,
+                                   mini_rows=mini_rows)
+        return result.peak_metrics("actor", most, role_cost(self.config, "actor").per_token())
 
     @register(dispatch=Dispatch.DP_COMPUTE)
     def update_preference(self, batch: Batch) -> dict[str, float]:
@@ -218,7 +232,8 @@ class ActorWorker(Worker):
         return self.world_size // self.ranks_per_shard
 
     def _step_metrics(self, result: UpdateResult) -> dict[str, float]:
-        return {"actor/grad_norm": result.grad_norm, "actor/lr": self.trained.lr, "actor/bad_updates": float(result.skipped_steps),
+        return {**result.peak_metrics("actor"),
+                "actor/grad_norm": result.grad_norm, "actor/lr": self.trained.lr, "actor/bad_updates": float(result.skipped_steps),
                 "actor/param_norm": result.param_norm, "actor/param_norm_growth": result.param_norm_growth,
                 "actor/nonfinite_state": result.nonfinite_state,
                 "actor/trainable_params": float(self.param_counts[0]), "actor/total_params": float(self.param_counts[1])}
@@ -287,6 +302,7 @@ class ReferenceWorker(Worker):
         self.ranks_per_shard = config.layout_of("ref").ranks_per_shard  # `ref.layout`, else the actor's
         self.device = resolve_device(config.trainer.device)
         self.model: nn.Module | None = None
+        self.budget = role_budget(config, "ref")  # the actor's key; sized for a forward on this worker's device
 
     def setup(self, model_path: str | None = None) -> None:
         cfg = self.config
@@ -297,5 +313,6 @@ class ReferenceWorker(Worker):
     @register(dispatch=Dispatch.DP_BALANCED)
     def compute_ref_log_prob(self, batch: Batch) -> Batch:
         log_probs = PolicyLogProbs.of(self.config)
-        micro = MicroBatching.of(self.config.actor, self.config.model.shares_prompts)
+        budget = resolve_budget(self.budget, self.config, "ref", self.device, self.model)
+        micro = MicroBatching.of(self.config.actor, self.config.model.shares_prompts, budget)
         return log_probs.no_grad(self.model, batch, "ref_log_probs", micro, self.device)

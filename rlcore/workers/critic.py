@@ -27,11 +27,13 @@ from rlcore.workers.loops import (
     MicroLoss,
     MicroLossFn,
     UpdateSettings,
+    budget_tokens,
     forward_no_grad,
     mean_stats,
     run_update,
 )
 from rlcore.workers.lora import Adapter, apply_lora, parameter_counts
+from rlcore.workers.memory import MicroBudget, largest_micro_batch, resolve_budget, role_budget, role_cost, track_trained
 from rlcore.workers.optim import build_optimizer, build_scheduler
 from rlcore.workers.packed import forward_token_metrics
 from rlcore.workers.parallel.apply import apply_role_layout
@@ -44,14 +46,16 @@ def _or(value: T | None, default: T) -> T:
     return default if value is None else value
 
 
-def critic_settings(config: Config) -> UpdateSettings:
-    """The critic's update settings; a batch field left unset (None) is the actor's, as in verl."""
+def critic_settings(config: Config, budget: MicroBudget | None = None) -> UpdateSettings:
+    """The critic's update settings; a batch field left unset (None) is the actor's, as in verl. An
+    `auto` token budget is `budget`'s (resolved by the worker)."""
     c, a = config.critic, config.actor
     micro = MicroBatching(
         _or(c.micro_batch_size, a.micro_batch_size),
         _or(c.dynamic_batch_size, a.dynamic_batch_size),
-        _or(c.max_tokens_per_micro_batch, a.max_tokens_per_micro_batch),
+        budget_tokens(_or(c.max_tokens_per_micro_batch, a.max_tokens_per_micro_batch), budget),
         config.model.shares_prompts,
+        budget,
     )
     return UpdateSettings(c.ppo_epochs, _or(c.ppo_mini_batch_size, a.ppo_mini_batch_size), micro, c.optim.grad_clip)
 
@@ -95,6 +99,7 @@ class CriticWorker(Worker):
         self.optimizer: torch.optim.Optimizer | None = None
         self.scheduler: torch.optim.lr_scheduler.LRScheduler | None = None
         self.adapter: Adapter | None = None
+        self.budget = role_budget(config, "critic")  # an `auto` token budget, sized on first use
 
     def setup(self, model_path: str | None = None, adapter_dir: str | None = None) -> None:
         cfg = self.config
@@ -110,6 +115,7 @@ class CriticWorker(Worker):
         self.model = apply_role_layout(model, cfg, "critic", self.device, mixed_precision=precision)  # TP / SP, FSDP2
         self.optimizer = build_optimizer(self.model, cfg.critic.optim)
         self.scheduler = build_scheduler(self.optimizer, cfg.critic.optim, cfg.trainer.total_steps)
+        track_trained(self.model, self.optimizer)  # other roles' `auto` micro-batches leave room for its first step
 
     @property
     def trained(self) -> Trainable:
@@ -117,7 +123,7 @@ class CriticWorker(Worker):
 
     @property
     def settings(self) -> UpdateSettings:
-        return critic_settings(self.config)
+        return critic_settings(self.config, resolve_budget(self.budget, self.config, "critic", self.device, self.model, self.optimizer))
 
     @register(dispatch=Dispatch.DP_BALANCED)
     def compute_values(self, batch: Batch) -> Batch:
@@ -137,6 +143,11 @@ class CriticWorker(Worker):
         out = {f"critic/{k}": v for k, v in result.metrics.items()}
         out.update({"critic/vf_loss": result.loss, "critic/grad_norm": result.grad_norm, "critic/bad_updates": float(result.skipped_steps),
                     "critic/trainable_params": float(self.param_counts[0]), "critic/total_params": float(self.param_counts[1])})
+        if result.device_peak is not None:  # CUDA: what `rollout.sleep=auto` weighs (see ActorWorker._peak_metrics)
+            micro = self.settings.micro
+            most = largest_micro_batch(self.config, dynamic=micro.dynamic, max_tokens=micro.max_tokens,
+                                       rows_per_micro=micro.size, mini_rows=rows)
+            out.update(result.peak_metrics("critic", most, role_cost(self.config, "critic").per_token()))
         out.update(forward_token_metrics("critic", self.model, self.device))
         return out
 

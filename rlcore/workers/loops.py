@@ -10,7 +10,10 @@ forward of one micro-batch. What must be the same for every role lives here:
   ranks, because FSDP averages gradients: two ranks take exactly the step one process would;
 - gradient clipping, and a step skipped (gradients dropped) when the loss or the gradient
   norm is not finite;
-- the reported loss and statistics summed over ranks, so every rank reports the one-process value.
+- the reported loss and statistics summed over ranks, so every rank reports the one-process value;
+- an `auto` token budget (`rlcore.workers.memory.MicroBudget`) halved once when a pass of the
+  role's first step runs out of device memory, and that pass's micro-batches run again: nothing
+  of the failed attempt is counted (its gradients are dropped, its statistics never added).
 """
 
 from __future__ import annotations
@@ -18,8 +21,8 @@ from __future__ import annotations
 import math
 from collections import defaultdict
 from collections.abc import Callable
-from dataclasses import dataclass, field
-from typing import Protocol
+from dataclasses import dataclass, field, replace
+from typing import Literal, Protocol
 
 import numpy as np
 import torch
@@ -29,6 +32,7 @@ from rlcore.config import ActorConfig
 from rlcore.packing import pack_token_budget
 from rlcore.protocol import Batch
 from rlcore.workers.fsdp import equalize_micro_batches
+from rlcore.workers.memory import MicroBudget, PeakMeter
 from rlcore.workers.packed import prompt_leaders
 from rlcore.workers.parallel.tensors import clip_grad_norm
 from rlcore.workers.ranks import RankSummedMeans, distributed_world, global_sums
@@ -49,11 +53,29 @@ class MicroBatching:
     dynamic: bool    # pack rows into micro-batches of at most `max_tokens` tokens
     max_tokens: int
     share_prompts: bool = False  # packed rows hold a prompt once (`model.share_prompt_prefix`): keep its rows together
+    budget: MicroBudget | None = field(default=None, compare=False, repr=False)  # `max_tokens` came from `auto`
 
     @classmethod
-    def of(cls, section: ActorConfig, share_prompts: bool = False) -> MicroBatching:
-        """From a config section with the actor's batch fields (`micro_batch_size`, ...)."""
-        return cls(section.micro_batch_size, section.dynamic_batch_size, section.max_tokens_per_micro_batch, share_prompts)
+    def of(cls, section: ActorConfig, share_prompts: bool = False, budget: MicroBudget | None = None) -> MicroBatching:
+        """From a config section with the actor's batch fields (`micro_batch_size`, ...); an
+        `auto` token budget is `budget`'s (resolved by the worker)."""
+        return cls(section.micro_batch_size, section.dynamic_batch_size,
+                   budget_tokens(section.max_tokens_per_micro_batch, budget), share_prompts, budget)
+
+    def can_shrink(self) -> bool:
+        """Whether an out-of-memory error may halve this budget (`MicroBudget.may_halve`)."""
+        return self.dynamic and self.budget is not None and self.budget.may_halve()
+
+    def shrunk(self) -> MicroBatching:
+        """This micro-batching with its `auto` budget halved (after `can_shrink`)."""
+        assert self.budget is not None
+        return replace(self, max_tokens=self.budget.halve())
+
+    def first_step_done(self, kind: Literal["update", "forward"]) -> None:
+        """A pass of `kind` finished: an `auto` budget is fixed from the end of its role's first
+        step (an update; a forward for a forward-only role)."""
+        if self.budget is not None and (kind == "update" or self.budget.forward_only):
+            self.budget.first_step_done()
 
     def split(self, lengths: torch.Tensor, model: nn.Module, device: torch.device, batch: Batch | None = None) -> list[list[int]]:
         """Row indices per micro-batch; on FSDP ranks as many on every rank (some maybe empty).
@@ -74,6 +96,15 @@ class MicroBatching:
             n = len(lengths)
             groups = [list(range(i, min(n, i + self.size))) for i in range(0, n, self.size)]
         return equalize_micro_batches(groups, model, device)
+
+
+def budget_tokens(value: int | str, budget: MicroBudget | None) -> int:
+    """A `max_tokens_per_micro_batch` setting as tokens: a number as it is, `auto` as `budget`'s."""
+    if value != "auto":
+        return int(value)
+    if budget is None or budget.tokens is None:
+        raise ValueError("max_tokens_per_micro_batch=auto needs the worker's resolved budget (MicroBudget.resolve)")
+    return budget.tokens
 
 
 def prompt_units(leaders: list[int], lengths: list[int], prompt_lengths: list[int], max_tokens: int) -> tuple[list[list[int]], list[int]]:
@@ -108,9 +139,10 @@ class UpdateSettings:
     grad_clip: float
 
     @classmethod
-    def of(cls, section: ActorConfig, share_prompts: bool = False) -> UpdateSettings:
+    def of(cls, section: ActorConfig, share_prompts: bool = False, budget: MicroBudget | None = None) -> UpdateSettings:
         """From a config section with the actor's batch fields (`ppo_epochs`, `ppo_mini_batch_size`, ...)."""
-        return cls(section.ppo_epochs, section.ppo_mini_batch_size, MicroBatching.of(section, share_prompts), section.optim.grad_clip)
+        return cls(section.ppo_epochs, section.ppo_mini_batch_size, MicroBatching.of(section, share_prompts, budget),
+                   section.optim.grad_clip)
 
     def mini_batch_rows(self, rows_per_example: int, world_size: int) -> int:
         """Rows of one rank's mini-batch (an RL example is a prompt with `rollout.n` responses)."""
@@ -168,6 +200,20 @@ class UpdateResult:
     param_norm_growth: float = 1.0  # that norm after / before this update
     nonfinite_state: float = 0.0   # non-finite elements in parameters and optimizer state (over ranks)
     outputs: dict[str, torch.Tensor] = field(default_factory=dict)  # `MicroLoss.outputs` by batch row (last epoch's)
+    device_peak: int | None = None  # CUDA: the update's device-wide peak bytes (`PeakMeter`); None elsewhere
+
+    largest_micro_tokens: int = 0  # the most tokens one micro-batch of this update held
+
+    def peak_metrics(self, role: str, most_tokens: int = 0, per_token: float = 0.0) -> dict[str, float]:
+        """On CUDA (nothing elsewhere): `memory/<role>_update_device_peak_gib`, the measured peak, and
+        `memory/<role>_update_device_bound_gib`, that peak grown to a micro-batch of `most_tokens`
+        (the most a later step's micro-batch may hold) at `per_token` bytes each: what
+        `rollout.sleep=auto` weighs, as responses grow after the step it measured."""
+        if self.device_peak is None:
+            return {}
+        growth = max(0, most_tokens - self.largest_micro_tokens) * per_token
+        return {f"memory/{role}_update_device_peak_gib": self.device_peak / 2**30,
+                f"memory/{role}_update_device_bound_gib": (self.device_peak + growth) / 2**30}
 
 
 def run_update(
@@ -188,16 +234,21 @@ def run_update(
     stats = RankSummedMeans()
     outputs: dict[str, torch.Tensor] = {}
     taken: list[dict[str, float]] = []
-    skipped = 0
-    for _ in range(settings.epochs):
-        first = 0
-        for mini in batch.split(mini_batch_rows):
-            step = _step_on(trained, mini, objective, settings, device, lengths, stats, RowSink(outputs, first, len(batch)))
-            first += len(mini)
-            if step is None:
-                skipped += 1
-            else:
-                taken.append(step)
+    skipped = largest = 0
+    with PeakMeter(device) as meter:
+        for _ in range(settings.epochs):
+            first = 0
+            for mini in batch.split(mini_batch_rows):
+                step, micro, tokens = _step_on(trained, mini, objective, settings, device, lengths, stats,
+                                               RowSink(outputs, first, len(batch)))
+                settings = replace(settings, micro=micro)  # halved after an out-of-memory error in the first step
+                largest = max(largest, tokens)
+                first += len(mini)
+                if step is None:
+                    skipped += 1
+                else:
+                    taken.append(step)
+    settings.micro.first_step_done("update")
     trained.scheduler.step()
     means = {k: sum(s[k] for s in taken) / len(taken) for k in taken[0]} if taken else {}
     param_norm, nonfinite = weight_health(trained, device)
@@ -210,6 +261,8 @@ def run_update(
         param_norm_growth=param_norm / norm_before if norm_before > 0 else 1.0,
         nonfinite_state=nonfinite,
         outputs=outputs,
+        device_peak=meter.peak,
+        largest_micro_tokens=largest,
     )
 
 
@@ -222,34 +275,66 @@ def _step_on(
     lengths: Callable[[Batch], torch.Tensor],
     stats: RankSummedMeans,
     sink: RowSink,
-) -> dict[str, float] | None:
+) -> tuple[dict[str, float] | None, MicroBatching, int]:
     """Accumulate the gradient of one mini-batch, clip, step. Returns its rank-summed loss, terms
-    and gradient norm, or None when the step was skipped (every rank decides alike)."""
+    and gradient norm, or None when the step was skipped (every rank decides alike), the
+    micro-batching it ran with (halved when the first attempt ran out of device memory), and the
+    most tokens one of its micro-batches held."""
     tokens = float(mini["response_mask"].float().sum()) if "response_mask" in mini else 0.0
     counts = GlobalCounts(*global_sums([tokens, float(len(mini))], device))
     micro_loss = objective(mini, counts)
-    scale = float(distributed_world())  # FSDP averages gradients over ranks; the shares sum to the loss
-    trained.optimizer.zero_grad(set_to_none=True)
-    totals: dict[str, float] = defaultdict(float)
-    for idx in settings.micro.split(lengths(mini), trained.model, device, mini):
-        out = micro_loss(mini.take(idx or [0]))
-        (out.loss * (scale if idx else 0.0)).backward()  # empty share: zero-weight pass for FSDP
-        if not idx:
-            continue
-        totals["loss"] += float(out.loss.detach())
-        for name, value in out.terms.items():
-            totals[name] += value
-        for name, (total, count) in out.stats.items():
-            stats.add(name, total, count)
-        sink.write(out.outputs, idx)
+    micro = settings.micro
+    while True:
+        try:
+            totals, counted, largest = _accumulate(trained, mini, micro_loss, micro, device, lengths, sink)
+            break
+        except torch.cuda.OutOfMemoryError:
+            if not micro.can_shrink():
+                raise
+        trained.optimizer.zero_grad(set_to_none=True)  # outside the handler: the failed pass's tensors are freed
+        micro = micro.shrunk()
+    for name, total, count in counted:
+        stats.add(name, total, count)
     names = sorted(totals)
     summed = dict(zip(names, global_sums([totals[n] for n in names], device)))
     grad_norm = clip_grad_norm(trained.model.parameters(), settings.grad_clip)
     if not (math.isfinite(summed["loss"]) and torch.isfinite(grad_norm)):
         trained.optimizer.zero_grad(set_to_none=True)
-        return None
+        return None, micro, largest
     trained.optimizer.step()
-    return {**summed, "grad_norm": float(grad_norm)}
+    return {**summed, "grad_norm": float(grad_norm)}, micro, largest
+
+
+def _accumulate(
+    trained: Trainable,
+    mini: Batch,
+    micro_loss: MicroLossFn,
+    micro: MicroBatching,
+    device: torch.device,
+    lengths: Callable[[Batch], torch.Tensor],
+    sink: RowSink,
+) -> tuple[dict[str, float], list[tuple[str, float, float]], int]:
+    """One mini-batch's gradient, from dropped gradients, micro-batch by micro-batch: its summed
+    loss and terms, the statistics to count (added by the caller once the pass succeeded), and the
+    most tokens one micro-batch held."""
+    scale = float(distributed_world())  # FSDP averages gradients over ranks; the shares sum to the loss
+    trained.optimizer.zero_grad(set_to_none=True)
+    totals: dict[str, float] = defaultdict(float)
+    counted: list[tuple[str, float, float]] = []
+    row_tokens = lengths(mini)
+    largest = 0
+    for idx in micro.split(row_tokens, trained.model, device, mini):
+        out = micro_loss(mini.take(idx or [0]))
+        (out.loss * (scale if idx else 0.0)).backward()  # empty share: zero-weight pass for FSDP
+        if not idx:
+            continue
+        largest = max(largest, int(row_tokens[idx].sum()))
+        totals["loss"] += float(out.loss.detach())
+        for name, value in out.terms.items():
+            totals[name] += value
+        counted += [(name, total, count) for name, (total, count) in out.stats.items()]
+        sink.write(out.outputs, idx)  # rows written again by a retried pass are overwritten
+    return totals, counted, largest
 
 
 @dataclass(frozen=True)
@@ -285,12 +370,20 @@ def forward_no_grad(
     out: dict[str, torch.Tensor] = {}
     sink = RowSink(out, 0, len(batch))
     try:
-        for idx in micro.split(attention_lengths(batch), model, device, batch):
-            if not idx:  # keeps FSDP ranks in step; result unused
-                forward(batch.take([0]))
-                continue
-            sink.write(forward(batch.take(idx)), idx)
+        while True:
+            try:
+                for idx in micro.split(attention_lengths(batch), model, device, batch):
+                    if not idx:  # keeps FSDP ranks in step; result unused
+                        forward(batch.take([0]))
+                        continue
+                    sink.write(forward(batch.take(idx)), idx)
+                break
+            except torch.cuda.OutOfMemoryError:
+                if not micro.can_shrink():
+                    raise
+            micro = micro.shrunk()  # every row is written again
     finally:
         model.train(was_training)
+    micro.first_step_done("forward")
     return out
 

@@ -43,11 +43,13 @@ from rlcore.workers.loops import (
     MicroLoss,
     MicroLossFn,
     UpdateSettings,
+    budget_tokens,
     forward_no_grad,
     run_update,
     value_stats,
 )
 from rlcore.workers.lora import Adapter, apply_lora, merge_adapter, parameter_counts
+from rlcore.workers.memory import MicroBudget, resolve_budget, role_budget, track_trained
 from rlcore.workers.optim import build_optimizer, build_scheduler
 from rlcore.workers.packed import forward_token_metrics
 from rlcore.workers.parallel.apply import apply_role_layout
@@ -134,14 +136,16 @@ def score_pair_sides(model: nn.Module, mb: Batch, remove_padding: bool) -> tuple
     return scores[:len(mb)], scores[len(mb):]
 
 
-def rm_settings(config: Config) -> UpdateSettings:
+def rm_settings(config: Config, budget: MicroBudget | None = None) -> UpdateSettings:
     """The reward model's update: one pass, `reward_model.mini_batch_size` pairs per optimizer step."""
     rm = config.reward_model
-    return UpdateSettings(1, rm.mini_batch_size or config.data.train_batch_size, rm_micro_batching(rm), rm.optim.grad_clip)
+    return UpdateSettings(1, rm.mini_batch_size or config.data.train_batch_size, rm_micro_batching(rm, budget), rm.optim.grad_clip)
 
 
-def rm_micro_batching(rm: RewardModelConfig) -> MicroBatching:
-    return MicroBatching(rm.micro_batch_size, rm.dynamic_batch_size, rm.max_tokens_per_micro_batch)
+def rm_micro_batching(rm: RewardModelConfig, budget: MicroBudget | None = None) -> MicroBatching:
+    """`reward_model`'s micro-batching; an `auto` token budget is `budget`'s (resolved)."""
+    return MicroBatching(rm.micro_batch_size, rm.dynamic_batch_size, budget_tokens(rm.max_tokens_per_micro_batch, budget),
+                         budget=budget)
 
 
 def pair_margins(batch: Batch, margin: float) -> torch.Tensor:
@@ -221,10 +225,12 @@ class RewardModelReader:
 
 
 def open_reward_model(path: str | Path, *, key: str, config: Config, device: torch.device,
-                      training: bool = False) -> RewardModelReader:
+                      training: bool = False, budget: MicroBudget | None = None) -> RewardModelReader:
     """The reward model at `path` (its tokenizer and chat template from the same folder), read
     with `config.reward_model`'s limits. `training`: a backbone without a score head is allowed
-    (a fresh head is made), in float32 master weights. Errors name `key`."""
+    (a fresh head is made), in float32 master weights. Errors name `key`. An `auto` micro-batch
+    budget (`budget`, else a new one) is sized for the model as loaded, before any sharding (an
+    upper bound on what a sharded rank holds)."""
     cfg = config
     tokenizer = load_tokenizer(str(path))
     if not has_chat_template(tokenizer):
@@ -236,8 +242,9 @@ def open_reward_model(path: str | Path, *, key: str, config: Config, device: tor
         pad_token_id=tokenizer.pad_token_id, seed=cfg.trainer.seed,
         gradient_checkpointing=training and cfg.model.gradient_checkpointing, remove_padding=cfg.model.use_remove_padding)
     pad = model.config.pad_token_id
+    budget = resolve_budget(budget or role_budget(cfg, "reward_model"), cfg, "reward_model", device, model)
     return RewardModelReader(model, tokenizer, int(pad) if pad is not None else int(tokenizer.pad_token_id),
-                             cfg.reward_model.max_length, rm_micro_batching(cfg.reward_model), device,
+                             cfg.reward_model.max_length, rm_micro_batching(cfg.reward_model, budget), device,
                              cfg.model.use_remove_padding)
 
 
@@ -261,6 +268,7 @@ class RewardModelWorker(Worker):
         self.ranks_per_shard = config.layout_of(ROLE).ranks_per_shard  # a tensor-parallel group shares its rows
         self.device = resolve_device(config.trainer.device)
         self.training = "reward_model" in config.traits.trains
+        self.budget = role_budget(config, ROLE)  # an `auto` token budget, sized when the model loads
         self.reader: RewardModelReader | None = None
         self.optimizer: torch.optim.Optimizer | None = None
         self.scheduler: torch.optim.lr_scheduler.LRScheduler | None = None
@@ -274,7 +282,7 @@ class RewardModelWorker(Worker):
         key = "model.path" if self.training else "reward_model.path"
         path = model_path or (cfg.model.path if self.training else cfg.reward_model.path)
         assert path is not None
-        self.reader = open_reward_model(path, key=key, config=cfg, device=self.device, training=self.training)
+        self.reader = open_reward_model(path, key=key, config=cfg, device=self.device, training=self.training, budget=self.budget)
         model = self.reader.model
         if self.training:
             precision = compute_precision(cfg.model)
@@ -288,6 +296,7 @@ class RewardModelWorker(Worker):
                                       forward_methods=SCORE_FORWARD_METHODS)
             self.optimizer = build_optimizer(model, cfg.reward_model.optim)
             self.scheduler = build_scheduler(self.optimizer, cfg.reward_model.optim, cfg.trainer.total_steps)
+            track_trained(model, self.optimizer)
         else:
             model.requires_grad_(False)
             model = apply_role_layout(model, cfg, ROLE, self.device, forward_methods=SCORE_FORWARD_METHODS)
@@ -319,7 +328,7 @@ class RewardModelWorker(Worker):
         """One training step on a `collate_rm_pairs` batch: the Bradley-Terry loss,
         `reward_model.mini_batch_size` pairs per optimizer step."""
         assert self.reader is not None
-        settings = rm_settings(self.config)
+        settings = rm_settings(self.config, self.budget)
         pairs, _ = self.reader.encode_pairs(batch)
         objective = BradleyTerryObjective(self.model, self.config.reward_model.margin, self.config.model.use_remove_padding)
         shards = self.world_size // self.ranks_per_shard
@@ -331,6 +340,7 @@ class RewardModelWorker(Worker):
                 "reward_model/nonfinite_state": result.nonfinite_state,
                 "reward_model/truncated": global_sum(float(pairs["truncated"].sum()), self.device) / self.ranks_per_shard,
                 "reward_model/trainable_params": float(self.param_counts[0]), "reward_model/total_params": float(self.param_counts[1]),
+                **result.peak_metrics(ROLE),
                 **forward_token_metrics(ROLE, self.model, self.device)}
 
     @register(dispatch=Dispatch.DP_COMPUTE)

@@ -17,7 +17,16 @@ from rlcore.rollout import SamplingParams, make_rollout_engine, resolve_backend
 from rlcore.rollout.agent import AgentLoop, AgentSettings
 from rlcore.rollout.output import response_right_pad
 from rlcore.workers.loading import resolve_device
+from rlcore.workers.memory import device_memory
 from rlcore.workers.tokenizer import end_token_ids, load_tokenizer, pad_token_id
+
+
+def vllm_sleep_level(config: Config) -> int:
+    """vLLM's sleep level for this run, as vLLM documents its levels: 2 drops the weights as well as
+    the KV cache, right when every weight sync sends every weight (no LoRA); 1 keeps the weights in
+    host memory, for syncs that send only LoRA's adapted layers (`rollout.lora_sync=merged`) or only
+    the adapter (`adapter`), which leave the other weights to the engine."""
+    return 2 if config.lora_sync == "full" else 1
 
 
 class RolloutWorker(Worker):
@@ -36,7 +45,7 @@ class RolloutWorker(Worker):
         engine_kwargs = {}
         tp = cfg.rollout.tensor_parallel_size
         if backend == "vllm":
-            engine_kwargs = dict(seed=cfg.trainer.seed, **cfg.rollout.vllm.model_dump())
+            engine_kwargs = dict(seed=cfg.trainer.seed, sleep_level=vllm_sleep_level(cfg), **cfg.rollout.vllm.model_dump())
             if tp > 1:
                 engine_kwargs["tensor_parallel_size"] = tp
         elif tp > 1:
@@ -115,8 +124,15 @@ class RolloutWorker(Worker):
         self.engine.load_adapter(tensors, config)
 
     @register(dispatch=Dispatch.ONE_TO_ALL)
-    def sleep(self) -> None:
+    def sleep(self) -> dict[str, float]:
+        """Sleep the engine; the device bytes that freed (`released_bytes`, device-wide) and the
+        device's size (`device_total_bytes`): what `rollout.sleep=auto` weighs. Zeros on a CPU."""
+        before = device_memory(self.device)
         self.engine.sleep()
+        after = device_memory(self.device)
+        if before is None or after is None:
+            return {"released_bytes": 0.0, "device_total_bytes": 0.0}
+        return {"released_bytes": float(max(0, after.free - before.free)), "device_total_bytes": float(after.total)}
 
     @register(dispatch=Dispatch.ONE_TO_ALL)
     def wake(self) -> None:

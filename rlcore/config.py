@@ -6,8 +6,8 @@ the key instead of a silently ignored setting.
 
 from __future__ import annotations
 
-import os
 import logging
+import os
 from pathlib import Path
 from typing import Annotated, Any, ClassVar, Literal, get_args
 

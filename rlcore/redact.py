@@ -143,9 +143,24 @@ def redact_url(url: str) -> str:
         parts = [f"{p.split('=', 1)[0]}={REDACTED}" if "=" in p else (REDACTED if p else p) for p in m["query"].split("&")]
         out += "?" + "&".join(parts)
     if m["fragment"] is not None:  # (`#access_token=...`); a web app's route (`#/experiments/1`) is kept
-        fragment = m["fragment"]
-        out += "#" + (fragment if fragment.startswith("/") and "=" not in fragment else REDACTED if fragment else "")
+        out += "#" + _redact_fragment(m["fragment"])
     return out
+
+
+def _redact_fragment(fragment: str) -> str:
+    """A URL's fragment as it may be shown: a web app's route (`/models/m/versions/1?workflowType=x`,
+    MLflow's UI links) kept, the values of its secret-named parameters (`?token=...`) redacted;
+    anything else (`access_token=...` of an OAuth redirect) redacted whole."""
+    if not fragment:
+        return ""
+    if not fragment.startswith("/"):
+        return REDACTED
+    route, q, query = fragment.partition("?")
+    if not q:
+        return route
+    params = [f"{k}={REDACTED}" if eq and is_secret_key(k) else f"{k}{eq}{v}"
+              for k, eq, v in (p.partition("=") for p in query.split("&"))]
+    return f"{route}?{'&'.join(params)}"
 
 
 def _redact_url_in_text(m: re.Match[str]) -> str:

@@ -586,3 +586,10 @@ def test_a_url_in_prose_keeps_its_sentence_punctuation_and_redacting_twice_chang
     for text in ("see https://u:p@h/x?token=abc: then", "at http://a:b@h:1/?t=1.", "(http://u:p@h/?k=v), next"):
         once = redact_text(text)
         assert once == redact_text(once) and "p@" not in once and once[-1] == text[-1], once
+
+
+def test_a_web_apps_route_in_a_fragment_is_kept_but_its_secret_parameters_are_not():
+    link = "http://127.0.0.1:5000/#/models/rlcore-tiny/versions/1?workflowType=machine_learning"
+    assert redact_url(link) == link  # MLflow's UI link opens the model-training view
+    assert redact_url("http://h/#/x?token=abc&a=1") == "http://h/#/x?token=***&a=1"
+    assert redact_url("http://h/cb#access_token=abc") == "http://h/cb#***"  # an OAuth redirect's token

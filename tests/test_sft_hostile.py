@@ -61,7 +61,9 @@ def hostile_row(rng: random.Random) -> tuple[object, str]:
         return {"messages": with_call(call(arguments=nested(depth)))}, "messages"
     if kind == 1:  # ... or past the JSON parser's, in the line itself
         line = json.dumps({"messages": with_call(call(arguments={"a": "X"}))})
-        return line.replace('"X"', nested(rng.choice([1_500, 50_000]))).encode(), "<json>"
+        # the JSON parser's own limit is the recursion limit, which a test process may have raised: then
+        # the row parses and the agent loop's 32 levels refuse it (both name the row)
+        return line.replace('"X"', nested(rng.choice([1_500, 50_000]))).encode(), "<json>|messages"
     if kind == 2:
         args = rng.choice(["{key: sky", "[1, 2]", "5", '"text"', "null" + "x", '{"key": ' + "9" * 5000 + "}", "{" * 3000])
         return {"messages": with_call(call(arguments=args))}, "messages"
@@ -154,12 +156,13 @@ def test_hostile_sft_rows_are_refused_naming_row_and_field_or_skipped(task, tmp_
         message = str(err.value)
         where = f"case {n}: {message[:400]}"
         assert message.startswith("1 bad row(s) in the dataset: ") and "\n" not in message, where  # one line
-        assert f"{path}: row 1: field '{field}" in message, where  # 'messages' or where in it ('messages[0].content')
+        # 'messages' or where in it ('messages[0].content')
+        assert any(f"{path}: row 1: field '{f}" in message for f in field.split("|")), where
         assert len(message) < 700, where  # the value is named, never printed whole
         with caplog.at_level(logging.WARNING, logger="rlcore.data.sft"):
             kept = SFTDataset([path], tokenizer, max_length=100_000, tools=schemas, on_bad_row="skip")
         assert [e.row for e in kept.examples] == [0] and kept.stats["bad_rows"] == 1, where
-        assert f"row 1: field '{field}" in caplog.text, where
+        assert any(f"row 1: field '{f}" in caplog.text for f in field.split("|")), where
         caplog.clear()
         slowest = max(slowest, time.perf_counter() - start)
         refusals += 1
@@ -236,5 +239,8 @@ def test_rlcore_sft_refuses_hostile_agent_data_in_one_line_before_any_worker_sta
         assert main(argv) == 2, argv
         out, err = capsys.readouterr()
         lines = [line for line in err.splitlines() if not line.startswith("[transformers]")]
-        assert not out and "Traceback" not in err and len(lines) == 1 + overrides.count("data.on_bad_row=skip"), err
+        # one error line, last; before it only the skip's warning (shown unless an earlier test in this
+        # process set up Prefect's console logging, which then takes rlcore's records)
+        assert not out and "Traceback" not in err and [ln for ln in lines if "error" in ln] == lines[-1:], err
+        assert all("WARNING" in line for line in lines[:-1]) and len(lines) <= 1 + overrides.count("data.on_bad_row=skip")
         assert lines[-1].startswith("rlcore: error: ") and says in lines[-1], err

@@ -150,7 +150,8 @@ def redact_url(url: str) -> str:
 def _redact_fragment(fragment: str) -> str:
     """A URL's fragment as it may be shown: a web app's route (`/models/m/versions/1?workflowType=x`,
     MLflow's UI links) kept, the values of its secret-named parameters (`?token=...`) redacted;
-    anything else (`access_token=...` of an OAuth redirect) redacted whole."""
+    anything else (`access_token=...` of an OAuth redirect, or a page's anchor: a fragment that is
+    not a route cannot be told from a token) redacted whole."""
     if not fragment:
         return ""
     if not fragment.startswith("/"):

@@ -68,6 +68,11 @@ def _prefect_http() -> requests.Session:
 
 PREFECT_HTTP = _prefect_http()
 
+# Prefect reads its settings once, when first imported in a process: a test that sets this later
+# (monkeypatch.setenv) is not seen once another test of the same xdist worker imported Prefect, and
+# the ephemeral server's 20 s default then fails a loaded machine. Set before any test imports it.
+os.environ.setdefault("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", "600")
+
 
 def stop_process_group(proc: subprocess.Popen | None) -> None:
     """SIGINT, then SIGKILL, to the process group a test started (`start_new_session=True`)."""

@@ -253,7 +253,6 @@ def test_a_payload_planted_in_the_data_prep_cache_never_runs(tiny_example, tmp_p
     for key, value in prefect_env(tmp_path / "prefect").items():
         monkeypatch.setenv(key, value)
     monkeypatch.delenv("PREFECT_API_URL", raising=False)
-    monkeypatch.setenv("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", "180")
     from prefect._internal.result_records import ResultRecord
 
     from rlcore.example.overrides import example_overrides

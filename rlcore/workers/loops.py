@@ -28,7 +28,7 @@ from torch import nn
 from rlcore.config import ActorConfig
 from rlcore.packing import pack_token_budget
 from rlcore.protocol import Batch
-from rlcore.workers.fsdp import equalize_micro_batches
+from rlcore.workers.fsdp import drop_compute_copies, equalize_micro_batches
 from rlcore.workers.packed import prompt_leaders
 from rlcore.workers.parallel.tensors import clip_grad_norm
 from rlcore.workers.ranks import RankSummedMeans, distributed_world, global_sums
@@ -242,6 +242,7 @@ def _step_on(
         for name, (total, count) in out.stats.items():
             stats.add(name, total, count)
         sink.write(out.outputs, idx)
+    drop_compute_copies(trained.model)  # kept across the micro-batches (`actor.cast_once`); the step changes the masters
     names = sorted(totals)
     summed = dict(zip(names, global_sums([totals[n] for n in names], device)))
     grad_norm = clip_grad_norm(trained.model.parameters(), settings.grad_clip)
@@ -291,6 +292,7 @@ def forward_no_grad(
                 continue
             sink.write(forward(batch.take(idx)), idx)
     finally:
+        drop_compute_copies(model)
         model.train(was_training)
     return out
 

@@ -14,11 +14,12 @@ process, one torch thread: the machine may be shared, and CPU seconds are what s
 stretch), the model FLOP/s (`rlcore.flops`: 6 x the matmul weights x tokens, the head on response
 tokens, causal attention pairs) and the CPU-second rate over this machine's matmul rate measured
 in the same run (float32 and bf16 GEMMs of the update's MLP shape, [micro-tokens x hidden] @
-[hidden x intermediate]; best of 5). Compiled variants start from an empty inductor cache (a
+[hidden x intermediate]; best of 10, in CPU seconds of the thread). Compiled variants start from an empty inductor cache (a
 temporary TORCHINDUCTOR_CACHE_DIR unless one is set), so their first update shows a cold compile.
 
 Variants (`--variants`, comma-separated):
   fp32              float32 weights and compute (the CPU default)
+  bf16-default      actor.mixed_precision=bf16 with every other key at its default (runs on older trees too)
   bf16              actor.mixed_precision=bf16, compute copies cast per micro-batch (actor.cast_once=false)
   bf16-cast-once    bf16, compute copies cast once per optimizer step (actor.cast_once=true)
   fp32-compile      fp32 with each decoder layer under torch.compile (actor.compile=true)
@@ -40,6 +41,7 @@ from __future__ import annotations
 
 import argparse
 import functools
+import math
 import os
 import statistics
 import sys
@@ -73,6 +75,7 @@ SHAPES = {
 
 VARIANTS: dict[str, list[str]] = {
     "fp32": ["actor.mixed_precision=none"],
+    "bf16-default": ["actor.mixed_precision=bf16"],
     "bf16": ["actor.mixed_precision=bf16", "actor.cast_once=false"],
     "bf16-cast-once": ["actor.mixed_precision=bf16", "actor.cast_once=true"],
     "fp32-compile": ["actor.mixed_precision=none", "actor.compile=true"],
@@ -119,12 +122,17 @@ def actor(model_dir: Path, overrides: list[str], rows: int, micro_tokens: int) -
     return worker
 
 
-def matmul_rate(m: int, k: int, n: int, dtype: torch.dtype, repeats: int = 5) -> float:
-    """FLOP/s of an [m, k] @ [k, n] GEMM in `dtype` on this CPU, best of `repeats` after a warm-up."""
+def matmul_rate(m: int, k: int, n: int, dtype: torch.dtype, repeats: int = 10) -> float:
+    """FLOP/s of an [m, k] @ [k, n] GEMM in `dtype` on this CPU per CPU second of this thread (what a
+    shared machine does not stretch), best of `repeats` after a warm-up."""
     g = torch.Generator().manual_seed(0)
     a, b = torch.randn(m, k, generator=g).to(dtype), torch.randn(k, n, generator=g).to(dtype)
     a @ b
-    best = min(timed(lambda: a @ b)[0] for _ in range(repeats))
+    best = math.inf
+    for _ in range(repeats):
+        t0 = time.thread_time()
+        a @ b
+        best = min(best, time.thread_time() - t0)
     return 2.0 * m * k * n / best
 
 

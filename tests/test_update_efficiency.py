@@ -214,7 +214,7 @@ def test_liger_kernel_refused_on_cpu(model_dir, tmp_path):
 
 
 def _gpu_actor(model_dir: Path, tmp_path: Path, **overrides) -> ActorWorker:
-    worker = ActorWorker(_config(model_dir, tmp_path, trainer__device="cuda", actor__compile=False, **overrides))
+    worker = ActorWorker(_config(model_dir, tmp_path, **{"trainer__device": "cuda", "actor__compile": False, **overrides}))
     worker.setup()
     return worker
 

@@ -133,6 +133,11 @@ def drop_compute_copies(model: nn.Module) -> None:
         drop()
 
 
+def keeps_compute_copies(model: nn.Module) -> bool:
+    """Whether `model` keeps its compute copies across micro-batches (`shard_model(cast_once=...)` resolved)."""
+    return model in _COMPUTE_COPIES
+
+
 def _reshard_all(model: nn.Module) -> None:
     from torch.distributed.fsdp import FSDPModule
 

@@ -25,7 +25,7 @@ from rlcore.config import Config, ConfigError, config_from_dict
 from rlcore.protocol import Batch
 from rlcore.workers.actor import ActorWorker
 from rlcore.workers.compile import _with_fallback, compile_wanted
-from rlcore.workers.fsdp import cast_once_wanted
+from rlcore.workers.fsdp import cast_once_wanted, keeps_compute_copies
 
 VOCAB = 64
 P, R, N = 6, 5, 8
@@ -107,6 +107,7 @@ def _compare_cast_once(model_dir: Path, tmp_path: Path) -> tuple[list[bool], lis
     for once in (False, True):
         worker = ActorWorker(_config(model_dir, tmp_path, actor__cast_once=once))
         worker.setup()
+        assert keeps_compute_copies(worker.model) is once
         runs[once] = _two_steps(worker)
     (grads_each, seen_each, sharded_each, after_each), (grads_once, seen_once, sharded_once, after_once) = runs[False], runs[True]
     for step_each, step_once in zip(grads_each, grads_once):

@@ -12,7 +12,6 @@ group and destroys it when it shuts down.)
 from __future__ import annotations
 
 import types
-import weakref
 from collections import defaultdict
 from collections.abc import Callable, Iterator, Mapping
 from functools import partial
@@ -34,8 +33,8 @@ def is_sharded(model: nn.Module) -> bool:
 
 MIXED_PRECISION = ("none", "bf16")
 
-# model -> what forgets its kept compute copies (`drop_compute_copies`); only models that keep them
-_COMPUTE_COPIES: weakref.WeakKeyDictionary[nn.Module, Callable[[], None]] = weakref.WeakKeyDictionary()
+# set on a model that keeps compute copies across micro-batches: what forgets them (`drop_compute_copies`)
+DROP_COMPUTE_COPIES = "rlcore_drop_compute_copies"
 
 
 def decoder_layers(model: nn.Module) -> list[nn.Module]:
@@ -106,7 +105,7 @@ def shard_model(
     if keep:
         model.set_reshard_after_forward(False)
         model.set_reshard_after_backward(False)
-        _COMPUTE_COPIES[model] = partial(_reshard_all, model)
+        setattr(model, DROP_COMPUTE_COPIES, partial(_reshard_all, model))
     return model
 
 
@@ -128,14 +127,14 @@ def drop_compute_copies(model: nn.Module) -> None:
     """Let go of the compute copies kept across micro-batches (`shard_model(cast_once=...)`): after
     the last backward of an optimizer step, before the step changes the masters, and after a
     no-grad pass. A no-op for a model that keeps none."""
-    drop = _COMPUTE_COPIES.get(model)
+    drop = getattr(model, DROP_COMPUTE_COPIES, None)
     if drop is not None:
         drop()
 
 
 def keeps_compute_copies(model: nn.Module) -> bool:
     """Whether `model` keeps its compute copies across micro-batches (`shard_model(cast_once=...)` resolved)."""
-    return model in _COMPUTE_COPIES
+    return getattr(model, DROP_COMPUTE_COPIES, None) is not None
 
 
 def _reshard_all(model: nn.Module) -> None:
@@ -186,7 +185,8 @@ class LocalPolicy:
         for group, params in self._groups(model).items():
             group.register_forward_pre_hook(partial(self._to_compute, params))
             group.register_forward_hook(partial(self._to_master, params), always_call=True)
-        _COMPUTE_COPIES[model] = self.drop
+        if self.cast_once:
+            setattr(model, DROP_COMPUTE_COPIES, self.drop)
         return model
 
     def _groups(self, model: nn.Module) -> dict[nn.Module, list[tuple[nn.Module, str, nn.Parameter]]]:

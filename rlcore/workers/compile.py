@@ -14,8 +14,9 @@ element-wise work fuse.
 
 Measured on CPU (`benchmarks/bench_update.py`): no faster than eager, and compiling costs tens of
 CPU seconds, so "auto" compiles on CUDA only, where it has not been measured yet (the GPU check's
-actor phase does). Under "auto" a layer whose compilation fails runs eagerly from then on, with
-one warning: a default must not stop a run.
+actor phase does). Under "auto" a layer whose forward fails to compile runs eagerly from then on,
+with one warning, so that a default does not stop a run over a compiler problem (the backward graph
+is compiled at the first backward, outside that net).
 """
 
 from __future__ import annotations

@@ -4,7 +4,7 @@
         [--prompts 8] [--n 4] [--micro-tokens 2048] [--profile fp32,bf16] [--shape small|tiny]
 
 The timed call is the real `ActorWorker.update_actor` (in-process, one optimizer step over a
-GRPO-shaped batch: `--prompts` prompts x `--n` samples, prompts of 48-128 tokens and responses of
+GRPO-shaped batch, as on-policy GRPO takes it: `--prompts` prompts x `--n` samples, prompts of 48-128 tokens and responses of
 32-256, packed into micro-batches of at most `--micro-tokens` tokens, each prompt held once per
 micro-batch as the default config does). The model is a Llama with grouped-query attention built
 here from a config (`--shape small`: hidden 256, 4 layers, 8/4 heads, vocab 4096, ~4.6M parameters;
@@ -14,7 +14,8 @@ process, one torch thread: the machine may be shared, and CPU seconds are what s
 stretch), the model FLOP/s (`rlcore.flops`: 6 x the matmul weights x tokens, the head on response
 tokens, causal attention pairs) and the CPU-second rate over this machine's matmul rate measured
 in the same run (float32 and bf16 GEMMs of the update's MLP shape, [micro-tokens x hidden] @
-[hidden x intermediate]; best of 10, in CPU seconds of the thread). Compiled variants start from an empty inductor cache (a
+[hidden x intermediate]; best of 10, in CPU seconds of the thread, before and after the timed
+updates). Compiled variants start from an empty inductor cache (a
 temporary TORCHINDUCTOR_CACHE_DIR unless one is set), so their first update shows a cold compile.
 
 Variants (`--variants`, comma-separated):
@@ -111,10 +112,11 @@ def grpo_batch(prompts: int, n: int, vocab: int, seed: int) -> Batch:
     return Batch(tensors=t, info={"n": n, "temperature": 1.0})
 
 
-def actor(model_dir: Path, overrides: list[str], rows: int, micro_tokens: int) -> ActorWorker:
+def actor(model_dir: Path, overrides: list[str], prompts: int, n: int, micro_tokens: int) -> ActorWorker:
+    """An in-process actor whose update is one optimizer step over `prompts` x `n` rows."""
     cfg = load_config(None, [
         f"model.path={model_dir}", "data.train_files=[unused.parquet]", "trainer.device=cpu",
-        "data.train_batch_size=1", "actor.ppo_mini_batch_size=1", f"rollout.n={rows}", "actor.ppo_epochs=1",
+        f"data.train_batch_size={prompts}", f"actor.ppo_mini_batch_size={prompts}", f"rollout.n={n}", "actor.ppo_epochs=1",
         f"actor.max_tokens_per_micro_batch={micro_tokens}", "actor.optim.lr=1e-6", *overrides,
     ])
     worker = ActorWorker(cfg)
@@ -189,7 +191,7 @@ def parts_marked(model: torch.nn.Module) -> Iterator[None]:
     patch(forward, "fused_token_logprobs", "LM head log-prob")
     patch(forward, "_packing", "packing")
     patch(packed.PackedRows, "scatter", "packing")
-    patch(fsdp.LocalPolicy, "_to_compute", "casts to compute copies")
+    patch(fsdp.LocalPolicy, "_copy_of", "casts to compute copies")
     patch(fsdp, "_grad_to_master", "grads to fp32 masters")
     patch(loops, "clip_grad_norm", "grad clip")
     patch(loops, "weight_health", "weight health")
@@ -272,10 +274,12 @@ def main() -> None:
     parser.add_argument("--shape", choices=sorted(SHAPES), default="small")
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args()
-    names = [v for v in args.variants.split(",") if v]
-    unknown = [v for v in names if v not in VARIANTS]
+    kinds = [v for v in args.variants.split(",") if v]
+    unknown = [v for v in kinds if v not in VARIANTS]
     if unknown:
         parser.error(f"unknown variants {unknown}; known: {', '.join(VARIANTS)}")
+    # a variant named twice runs as two workers (an A/A check of what the order and the machine do)
+    names = [kind if kinds.count(kind) == 1 else f"{kind}#{kinds[:i + 1].count(kind)}" for i, kind in enumerate(kinds)]
     profiled = [] if args.profile == "none" else [v for v in args.profile.split(",") if v]
     torch.set_num_threads(1)
     transformers.utils.logging.disable_progress_bar()
@@ -292,18 +296,16 @@ def main() -> None:
         del model
         flops = ModelFlops.from_model_dir(tmp).training(tokens, head_tokens, causal_pairs(lens))
         mlp = (args.micro_tokens, shape["hidden_size"], shape["intermediate_size"])
-        rates = {"fp32": matmul_rate(*mlp, torch.float32), "bf16": matmul_rate(*mlp, torch.bfloat16)}
+        before = {"fp32": matmul_rate(*mlp, torch.float32), "bf16": matmul_rate(*mlp, torch.bfloat16)}
         print(f"model: Llama {args.shape}, {params / 1e6:.2f}M parameters ({shape}), float32 masters, "
               f"{torch.get_num_threads()} torch thread; torch {torch.__version__}")
         print(f"batch: {args.prompts} prompts x n={args.n}: {len(lens)} rows, {tokens:,} tokens ({int(head_tokens):,} response), "
               f"micro-batches <= {args.micro_tokens} tokens; {flops / 1e9:.2f} model GFLOP per update")
-        print(f"matmul rate, [{mlp[0]} x {mlp[1]}] @ [{mlp[1]} x {mlp[2]}], this run: float32 {rates['fp32'] / 1e9:.1f} GFLOP/s, "
-              f"bf16 {rates['bf16'] / 1e9:.1f} GFLOP/s")
 
         workers: dict[str, ActorWorker] = {}
         first: dict[str, tuple[float, float]] = {}
-        for name in names:
-            workers[name] = actor(Path(tmp), VARIANTS[name], len(lens), args.micro_tokens)
+        for name, kind in zip(names, kinds):
+            workers[name] = actor(Path(tmp), VARIANTS[kind], args.prompts, args.n, args.micro_tokens)
             wall, cpu, _ = timed(lambda w=workers[name]: w.update_actor(batch))  # warm-up; compiles
             first[name] = (wall, cpu)
         runs: dict[str, list[tuple[float, float]]] = {k: [] for k in names}
@@ -311,6 +313,10 @@ def main() -> None:
             for name, w in workers.items():
                 wall, cpu, _ = timed(lambda w=w: w.update_actor(batch))
                 runs[name].append((wall, cpu))
+        # the machine's rate: the better of before and after the rounds (a shared machine has slow spells)
+        rates = {k: max(v, matmul_rate(*mlp, torch.float32 if k == "fp32" else torch.bfloat16)) for k, v in before.items()}
+        print(f"matmul rate, [{mlp[0]} x {mlp[1]}] @ [{mlp[1]} x {mlp[2]}], this run (best of before and after the "
+              f"updates): float32 {rates['fp32'] / 1e9:.1f} GFLOP/s, bf16 {rates['bf16'] / 1e9:.1f} GFLOP/s")
         print(f"\nActorWorker.update_actor, {args.rounds} rounds interleaved, medians (first update apart: warm-up, compile)")
         print("  GFLOP/s: model FLOPs over wall seconds, and over CPU seconds; 'of mm': the CPU-second rate over the "
               "matmul rate above")
@@ -324,8 +330,9 @@ def main() -> None:
                   f"{flops / cpu / rates['bf16']:10.1%} {base[0] / wall:7.2f}x {base[1] / cpu:6.2f}x")
         print(f"  ('wall vs', 'cpu vs': {names[0]}'s seconds over the variant's)")
 
-        for name in profiled:
-            if name not in workers:
+        for kind in profiled:
+            name = next((n for n, k in zip(names, kinds) if k == kind), None)
+            if name is None:
                 continue
             seconds, wall = profile_update(workers[name], batch)
             total = sum(seconds.values())

@@ -3,20 +3,20 @@
     ./dev python benchmarks/bench_update.py [--variants fp32,bf16,bf16-cast-once] [--rounds 3]
         [--prompts 8] [--n 4] [--micro-tokens 2048] [--profile fp32,bf16] [--shape small|tiny]
 
-The timed call is the real `ActorWorker.update_actor` (in-process, one optimizer step over a
-GRPO-shaped batch, as on-policy GRPO takes it: `--prompts` prompts x `--n` samples, prompts of 48-128 tokens and responses of
-32-256, packed into micro-batches of at most `--micro-tokens` tokens, each prompt held once per
-micro-batch as the default config does). The model is a Llama with grouped-query attention built
-here from a config (`--shape small`: hidden 256, 4 layers, 8/4 heads, vocab 4096, ~4.6M parameters;
-`tiny`: the shape of the built-in example). Variants are config overrides of the same worker,
-run interleaved `--rounds` times each; the table shows medians, wall and CPU seconds (this
-process, one torch thread: the machine may be shared, and CPU seconds are what sharing does not
-stretch), the model FLOP/s (`rlcore.flops`: 6 x the matmul weights x tokens, the head on response
-tokens, causal attention pairs) and the CPU-second rate over this machine's matmul rate measured
-in the same run (float32 and bf16 GEMMs of the update's MLP shape, [micro-tokens x hidden] @
-[hidden x intermediate]; best of 10, in CPU seconds of the thread, before and after the timed
-updates). Compiled variants start from an empty inductor cache (a
-temporary TORCHINDUCTOR_CACHE_DIR unless one is set), so their first update shows a cold compile.
+The timed call is the real `ActorWorker.update_actor`: in-process, one optimizer step (as
+on-policy GRPO takes it) over `--prompts` prompts x `--n` samples, prompts of 48-128 tokens and
+responses of 32-256, packed into micro-batches of at most `--micro-tokens` tokens, each prompt held
+once per micro-batch as the default config does. The model is a Llama with grouped-query attention
+built here from a config (`--shape small`: hidden 256, 4 layers, 8/4 heads, vocab 4096, 4.0M
+parameters; `tiny`: the shape of the built-in example). Variants are config overrides of the same
+worker, run interleaved `--rounds` times each (a variant named twice runs as two workers: what the
+machine's noise alone does); the table shows medians, wall and CPU seconds (this process, one
+torch thread: the machine may be shared), the model FLOP/s (`rlcore.flops`: 6 x the matmul weights
+x tokens, the head on response tokens, causal attention pairs) and the CPU-second rate over this
+machine's matmul rate measured in the same run (float32 and bf16 GEMMs of the update's MLP shape,
+[micro-tokens x hidden] @ [hidden x intermediate]; best of 10 in CPU seconds of the thread, before
+and after the timed updates). Compiled variants start from an empty inductor cache (a temporary
+TORCHINDUCTOR_CACHE_DIR unless one is set), so their first update shows a cold compile.
 
 Variants (`--variants`, comma-separated):
   fp32              float32 weights and compute (the CPU default)
@@ -25,17 +25,16 @@ Variants (`--variants`, comma-separated):
   bf16-cast-once    bf16, compute copies cast once per optimizer step (actor.cast_once=true)
   fp32-compile      fp32 with each decoder layer under torch.compile (actor.compile=true)
   bf16-cast-once-compile
-Compiling costs minutes of CPU here: its first update (compile time) is printed separately.
 
 The profile (`--profile`, variants to profile; `none` to skip): one more update of each under
 torch.profiler, every operator's self CPU time put in the part of the model that ran it. Forward
 operators belong to the innermost part they ran in (the attention projections q/k/v/o, the
-attention kernel, RoPE, the MLP, the RMSNorms, the embedding, the LM head's log-prob, the loss,
-the mixed-precision casts of `LocalPolicy`, the optimizer step, ...), marked by wrapping those
-modules' forwards and functions in `record_function` ranges; a backward operator belongs to the
-part whose forward operator made its autograd node (matched by the profiler's sequence numbers).
-Shares are of the profiled update's CPU time (the profiler's own overhead inflates small
-operators, so the parts' seconds are a little above the timed run's).
+attention kernel, RoPE, the MLP, the RMSNorms, the embedding, the LM head's log-prob, the policy
+loss, `LocalPolicy`'s casts to bf16 compute copies and its float32 gradient accumulation into the
+masters, the optimizer step, ...), marked by wrapping those modules' forwards and functions in
+`record_function` ranges; a backward operator belongs to the part whose forward operator made its
+autograd node (matched by the profiler's sequence numbers). Shares are of the profiled update's
+operator time (the profiler's own overhead inflates small operators).
 """
 
 from __future__ import annotations

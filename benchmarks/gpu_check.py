@@ -16,9 +16,12 @@ Phases (each one's failure is recorded in the JSON and the rest still run):
   kernel   Triton fused log-prob/entropy vs the naive fp32 log_softmax (and the chunked torch
            path) at 16k tokens x 152k vocab, bf16: max errors, fwd+bwd time, peak memory.
   actor    ActorWorker.update_actor under FSDP2 (1-rank process group, bf16 parameters, fp32
-           gradient reduction), with the fused Triton head and with the chunked torch head:
-           tokens/s and MFU (rlcore.flops: training FLOPs of the model's matmuls and causal
-           attention / time / the GPU's peak bf16 dense FLOP/s, rlcore.flops by its name; none on a CPU).
+           gradient reduction), with the fused Triton head and with the chunked torch head, at the
+           device's defaults (on CUDA: decoder layers compiled, compute copies cast once per step),
+           then with both of those off, then with Liger Kernel's RMSNorm/SwiGLU/RoPE where it is
+           installed (ACTOR_RUNS): tokens/s and MFU (rlcore.flops: training FLOPs of the model's
+           matmuls and causal attention / time / the GPU's peak bf16 dense FLOP/s, rlcore.flops by
+           its name; none on a CPU), and the first update's seconds (compilation).
   rollout  HFRolloutEngine, 64 prompts x 256 new tokens, bf16: generated tokens/s.
   grpo     three GRPO steps with the in-process backend (actor, reference and rollout
            colocated on the one GPU), reward by rlcore.rewards: step metrics and peak memory
@@ -48,6 +51,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import functools
+import importlib.util
 import json
 import os
 import platform
@@ -114,8 +118,10 @@ SMOKE = replace(
 
 # Seconds a phase needs on the H200 at full size, for --deadline-s: rough, from the 2026-12-04 run
 # (kernel + actor 42 s, rollout + grpo 69 s) and, for trl, issue 39's step times (~8 s) x 4 steps x 2
-# systems plus two processes' start-up.
-MIN_PHASE_S = {"kernel": 20, "actor": 40, "rollout": 20, "grpo": 60, "trl": 150, "tp": 10}
+# systems plus two processes' start-up. Since then the actor on CUDA compiles its decoder layers in
+# its first step (actor.compile=auto; tens of seconds cold, less from inductor's on-disk cache) and
+# the actor phase runs 3 workers: those phases' figures grew by a guess.
+MIN_PHASE_S = {"kernel": 20, "actor": 120, "rollout": 20, "grpo": 90, "trl": 180, "tp": 10}
 
 
 def log(msg: str) -> None:
@@ -417,21 +423,62 @@ def actor_batch(s: Shapes, vocab: int):
     )
 
 
+# The actor phase's runs: (name, config overrides of a fresh worker or None for the previous one,
+# fused Triton head). "fused_triton" is rlcore's defaults on the device (actor.compile and
+# actor.cast_once "auto": on for a one-rank CUDA group); "eager_cast_each" turns both off (the
+# update as it was before them); "liger" swaps in Liger Kernel's RMSNorm/SwiGLU/RoPE (compile then
+# off), recorded as skipped where liger-kernel is not installed or there is no GPU.
+ACTOR_RUNS: tuple[tuple[str, dict[str, Any] | None, bool], ...] = (
+    ("fused_triton", {}, True),
+    ("torch_chunked", None, False),
+    ("eager_cast_each", {"actor__compile": False, "actor__cast_once": False}, True),
+    ("liger", {"actor__liger_kernel": True}, True),
+)
+
+
+def _liger_missing(device) -> str | None:
+    if device.type != "cuda":
+        return "Liger Kernel's kernels need a CUDA device"
+    if importlib.util.find_spec("liger_kernel") is None:
+        return "liger-kernel is not installed (pip install 'rlcore[liger]'; requirements/gpu-carry.txt carries it)"
+    return None
+
+
+def _actor_worker(cfg, device, out: dict[str, Any]):
+    """An ActorWorker set up under `cfg` on the current 1-rank group, FSDP2 bf16 (rlcore's own
+    wrapping, else `fsdp2_bf16`'s); its settings recorded in `out`."""
+    from rlcore.workers.actor import ActorWorker
+    from rlcore.workers.compile import compile_wanted
+    from rlcore.workers.fsdp import is_sharded, keeps_compute_copies
+    from rlcore.workers.optim import build_optimizer, build_scheduler
+
+    worker = ActorWorker(cfg)
+    worker.setup()
+    if is_sharded(worker.model):
+        out["fsdp_wrapped_by"] = "rlcore"
+    else:
+        worker.model = fsdp2_bf16(worker.model, device)
+        worker.optimizer = build_optimizer(worker.model, cfg.actor.optim)
+        worker.scheduler = build_scheduler(worker.optimizer, cfg.actor.optim, cfg.trainer.total_steps)
+        out["fsdp_wrapped_by"] = "gpu_check"
+    out["settings"] = {"compile": compile_wanted(cfg.actor.compile, device, liger=cfg.actor.liger_kernel),
+                       "cast_once": keeps_compute_copies(worker.model), "liger_kernel": cfg.actor.liger_kernel}
+    return worker
+
+
 def phase_actor(s: Shapes, device, meter: Meter, model_dir: Path, train_file: Path, root: Path, params: int) -> dict[str, Any]:
     import torch
 
-    from rlcore.workers.actor import ActorWorker
-    from rlcore.workers.fsdp import is_sharded
-    from rlcore.workers.optim import build_optimizer, build_scheduler
-
-    cfg = base_config(
-        model_dir, train_file, root / "actor_run", s, device.type,
-        model__dtype="float32",  # fp32 master weights; FSDP2 computes in bf16
-        data__train_batch_size=s.actor_seqs,
-        actor__ppo_mini_batch_size=s.actor_seqs, actor__max_tokens_per_micro_batch=s.actor_micro_tokens,
-        rollout__n=1, actor__mixed_precision="bf16",
-    )
     from rlcore.flops import ModelFlops, causal_pairs, mfu
+
+    def config(**extra):
+        return base_config(
+            model_dir, train_file, root / "actor_run", s, device.type,
+            model__dtype="float32",  # fp32 master weights; FSDP2 computes in bf16
+            data__train_batch_size=s.actor_seqs,
+            actor__ppo_mini_batch_size=s.actor_seqs, actor__max_tokens_per_micro_batch=s.actor_micro_tokens,
+            rollout__n=1, actor__mixed_precision="bf16", **extra,
+        )
 
     batch = actor_batch(s, s.vocab)
     tokens = int(batch["attention_mask"].sum())
@@ -443,30 +490,33 @@ def phase_actor(s: Shapes, device, meter: Meter, model_dir: Path, train_file: Pa
                            "micro_batch_tokens": s.actor_micro_tokens, "params": params,
                            "model_flops_per_update": step_flops, "matmul_bf16_flops_per_s": rate}
     with one_rank_process_group(device):
-        worker = ActorWorker(cfg)
-        worker.setup()
-        if is_sharded(worker.model):
-            out["fsdp_wrapped_by"] = "rlcore"
-        else:
-            worker.model = fsdp2_bf16(worker.model, device)
-            worker.optimizer = build_optimizer(worker.model, cfg.actor.optim)
-            worker.scheduler = build_scheduler(worker.optimizer, cfg.actor.optim, cfg.trainer.total_steps)
-            out["fsdp_wrapped_by"] = "gpu_check"
-        for fused in (True, False):
-            name = "fused_triton" if fused else "torch_chunked"
+        worker, settings = None, {}
+        for name, overrides, fused in ACTOR_RUNS:
+            missing = _liger_missing(device) if overrides and overrides.get("actor__liger_kernel") else None
+            if missing:
+                out[name] = {"skipped": missing}
+                continue
+            if overrides is not None:
+                worker = None  # the previous model's memory goes before the next one loads
+                if device.type == "cuda":
+                    torch.cuda.empty_cache()
+                worker = _actor_worker(config(**overrides), device, out)
+                settings = out.pop("settings")
+            assert worker is not None
             worker.config.actor.fused_kernels = fused
-            worker.update_actor(batch)  # warm-up (kernel compilation, allocator)
+            _, first_s = meter.timed(functools.partial(worker.update_actor, batch))  # warm-up: compilation, allocator
             meter.reset()
             times, metrics = [], {}
             for _ in range(s.actor_steps):
                 metrics, secs = meter.timed(functools.partial(worker.update_actor, batch))
                 times.append(secs)
             secs = sum(times) / len(times)
-            tok_s = tokens / secs
             out[name] = {
                 "backend": "triton" if fused and device.type == "cuda" else "torch",
+                **settings,
+                "first_step_s": first_s,  # with compilation where compiled
                 "step_s": secs,
-                "tokens_per_s": tok_s,
+                "tokens_per_s": tokens / secs,
                 "flops_per_s": step_flops / secs,
                 "mfu": mfu(step_flops, secs, device_peak_flops(device)),  # against the spec sheet's dense bf16 peak
                 "of_matmul_rate": step_flops / secs / rate,  # against this device's measured bf16 matmul rate
@@ -478,6 +528,7 @@ def phase_actor(s: Shapes, device, meter: Meter, model_dir: Path, train_file: Pa
     if device.type == "cuda":
         torch.cuda.empty_cache()
     out["fused_speedup"] = out["torch_chunked"]["step_s"] / out["fused_triton"]["step_s"]
+    out["defaults_speedup_over_eager_cast_each"] = out["eager_cast_each"]["step_s"] / out["fused_triton"]["step_s"]
     return out
 
 
@@ -858,6 +909,9 @@ def headline(result: dict[str, Any]) -> dict[str, Any]:
         "matmul_bf16_flops_per_s": get("actor", "matmul_bf16_flops_per_s"),
         "actor_tok_s_torch": get("actor", "torch_chunked", "tokens_per_s"),
         "actor_mfu_torch": get("actor", "torch_chunked", "mfu"),
+        "actor_mfu_eager_cast_each": get("actor", "eager_cast_each", "mfu"),
+        "actor_mfu_liger": get("actor", "liger", "mfu"),
+        "actor_defaults_speedup_over_eager_cast_each": get("actor", "defaults_speedup_over_eager_cast_each"),
         "rollout_tok_s": get("rollout", "tokens_per_s"),
         "grpo_steps_done": len(history),
         "grpo_bad_updates": sum(h.get("actor/bad_updates", 0.0) for h in history),

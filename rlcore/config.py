@@ -300,6 +300,22 @@ class ActorConfig(_Section):
         False, description="keep the actor's master weights, gradients and AdamW state in host memory and step "
         "AdamW there; parameters are copied to the GPU for each forward (FSDP2's CPUOffloadPolicy, or the same "
         "per-module copies in one process). Needs a CUDA device: refused with trainer.device=cpu")
+    cast_once: Literal["auto"] | bool = Field(
+        "auto", description="make the weights' compute copies (bf16 under mixed precision, on the GPU with CPU offload, "
+        "FSDP2's gathered parameters) once per optimizer step and keep them across its micro-batches, instead of again "
+        "for every micro-batch (with FSDP2, for its forward and again for its backward); gradients are the same. auto: "
+        "on where the step's peak holds them all anyway: in one process or on a one-rank FSDP2 group without CPU "
+        "offload, and without gradient checkpointing; off on FSDP2 over more ranks, where each rank would hold the "
+        "whole model's copies for the step (true asks for that)")
+    compile: Literal["auto"] | bool = Field(
+        "auto", description="torch.compile each decoder layer (regional compilation, dynamic shapes so packed rows "
+        "of any length reuse one graph): auto: on for a CUDA device (falling back to eager, with a warning, if "
+        "compiling fails), off on the CPU, with tensor parallelism and with actor.liger_kernel (measured no faster "
+        "on CPU: benchmarks/bench_update.py); true: compile anywhere, failures raise")
+    liger_kernel: bool = Field(
+        False, description="Liger Kernel's fused Triton RMSNorm, SwiGLU MLP and RoPE in the actor's model (the "
+        "architecture's RoPE module-wide, so the reference and an in-process hf engine get it too); the log-prob head "
+        "stays rlcore's. Needs a CUDA device and the liger-kernel package (pip install 'rlcore[liger]')")
     lora: LoraConfig = Field(LoraConfig(), description="LoRA on the actor; the reference is then the actor's own "
                              "base model with the adapter disabled (no second copy)")
 
@@ -988,6 +1004,13 @@ class Config(_Section):
         if self.actor.cpu_offload and self.trainer.device == "cpu":
             raise ValueError("actor.cpu_offload=true needs a CUDA device: with trainer.device=cpu the weights, gradients "
                              "and optimizer state already live in host memory, so there is nothing to offload")
+        return self
+
+    @model_validator(mode="after")
+    def _check_liger_kernel(self) -> Config:
+        if self.actor.liger_kernel and self.trainer.device == "cpu":
+            raise ValueError("actor.liger_kernel=true needs a CUDA device: Liger's kernels are Triton GPU kernels "
+                             "(trainer.device=cpu)")
         return self
 
     @model_validator(mode="after")

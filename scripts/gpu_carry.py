@@ -51,16 +51,16 @@ CACHE = Path(os.environ.get("RLCORE_CACHE", Path.home() / ".cache" / "rlcore")) 
 LIMIT_BYTES = 64 * 2**20  # what one device call carries: the tree and the named ignored paths together
 TARGET_PYTHON = "3.12"
 TARGET_PLATFORMS = ("manylinux2014_x86_64", "manylinux_2_28_x86_64")  # torch 2.11's wheels need glibc >= 2.28 there
-# What must import there: rlcore's config layer (pyproject: pydantic>=2.7), TRL and datasets (their
-# versions: the pins).
-ROOTS = ("pydantic>=2.7", "trl", "datasets")
+# What must import there: rlcore's config layer (pyproject: pydantic>=2.7), TRL and datasets, Liger
+# Kernel (their versions: the pins).
+ROOTS = ("pydantic>=2.7", "trl", "datasets", "liger-kernel")
 # What FIELD_NOTES records on the GPU machine, with the versions it names; what these require is
 # there too (read from this environment's metadata, versions unknown: `gpu_machine`).
 GPU_MACHINE_HAS = {"torch": "2.11.0", "triton": "3.6.0", "transformers": "5.17.0", "pandas": "", "pyarrow": ""}
 # ... and what it was seen to lack (the wheels the 2026-12-04 run had to carry), whatever this
 # environment's newer transformers requires (typer -> pydantic).
 GPU_MACHINE_LACKS = ("pydantic", "pydantic-core", "annotated-types", "typing-inspection", "trl", "datasets", "dill",
-                     "multiprocess")
+                     "multiprocess", "liger-kernel")
 
 
 def _canon(name: str) -> str:

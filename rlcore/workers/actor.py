@@ -22,8 +22,10 @@ from rlcore.config import ActorConfig, Config
 from rlcore.controller import Dispatch, Worker, register
 from rlcore.protocol import Batch
 from rlcore.workers.checkpointing import adapter_folder, load_training_state, save_trained
+from rlcore.workers.compile import compile_decoder_layers, compile_wanted
 from rlcore.workers.forward import POLICY_FORWARD_METHODS
 from rlcore.workers.fsdp import iter_full_state, plan_buckets
+from rlcore.workers.liger import apply_liger_kernels
 from rlcore.workers.loading import compute_precision, load_causal_lm, resolve_device, trained_dtype
 from rlcore.workers.loops import (
     GlobalCounts,
@@ -124,6 +126,8 @@ class ActorWorker(Worker):
         cfg = self.config
         model = load_causal_lm(model_path or cfg.model.path, trained_dtype(cfg.model), self.device, cfg.model.gradient_checkpointing,
                                cfg.model.use_remove_padding)
+        if cfg.actor.liger_kernel:
+            apply_liger_kernels(model, self.device)
         precision = compute_precision(cfg.model, cfg.actor.mixed_precision)
         self.adapter = (apply_lora(model, cfg.actor.lora, "actor.lora", seed=cfg.trainer.seed, mixed_precision=precision != "none")
                         if cfg.actor.lora.enabled else None)
@@ -133,7 +137,11 @@ class ActorWorker(Worker):
         # tensor / sequence parallelism, then FSDP2 when this group has a process group (or, on one
         # rank, when bf16/offload is asked for)
         self.model = apply_role_layout(model, cfg, "actor", self.device, mixed_precision=precision,
-                                       cpu_offload=cfg.actor.cpu_offload, forward_methods=POLICY_FORWARD_METHODS)
+                                       cpu_offload=cfg.actor.cpu_offload, forward_methods=POLICY_FORWARD_METHODS,
+                                       cast_once=cfg.actor.cast_once)
+        if compile_wanted(cfg.actor.compile, self.device, tensor_parallel=cfg.layout_of("actor").tensor_parallel,
+                          liger=cfg.actor.liger_kernel):
+            compile_decoder_layers(self.model, fall_back=cfg.actor.compile == "auto")
         self.optimizer = build_optimizer(self.model, cfg.actor.optim)
         self.scheduler = build_scheduler(self.optimizer, cfg.actor.optim, cfg.trainer.total_steps)
         self.policy_loss = get_policy_loss(cfg.actor.policy_loss)

@@ -223,6 +223,7 @@ def _torch_varlen_available() -> bool:
     return True
 
 
+@torch.compiler.disable  # left eager inside a compiled layer (`rlcore.workers.compile`): the per-length path reads lengths
 def _attention(
     module: nn.Module,
     query: torch.Tensor,

@@ -33,6 +33,15 @@ def is_sharded(model: nn.Module) -> bool:
 
 MIXED_PRECISION = ("none", "bf16")
 
+# set on a model that keeps compute copies across micro-batches: what forgets them (`drop_compute_copies`)
+DROP_COMPUTE_COPIES = "rlcore_drop_compute_copies"
+
+
+def decoder_layers(model: nn.Module) -> list[nn.Module]:
+    """The decoder layers of a transformers model (`<base_model_prefix>.layers`), or none."""
+    layers = getattr(getattr(model, getattr(model, "base_model_prefix", ""), None), "layers", None)
+    return list(layers) if isinstance(layers, nn.ModuleList) else []
+
 
 def shard_model(
     model: nn.Module,
@@ -41,6 +50,7 @@ def shard_model(
     cpu_offload: bool = False,
     forward_methods: Mapping[str, Callable[..., Any]] | None = None,
     mesh: Any = None,
+    cast_once: bool | str = False,
 ) -> nn.Module:
     """`fully_shard` every decoder layer, then the root (embeddings, final norm and head).
 
@@ -55,6 +65,11 @@ def shard_model(
     CPU device is refused (ValueError): there is no device memory to relieve. `mesh`: the 1-D mesh
     to shard over (a layout's data x sequence-parallel ranks, `rlcore.workers.parallel`); default
     every rank of the process group.
+
+    `cast_once` (`actor.cast_once`: True, False or "auto"; `cast_once_wanted`): the compute copies
+    are made once per optimizer step and kept across its micro-batches (`drop_compute_copies` lets
+    them go): `LocalPolicy(cast_once=True)`, or FSDP2 neither resharding after forward nor after
+    backward, so a micro-batch's forward finds the parameters its predecessor gathered.
     """
     if mixed_precision not in MIXED_PRECISION:
         raise ValueError(f"mixed_precision={mixed_precision!r} is not one of {MIXED_PRECISION}")
@@ -69,13 +84,15 @@ def shard_model(
         if not wants_policy:
             return model
         param_dtype = torch.bfloat16 if mixed_precision == "bf16" else None
-        return LocalPolicy(device, param_dtype, offload=cpu_offload).apply(model)
+        keep = cast_once_wanted(cast_once, model, ranks=1, cpu_offload=cpu_offload, local=True)
+        return LocalPolicy(device, param_dtype, offload=cpu_offload, cast_once=keep).apply(model)
     if distributed_world() == 1 and not wants_policy:
         return model
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
 
     kwargs: dict = {"mesh": mesh if mesh is not None else init_device_mesh(device.type, (dist.get_world_size(),))}
+    keep = cast_once_wanted(cast_once, model, ranks=kwargs["mesh"].size(), cpu_offload=cpu_offload, local=False)
     if mixed_precision == "bf16":
         kwargs["mp_policy"] = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
     if cpu_offload:
@@ -85,7 +102,47 @@ def shard_model(
         fully_shard(layer, **kwargs)
     fully_shard(model, **kwargs)
     register_forward_methods(model, forward_methods or {})
+    if keep:
+        model.set_reshard_after_forward(False)
+        model.set_reshard_after_backward(False)
+        setattr(model, DROP_COMPUTE_COPIES, partial(_reshard_all, model))
     return model
+
+
+def cast_once_wanted(setting: bool | str, model: nn.Module, *, ranks: int, cpu_offload: bool, local: bool) -> bool:
+    """Whether compute copies are kept for a whole step (`actor.cast_once`). "auto": where the step's
+    peak already holds them all, i.e. without gradient checkpointing (which frees a layer's copies
+    after its forward) and either in one process (`LocalPolicy`: a forward's copies live until its
+    backward) or on a one-rank FSDP2 group without CPU offload (2 bytes a parameter beside the 16
+    of float32 weights, gradients and AdamW state); never on more ranks, where each would hold the
+    whole model's copies instead of its shard."""
+    if setting != "auto":
+        return bool(setting)
+    if getattr(model, "is_gradient_checkpointing", False):
+        return False
+    return local or (ranks == 1 and not cpu_offload)
+
+
+def drop_compute_copies(model: nn.Module) -> None:
+    """Let go of the compute copies kept across micro-batches (`shard_model(cast_once=...)`): after
+    the last backward of an optimizer step, before the step changes the masters, and after a
+    no-grad pass. A no-op for a model that keeps none."""
+    drop = getattr(model, DROP_COMPUTE_COPIES, None)
+    if drop is not None:
+        drop()
+
+
+def keeps_compute_copies(model: nn.Module) -> bool:
+    """Whether `model` keeps its compute copies across micro-batches (`shard_model(cast_once=...)` resolved)."""
+    return getattr(model, DROP_COMPUTE_COPIES, None) is not None
+
+
+def _reshard_all(model: nn.Module) -> None:
+    from torch.distributed.fsdp import FSDPModule
+
+    for module in model.modules():
+        if isinstance(module, FSDPModule):
+            module.reshard()
 
 
 class LocalPolicy:
@@ -93,53 +150,88 @@ class LocalPolicy:
     in one process without a process group.
 
     The model's own parameters are the master copy (what the optimizer steps, checkpoints save and
-    the rollout receives): float32 for mixed precision, in host memory with offload. Before each
-    module's forward, its direct parameters are replaced by compute copies (`param_dtype`, on
-    `device`); after it, the masters are put back. A compute copy's gradient is added to its
-    master's `.grad` (in the master's dtype and device) as soon as autograd has accumulated it, so
-    micro-batches accumulate in float32, as FSDP2 reduces them. Buffers (RoPE's inv_freq) are never
-    cast. The hooks run again when gradient checkpointing recomputes a layer.
+    the rollout receives): float32 for mixed precision, in host memory with offload. Before a
+    group's forward its parameters are replaced by compute copies (`param_dtype`, on `device`);
+    after it, the masters are put back. The groups are FSDP2's: each decoder layer with everything
+    in it (so the layer's own forward, which `compile_decoder_layers` compiles, runs on compute
+    copies with no hook inside), and every other module with parameters of its own. A compute
+    copy's gradient is added to its master's `.grad` (in the master's dtype and device) as soon as
+    autograd has accumulated it, so micro-batches accumulate in float32, as FSDP2 reduces them.
+    Buffers (RoPE's inv_freq) are never cast. The hooks run again when gradient checkpointing
+    recomputes a layer.
+
+    `cast_once`: a compute copy, once made, is kept and reused by the following forwards until
+    `drop_compute_copies` (after the last micro-batch of an optimizer step, and after a no-grad
+    pass) or until its master changes (a new version or storage: an optimizer step, a checkpoint
+    load); the values are the same, so are the gradients.
 
     Differences from FSDP2: the compute copies of a forward stay alive until its backward (FSDP2
     frees and re-gathers them); heads used outside a module's forward (`forward_response_log_probs`)
     cast their weights themselves, to the hidden state's dtype and device.
     """
 
-    def __init__(self, device: torch.device, param_dtype: torch.dtype | None, offload: bool = False) -> None:
+    def __init__(self, device: torch.device, param_dtype: torch.dtype | None, offload: bool = False,
+                 cast_once: bool = False) -> None:
         self.device = device
         self.param_dtype = param_dtype
         self.offload = offload
+        self.cast_once = cast_once
+        # (module, name) -> (the master's version, storage and requires_grad at the cast, the copy)
+        self._copies: dict[tuple[nn.Module, str], tuple[tuple[int, int, bool], nn.Parameter]] = {}
 
     def apply(self, model: nn.Module) -> nn.Module:
         if self.offload:
             _params_to_host(model)
-        owned: dict[nn.Module, list[tuple[str, nn.Parameter]]] = defaultdict(list)
-        for module in model.modules():
-            for name, param in module.named_parameters(recurse=False):
-                if self._compute_dtype(param) != param.dtype or param.device != self.device:
-                    owned[module].append((name, param))
-        for module, params in owned.items():
-            module.register_forward_pre_hook(partial(self._to_compute, params))
-            module.register_forward_hook(partial(self._to_master, params), always_call=True)
+        for group, params in self._groups(model).items():
+            group.register_forward_pre_hook(partial(self._to_compute, params))
+            group.register_forward_hook(partial(self._to_master, params), always_call=True)
+        if self.cast_once:
+            setattr(model, DROP_COMPUTE_COPIES, self.drop)
         return model
+
+    def _groups(self, model: nn.Module) -> dict[nn.Module, list[tuple[nn.Module, str, nn.Parameter]]]:
+        """Hooked module -> the (owner, name, master) it swaps: decoder layers whole, other modules their own."""
+        layers = list(decoder_layers(model))
+        inside = {id(m) for layer in layers for m in layer.modules()}
+        groups: dict[nn.Module, list[tuple[nn.Module, str, nn.Parameter]]] = defaultdict(list)
+        for module in model.modules():
+            owners = list(module.modules()) if module in layers else [] if id(module) in inside else [module]
+            for owner in owners:
+                for name, param in owner.named_parameters(recurse=False):
+                    if self._compute_dtype(param) != param.dtype or param.device != self.device:
+                        groups[module].append((owner, name, param))
+        return groups
 
     def _compute_dtype(self, param: torch.Tensor) -> torch.dtype:
         return self.param_dtype or param.dtype
 
-    def _to_compute(self, params: list[tuple[str, nn.Parameter]], module: nn.Module, args) -> None:
-        for name, master in params:
-            compute = nn.Parameter(
-                master.detach().to(device=self.device, dtype=self._compute_dtype(master)),
-                requires_grad=master.requires_grad,
-            )
-            if master.requires_grad:
-                compute.register_post_accumulate_grad_hook(partial(_grad_to_master, master))
-            setattr(module, name, compute)
+    def _to_compute(self, params: list[tuple[nn.Module, str, nn.Parameter]], module: nn.Module, args) -> None:
+        for owner, name, master in params:
+            setattr(owner, name, self._copy_of(owner, name, master))
+
+    def _copy_of(self, owner: nn.Module, name: str, master: nn.Parameter) -> nn.Parameter:
+        stamp = (master._version, master.data_ptr(), master.requires_grad)
+        kept = self._copies.get((owner, name))
+        if kept is not None and kept[0] == stamp:
+            return kept[1]
+        compute = nn.Parameter(
+            master.detach().to(device=self.device, dtype=self._compute_dtype(master)),
+            requires_grad=master.requires_grad,
+        )
+        if master.requires_grad:
+            compute.register_post_accumulate_grad_hook(partial(_grad_to_master, master))
+        if self.cast_once:
+            self._copies[(owner, name)] = (stamp, compute)
+        return compute
 
     @staticmethod
-    def _to_master(params: list[tuple[str, nn.Parameter]], module: nn.Module, args, output) -> None:
-        for name, master in params:
-            setattr(module, name, master)
+    def _to_master(params: list[tuple[nn.Module, str, nn.Parameter]], module: nn.Module, args, output) -> None:
+        for owner, name, master in params:
+            setattr(owner, name, master)
+
+    def drop(self) -> None:
+        """Forget the kept compute copies (their memory goes with the last autograd graph using them)."""
+        self._copies.clear()
 
 
 def _grad_to_master(master: nn.Parameter, compute: torch.Tensor) -> None:

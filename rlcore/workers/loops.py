@@ -31,7 +31,7 @@ from torch import nn
 from rlcore.config import ActorConfig
 from rlcore.packing import pack_token_budget
 from rlcore.protocol import Batch
-from rlcore.workers.fsdp import equalize_micro_batches
+from rlcore.workers.fsdp import drop_compute_copies, equalize_micro_batches
 from rlcore.workers.memory import MicroBudget, PeakMeter
 from rlcore.workers.packed import prompt_leaders
 from rlcore.workers.parallel.tensors import clip_grad_norm
@@ -290,9 +290,12 @@ def _step_on(
             break
         except torch.cuda.OutOfMemoryError:
             if not micro.can_shrink():
+                drop_compute_copies(trained.model)
                 raise
         trained.optimizer.zero_grad(set_to_none=True)  # outside the handler: the failed pass's tensors are freed
+        drop_compute_copies(trained.model)  # and the compute copies it kept (`actor.cast_once`)
         micro = micro.shrunk()
+    drop_compute_copies(trained.model)  # kept across the micro-batches (`actor.cast_once`); the step changes the masters
     for name, total, count in counted:
         stats.add(name, total, count)
     names = sorted(totals)
@@ -383,6 +386,7 @@ def forward_no_grad(
                     raise
             micro = micro.shrunk()  # every row is written again
     finally:
+        drop_compute_copies(model)
         model.train(was_training)
     micro.first_step_done("forward")
     return out

@@ -48,12 +48,14 @@ def apply_layout(
     cpu_offload: bool = False,
     forward_methods: Mapping[str, Callable[..., Any]] | None = None,
     mesh: Any = None,
+    cast_once: bool | str = False,
 ) -> nn.Module:
     """`model` split as `layout` says over the process group (every rank of the role calls it: it
     makes process groups the first time). `tp_key`, `sp_key`: the config keys of its tensor- and
     sequence-parallel sizes (`Config.layout_key`), named when the model's shape or architecture does
     not allow them. `forward_methods`: `shard_model`'s (the caller's computations outside
-    `model.forward`). `mesh`: a ready `device_mesh(layout, ...)` (else made here)."""
+    `model.forward`). `mesh`: a ready `device_mesh(layout, ...)` (else made here). `cast_once`:
+    `shard_model`'s (compute copies kept across a step's micro-batches)."""
     tp, sp = layout.tensor_parallel, layout.sequence_parallel
     if tp == 1:  # data and sequence parallelism as they always were
         if mesh is None:
@@ -61,7 +63,7 @@ def apply_layout(
         elif sp > 1:
             use_sequence_parallel_group(model, mesh["sp"].get_group())
         return shard_model(model, device, mixed_precision, cpu_offload, forward_methods,
-                           mesh=None if mesh is None else fsdp_mesh(mesh))
+                           mesh=None if mesh is None else fsdp_mesh(mesh), cast_once=cast_once)
     problem = sequence_parallel_problem(model.config.to_dict(), sp, tp)
     if problem:
         raise ValueError(f"{sp_key}={sp}: {problem}, with {tp_key}={tp}")
@@ -70,15 +72,16 @@ def apply_layout(
     if sp > 1:
         use_sequence_parallel_group(model, mesh["sp"].get_group())
     token_tally(model).copies = tp
-    return shard_model(model, device, mixed_precision, cpu_offload, forward_methods, mesh=fsdp_mesh(mesh))
+    return shard_model(model, device, mixed_precision, cpu_offload, forward_methods, mesh=fsdp_mesh(mesh), cast_once=cast_once)
 
 
 def apply_role_layout(model: nn.Module, config: Config, role: str, device: torch.device, *, mixed_precision: str = "none",
-                      cpu_offload: bool = False, forward_methods: Mapping[str, Callable[..., Any]] | None = None) -> nn.Module:
+                      cpu_offload: bool = False, forward_methods: Mapping[str, Callable[..., Any]] | None = None,
+                      cast_once: bool | str = False) -> nn.Module:
     """`apply_layout` with `role`'s layout and keys from the run's config (`Config.layout_of`)."""
     return apply_layout(model, config.layout_of(role), device, tp_key=config.layout_key(role, "tensor_parallel"),
                         sp_key=config.layout_key(role, "sequence_parallel"), mixed_precision=mixed_precision,
-                        cpu_offload=cpu_offload, forward_methods=forward_methods)
+                        cpu_offload=cpu_offload, forward_methods=forward_methods, cast_once=cast_once)
 
 
 __all__ = ["apply_layout", "apply_role_layout"]

@@ -266,6 +266,7 @@ def test_log_records_are_redacted_whoever_logs_them(env_secrets):
     stream = io.StringIO()
     handler = logging.StreamHandler(stream)
     loggers = [logging.getLogger(n) for n in ("rlcore.trainer", "prefect.flow_runs", "urllib3.connectionpool")]
+    levels = [lg.level for lg in loggers]  # put back after: a later test of this process reads them (run_state.announce)
     for lg in loggers:
         lg.addHandler(handler)
         lg.setLevel(logging.INFO)
@@ -279,8 +280,9 @@ def test_log_records_are_redacted_whoever_logs_them(env_secrets):
         record = logging.getLogger("rlcore.trainer").makeRecord("rlcore.trainer", logging.INFO, __file__, 1,
                                                                 "step %d of %d", (3, 20), None)
     finally:
-        for lg in loggers:
+        for lg, level in zip(loggers, levels, strict=True):
             lg.removeHandler(handler)
+            lg.setLevel(level)
     out = stream.getvalue()
     assert planted_in(out) == [] and out.count("RuntimeError: refused: *** ***") == 3
     assert record.msg == "step %d of %d" and record.args == (3, 20)  # a record without a secret: as made

@@ -13,6 +13,7 @@ from rlcore.config.tree import ConfigTree
 
 
 def check_preference(config: ConfigTree) -> None:
+    """The reference model where the algorithm or a KL term needs it; preference keys the algorithm does not read."""
     if config.traits.reference == "always" and config.algorithm.use_reference is False:
         raise ValueError(f"algorithm.use_reference=false: {config.algorithm.name} needs the reference model")
     kl_terms = [k for k, on in (("actor.use_kl_loss", config.actor.use_kl_loss),
@@ -30,6 +31,7 @@ def check_preference(config: ConfigTree) -> None:
 
 
 def check_consistency(config: ConfigTree) -> None:
+    """Batch sizes that divide; an estimator that matches the critic; several ranks only on Ray; a pool for every role."""
     traits, rm_batch = config.traits, config.reward_model.mini_batch_size
     if "reward_model" in traits.trains and rm_batch is not None and config.data.train_batch_size % rm_batch:
         raise ValueError(f"data.train_batch_size ({config.data.train_batch_size}) must be a multiple of "
@@ -60,12 +62,14 @@ def check_consistency(config: ConfigTree) -> None:
 
 
 def check_agent(config: ConfigTree) -> None:
+    """Agent rollouts only for an algorithm that generates."""
     if config.rollout.agent.enabled and not config.traits.generates:
         raise ValueError(f"rollout.agent: the {config.algorithm.name!r} control flow generates nothing (agent rollouts "
                          f"need algorithm.name {' or '.join(names_where(generates=True))})")
 
 
 def check_off_policy(config: ConfigTree) -> None:
+    """One-step off-policy only where there is generation to overlap, and without a sleeping engine."""
     if config.trainer.off_policy != "sync" and not config.traits.generates:
         raise ValueError(f"trainer.off_policy={config.trainer.off_policy!r} is not supported by the "
                          f"{config.algorithm.name!r} control flow (no generation to overlap); use trainer.off_policy=sync")
@@ -76,12 +80,14 @@ def check_off_policy(config: ConfigTree) -> None:
 
 
 def check_validation_sampling(config: ConfigTree) -> None:
+    """Greedy validation with one sample per prompt (n greedy samples are one answer)."""
     if config.rollout.val_greedy and config.rollout.val_n > 1:
         raise ValueError(f"rollout.val_greedy=true with rollout.val_n={config.rollout.val_n}: every sample would be the "
                          "same greedy answer (pass@n = accuracy); set rollout.val_greedy=false or val_n=1")
 
 
 def check_sequence_parallel(config: ConfigTree) -> None:
+    """Sequence-parallel sizes that divide their role's ranks, on packed rows."""
     roles = [("actor", config.actor.ulysses_sequence_parallel_size, config.actor.world_size)]
     if config.traits.critic:
         roles.append(("critic", config.critic_sequence_parallel_size, config.critic.world_size))
@@ -99,6 +105,7 @@ def check_sequence_parallel(config: ConfigTree) -> None:
 
 
 def check_layouts(config: ConfigTree) -> None:
+    """Layouts only on roles the run has; no tensor parallelism with LoRA; several ranks only on Ray."""
     """Layouts of roles this run does not have are refused (they would be ignored); tensor
     parallelism with LoRA is refused; several ranks need the Ray backend."""
     roles = set(config.present_roles)
@@ -121,18 +128,21 @@ def check_layouts(config: ConfigTree) -> None:
 
 
 def check_cpu_offload(config: ConfigTree) -> None:
+    """CPU offload only with a CUDA device."""
     if config.actor.cpu_offload and config.trainer.device == "cpu":
         raise ValueError("actor.cpu_offload=true needs a CUDA device: with trainer.device=cpu the weights, gradients "
                          "and optimizer state already live in host memory, so there is nothing to offload")
 
 
 def check_liger_kernel(config: ConfigTree) -> None:
+    """Liger's kernels only with a CUDA device."""
     if config.actor.liger_kernel and config.trainer.device == "cpu":
         raise ValueError("actor.liger_kernel=true needs a CUDA device: Liger's kernels are Triton GPU kernels "
                          "(trainer.device=cpu)")
 
 
 def check_lora_sync(config: ConfigTree) -> None:
+    """`rollout.lora_sync` only with LoRA on the actor, and the adapter itself only to vLLM."""
     sync = config.rollout.lora_sync
     if sync != "auto" and not config.actor.lora.enabled:
         raise ValueError(f"rollout.lora_sync={sync} needs LoRA on the actor (actor.lora.rank > 0)")
@@ -142,6 +152,7 @@ def check_lora_sync(config: ConfigTree) -> None:
 
 
 def check_lora_roles(config: ConfigTree) -> None:
+    """LoRA only on a role the run trains."""
     """LoRA set on a role this run does not train is refused: it would be ignored."""
     name, traits = config.algorithm.name, config.traits
     if not traits.trains_policy and config.actor.lora != LoraConfig():
@@ -153,6 +164,7 @@ def check_lora_roles(config: ConfigTree) -> None:
 
 
 def check_reward_model(config: ConfigTree) -> None:
+    """Reward-model settings only where they are read: scoring (reward_model.path) or training one (algorithm.name=rm)."""
     rm, name, traits = config.reward_model, config.algorithm.name, config.traits
     defaults = RewardModelConfig()
     set_keys = {k for k in (*rm.SCORING_KEYS, *rm.TRAINING_KEYS) if getattr(rm, k) != getattr(defaults, k)}

@@ -158,3 +158,25 @@ def test_no_import_cycle_inside_a_subpackage():
                 steps = [f"{m} (line {lines[(m, cycle[(i + 1) % len(cycle)])]})" for i, m in enumerate(cycle)]
                 cycles.add(" -> ".join([*steps, cycle[0]]))
     assert not cycles, "import cycles (each module listed with the line of its import of the next):\n" + "\n".join(sorted(cycles))
+
+
+# ---------------------------------------------------------------------- inside rlcore.config
+# The config package's own order (docs/DESIGN.md, `rlcore/config/`): a module imports only modules
+# of a lower level; its `__init__` re-exports them all.
+CONFIG_LEVELS: dict[str, int] = {
+    "base": 0, "legacy": 1,
+    "model": 1, "roles": 1, "algorithm": 1, "run": 1, "rollout": 2,  # the sections
+    "tree": 3, "rules": 4, "root": 5, "sft": 6, "load": 7,
+}
+
+
+def test_config_modules_import_down():
+    folder = PACKAGE / "config"
+    assert {p.stem for p in folder.glob("*.py")} - {"__init__"} == set(CONFIG_LEVELS), "a config module without a level here"
+    known = _module_names()
+    upward = []
+    for name, level in CONFIG_LEVELS.items():
+        for line, target in _module_imports(f"rlcore.config.{name}", folder / f"{name}.py", known):
+            if target.startswith("rlcore.config") and CONFIG_LEVELS.get(target.rpartition(".")[2], 99) >= level:
+                upward.append(f"rlcore/config/{name}.py:{line} imports {target}")
+    assert not upward, "imports against the config package's order:\n" + "\n".join(upward)

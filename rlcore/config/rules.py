@@ -1,0 +1,211 @@
+"""The rules that read more than one section, as plain functions of the whole config: each refuses
+a combination the run cannot honour with a `ValueError` naming the keys. `RULES` is their order;
+`rlcore.config.root.Config` runs them, in that order, after every section has validated."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from rlcore.algorithms import names_where, traits_of
+from rlcore.config.base import differs_from_default, estimator_inputs
+from rlcore.config.roles import LoraConfig, RewardModelConfig
+from rlcore.config.tree import ConfigTree
+
+
+def check_preference(config: ConfigTree) -> None:
+    """The reference model where the algorithm or a KL term needs it; preference keys the algorithm does not read."""
+    if config.traits.reference == "always" and config.algorithm.use_reference is False:
+        raise ValueError(f"algorithm.use_reference=false: {config.algorithm.name} needs the reference model")
+    kl_terms = [k for k, on in (("actor.use_kl_loss", config.actor.use_kl_loss),
+                                ("algorithm.use_kl_in_reward", config.algorithm.use_kl_in_reward)) if on]
+    if config.algorithm.use_reference is False and kl_terms:
+        raise ValueError(f"algorithm.use_reference=false, but {' and '.join(kl_terms)} need the reference model")
+    unread = [k for k in type(config.preference).model_fields
+              if k not in config.traits.preference_keys and differs_from_default(config.preference, k)]
+    if unread:
+        readers = [n for n in names_where() if unread[0] in traits_of(n).preference_keys]
+        raise ValueError(f"preference.{unread[0]}: algorithm.name={config.traits.name} does not read it"
+                         + (f" (a setting of {' and '.join(readers)})" if readers else ""))
+    if config.preference.loss_type == "ipo" and config.preference.label_smoothing:
+        raise ValueError("preference.label_smoothing applies to loss_type sigmoid or robust, not ipo")
+
+
+def check_consistency(config: ConfigTree) -> None:
+    """Batch sizes that divide; an estimator that matches the critic; several ranks only on Ray; a pool for every role."""
+    traits, rm_batch = config.traits, config.reward_model.mini_batch_size
+    if "reward_model" in traits.trains and rm_batch is not None and config.data.train_batch_size % rm_batch:
+        raise ValueError(f"data.train_batch_size ({config.data.train_batch_size}) must be a multiple of "
+                         f"reward_model.mini_batch_size ({rm_batch})")
+    if traits.trains_policy and config.data.train_batch_size % config.actor.ppo_mini_batch_size:
+        raise ValueError(
+            f"data.train_batch_size ({config.data.train_batch_size}) must be a multiple of "
+            f"actor.ppo_mini_batch_size ({config.actor.ppo_mini_batch_size})"
+        )
+    estimator = config.algorithm.adv_estimator
+    reads_values = "values" in estimator_inputs(estimator)
+    if traits.generates and traits.critic and not reads_values:
+        raise ValueError(f"algorithm.adv_estimator={estimator!r} reads no values: algorithm.name={traits.name} trains "
+                         f"a critic for an estimator that does (gae)")
+    if traits.generates and not traits.critic and reads_values:
+        raise ValueError(f"algorithm.adv_estimator {estimator!r} needs a critic: use algorithm.name="
+                         f"{' or '.join(names_where(generates=True, critic=True))}")
+    if config.trainer.backend == "inprocess":
+        for key, ws in (("actor", config.actor.world_size), ("critic", config.critic.world_size), ("rollout", config.rollout.world_size),
+                        ("reward_model", config.reward_model.world_size)):
+            if ws > 1:
+                what = f"{key}.layout ({getattr(config, key).layout.describe()})" if getattr(config, key).layout else f"{key}.world_size={ws}"
+                raise ValueError(f"{what} needs trainer.backend=ray (the in-process backend runs one rank)")
+    if config.trainer.backend == "ray" and "default" not in config.ray.pools:
+        unmapped = [r for r in config.present_roles if r not in config.ray.roles]
+        if unmapped:
+            raise ValueError(f"ray.pools: roles {unmapped} use pool 'default', which is not defined")
+
+
+def check_agent(config: ConfigTree) -> None:
+    """Agent rollouts only for an algorithm that generates."""
+    if config.rollout.agent.enabled and not config.traits.generates:
+        raise ValueError(f"rollout.agent: the {config.algorithm.name!r} control flow generates nothing (agent rollouts "
+                         f"need algorithm.name {' or '.join(names_where(generates=True))})")
+
+
+def check_off_policy(config: ConfigTree) -> None:
+    """One-step off-policy only where there is generation to overlap, and without a sleeping engine."""
+    if config.trainer.off_policy != "sync" and not config.traits.generates:
+        raise ValueError(f"trainer.off_policy={config.trainer.off_policy!r} is not supported by the "
+                         f"{config.algorithm.name!r} control flow (no generation to overlap); use trainer.off_policy=sync")
+    if config.trainer.off_policy == "one_step" and config.rollout.sleep == "always":
+        raise ValueError("rollout.sleep=always with trainer.off_policy=one_step: the engine generates the "
+                         "next batch while the actor trains, so it cannot sleep then (each sleep would wait for that "
+                         "generation and undo the overlap); unset one of them")
+
+
+def check_validation_sampling(config: ConfigTree) -> None:
+    """Greedy validation with one sample per prompt (n greedy samples are one answer)."""
+    if config.rollout.val_greedy and config.rollout.val_n > 1:
+        raise ValueError(f"rollout.val_greedy=true with rollout.val_n={config.rollout.val_n}: every sample would be the "
+                         "same greedy answer (pass@n = accuracy); set rollout.val_greedy=false or val_n=1")
+
+
+def check_sequence_parallel(config: ConfigTree) -> None:
+    """Sequence-parallel sizes that divide their role's ranks, on packed rows."""
+    roles = [("actor", config.actor.ulysses_sequence_parallel_size, config.actor.world_size)]
+    if config.traits.critic:
+        roles.append(("critic", config.critic_sequence_parallel_size, config.critic.world_size))
+    for role, sp, ws in roles:
+        key = f"{role}.layout.sequence_parallel" if getattr(config, role).layout is not None else f"{role}.ulysses_sequence_parallel_size"
+        if ws % sp:
+            default = " (default: the actor's)" if role == "critic" and config.critic.ulysses_sequence_parallel_size is None else ""
+            raise ValueError(f"{key}={sp}{default} does not divide {role}.world_size={ws}: each sequence-parallel "
+                             f"group is {sp} of the {role}'s ranks")
+    for role in config.trained_roles:
+        sp = config.layout_of(role).sequence_parallel
+        if sp > 1 and not config.model.use_remove_padding:
+            raise ValueError(f"{config.layout_key(role, 'sequence_parallel')}={sp} needs model.use_remove_padding=true: "
+                             "sequence parallelism splits the packed row of a micro-batch along its tokens")
+
+
+def check_layouts(config: ConfigTree) -> None:
+    """Layouts only on roles the run has; no tensor parallelism with LoRA; several ranks only on Ray."""
+    """Layouts of roles this run does not have are refused (they would be ignored); tensor
+    parallelism with LoRA is refused; several ranks need the Ray backend."""
+    roles = set(config.present_roles)
+    for role in ("critic", "reward_model", "ref"):
+        if getattr(config, role).layout is not None and role not in roles:
+            raise ValueError(f"{role}.layout is set, but this run has no {role} worker group")
+    if config.ref.layout is not None and config.actor.lora.enabled:
+        raise ValueError("ref.layout is set, but with actor.lora the reference is the actor's own base (its adapter "
+                         "disabled), on the actor's ranks and layout")
+    for role in config.trained_roles:
+        tp = config.layout_of(role).tensor_parallel
+        lora = {"actor": config.actor.lora, "critic": config.critic.lora, "reward_model": config.reward_model.lora}.get(role)
+        if tp > 1 and lora is not None and lora.enabled:
+            raise ValueError(f"{config.layout_key(role, 'tensor_parallel')}={tp} with {role}.lora: peft's adapter "
+                             "layers wrap the very linear layers tensor parallelism splits, so rlcore does not "
+                             "combine them; train a LoRA adapter data-parallel (FSDP2 shards the frozen base)")
+        if config.trainer.backend == "inprocess" and config.layout_of(role).world_size > 1:
+            raise ValueError(f"{role}.layout: {config.layout_of(role).describe()} needs trainer.backend=ray (the "
+                             "in-process backend runs one rank)")
+
+
+def check_cpu_offload(config: ConfigTree) -> None:
+    """CPU offload only with a CUDA device."""
+    if config.actor.cpu_offload and config.trainer.device == "cpu":
+        raise ValueError("actor.cpu_offload=true needs a CUDA device: with trainer.device=cpu the weights, gradients "
+                         "and optimizer state already live in host memory, so there is nothing to offload")
+
+
+def check_liger_kernel(config: ConfigTree) -> None:
+    """Liger's kernels only with a CUDA device."""
+    if config.actor.liger_kernel and config.trainer.device == "cpu":
+        raise ValueError("actor.liger_kernel=true needs a CUDA device: Liger's kernels are Triton GPU kernels "
+                         "(trainer.device=cpu)")
+
+
+def check_lora_sync(config: ConfigTree) -> None:
+    """`rollout.lora_sync` only with LoRA on the actor, and the adapter itself only to vLLM."""
+    sync = config.rollout.lora_sync
+    if sync != "auto" and not config.actor.lora.enabled:
+        raise ValueError(f"rollout.lora_sync={sync} needs LoRA on the actor (actor.lora.rank > 0)")
+    if sync == "adapter" and config.rollout.backend == "hf":
+        raise ValueError("rollout.lora_sync=adapter needs rollout.backend=vllm (vLLM applies the adapter per request); "
+                         "the hf backend takes the merged weights (rollout.lora_sync=merged)")
+
+
+def check_lora_roles(config: ConfigTree) -> None:
+    """LoRA only on a role the run trains."""
+    """LoRA set on a role this run does not train is refused: it would be ignored."""
+    name, traits = config.algorithm.name, config.traits
+    if not traits.trains_policy and config.actor.lora != LoraConfig():
+        raise ValueError(f"actor.lora: algorithm.name={name} trains a reward model, not the policy; LoRA on it is "
+                         "reward_model.lora")
+    if not traits.critic and config.critic.lora != LoraConfig():
+        raise ValueError(f"critic.lora: algorithm.name={name} has no critic "
+                         f"({' and '.join(names_where(critic=True))} has one)")
+
+
+def check_reward_model(config: ConfigTree) -> None:
+    """Reward-model settings only where they are read: scoring (reward_model.path) or training one (algorithm.name=rm)."""
+    rm, name, traits = config.reward_model, config.algorithm.name, config.traits
+    defaults = RewardModelConfig()
+    set_keys = {k for k in (*rm.SCORING_KEYS, *rm.TRAINING_KEYS) if getattr(rm, k) != getattr(defaults, k)}
+    trains_rm = "reward_model" in traits.trains
+    if not trains_rm and config.registry.metric == "pairwise_accuracy":
+        raise ValueError("registry.metric=pairwise_accuracy gates reward models (algorithm.name=rm); a policy is "
+                         "gated on accuracy or mean_reward")
+    if trains_rm:
+        if rm.path is not None:
+            raise ValueError("reward_model.path is the reward model an RL run scores with; algorithm.name=rm trains "
+                             "a new one from model.path (unset reward_model.path)")
+        ignored = [k for k in rm.SCORING_KEYS if k in set_keys]
+        if ignored:
+            raise ValueError(f"reward_model.{ignored[0]} applies to RL runs scoring with a reward model, not to "
+                             "algorithm.name=rm (training one)")
+        if config.registry.metric == "mean_reward":
+            raise ValueError("registry.metric=mean_reward: a reward model is gated on its held-out pairwise accuracy "
+                             "(registry.metric=pairwise_accuracy; accuracy means the same for algorithm.name=rm)")
+        return
+    ignored = [k for k in rm.TRAINING_KEYS if k in set_keys]
+    if ignored:
+        raise ValueError(f"reward_model.{ignored[0]} applies to training a reward model (algorithm.name=rm), "
+                         f"not to algorithm.name={name}")
+    if rm.path is None:
+        ignored = [k for k in rm.SCORING_KEYS if k in set_keys]
+        if ignored:
+            raise ValueError(f"reward_model.{ignored[0]} is set but reward_model.path is not: no reward model "
+                             "scores this run")
+        return
+    if not traits.reward:
+        raise ValueError(f"reward_model.path: algorithm.name={name} learns from offline preference rows and "
+                         f"generates nothing to score; a reward model scores {' and '.join(names_where(reward=True))} runs")
+    if rm.weight == 0 and rm.rule_weight == 0:
+        raise ValueError("reward_model.weight and reward_model.rule_weight are both 0: every reward would be 0")
+    if "reward_baselines" in estimator_inputs(config.algorithm.adv_estimator):
+        raise ValueError(f"reward_model.path with algorithm.adv_estimator={config.algorithm.adv_estimator}: ReMax's "
+                         "greedy baseline is scored by the rule scorer alone, not by the reward model")
+
+
+RULES: tuple[Callable[[ConfigTree], None], ...] = (
+    check_preference, check_consistency, check_agent, check_off_policy, check_validation_sampling,
+    check_sequence_parallel, check_layouts, check_cpu_offload, check_liger_kernel, check_lora_sync, check_lora_roles,
+    check_reward_model,
+)

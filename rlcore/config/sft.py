@@ -1,0 +1,159 @@
+"""`rlcore sft`'s config: SFT's data and trainer sections, the RL actor's section with SFT's
+defaults, and `SFTConfig.worker_config`, the RL `Config` the actor worker and the run parts read."""
+
+from __future__ import annotations
+
+from typing import ClassVar, Literal
+
+from pydantic import Field, ValidationError, model_validator
+
+from rlcore.config.base import Section, differs_from_default, format_validation_error
+from rlcore.config.model import DataConfig, ModelConfig
+from rlcore.config.roles import MICRO_BATCH_AUTO, ActorConfig, OptimConfig, TokenBudget
+from rlcore.config.root import Config
+from rlcore.config.run import ROLES, HealthConfig, RayConfig, TrackingConfig, TrainerConfig
+
+
+class SFTDataConfig(Section):
+    """Supervised data in verl's SFT schema: a prompt column and a response column, or a column of
+    chat messages (multi-turn: every assistant turn is trained on)."""
+
+    train_files: list[str]
+    val_files: list[str] = []
+    prompt_key: str = Field("prompt", description="chat messages or a string; a string is used as is (as RL prompts are)")
+    response_key: str = Field("response", description="the text to learn; followed by the tokenizer's EOS unless it ends "
+                              "with one of the model's end tokens")
+    messages_key: str = Field("messages", description="a file with this column is multi-turn (verl's schema): "
+                              "[{role, content}, ...]; an assistant turn may carry OpenAI-style tool_calls")
+    tools: list[str] = Field([], description="tools whose schemas the chat template renders with every prompt, as "
+                             "rollout.agent.tools gives them to RL: 'module:function', 'path/to/file.py:function', or a "
+                             ".json file of OpenAI-style schemas")
+    tools_key: str = Field("tools", description="a row's own tool schemas (verl's column: a list or its JSON text), "
+                           "rendered instead of data.tools for that row")
+    max_length: int = Field(512, ge=2, description="tokens per sequence (prompt + response)")
+    truncation: Literal["error", "drop", "right"] = Field(
+        "error", description="a longer sequence: error (naming the row), drop it (counted), or cut it from the right "
+        "(its end token is lost: the model does not learn to stop there)")
+    apply_chat_template: bool = True
+    on_bad_row: Literal["error", "skip"] = "error"
+    tokenizer_check_rows: int = Field(32, ge=0, description="prompts per file whose ids rlcore, AutoTokenizer and the "
+                                      "folder's tokenizer.json must agree on at start-up (rlcore.trainer.tokenizer_check); 0: off")
+
+
+class SFTOptimConfig(OptimConfig):
+    """The actor's optimizer, with a supervised run's defaults (a higher rate, warmup and cosine decay)."""
+
+    lr: float = Field(1e-5, gt=0)
+    warmup_steps: int = Field(10, ge=0)
+    schedule: Literal["constant", "cosine"] = "cosine"
+    min_lr_ratio: float = Field(0.1, ge=0, le=1)
+
+
+class SFTActorConfig(ActorConfig):
+    """The actor section of an SFT run: the RL actor's own settings (world size, LoRA, precision,
+    sequence parallelism, offload, kernels, micro-batching, the bad-step limit, optimizer), with SFT's
+    defaults. The RL-only keys (`RL_ONLY`) are refused when set."""
+
+    RL_ONLY: ClassVar[tuple[str, ...]] = (
+        "ppo_epochs", "ppo_mini_batch_size", "policy_loss", "clip_ratio_low", "clip_ratio_high", "clip_ratio_c",
+        "loss_agg_mode", "entropy_coeff", "use_kl_loss", "kl_loss_coef", "kl_loss_type", "tis_cap",
+        "weight_sync_bucket_mb", "recompute_old_log_prob")
+
+    optim: SFTOptimConfig = SFTOptimConfig()
+    max_tokens_per_micro_batch: TokenBudget = Field(
+        4096, description="micro-batches are packed to this many real tokens (a longer sequence goes alone); or "
+        f"{MICRO_BATCH_AUTO}")
+
+
+class SFTHealthConfig(HealthConfig):
+    """Run health of an SFT run: the actor's weights (parameter-norm growth, non-finite state); the
+    limits on RL's KL, entropy and reward are off (and refused when set: an SFT run has none)."""
+
+    max_kl: float | None = None
+    min_entropy: float | None = None
+    max_reward_jump: float | None = None
+    reward_jump_sigmas: float | None = None
+    kl_jump_sigmas: float | None = None
+
+
+class SFTTrainerConfig(Section):
+    epochs: int = Field(1, ge=1)
+    total_steps: int | None = Field(None, ge=1, description="optimizer steps; default: epochs x full batches per epoch")
+    batch_size: int = Field(32, ge=1, description="sequences per optimizer step, over all ranks")
+    seed: int = 0
+    output_dir: str = "runs/sft"
+    save_every: int = Field(100, ge=1)
+    keep_last: int = Field(2, ge=1)
+    val_every: int = Field(100, ge=1)
+    val_before_train: bool = True
+    resume: str = Field("auto", description="'auto' (newest complete checkpoint), 'disable', or a checkpoint path")
+    loggers: list[Literal["console", "jsonl", "mlflow"]] = ["console", "jsonl"]
+    device: Literal["auto", "cpu", "cuda"] = "auto"
+    backend: Literal["inprocess", "ray"] = Field("inprocess", description="where the actor runs: this process, or Ray "
+                                                 "actors (actor.world_size FSDP2 ranks)")
+
+
+
+class SFTConfig(Section):
+    """`rlcore sft CONFIG`: supervised fine-tuning on the actor worker, whose output folder
+    (`trainer.output_dir/model`) is a Hugging Face model that an RL config's `model.path` can start
+    from. It reads the sections an RL run's actor reads (`model`, `actor`, `ray`, `health`,
+    `tracking`; `worker_config` is the RL `Config` the actor worker and the shared run parts get), so
+    what configures the actor's layout (world size, LoRA, precision, sequence parallelism) configures
+    SFT alike."""
+
+    HEALTH_RL_ONLY: ClassVar[tuple[str, ...]] = ("max_kl", "min_entropy", "max_reward_jump", "reward_jump_sigmas",
+                                                 "kl_jump_sigmas", "jump_window")
+
+    model: ModelConfig
+    data: SFTDataConfig
+    actor: SFTActorConfig = SFTActorConfig()
+    trainer: SFTTrainerConfig = SFTTrainerConfig()
+    health: SFTHealthConfig = SFTHealthConfig()
+    tracking: TrackingConfig = TrackingConfig()
+    ray: RayConfig = RayConfig()
+
+    @model_validator(mode="after")
+    def _check_sft(self) -> SFTConfig:
+        rl_only = [k for k in self.actor.RL_ONLY if differs_from_default(self.actor, k)]
+        if rl_only:
+            raise ValueError(f"actor.{rl_only[0]} is an RL setting; rlcore sft takes one optimizer step per "
+                             "trainer.batch_size sequences on their mean response-token loss")
+        health = [k for k in self.HEALTH_RL_ONLY if getattr(self.health, k) is not None
+                  and (k != "jump_window" or differs_from_default(self.health, k))]
+        if health:
+            raise ValueError(f"health.{health[0]} reads a metric of RL runs (KL, entropy, reward); an SFT run has none")
+        others = [r for r in self.ray.roles if r != "actor"]
+        if others or self.ray.colocate:
+            raise ValueError(f"ray.{f'roles.{others[0]}' if others else 'colocate'}: rlcore sft runs the actor alone")
+        if self.model.share_prompt_prefix:
+            raise ValueError("model.share_prompt_prefix=true: SFT rows are whole sequences, with no prompt shared "
+                             "between rows")
+        try:  # what the actor and the run parts would refuse (world size without Ray, sequence parallel sizes, ...)
+            worker = self.worker_config(self.trainer.total_steps or 1)
+        except ValidationError as err:
+            raise ValueError(format_validation_error(err).removeprefix("invalid config: ").removeprefix("<root>: ")) from None
+        shards = worker.layout_of("actor").data_parallel
+        if self.trainer.batch_size % shards:  # else the dispatch would pad the batch with repeated rows
+            raise ValueError(f"trainer.batch_size={self.trainer.batch_size} is not a multiple of the actor's {shards} "
+                             f"data-parallel ranks ({worker.layout_key('actor', 'data_parallel')})")
+        return self
+
+    def worker_config(self, total_steps: int) -> Config:
+        """The RL `Config` the actor worker, the worker groups and the run parts (checkpoints, step
+        log) read: this config's model, actor, ray, health and tracking sections as they are, its
+        trainer's run settings with `total_steps` resolved. Rows share no prompt (packed alone)."""
+        t = self.trainer
+        return Config(
+            model=self.model.model_copy(update={"share_prompt_prefix": False}),
+            data=DataConfig(train_files=self.data.train_files, val_files=self.data.val_files,
+                            apply_chat_template=self.data.apply_chat_template, tokenizer_check_rows=0),
+            actor=self.actor,
+            trainer=TrainerConfig(total_steps=total_steps, seed=t.seed, output_dir=t.output_dir, save_every=t.save_every,
+                                  keep_last=t.keep_last, val_every=t.val_every, val_before_train=t.val_before_train,
+                                  resume=t.resume, loggers=t.loggers, device=t.device, backend=t.backend, trace=False),
+            health=self.health,
+            tracking=self.tracking,
+            # the actor is the only role that runs; the RL roles the Config knows of go to its pool
+            ray=self.ray.model_copy(update={"roles": {role: self.ray.pool_of("actor") for role in ROLES}}),
+        )

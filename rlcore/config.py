@@ -18,6 +18,7 @@ from pydantic.functional_validators import BeforeValidator
 from rlcore.algorithms import AlgorithmName, AlgorithmTraits, Role, names_where, traits_of
 from rlcore.errors import RLCoreError
 from rlcore.redact import redact_tree
+from rlcore.rollout_backends import check_backend, support_problem
 
 log = logging.getLogger(__name__)
 
@@ -395,7 +396,9 @@ class AgentConfig(_Section):
 
 
 class RolloutConfig(_Section):
-    backend: Literal["auto", "hf", "vllm"] = Field("auto", description="auto: vllm where installed, else hf")
+    backend: str = Field("auto", description="a rollout backend (rlcore.rollout_backends): hf, vllm, one registered with "
+                         "rlcore.rollout.register_backend, or 'module:Class' of an engine class. auto: vllm where "
+                         "installed, else hf")
     dtype: Literal["float32", "bfloat16"] | None = Field(
         None, description="rollout engine dtype; default model.dtype. bfloat16 is what GPU rollouts run (and is ~1.7x "
         "faster on AMX CPUs); the actor still recomputes log-probs in model.dtype, rollout/logprob_diff_* shows the gap "
@@ -461,11 +464,15 @@ class RolloutConfig(_Section):
         if self.layout is not None and self.layout.sequence_parallel != 1:
             raise ValueError(f"rollout.layout.sequence_parallel={self.layout.sequence_parallel}: rollout engines split "
                              "a model by tensor parallelism only (rollout.layout.tensor_parallel)")
-        if self.tensor_parallel_size > 1 and self.backend == "hf":
-            raise ValueError(f"rollout.layout.tensor_parallel={self.tensor_parallel_size} needs rollout.backend=vllm: "
-                             "the hf backend generates with one whole model per rank (scale it with "
-                             "rollout.layout.data_parallel)")
+        problem = None if self.backend == "auto" else support_problem(self.backend, self.tensor_parallel_size, "full")
+        if problem is not None:  # auto: the rollout worker checks what it resolves to
+            raise ValueError(problem)
         return self
+
+    @field_validator("backend")
+    @classmethod
+    def _known_backend(cls, name: str) -> str:
+        return check_backend(name)
 
     @property
     def tensor_parallel_size(self) -> int:
@@ -1018,9 +1025,9 @@ class Config(_Section):
         sync = self.rollout.lora_sync
         if sync != "auto" and not self.actor.lora.enabled:
             raise ValueError(f"rollout.lora_sync={sync} needs LoRA on the actor (actor.lora.rank > 0)")
-        if sync == "adapter" and self.rollout.backend == "hf":
-            raise ValueError("rollout.lora_sync=adapter needs rollout.backend=vllm (vLLM applies the adapter per request); "
-                             "the hf backend takes the merged weights (rollout.lora_sync=merged)")
+        problem = None if self.rollout.backend == "auto" else support_problem(self.rollout.backend, 1, sync)
+        if problem is not None:  # auto: the rollout worker checks what it resolves to
+            raise ValueError(problem)
         return self
 
     @model_validator(mode="after")

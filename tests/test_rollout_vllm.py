@@ -359,7 +359,7 @@ class _LLMOnAGpu:
 @pytest.mark.parametrize("level", [1, 2])
 def test_sleep_uses_the_level_the_weight_sync_allows(level):
     """Level 2 (weights dropped) when every sync sends every weight, level 1 (weights to host
-    memory) when a sync sends only some (LoRA): `rlcore.workers.rollout.vllm_sleep_level`."""
+    memory) when a sync sends only some (LoRA): `VLLMRolloutEngine.sleep_level_for`."""
     llm = _LLMOnAGpu()
     engine = VLLMRolloutEngine(llm, pad_token_id=PAD, eos_token_ids=[EOS], device="cuda", param_names=["lm_head.weight"],
                                tied_embeddings=False, sleep_level=level)  # type: ignore[arg-type]

@@ -51,7 +51,7 @@ import tempfile
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import replace
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any, ClassVar
 
 # Engine in this process (2-3 s start instead of ~20 s); no CPU pinning (cores are shared) for a
 # one-rank engine (a tensor-parallel one pins each rank to its share of this process's cores, see
@@ -75,6 +75,10 @@ from rlcore.cpus import core_groups  # noqa: E402
 from rlcore.protocol import Batch  # noqa: E402
 from rlcore.rollout.base import SamplingParams, reload_group  # noqa: E402
 from rlcore.rollout.output import check_left_padded, rollout_output  # noqa: E402
+from rlcore.rollout_backends import VLLM, BackendTraits  # noqa: E402
+
+if TYPE_CHECKING:
+    from rlcore.config import RolloutConfig
 
 logger = logging.getLogger(__name__)
 
@@ -260,6 +264,29 @@ def vllm_tokenizer(path: str) -> Any:
 
 class VLLMRolloutEngine:
     """`RolloutEngine` over an in-process `vllm.LLM`. See the module docstring for the choices."""
+
+    traits: ClassVar[BackendTraits] = VLLM  # its row in `rlcore.rollout_backends`
+
+    @staticmethod
+    def sleep_level_for(lora_sync: str) -> int:
+        """vLLM's sleep level for a run whose weight syncs are `lora_sync` (`Config.lora_sync`), as vLLM
+        documents its levels: 2 drops the weights as well as the KV cache, right when every weight sync
+        sends every weight (no LoRA); 1 keeps the weights in host memory, for syncs that send only
+        LoRA's adapted layers (`rollout.lora_sync=merged`) or only the adapter (`adapter`), which leave
+        the other weights to the engine."""
+        return 2 if lora_sync == "full" else 1
+
+    @classmethod
+    def engine_kwargs(cls, rollout: RolloutConfig, *, seed: int, lora_sync: str, lora_rank: int) -> dict[str, Any]:
+        """Keywords of `from_pretrained` from the run's settings (beyond the model, dtype, device and end
+        tokens every engine takes): `rollout.vllm`, the seed, the sleep level, the tensor-parallel size
+        and, for `rollout.lora_sync=adapter`, the adapter's rank."""
+        kwargs: dict[str, Any] = dict(seed=seed, sleep_level=cls.sleep_level_for(lora_sync), **rollout.vllm.model_dump())
+        if rollout.tensor_parallel_size > 1:
+            kwargs["tensor_parallel_size"] = rollout.tensor_parallel_size
+        if lora_sync == "adapter":
+            kwargs["lora_rank"] = lora_rank
+        return kwargs
 
     def __init__(
         self,

@@ -309,7 +309,7 @@ def test_sampled_logprobs_reads_flat_and_dict_formats():
 def test_only_the_expected_cast_warning_is_dropped():
     """float32 tensors into a bf16 engine's parameters are cast by design (rollout.dtype); other
     dtype mismatches still reach the log."""
-    from rlcore.rollout.vllm import _quiet_expected_casts
+    from rlcore.rollout.vllm_reload import quiet_expected_casts
 
     logger = logging.getLogger("vllm.model_executor.models.utils")
     fmt = "Attempted to load weight %s with dtype %s into parameter with dtype %s"
@@ -317,7 +317,7 @@ def test_only_the_expected_cast_warning_is_dropped():
     def passes(sent: torch.dtype, param: torch.dtype) -> bool:
         return logger.filter(logger.makeRecord(logger.name, logging.WARNING, __file__, 1, fmt, ("w", sent, param), None))
 
-    with _quiet_expected_casts(torch.bfloat16):
+    with quiet_expected_casts(torch.bfloat16):
         assert not passes(torch.float32, torch.bfloat16)
         assert passes(torch.float32, torch.float16)  # not the engine's dtype
         assert passes(torch.bfloat16, torch.float8_e4m3fn)  # not float32 -> bf16

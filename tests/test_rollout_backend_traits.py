@@ -137,3 +137,25 @@ def test_a_backend_from_outside_rlcore_trains_by_name_from_the_cli(tiny_example,
     assert ThinEngine.calls - before == 1  # one step: one rollout of 4 prompts x 2 samples
     assert ThinEngine.responses >= 8
     assert (out / "checkpoints" / "step_00000001").is_dir()
+
+
+def test_preflight_and_the_tokenizer_check_ask_the_traits(tiny_example):
+    """vLLM's context limit is checked for agent trajectories where the backend declares it (vllm,
+    and auto where vLLM is installed), not for hf or a backend with hf's traits; the serving side the
+    tokenizer check compares with is the backend's own loader (vLLM's) or AutoTokenizer."""
+    from rlcore.trainer.preflight import agent_length_problems
+    from rlcore.trainer.tokenizer_check import _serving
+
+    def problems(backend: str) -> list[str]:
+        return agent_length_problems(load_config(None, [
+            f"model.path={tiny_example.model_dir}", "data.train_files=[t]", f"rollout.backend={backend}",
+            "rollout.agent.interaction=m:F", "rollout.vllm.max_model_len=64", "rollout.agent.max_total_tokens=48"]))
+
+    assert problems("hf") == [] and problems("thin_backend:ThinEngine") == []
+    assert _serving(str(tiny_example.model_dir), "thin_backend:ThinEngine")[0] == "AutoTokenizer"
+    if importlib.util.find_spec("vllm") is not None:
+        assert problems("vllm") == problems("auto") == [
+            "rollout.agent.max_total_tokens: data.max_prompt_length (64) + rollout.agent.max_total_tokens (48) = 112 "
+            "tokens exceeds rollout.vllm.max_model_len (64)"]
+        name, tokenizer = _serving(str(tiny_example.model_dir), "vllm")
+        assert name == "vLLM's tokenizer" and type(tokenizer).__module__.startswith("vllm")

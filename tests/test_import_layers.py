@@ -28,6 +28,7 @@ LAYERS: dict[str, int] = {
     "chat": 3,  # the one rendering of chat messages into ids: RL prompts, agent turns (rollout) and SFT rows (data)
     "config": 2,
     "algos": 1, "protocol": 1, "redact": 1, "algorithms": 1,  # algorithms: the per-algorithm traits table
+    "rollout_backends": 1,  # the rollout backends table: each backend's engine class and traits
     "native": 0, "_native": -1,  # the Rust extension and its loader (version check)
     "errors": 0,  # RLCoreError, the base every layer's user-facing errors derive from; imports nothing
     "__init__": 99,  # the package root: its version string and the native check at import; exempt

@@ -33,7 +33,6 @@ from rlcore.workers.memory import (
 )
 from rlcore.workers.optim import build_optimizer, build_scheduler
 from rlcore.workers.policy import PolicyLogProbs
-from rlcore.workers.rollout import vllm_sleep_level
 from rlcore.workers.trainable import Trainable
 
 GIB, MIB = 2**30, 2**20
@@ -201,10 +200,18 @@ def test_the_older_spelling_of_rollout_sleep_is_read_with_a_note(caplog):
 
 
 def test_vllm_sleeps_at_level_2_only_when_every_sync_sends_every_weight():
+    """The sleep level the vLLM backend asks its engine for (its `engine_kwargs`, what the rollout worker passes)."""
+    engine = pytest.importorskip("rlcore.rollout.vllm", reason="vllm is not installed").VLLMRolloutEngine
     base = ["model.path=m", "data.train_files=[t]", "rollout.backend=vllm"]
-    assert vllm_sleep_level(load_config(None, base)) == 2
-    assert vllm_sleep_level(load_config(None, [*base, "actor.lora.rank=8"])) == 1  # merged LoRA layers only
-    assert vllm_sleep_level(load_config(None, [*base, "actor.lora.rank=8", "rollout.lora_sync=adapter"])) == 1
+
+    def level(overrides: list[str]) -> int:
+        config = load_config(None, [*base, *overrides])
+        return engine.engine_kwargs(config.rollout, seed=0, lora_sync=config.lora_sync,
+                                    lora_rank=config.actor.lora.rank)["sleep_level"]
+
+    assert level([]) == 2
+    assert level(["actor.lora.rank=8"]) == 1  # merged LoRA layers only
+    assert level(["actor.lora.rank=8", "rollout.lora_sync=adapter"]) == 1
 
 
 # ------------------------------------------------------------------ the first step's out-of-memory halving

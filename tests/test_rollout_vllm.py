@@ -309,7 +309,7 @@ def test_sampled_logprobs_reads_flat_and_dict_formats():
 def test_only_the_expected_cast_warning_is_dropped():
     """float32 tensors into a bf16 engine's parameters are cast by design (rollout.dtype); other
     dtype mismatches still reach the log."""
-    from rlcore.rollout.vllm import _quiet_expected_casts
+    from rlcore.rollout.vllm_reload import quiet_expected_casts
 
     logger = logging.getLogger("vllm.model_executor.models.utils")
     fmt = "Attempted to load weight %s with dtype %s into parameter with dtype %s"
@@ -317,7 +317,7 @@ def test_only_the_expected_cast_warning_is_dropped():
     def passes(sent: torch.dtype, param: torch.dtype) -> bool:
         return logger.filter(logger.makeRecord(logger.name, logging.WARNING, __file__, 1, fmt, ("w", sent, param), None))
 
-    with _quiet_expected_casts(torch.bfloat16):
+    with quiet_expected_casts(torch.bfloat16):
         assert not passes(torch.float32, torch.bfloat16)
         assert passes(torch.float32, torch.float16)  # not the engine's dtype
         assert passes(torch.bfloat16, torch.float8_e4m3fn)  # not float32 -> bf16
@@ -359,7 +359,7 @@ class _LLMOnAGpu:
 @pytest.mark.parametrize("level", [1, 2])
 def test_sleep_uses_the_level_the_weight_sync_allows(level):
     """Level 2 (weights dropped) when every sync sends every weight, level 1 (weights to host
-    memory) when a sync sends only some (LoRA): `rlcore.workers.rollout.vllm_sleep_level`."""
+    memory) when a sync sends only some (LoRA): `VLLMRolloutEngine.sleep_level_for`."""
     llm = _LLMOnAGpu()
     engine = VLLMRolloutEngine(llm, pad_token_id=PAD, eos_token_ids=[EOS], device="cuda", param_names=["lm_head.weight"],
                                tied_embeddings=False, sleep_level=level)  # type: ignore[arg-type]

@@ -5,10 +5,11 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import Field, model_validator
+from pydantic import Field, field_validator, model_validator
 
 from rlcore.config.base import Section
 from rlcore.config.roles import LayoutConfig, Ranks, layout_fills_rank_keys
+from rlcore.rollout_backends import check_backend, support_problem
 
 
 class VLLMEngineConfig(Section):
@@ -71,7 +72,9 @@ class AgentConfig(Section):
 
 
 class RolloutConfig(Section):
-    backend: Literal["auto", "hf", "vllm"] = Field("auto", description="auto: vllm where installed, else hf")
+    backend: str = Field("auto", description="a rollout backend (rlcore.rollout_backends): hf, vllm, one registered with "
+                         "rlcore.rollout.register_backend, or 'module:Class' of an engine class. auto: vllm where "
+                         "installed, else hf")
     dtype: Literal["float32", "bfloat16"] | None = Field(
         None, description="rollout engine dtype; default model.dtype. bfloat16 is what GPU rollouts run (and is ~1.7x "
         "faster on AMX CPUs); the actor still recomputes log-probs in model.dtype, rollout/logprob_diff_* shows the gap "
@@ -115,11 +118,15 @@ class RolloutConfig(Section):
         if self.layout is not None and self.layout.sequence_parallel != 1:
             raise ValueError(f"rollout.layout.sequence_parallel={self.layout.sequence_parallel}: rollout engines split "
                              "a model by tensor parallelism only (rollout.layout.tensor_parallel)")
-        if self.tensor_parallel_size > 1 and self.backend == "hf":
-            raise ValueError(f"rollout.layout.tensor_parallel={self.tensor_parallel_size} needs rollout.backend=vllm: "
-                             "the hf backend generates with one whole model per rank (scale it with "
-                             "rollout.layout.data_parallel)")
+        problem = None if self.backend == "auto" else support_problem(self.backend, self.tensor_parallel_size, "full")
+        if problem is not None:  # auto: the rollout worker checks what it resolves to
+            raise ValueError(problem)
         return self
+
+    @field_validator("backend")
+    @classmethod
+    def _known_backend(cls, name: str) -> str:
+        return check_backend(name)
 
     @property
     def tensor_parallel_size(self) -> int:

@@ -10,6 +10,7 @@ from rlcore.algorithms import names_where, traits_of
 from rlcore.config.base import differs_from_default, estimator_inputs
 from rlcore.config.roles import LoraConfig, RewardModelConfig
 from rlcore.config.tree import ConfigTree
+from rlcore.rollout_backends import support_problem
 
 
 def check_preference(config: ConfigTree) -> None:
@@ -146,13 +147,12 @@ def check_lora_sync(config: ConfigTree) -> None:
     sync = config.rollout.lora_sync
     if sync != "auto" and not config.actor.lora.enabled:
         raise ValueError(f"rollout.lora_sync={sync} needs LoRA on the actor (actor.lora.rank > 0)")
-    if sync == "adapter" and config.rollout.backend == "hf":
-        raise ValueError("rollout.lora_sync=adapter needs rollout.backend=vllm (vLLM applies the adapter per request); "
-                         "the hf backend takes the merged weights (rollout.lora_sync=merged)")
+    problem = None if config.rollout.backend == "auto" else support_problem(config.rollout.backend, 1, sync)
+    if problem is not None:  # auto: the rollout worker checks what it resolves to
+        raise ValueError(problem)
 
 
 def check_lora_roles(config: ConfigTree) -> None:
-    """LoRA only on a role the run trains."""
     """LoRA set on a role this run does not train is refused: it would be ignored."""
     name, traits = config.algorithm.name, config.traits
     if not traits.trains_policy and config.actor.lora != LoraConfig():

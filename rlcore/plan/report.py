@@ -10,6 +10,7 @@ from rlcore.plan.hardware import gib
 from rlcore.plan.planner import PlanReport, RoleResult, RolloutResult
 from rlcore.plan.simulate import DEPTHS
 from rlcore.plan.torch_api import TESTED_TORCH
+from rlcore.rollout_backends import traits_of as backend_traits
 
 KIND_COLUMNS = (("params", "params"), ("grads", "grads"), ("optimizer", "AdamW"), ("activations", "activations"),
                 ("gathered", "gathered"))
@@ -60,7 +61,8 @@ def render_role(result: RoleResult, device: str | None) -> list[str]:
 def render_rollout(rollout: RolloutResult, device: str | None, devices: int) -> list[str]:
     n = rollout.needs
     dtype = {2: "bfloat16", 4: "float32"}[n.dtype_bytes]
-    backend = "vLLM" if rollout.backend != "hf" else "vLLM (rollout.backend=hf, rlcore's own decode loop, is planned as vLLM)"
+    note = backend_traits(rollout.backend).plan_note  # the planner models every engine as vLLM
+    backend = f"vLLM (rollout.backend={rollout.backend}, {note})" if note else "vLLM"
     lines = [f"rollout ({backend}, {dtype}; sequences up to {n.sequence_tokens:,} tokens, {n.step_sequences:,} per step; "
              f"KV blocks of {n.block_size}, up to {n.max_num_seqs} sequences at once)"]
     per_rank = rollout.step_flops / devices

@@ -1,10 +1,11 @@
 """Rollout engines: prompts in, sampled responses with their log-probs out.
 
 `make_rollout_engine("hf", ...)` builds a backend by name; every backend follows the
-`RolloutEngine` protocol in `base.py`.
+`RolloutEngine` protocol in `base.py`, and is a row of `rlcore.rollout_backends` (its traits).
 """
 
 from rlcore.rollout.base import (
+    BackendTraits,
     RolloutEngine,
     SamplingParams,
     make_rollout_engine,
@@ -15,6 +16,7 @@ from rlcore.rollout.base import (
 from rlcore.rollout.hf import HFRolloutEngine
 
 __all__ = [
+    "BackendTraits",
     "HFRolloutEngine",
     "RolloutEngine",
     "SamplingParams",

@@ -8,13 +8,21 @@ the control flow can swap them by configuration.
 
 from __future__ import annotations
 
-import importlib
-import importlib.util
 from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 import torch
+
+# The backends table lives below the config layer (config checks `rollout.backend` at load); it is
+# re-exported here, where engines are built.
+from rlcore.rollout_backends import (  # noqa: F401 - re-exported
+    BackendTraits,
+    load_engine_class,
+    register_backend,
+    resolve_backend,
+    vllm_installed,
+)
 
 if TYPE_CHECKING:
     from rlcore.protocol import Batch
@@ -106,43 +114,14 @@ def reload_group(name: str) -> str:
     return name.rsplit(".", 2)[0] if name.count(".") >= 2 else name.rsplit(".", 1)[0]
 
 
-# Backend name -> "module:attribute" of its engine class. Imported lazily so that e.g. the
-# HF backend works on machines without vLLM. A backend class is built either from a model
-# path (`path=...` -> `cls.from_pretrained(**kwargs)`) or from its constructor arguments.
-_BACKENDS: dict[str, str] = {
-    "hf": "rlcore.rollout.hf:HFRolloutEngine",
-    "vllm": "rlcore.rollout.vllm:VLLMRolloutEngine",
-}
-
-
-def vllm_installed() -> bool:
-    return importlib.util.find_spec("vllm") is not None
-
-
-def resolve_backend(name: str) -> str:
-    """`auto` is vLLM where it is installed and hf elsewhere (models vLLM lacks: set `hf`)."""
-    if name == "auto":
-        return "vllm" if vllm_installed() else "hf"
-    return name
-
-
-def register_backend(name: str, target: str) -> None:
-    """Register a backend as "module:ClassName" (lets new backends plug in without editing here)."""
-    _BACKENDS[name] = target
-
-
 def make_rollout_engine(backend: str, **kwargs: Any) -> RolloutEngine:
-    """Build a rollout engine by backend name.
+    """Build a rollout engine by backend name (`rlcore.rollout_backends`: a registered name, `auto`
+    or a "module:Class").
 
     With a `path` keyword the engine loads a model from disk (`cls.from_pretrained(**kwargs)`);
     otherwise the keywords go to the class constructor (e.g. an in-memory `model`).
     """
-    backend = resolve_backend(backend)
-    if backend not in _BACKENDS:
-        known = ", ".join(sorted(_BACKENDS))
-        raise ValueError(f"unknown rollout backend {backend!r}; known backends: {known}")
-    module_name, _, attr = _BACKENDS[backend].partition(":")
-    cls = getattr(importlib.import_module(module_name), attr)
+    cls = load_engine_class(backend)
     if "path" in kwargs:
-        return cls.from_pretrained(**kwargs)
+        return cls.from_pretrained(**kwargs)  # type: ignore[attr-defined]
     return cls(**kwargs)

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
 from dataclasses import replace
-from typing import Any
+from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
 from transformers import AutoModelForCausalLM, PreTrainedModel
@@ -24,6 +24,10 @@ from rlcore.rollout.decode_attention import use_decode_attention
 from rlcore.rollout.kv_cache import make_decode_cache
 from rlcore.rollout.output import check_left_padded, left_pad, rollout_output
 from rlcore.rollout.sampling import choose_tokens, keyed_uniforms
+from rlcore.rollout_backends import HF, BackendTraits
+
+if TYPE_CHECKING:
+    from rlcore.config import RolloutConfig
 
 # Drop finished rows from the KV cache once they are at least this fraction of the rows still
 # being decoded: compacting copies the cache, so doing it on every single finish costs more than
@@ -34,6 +38,14 @@ _COMPACT_FRACTION = 0.25
 
 class HFRolloutEngine:
     """`RolloutEngine` over a transformers causal LM. See the module docstring for the loop."""
+
+    traits: ClassVar[BackendTraits] = HF  # its row in `rlcore.rollout_backends`
+
+    @classmethod
+    def engine_kwargs(cls, rollout: RolloutConfig, *, seed: int, lora_sync: str, lora_rank: int) -> dict[str, Any]:
+        """Keywords of `from_pretrained` from the run's settings beyond the model, dtype, device and end
+        tokens every engine takes: none (sampling is keyed per request, the decode loop has no settings)."""
+        return {}
 
     def __init__(
         self,

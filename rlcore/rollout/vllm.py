@@ -13,25 +13,10 @@ tokens, so the reported log-probs are those of the truncated distribution (not a
 pre-filter from vLLM); the trainer's `rollout/logprob_diff_*` metrics then show the gap, and a
 warning says so once. ("raw_logprobs" would ignore the temperature, which is worse.)
 
-Weights: `update_weights` may receive a model's tensors in any split (the actor streams buckets
-sized by bytes). vLLM reloads layer by layer and a fused layer (q/k/v, gate/up) that gets only
-some of its tensors in one reload would be rebuilt from partial data, so tensors are held back
-until every tensor of their module group has arrived, then sent in buckets of at most
-`weight_bucket_mb`. For tied embeddings both `model.embed_tokens.weight` and `lm_head.weight`
-are always sent: vLLM keeps a separate (repacked) head on CPU that otherwise stays stale.
-
-One weight sync is one vLLM layerwise reload, however many buckets it takes: the first bucket
-opens it, each bucket's layers are loaded (and repacked) as they complete, and it is finalised
-once every checkpoint tensor has arrived, or every tensor the caller declared for this sync
-(`begin_weight_sync`: a LoRA sync of the adapted layers only), or else before the engine is next
-used, or when a tensor this sync already received arrives again (which begins the next). vLLM's own `reload_weights` finalises at every call and warns
-"<Layer>: Failed to load weights" for each layer that call did not carry -- every other layer of
-a multi-bucket sync, and at every sync the rotary embedding, whose only tensor is a cos/sin
-cache computed from the config that no checkpoint holds. Layers without parameters are marked
-as having nothing to load, so the warning is left for what it means: a layer with weights that a
-sync did not update. A bf16 engine beside a float32 actor (`rollout.dtype`) casts every tensor
-on load, as a fresh engine casts the checkpoint; vLLM warns about each such narrowing, and that
-one expected message (float32 into the engine's own dtype) is dropped during syncs and at start.
+Weights: `update_weights` may receive a model's tensors in any split; one weight sync is one vLLM
+layerwise reload however many calls it takes (`rlcore.rollout.vllm_reload`, which reaches into
+vLLM's reload internals). A bf16 engine beside a float32 actor (`rollout.dtype`) casts every
+tensor on load; that one expected warning is dropped during syncs and at start.
 
 LoRA: started with `lora_rank`, the engine serves one LoRA adapter (vLLM's `enable_lora`,
 `max_lora_rank` the next of vLLM's sizes up); `load_adapter` writes the actor's adapter as a peft
@@ -51,7 +36,7 @@ import tempfile
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import replace
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any, ClassVar
 
 # Engine in this process (2-3 s start instead of ~20 s); no CPU pinning (cores are shared) for a
 # one-rank engine (a tensor-parallel one pins each rank to its share of this process's cores, see
@@ -73,12 +58,15 @@ from vllm.lora.request import LoRARequest  # noqa: E402
 
 from rlcore.cpus import core_groups  # noqa: E402
 from rlcore.protocol import Batch  # noqa: E402
-from rlcore.rollout.base import SamplingParams, reload_group  # noqa: E402
+from rlcore.rollout.base import SamplingParams  # noqa: E402
 from rlcore.rollout.output import check_left_padded, rollout_output  # noqa: E402
+from rlcore.rollout.vllm_reload import LayerwiseSync, quiet_expected_casts  # noqa: E402
+from rlcore.rollout_backends import VLLM, BackendTraits  # noqa: E402
+
+if TYPE_CHECKING:
+    from rlcore.config import RolloutConfig
 
 logger = logging.getLogger(__name__)
-
-_TIED_NAMES = ("model.embed_tokens.weight", "lm_head.weight")
 
 # KV block size on CPU. vLLM's CPU default (128) suits long chat contexts; RL rollouts are short
 # (prompt + a few hundred tokens at most) and the CPU attention kernel works block by block, so
@@ -136,89 +124,6 @@ def _quiet_chat_template_warmup() -> Iterator[None]:
         target.removeFilter(quiet)
 
 
-# --------------------------------------------------------------- worker side of a weight sync
-# Run inside vLLM's worker (`collective_rpc` passes it as the first argument), as vLLM's own
-# `Worker.reload_weights` -> `reload.inplace.reload_weights` does, but split into open / load /
-# finish so that one sync spans several calls.
-
-
-def _reload_open(worker: Any) -> None:
-    """Put every layer into layerwise-reload mode; parameter-less layers expect nothing."""
-    from vllm.config import set_current_vllm_config
-    from vllm.model_executor.model_loader.reload import initialize_layerwise_reload
-    from vllm.model_executor.model_loader.reload.layerwise import get_layerwise_info
-
-    model = worker.model_runner.get_model()
-    with set_current_vllm_config(worker.vllm_config), torch.no_grad():
-        initialize_layerwise_reload(model)
-    for module in model.modules():
-        info = get_layerwise_info(module)
-        params, buffers = info.kernel_tensors or ({}, {})
-        if not params and set(buffers) <= info.kernel_non_persistent_buffers:
-            info.load_numel_total = 0  # e.g. RotaryEmbedding's cos_sin_cache: computed, never loaded
-
-
-def _reload_load(worker: Any, weights: list[tuple[str, torch.Tensor]]) -> None:
-    """Load checkpoint-named tensors; each layer is processed once all of its tensors are in."""
-    from vllm.config import set_current_vllm_config
-
-    with set_current_vllm_config(worker.vllm_config), torch.no_grad():
-        worker.model_runner.get_model().load_weights(weights)
-
-
-def _reload_finish(worker: Any, partial: bool = False) -> None:
-    """Finalise the reload (layers that got nothing keep their tensors) and drop derived state.
-    `partial`: the caller declared that it sends only some layers (LoRA's adapted layers), so the
-    others are not reported as "Failed to load weights"."""
-    from vllm.config import set_current_vllm_config
-    from vllm.model_executor.model_loader.reload import finalize_layerwise_reload
-    from vllm.model_executor.model_loader.reload.layerwise import get_layerwise_info
-
-    runner = worker.model_runner
-    if partial:
-        for module in runner.get_model().modules():
-            info = get_layerwise_info(module)
-            if info.can_load() and not info.load_numel:
-                info.load_numel_total = 0  # kept as it is, by design
-    with set_current_vllm_config(worker.vllm_config), torch.no_grad():
-        finalize_layerwise_reload(runner.get_model(), worker.vllm_config.model_config)
-    for name in ("reset_lora_state", "reset_encoder_cache", "reset_mm_cache"):
-        reset = getattr(runner, name, None)
-        if reset is not None:
-            reset()
-
-
-class _ExpectedCastFilter(logging.Filter):
-    """Drops vLLM's "Attempted to load weight X with dtype A into parameter with dtype B" when B is
-    the engine's dtype and A a wider float: the cast `rollout.dtype` asks for, once per tensor per
-    sync. Other dtype mismatches still warn."""
-
-    def __init__(self, engine_dtype: torch.dtype) -> None:
-        super().__init__()
-        self.engine_dtype = engine_dtype
-
-    def filter(self, record: logging.LogRecord) -> bool:
-        if not str(record.msg).startswith("Attempted to load weight %s with dtype %s into parameter"):
-            return True
-        args = record.args if isinstance(record.args, tuple) else ()
-        if len(args) != 3 or not all(isinstance(a, torch.dtype) for a in args[1:]):
-            return True
-        sent, param = args[1], args[2]
-        narrowing = sent.is_floating_point and sent.itemsize > param.itemsize
-        return not (param == self.engine_dtype and narrowing)
-
-
-@contextlib.contextmanager
-def _quiet_expected_casts(engine_dtype: torch.dtype) -> Iterator[None]:
-    target = logging.getLogger("vllm.model_executor.models.utils")
-    quiet = _ExpectedCastFilter(engine_dtype)
-    target.addFilter(quiet)
-    try:
-        yield
-    finally:
-        target.removeFilter(quiet)
-
-
 def tensor_parallel_binding(tensor_parallel_size: int) -> str:
     """`VLLM_CPU_OMP_THREADS_BIND` for a CPU engine of `tensor_parallel_size` ranks: this process's
     cores (a Ray worker's bundle, a `taskset`) split into one contiguous group per rank, "0,1|2,3";
@@ -261,6 +166,29 @@ def vllm_tokenizer(path: str) -> Any:
 class VLLMRolloutEngine:
     """`RolloutEngine` over an in-process `vllm.LLM`. See the module docstring for the choices."""
 
+    traits: ClassVar[BackendTraits] = VLLM  # its row in `rlcore.rollout_backends`
+
+    @staticmethod
+    def sleep_level_for(lora_sync: str) -> int:
+        """vLLM's sleep level for a run whose weight syncs are `lora_sync` (`Config.lora_sync`), as vLLM
+        documents its levels: 2 drops the weights as well as the KV cache, right when every weight sync
+        sends every weight (no LoRA); 1 keeps the weights in host memory, for syncs that send only
+        LoRA's adapted layers (`rollout.lora_sync=merged`) or only the adapter (`adapter`), which leave
+        the other weights to the engine."""
+        return 2 if lora_sync == "full" else 1
+
+    @classmethod
+    def engine_kwargs(cls, rollout: RolloutConfig, *, seed: int, lora_sync: str, lora_rank: int) -> dict[str, Any]:
+        """Keywords of `from_pretrained` from the run's settings (beyond the model, dtype, device and end
+        tokens every engine takes): `rollout.vllm`, the seed, the sleep level, the tensor-parallel size
+        and, for `rollout.lora_sync=adapter`, the adapter's rank."""
+        kwargs: dict[str, Any] = dict(seed=seed, sleep_level=cls.sleep_level_for(lora_sync), **rollout.vllm.model_dump())
+        if rollout.tensor_parallel_size > 1:
+            kwargs["tensor_parallel_size"] = rollout.tensor_parallel_size
+        if lora_sync == "adapter":
+            kwargs["lora_rank"] = lora_rank
+        return kwargs
+
     def __init__(
         self,
         llm: vllm.LLM,
@@ -283,19 +211,7 @@ class VLLMRolloutEngine:
         self.eos_token_ids = [int(t) for t in eos_token_ids]
         self.tied_embeddings = tied_embeddings
         self.seed = int(seed)
-        self.bucket_bytes = int(weight_bucket_mb * 2**20)
-        names = set(param_names)
-        if tied_embeddings:
-            names.update(_TIED_NAMES)
-        self._groups: dict[str, set[str]] = {}
-        for name in names:
-            self._groups.setdefault(reload_group(name), set()).add(name)
-        self._all_names = frozenset(names)
-        self._sync_names: frozenset[str] | None = None  # what the current sync carries (`begin_weight_sync`)
-        self._pending: dict[str, dict[str, torch.Tensor]] = {}
-        self._loaded: set[str] | None = None  # names loaded by the open reload; None: none open
-        self._received: set[str] = set()  # names sent since the last finished sync (engine-made tied aliases not counted)
-        self.syncs_finished = 0
+        self._sync = LayerwiseSync(llm, param_names, tied_embeddings, bucket_bytes=int(weight_bucket_mb * 2**20))
         self._asleep = False
         self._warned: set[str] = set()
         self._lora: LoRARequest | None = None  # the adapter every request runs with (`load_adapter`)
@@ -395,7 +311,7 @@ class VLLMRolloutEngine:
         kwargs.update(extra or {})
         kwargs.update(llm_kwargs)
         engine_dtype = getattr(torch, str(kwargs["dtype"]), None)
-        casts = _quiet_expected_casts(engine_dtype) if isinstance(engine_dtype, torch.dtype) else contextlib.nullcontext()
+        casts = quiet_expected_casts(engine_dtype) if isinstance(engine_dtype, torch.dtype) else contextlib.nullcontext()
         binding = (_threads_bind(tensor_parallel_binding(tensor_parallel_size)) if on_cpu and tensor_parallel_size > 1
                    else contextlib.nullcontext())
         with _quiet_chat_template_warmup(), casts, binding:
@@ -540,78 +456,30 @@ class VLLMRolloutEngine:
     def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Load (a bucket of) HF-named tensors into the running engine.
 
-        Tensors wait until their whole module group has arrived (module docstring), so any split
-        of the weights over calls is safe; a sync is complete, and its vLLM reload finalised,
+        Tensors wait until their whole module group has arrived (`rlcore.rollout.vllm_reload`), so any
+        split of the weights over calls is safe; a sync is complete, and its vLLM reload finalised,
         once every tensor was sent once.
         """
         if self._asleep:
             self.wake()
-        for name, tensor in named_tensors:
-            group = reload_group(name)
-            if name not in self._groups.get(group, ()):
-                raise ValueError(f"update_weights: unknown parameter {name!r} (not in the checkpoint the engine was started on)")
-            if name in self._received:  # each tensor once per sync: after a partial one, a repeat begins the next
-                self._finish_sync()
-                self._received.clear()
-            self._received.add(name)
-            pending = self._pending.setdefault(group, {})
-            pending[name] = tensor.detach()
-            if self.tied_embeddings and name in _TIED_NAMES:
-                # One shared tensor, two names: whichever arrives stands for both.
-                for alias in _TIED_NAMES:
-                    self._pending.setdefault(reload_group(alias), {}).setdefault(alias, pending[name])
-        ready = [g for g, got in self._pending.items() if set(got) == self._groups[g]]
-        if not ready:
-            return
-        bucket: list[tuple[str, torch.Tensor]] = []
-        size = 0
-        for group in ready:
-            items = list(self._pending.pop(group).items())
-            group_size = sum(t.numel() * t.element_size() for _, t in items)
-            if bucket and size + group_size > self.bucket_bytes:
-                self._reload(bucket)
-                bucket, size = [], 0
-            bucket.extend(items)
-            size += group_size
-        if bucket:
-            self._reload(bucket)
-        if self._loaded is not None and self._loaded >= (self._sync_names or self._all_names):
-            self._finish_sync()
+        self._sync.add(named_tensors)
 
     def begin_weight_sync(self, names: Iterable[str]) -> None:
         """The names the coming `update_weights` calls carry: part of the model on purpose (LoRA's
         adapted layers). The sync then completes once they are in, and the layers it leaves out keep
         their weights without vLLM's "Failed to load weights" (which still names a layer a sync
         without this declaration did not update)."""
-        self._finish_sync()
-        wanted = set(names)
-        unknown = wanted - self._all_names
-        if unknown:
-            raise ValueError(f"begin_weight_sync: unknown parameters {sorted(unknown)[:3]} (not in the engine's checkpoint)")
-        if self.tied_embeddings and wanted & set(_TIED_NAMES):
-            wanted.update(_TIED_NAMES)
-        self._received.clear()
-        self._sync_names = frozenset(wanted)
-
-    def _reload(self, bucket: list[tuple[str, torch.Tensor]]) -> None:
-        if self._loaded is None:
-            self.llm.collective_rpc(_reload_open)
-            self._loaded = set()
-        with _quiet_expected_casts(self.llm.llm_engine.vllm_config.model_config.dtype):
-            self.llm.collective_rpc(_reload_load, args=(bucket,))
-        self._loaded.update(name for name, _ in bucket)
+        self._sync.begin(names)
 
     def _finish_sync(self) -> None:
         """Finalise the open reload, if any, and drop KV blocks computed with the old weights."""
-        if self._loaded is None or self.llm is None:
-            return
-        declared = self._sync_names is not None and self._loaded >= self._sync_names
-        self.llm.collective_rpc(_reload_finish, args=(declared and not self._loaded >= self._all_names,))
-        self._loaded = None
-        self._sync_names = None
-        self._received.clear()
-        self.syncs_finished += 1
-        self.llm.reset_prefix_cache()
+        if self.llm is not None:
+            self._sync.finish()
+
+    @property
+    def syncs_finished(self) -> int:
+        """Weight syncs finalised so far (one vLLM layerwise reload each)."""
+        return self._sync.syncs_finished
 
     def load_adapter(self, tensors: dict[str, torch.Tensor], config: dict[str, Any]) -> None:
         """Generate with this LoRA adapter from now on (tensors under peft's file names, its
@@ -639,7 +507,7 @@ class VLLMRolloutEngine:
     @property
     def pending_weights(self) -> list[str]:
         """Names received but not yet loaded (their module group is incomplete)."""
-        return sorted(n for got in self._pending.values() for n in got)
+        return self._sync.pending
 
     def sleep(self) -> None:
         """GPU: vLLM's sleep mode at `sleep_level`, as vLLM documents its levels: 1 moves the weights to

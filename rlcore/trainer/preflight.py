@@ -34,6 +34,7 @@ from rlcore.errors import RLCoreError
 from rlcore.rewards.registry import RewardFunctionError, SpecError, builtin_data_sources, resolve_spec
 from rlcore.rewards.tools import load_tools, tool_schemas
 from rlcore.rewards.user_code import describe
+from rlcore.rollout_backends import traits_of as backend_traits
 from rlcore.trainer.model_folders import read_model_config, reward_model_config_problems, weight_problems
 from rlcore.workers.parallel.shapes import layout_problems, role_layout_problems
 
@@ -245,17 +246,27 @@ def tool_spec_problems(key: str, specs: Sequence[str], load: Callable[[Sequence[
     return problems
 
 
+def _dotted(config: Config, key: str) -> Any:
+    """The value of a dotted config key (`rollout.vllm.max_model_len`)."""
+    value: Any = config
+    for part in key.split("."):
+        value = getattr(value, part)
+    return value
+
+
 def agent_length_problems(config: Config) -> list[str]:
     """A trajectory must fit the model: the longest prompt plus `max_total_tokens` within its
-    positions (and the vLLM engine's `max_model_len`), else the run would fail mid-rollout."""
+    positions (and the rollout engine's own limit, its backend's `context_limit_key`: vLLM's
+    `max_model_len`), else the run would fail mid-rollout."""
     try:
         model_config = json.loads((Path(config.model.path) / "config.json").read_text(encoding="utf-8"))
     except (OSError, ValueError):
         return []  # model_folder_problems names the folder
     text = model_config.get("text_config", model_config) if isinstance(model_config, dict) else {}
     limits = [("the model's max_position_embeddings", text.get("max_position_embeddings"))]
-    if config.rollout.backend in ("vllm", "auto"):
-        limits.append(("rollout.vllm.max_model_len", config.rollout.vllm.max_model_len))
+    key = backend_traits(config.rollout.backend).context_limit_key
+    if key is not None:
+        limits.append((key, _dotted(config, key)))
     need = config.data.max_prompt_length + config.rollout.agent.max_total_tokens
     return [f"rollout.agent.max_total_tokens: data.max_prompt_length ({config.data.max_prompt_length}) + "
             f"rollout.agent.max_total_tokens ({config.rollout.agent.max_total_tokens}) = {need} tokens exceeds {what} ({limit})"

@@ -19,6 +19,7 @@ A mismatch is an error naming the file and row, the prompt, both id lists and wh
 
 from __future__ import annotations
 
+import importlib
 import logging
 import time
 from collections.abc import Callable, Sequence
@@ -30,7 +31,7 @@ from rlcore.chat import encode_prompt, has_chat_template, render_prompt
 from rlcore.config import Config
 from rlcore.data.io import peek_rows
 from rlcore.errors import RLCoreError
-from rlcore.rollout import resolve_backend
+from rlcore.rollout_backends import resolve_backend, traits_of
 from rlcore.workers.tokenizer import load_tokenizer
 
 log = logging.getLogger(__name__)
@@ -63,11 +64,12 @@ def sample_prompts(keyed_files: Sequence[tuple[str, str]], rows_per_file: int, p
 
 
 def _serving(path: str, backend: str) -> tuple[str, Any]:
-    """(name, tokenizer) of what serves the model: vLLM's loader for a vLLM run, else AutoTokenizer."""
-    if backend == "vllm":
-        from rlcore.rollout.vllm import vllm_tokenizer
-
-        return "vLLM's tokenizer", vllm_tokenizer(path)
+    """(name, tokenizer) of what serves the model: the backend's own loader where it has one (vLLM's
+    for a vLLM run, its `serving_tokenizer` trait), else AutoTokenizer."""
+    traits = traits_of(backend)
+    if traits.serving_tokenizer is not None:
+        module, _, function = traits.serving_tokenizer.partition(":")
+        return f"{traits.label}'s tokenizer", getattr(importlib.import_module(module), function)(path)
     from transformers import AutoTokenizer
 
     return "AutoTokenizer", AutoTokenizer.from_pretrained(Path(path), local_files_only=True)

@@ -1,4 +1,4 @@
-"""Rollout worker: wraps a `RolloutEngine` (vllm or hf) behind the worker interface; with
+"""Rollout worker: wraps a `RolloutEngine` (any backend of `rlcore.rollout_backends`) behind the worker interface; with
 `rollout.agent` it generates multi-turn trajectories (`rlcore.rollout.agent.AgentLoop`) on that
 engine, its tools running in this worker's sandboxed tool pool."""
 
@@ -16,17 +16,10 @@ from rlcore.rewards.tools import ToolPool
 from rlcore.rollout import SamplingParams, make_rollout_engine, resolve_backend
 from rlcore.rollout.agent import AgentLoop, AgentSettings
 from rlcore.rollout.output import response_right_pad
+from rlcore.rollout_backends import load_engine_class, support_problem
 from rlcore.workers.loading import resolve_device
 from rlcore.workers.memory import device_memory
 from rlcore.workers.tokenizer import end_token_ids, load_tokenizer, pad_token_id
-
-
-def vllm_sleep_level(config: Config) -> int:
-    """vLLM's sleep level for this run, as vLLM documents its levels: 2 drops the weights as well as
-    the KV cache, right when every weight sync sends every weight (no LoRA); 1 keeps the weights in
-    host memory, for syncs that send only LoRA's adapted layers (`rollout.lora_sync=merged`) or only
-    the adapter (`adapter`), which leave the other weights to the engine."""
-    return 2 if config.lora_sync == "full" else 1
 
 
 class RolloutWorker(Worker):
@@ -42,21 +35,12 @@ class RolloutWorker(Worker):
     def setup(self, model_path: str | None = None) -> None:
         cfg = self.config
         backend = resolve_backend(cfg.rollout.backend)
-        engine_kwargs = {}
-        tp = cfg.rollout.tensor_parallel_size
-        if backend == "vllm":
-            engine_kwargs = dict(seed=cfg.trainer.seed, sleep_level=vllm_sleep_level(cfg), **cfg.rollout.vllm.model_dump())
-            if tp > 1:
-                engine_kwargs["tensor_parallel_size"] = tp
-        elif tp > 1:
-            raise ValueError(f"rollout.layout.tensor_parallel={tp} needs the vllm backend (rollout.backend="
-                             f"{cfg.rollout.backend} resolved to {backend}: vllm is not installed); the hf backend "
-                             "generates with one whole model per rank")
-        if cfg.lora_sync == "adapter":
-            if backend != "vllm":
-                raise ValueError(f"rollout.lora_sync=adapter needs the vllm backend (rollout.backend={cfg.rollout.backend} "
-                                 f"resolved to {backend}); use rollout.lora_sync=merged")
-            engine_kwargs["lora_rank"] = cfg.actor.lora.rank
+        problem = support_problem(backend, cfg.rollout.tensor_parallel_size, cfg.lora_sync)
+        if problem is not None:  # `auto` resolved here (config checks a named backend at load)
+            raise ValueError(f"{problem} (rollout.backend={cfg.rollout.backend} resolved to {backend})")
+        engine_kwargs = getattr(load_engine_class(backend), "engine_kwargs", None)
+        extra = {} if engine_kwargs is None else engine_kwargs(cfg.rollout, seed=cfg.trainer.seed, lora_sync=cfg.lora_sync,
+                                                               lora_rank=cfg.actor.lora.rank)
         self._close_engine()  # vLLM allows one engine per process: close the old one first
         self.pad_id = pad_token_id(cfg.model.path)
         self.engine = make_rollout_engine(
@@ -68,7 +52,7 @@ class RolloutWorker(Worker):
             # every end token the model declares (tokenizer and generation_config), as vLLM and
             # transformers' generate stop on them; the run's model.path is the tokenizer's folder
             eos_token_ids=end_token_ids(cfg.model.path),
-            **engine_kwargs,
+            **extra,
         )
         self.backend = backend
         agent = cfg.rollout.agent

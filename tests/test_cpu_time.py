@@ -11,6 +11,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+from timing import scaled  # tests/ is on sys.path (pytest rootdir conftest)
+
 SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "cpu_time.py"
 LINE = re.compile(r"\[rlcore\] demo: ([\d.]+) CPU s .* in ([\d.]+) s wall, whole process tree")
 
@@ -28,7 +30,7 @@ sys.exit(3)
 def run_wrapped(seconds: float, grace: float) -> tuple[int, str]:
     done = subprocess.run([sys.executable, str(SCRIPT), "--label", "demo", "--grace", str(grace), "--",
                            sys.executable, "-c", DETACH.format(seconds=seconds)],
-                          capture_output=True, text=True, timeout=600)
+                          capture_output=True, text=True, timeout=scaled(600))
     return done.returncode, done.stderr
 
 

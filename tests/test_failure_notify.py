@@ -312,7 +312,8 @@ def test_a_run_killed_with_its_serving_process_is_crashed_by_the_server_once_and
     again = start_serve(api, env, work, log, receiver.url)
     try:
         wait_for("the orphaned MLflow runs to end", lambda: all(
-            r.info.status != "RUNNING" for r in mlflow_runs(work, killed)), 180, procs=[again], interval=2)
+            r.info.status != "RUNNING" for r in mlflow_runs(work, killed)), 180, procs=[again], interval=2,
+            progress=tree_progress(work, log))
         for run in mlflow_runs(work, killed):
             if run.data.tags["rlcore.stage"] != "data_prep":
                 assert run.info.status == "KILLED" and run.data.tags["failure"].startswith(LIVENESS_PREFIX)

@@ -10,7 +10,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from conftest import PREFECT_HTTP, stop_process_group, wait_for  # tests/ is on sys.path (pytest rootdir conftest)
+from conftest import PREFECT_HTTP, stop_process_group, tree_progress, wait_for  # tests/ is on sys.path (pytest rootdir conftest)
 from timing import scaled  # tests/ is on sys.path (pytest rootdir conftest)
 
 from rlcore.data import read_rows, write_rows
@@ -64,7 +64,8 @@ def test_data_event_runs_pipeline_and_registers_version(prefect_api, tiny_exampl
                     return run
             return None
 
-        run = wait_for("the triggered pipeline run", finished_run, 300, interval=2, procs=[serve])
+        run = wait_for("the triggered pipeline run", finished_run, 300, interval=2, procs=[serve],
+                       progress=tree_progress(work, tmp_path / "serve.log"))
     finally:
         stop_process_group(serve)
         log.close()

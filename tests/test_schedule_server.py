@@ -13,7 +13,13 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from conftest import PREFECT_HTTP, PrefectServer, stop_process_group, wait_for  # tests/ is on sys.path (pytest rootdir conftest)
+from conftest import (  # tests/ is on sys.path (pytest rootdir conftest)
+    PREFECT_HTTP,
+    PrefectServer,
+    stop_process_group,
+    tree_progress,
+    wait_for,
+)
 from timing import scaled  # tests/ is on sys.path (pytest rootdir conftest)
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -65,7 +71,8 @@ def test_cron_schedule_creates_runs_that_register_a_model_version(
                 return first if state == "COMPLETED" else None
 
             # the first run is due at the next whole minute, then runs the (short) pipeline
-            run = wait_for("the first scheduled run to complete", first_finished, 240, procs=[serve], interval=2)
+            run = wait_for("the first scheduled run to complete", first_finished, 240, procs=[serve], interval=2,
+                           progress=tree_progress(work, tmp_path / "serve.log"))
         finally:
             stop_process_group(serve)
     assert run["auto_scheduled"] and run["id"] == scheduled[0]["id"]

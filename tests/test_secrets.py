@@ -532,7 +532,7 @@ def test_served_pipeline_keeps_secrets_out_of_prefect(prefect_api, receiver, tin
     data_prep naming that file, and notifies `failed` to the webhook (its URL, credentials and
     token as given). Prefect's deployment, flow run, task runs, states, logs, events, automations
     and blocks, and the serving process's output, hold none of the secrets."""
-    from conftest import PREFECT_HTTP, stop_process_group, wait_for
+    from conftest import PREFECT_HTTP, stop_process_group, tree_progress, wait_for
 
     api, env = prefect_api
     work, log = tmp_path / "work", tmp_path / "serve.log"
@@ -559,7 +559,7 @@ def test_served_pipeline_keeps_secrets_out_of_prefect(prefect_api, receiver, tin
             state = (PREFECT_HTTP.get(f"{api}/flow_runs/{run_id}", timeout=scaled(5)).json().get("state") or {}).get("type")
             return state if state in ("COMPLETED", "FAILED", "CRASHED", "CANCELLED") else None
 
-        assert wait_for("the run to end", ended, 400, procs=[serve], interval=2) == "FAILED"
+        assert wait_for("the run to end", ended, 400, procs=[serve], interval=2, progress=tree_progress(work, log)) == "FAILED"
         wait_for("the failed notification", lambda: receiver.posts, 60, procs=[serve])
         wait_for("the run's process to exit", lambda: not psutil.Process(serve.pid).children(recursive=True), 60,
                  procs=[serve])

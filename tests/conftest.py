@@ -53,6 +53,7 @@ import pytest
 import requests
 from net import free_port  # tests/ is on sys.path (pytest rootdir conftest)
 from requests.adapters import HTTPAdapter
+from timing import scaled
 from urllib3.util.retry import Retry
 
 
@@ -90,10 +91,15 @@ def stop_process_group(proc: subprocess.Popen | None) -> None:
 
 
 def wait_for(what: str, fn: Callable[[], Any], timeout: float, procs: Sequence[subprocess.Popen] = (),
-             interval: float = 1.0) -> Any:
+             interval: float = 1.0, progress: Callable[[], object] | None = None) -> Any:
     """Poll `fn` until it returns something truthy (a failed HTTP request counts as not yet); fail
-    when one of `procs` exits first, or after `timeout` seconds, naming `what`."""
-    deadline = time.monotonic() + timeout
+    when one of `procs` exits first, or after `timeout` seconds (times the suite's time factor,
+    tests/timing.py) naming `what`. With `progress` (e.g. a log file's size), the bound is on
+    time without progress: each change of its value starts the `timeout` again, so a slow
+    machine that is still advancing is waited for."""
+    bound = scaled(timeout)
+    last = progress() if progress else None
+    deadline = time.monotonic() + bound
     while time.monotonic() < deadline:
         for p in procs:
             if p.poll() is not None:
@@ -105,7 +111,33 @@ def wait_for(what: str, fn: Callable[[], Any], timeout: float, procs: Sequence[s
         if value:
             return value
         time.sleep(interval)
-    raise AssertionError(f"timed out after {timeout:.0f}s waiting for {what}")
+        if progress is not None and (now := progress()) != last:
+            last, deadline = now, time.monotonic() + bound
+    still = " with no progress" if progress else ""
+    raise AssertionError(f"timed out after {bound:.0f}s{still} waiting for {what}")
+
+
+def tree_progress(*roots: Path) -> Callable[[], tuple[int, int]]:
+    """A `wait_for` progress for a run that writes files: the count and total size of the files
+    under `roots` (its logs, metrics, checkpoints), which grow while it advances."""
+    def measure() -> tuple[int, int]:
+        count = size = 0
+        for root in roots:
+            for path in root.rglob("*") if root.is_dir() else [root]:
+                with contextlib.suppress(OSError):
+                    if path.is_file():
+                        count, size = count + 1, size + path.stat().st_size
+        return count, size
+    return measure
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_timeout_set_timer(item: pytest.Item, settings: Any) -> bool:
+    """pytest-timeout's per-test limit (pyproject's, or a test's `timeout` mark) times the suite's
+    time factor (tests/timing.py), then pytest-timeout's own timer."""
+    import pytest_timeout
+
+    return pytest_timeout.pytest_timeout_set_timer(item, settings._replace(timeout=scaled(settings.timeout)))
 
 
 @pytest.fixture(scope="session")
@@ -151,10 +183,10 @@ def train_on_ray(config: Path, overrides: list[str], timeout: float = 600, addre
     ray_tmp = tempfile.mkdtemp(prefix="rl-", dir="/tmp")
     where = [f"ray.address={address}"] if address else [f"ray.temp_dir={ray_tmp}"]
     args = [sys.executable, "-m", "rlcore.cli", command, str(config), *overrides, *where,
-            "ray.call_timeout_s=300", "ray.init_timeout_s=300"]
+            f"ray.call_timeout_s={scaled(300):.0f}", f"ray.init_timeout_s={scaled(300):.0f}"]
     env = dict(os.environ, PYTHONPATH=str(Path(__file__).resolve().parents[1]), RAY_AUTH_MODE="disabled")
     try:
-        done = subprocess.run(args, env=env, capture_output=True, text=True, timeout=timeout)
+        done = subprocess.run(args, env=env, capture_output=True, text=True, timeout=scaled(timeout))
     finally:
         shutil.rmtree(ray_tmp, ignore_errors=True)
     assert done.returncode == 0, done.stderr[-3000:]
@@ -193,17 +225,18 @@ def prefect_server(home: Path, **env: str) -> Iterator[tuple[str, dict[str, str]
         proc = subprocess.Popen([sys.executable, "-m", "prefect", "server", "start", "--host", "127.0.0.1", "--port", str(port)],
                                 env=server_env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
         try:
-            deadline = time.monotonic() + 180  # ~11 s on a quiet machine; much longer on a loaded one
+            bound = scaled(180)  # ~11 s on a quiet machine; much longer on a loaded one
+            deadline = time.monotonic() + bound
             while True:
                 if proc.poll() is not None:
                     raise AssertionError(f"the Prefect server exited with {proc.returncode}: see {log_path}")
                 try:
-                    if requests.get(f"{api}/health", timeout=2).ok:
+                    if requests.get(f"{api}/health", timeout=scaled(2)).ok:
                         break
                 except requests.RequestException:
                     pass
                 if time.monotonic() > deadline:
-                    raise AssertionError(f"the Prefect server did not answer within 180 s: see {log_path}")
+                    raise AssertionError(f"the Prefect server did not answer within {bound:.0f} s: see {log_path}")
                 time.sleep(0.5)
             yield api, dict(server_env, PREFECT_API_URL=api), log_path
         finally:
@@ -270,7 +303,7 @@ _PREFECT_OBJECTS = (
 
 
 def _prefect_records(api: str, collection: str) -> list[dict[str, Any]]:
-    got = PREFECT_HTTP.post(f"{api}/{collection}/filter", json={"limit": 200}, timeout=30)
+    got = PREFECT_HTTP.post(f"{api}/{collection}/filter", json={"limit": 200}, timeout=scaled(30))
     got.raise_for_status()
     return got.json()
 
@@ -289,7 +322,7 @@ def reset_prefect(api: str, keep: dict[str, set[str]]) -> None:
             if not extra:
                 break
             for name in extra:
-                done = PREFECT_HTTP.delete(f"{api}/{path.format(name)}", timeout=30)
+                done = PREFECT_HTTP.delete(f"{api}/{path.format(name)}", timeout=scaled(30))
                 assert done.status_code in (200, 204, 404), f"deleting {collection} {name}: {done.status_code} {done.text}"
 
 
@@ -370,7 +403,7 @@ def _start_ray_head(temp: str) -> tuple[subprocess.Popen, str]:
                                     "--ray-client-server-port", str(free_port()),
                                     "--temp-dir", temp], stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
     try:
-        starter.wait(timeout=300)
+        starter.wait(timeout=scaled(300))
     except subprocess.TimeoutExpired:
         pass  # no return code: a failed start
     return starter, f"127.0.0.1:{port}"

@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from net import free_port  # tests/ is on sys.path (pytest's rootdir conftest; this script's folder)
+from timing import scaled
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -37,7 +38,7 @@ def cluster_env(temp_dir: str) -> dict[str, str]:
         RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER="0",  # nodes register as 127.0.0.1, not the routable address
         RAY_AUTH_MODE="disabled",  # the token file in the shared home may be replaced by another Ray here
         RAY_USAGE_STATS_ENABLED="0",
-        RAY_agent_register_timeout_ms="300000",  # agents start slowly on a loaded 2-core machine
+        RAY_agent_register_timeout_ms=str(round(scaled(300_000))),  # agents start slowly on a loaded 2-core machine
         OMP_NUM_THREADS="1",
         TOKENIZERS_PARALLELISM="false",
     )
@@ -73,10 +74,11 @@ class LocalCluster:
 
         sel = selectors.DefaultSelector()
         sel.register(self.proc.stdout, selectors.EVENT_READ)
-        deadline = time.monotonic() + timeout
+        bound = scaled(timeout)
+        deadline = time.monotonic() + bound
         while True:
             if not sel.select(timeout=max(0.0, deadline - time.monotonic())):
-                raise AssertionError(f"the test cluster did not answer in {timeout:.0f}s: see {self.log_path}")
+                raise AssertionError(f"the test cluster did not answer in {bound:.0f}s: see {self.log_path}")
             line = self.proc.stdout.readline()
             if not line:
                 raise AssertionError(f"the test cluster's host exited ({self.proc.wait()}): "
@@ -117,7 +119,7 @@ class LocalCluster:
             try:
                 self.proc.stdin.write(json.dumps({"op": "quit"}) + "\n")
                 self.proc.stdin.flush()
-                self.proc.wait(timeout=60)
+                self.proc.wait(timeout=scaled(60))
             except (OSError, subprocess.TimeoutExpired):
                 pass
         for sig in (signal.SIGTERM, signal.SIGKILL):  # whatever of the cluster is left (its process group)
@@ -159,7 +161,7 @@ def _patient_node_registration(timeout_s: float = 300.0) -> None:
     original = services.get_node
 
     def get_node(gcs_address: str, node_id: str) -> Any:
-        deadline = time.monotonic() + timeout_s
+        deadline = time.monotonic() + scaled(timeout_s)
         while True:
             try:
                 return original(gcs_address, node_id)
@@ -209,7 +211,8 @@ def _wait_for_job_server(port: int, timeout: float = 180.0) -> None:
     the head's raylet, slowly on a loaded machine)."""
     from ray.job_submission import JobStatus, JobSubmissionClient
 
-    deadline = time.monotonic() + timeout
+    bound = scaled(timeout)
+    deadline = time.monotonic() + bound
     while True:
         try:
             client = JobSubmissionClient(f"http://127.0.0.1:{port}")
@@ -221,7 +224,7 @@ def _wait_for_job_server(port: int, timeout: float = 180.0) -> None:
         except (ConnectionError, RuntimeError):  # not up yet, or "no available agent ... try again later"
             pass
         if time.monotonic() > deadline:
-            raise RuntimeError(f"the dashboard's job server on port {port} ran no job in {timeout:.0f}s")
+            raise RuntimeError(f"the dashboard's job server on port {port} ran no job in {bound:.0f}s")
         time.sleep(1.0)
 
 

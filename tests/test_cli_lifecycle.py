@@ -17,6 +17,7 @@ from pathlib import Path
 
 import pytest
 from conftest import PREFECT_HTTP, prefect_env  # tests/ is on sys.path (pytest rootdir conftest)
+from timing import scaled  # tests/ is on sys.path (pytest rootdir conftest)
 
 import rlcore
 from rlcore import cli
@@ -36,7 +37,7 @@ def cli_env(tmp_path: Path, **extra: str) -> dict[str, str]:
 
 def rlcore_cli(args: list[str], cwd: Path, env: dict[str, str], timeout: float = 300) -> subprocess.CompletedProcess[str]:
     return subprocess.run([sys.executable, "-m", "rlcore.cli", *args], cwd=cwd, env=env, capture_output=True,
-                          text=True, timeout=timeout)
+                          text=True, timeout=scaled(timeout))
 
 
 def test_version(tmp_path: Path) -> None:
@@ -131,7 +132,7 @@ def test_pipeline_emit_reaches_the_server_without_importing_torch(tmp_path: Path
              "if m in sys.modules)}))")
     env = dict(cli_env(tmp_path, PREFECT_API_URL=api), PREFECT_HOME=str(tmp_path / "client"))
     done = subprocess.run([sys.executable, "-c", probe, str(data)], cwd=tmp_path, env=env, capture_output=True,
-                          text=True, timeout=120)
+                          text=True, timeout=scaled(120))
     assert done.returncode == 0, done.stderr[-2000:]
     # sent and confirmed before it returns: nothing left for Prefect's events worker to flush at exit
     assert "Still processing" not in done.stderr and "Traceback" not in done.stderr, done.stderr[-2000:]
@@ -140,8 +141,8 @@ def test_pipeline_emit_reaches_the_server_without_importing_torch(tmp_path: Path
     # Every event about this file (the server is the session's: other tests' events are there too).
     resource = data_resource(data)["prefect.resource.id"]
     body = {"filter": {"event": {"name": ["rlcore.data.arrived"]}, "resource": {"id": [resource]}}}
-    deadline = time.monotonic() + 30  # the server stores events in batches
-    while not (events := PREFECT_HTTP.post(f"{api}/events/filter", json=body, timeout=10).json()["events"]):
+    deadline = time.monotonic() + scaled(30)  # the server stores events in batches
+    while not (events := PREFECT_HTTP.post(f"{api}/events/filter", json=body, timeout=scaled(10)).json()["events"]):
         assert time.monotonic() < deadline, "the event never reached the server"
         time.sleep(1)
     assert [e["id"] for e in events] == event_id

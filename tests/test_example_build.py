@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from timing import scaled  # tests/ is on sys.path (pytest rootdir conftest)
 
 from rlcore.chat import prompt_ids
 from rlcore.data import RLDataset, read_rows, write_rows
@@ -79,7 +80,7 @@ def test_greedy_decisions_of_the_sft_start_are_far_from_ties(tiny_example, loade
     torch.save((out.sequences, seq_mask), ids_file)
     for file, env in ((here_file, None), (pinned_file, pinned_env())):
         done = subprocess.run([sys.executable, "-c", FORWARD_LOGITS, str(tiny_example.model_dir), ids_file, file],
-                              env=env, capture_output=True, text=True, timeout=300)
+                              env=env, capture_output=True, text=True, timeout=scaled(300))
         assert done.returncode == 0, done.stderr[-2000:]
     noise = 0.0
     for file in (here_file, pinned_file):

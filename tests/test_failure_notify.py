@@ -27,7 +27,8 @@ from pathlib import Path
 
 import psutil
 import pytest
-from conftest import PREFECT_HTTP, stop_process_group, wait_for  # tests/ is on sys.path (pytest rootdir conftest)
+from conftest import PREFECT_HTTP, stop_process_group, tree_progress, wait_for  # tests/ is on sys.path (pytest rootdir conftest)
+from timing import scaled
 
 from rlcore.lifecycle.automations import LIVENESS_PREFIX, automation_names
 
@@ -93,33 +94,35 @@ def start_serve(api: str, env: dict[str, str], work: Path, log: Path, webhook: s
 
 def deployment(api: str, serve: subprocess.Popen) -> dict:
     def found():
-        got = PREFECT_HTTP.get(f"{api}/deployments/name/rl_pipeline/rl-pipeline", timeout=5)
+        got = PREFECT_HTTP.get(f"{api}/deployments/name/rl_pipeline/rl-pipeline", timeout=scaled(5))
         return got.json() if got.ok else None
 
     return wait_for("the deployment", found, 180, procs=[serve])
 
 
 def automations(api: str) -> dict[str, dict]:
-    return {a["name"]: a for a in PREFECT_HTTP.post(f"{api}/automations/filter", json={}, timeout=5).json()}
+    return {a["name"]: a for a in PREFECT_HTTP.post(f"{api}/automations/filter", json={}, timeout=scaled(5)).json()}
 
 
 def start_run(api: str, dep: dict, parameters: dict | None = None) -> str:
     created = PREFECT_HTTP.post(f"{api}/deployments/{dep['id']}/create_flow_run", json={"parameters": parameters or {}},
-                                timeout=10)
+                                timeout=scaled(10))
     assert created.ok, created.text
     return created.json()["id"]
 
 
 def flow_run(api: str, run_id: str) -> dict:
-    return PREFECT_HTTP.get(f"{api}/flow_runs/{run_id}", timeout=5).json()
+    return PREFECT_HTTP.get(f"{api}/flow_runs/{run_id}", timeout=scaled(5)).json()
 
 
-def final_state(api: str, run_id: str, serve: subprocess.Popen, timeout: float = 400) -> str:
+def final_state(api: str, run_id: str, serve: subprocess.Popen, work: Path, log: Path, timeout: float = 400) -> str:
+    """The run's final state; waited for while the run advances (`work` and the serving `log` change)."""
     def final():
         state = (flow_run(api, run_id).get("state") or {}).get("type")
         return state if state in ("COMPLETED", "FAILED", "CRASHED", "CANCELLED") else None
 
-    return wait_for(f"flow run {run_id} to end", final, timeout, procs=[serve], interval=2)
+    return wait_for(f"flow run {run_id} to end", final, timeout, procs=[serve], interval=2,
+                    progress=tree_progress(work, log))
 
 
 def mlflow_runs(work: Path, flow_run_id: str) -> list:
@@ -168,7 +171,7 @@ def events(api: str, names: list[str], resource_id: str | None = None, since: st
         body["filter"]["occurred"] = {"since": since}
     if resource_id:
         body["filter"]["resource"] = {"id": [resource_id]}
-    got = PREFECT_HTTP.post(f"{api}/events/filter", json=body, timeout=5)
+    got = PREFECT_HTTP.post(f"{api}/events/filter", json=body, timeout=scaled(5))
     return got.json()["events"] if got.ok else []
 
 
@@ -190,7 +193,7 @@ def serving(api: str, dep: dict, since: float, serve: subprocess.Popen) -> None:
     from datetime import datetime
 
     def polled():
-        last = PREFECT_HTTP.get(f"{api}/deployments/{dep['id']}", timeout=5).json().get("last_polled")
+        last = PREFECT_HTTP.get(f"{api}/deployments/{dep['id']}", timeout=scaled(5)).json().get("last_polled")
         return last and datetime.fromisoformat(last.replace("Z", "+00:00")).timestamp() > since
 
     wait_for("the serving process to poll", polled, 180, procs=[serve])
@@ -201,7 +204,7 @@ def stop_cleanly(serve: subprocess.Popen, sig: signal.Signals, log: Path) -> Non
     from then on has no traceback."""
     before = len(log.read_bytes())
     serve.send_signal(sig)
-    assert serve.wait(timeout=60) == 0, log.read_text()[-3000:]
+    assert serve.wait(timeout=scaled(60)) == 0, log.read_text()[-3000:]
     after = log.read_bytes()[before:].decode(errors="replace")
     assert "stopping `pipeline serve`" in after
     assert "Traceback" not in after and "was never awaited" not in after and "Error" not in after, after
@@ -225,7 +228,7 @@ def test_each_run_that_does_not_complete_is_notified_once_and_closed_in_mlflow(p
 
         # A run that raises: data_prep cannot read the file.
         bad = start_run(api, dep, {"data_path": str(tmp_path / "missing.parquet")})
-        assert final_state(api, bad, serve) == "FAILED"
+        assert final_state(api, bad, serve, work, log) == "FAILED"
         note = one_notification(receiver, bad, "failed", serve, 60)
         assert note["pipeline_run"] == flow_run(api, bad)["name"] and "missing.parquet" in note["error"]
         assert note["detected_by"] == "flow" and note["prefect_ui"] == f"{api.removesuffix('/api')}/runs/flow-run/{bad}"
@@ -235,13 +238,14 @@ def test_each_run_that_does_not_complete_is_notified_once_and_closed_in_mlflow(p
 
         # A run that completes; its heartbeats reached the server.
         good = start_run(api, dep, {"overrides": QUICK})
-        assert final_state(api, good, serve) == "COMPLETED"
+        assert final_state(api, good, serve, work, log) == "COMPLETED"
         completed_at = time.monotonic()
         assert events(api, ["rlcore.pipeline.heartbeat"], f"prefect.flow-run.{good}")
 
         # A run whose process is SIGKILLed mid-training.
         killed = start_run(api, dep)
-        wait_for("the run's train stage", lambda: training(work, killed), 400, procs=[serve], interval=2)
+        wait_for("the run's train stage", lambda: training(work, killed), 400, procs=[serve], interval=2,
+                 progress=tree_progress(work, log))
         run_process(serve, killed).send_signal(signal.SIGKILL)
         note = one_notification(receiver, killed, "crashed", serve, 120)
         assert note["detected_by"] == "rlcore pipeline serve" and note["state"] == "Crashed"
@@ -266,18 +270,20 @@ def test_each_run_that_does_not_complete_is_notified_once_and_closed_in_mlflow(p
         stop_process_group(serve)
     assert {path for path, _ in receiver.got} == {"/hook?token=s3cret"}  # the configured URL, query included
     assert [n["event"] for _, n in receiver.got if n["event"] in ("failed", "crashed")] == ["failed", "crashed"]
-    assert PREFECT_HTTP.get(f"{api}/deployments/{dep['id']}", timeout=5).json()["paused"] is False
+    assert PREFECT_HTTP.get(f"{api}/deployments/{dep['id']}", timeout=scaled(5)).json()["paused"] is False
 
 
 def test_a_run_killed_with_its_serving_process_is_crashed_by_the_server_once_and_closed_by_the_next_serve(
         prefect_api, receiver, tiny_example, tmp_path):
     api, env = prefect_api
     work = tmp_path / "work"
-    serve = start_serve(api, env, work, tmp_path / "serve.log", receiver.url)
+    serve_log = tmp_path / "serve.log"
+    serve = start_serve(api, env, work, serve_log, receiver.url)
     try:
         dep = deployment(api, serve)
         killed = start_run(api, dep)
-        wait_for("the run's train stage", lambda: training(work, killed), 400, procs=[serve], interval=2)
+        wait_for("the run's train stage", lambda: training(work, killed), 400, procs=[serve], interval=2,
+                 progress=tree_progress(work, serve_log))
         # a heartbeat every 5 s; the server stores events asynchronously (its event persister), so
         # on a loaded machine the first may be readable only after the train stage has begun
         wait_for("the run's heartbeat event", lambda: events(api, ["rlcore.pipeline.heartbeat"], f"prefect.flow-run.{killed}"),
@@ -289,7 +295,7 @@ def test_a_run_killed_with_its_serving_process_is_crashed_by_the_server_once_and
                 proc.kill()
             except psutil.NoSuchProcess:
                 pass
-        serve.wait(timeout=30)
+        serve.wait(timeout=scaled(30))
     finally:
         stop_process_group(serve)
     note = one_notification(receiver, killed, "crashed", None, 120)
@@ -306,11 +312,12 @@ def test_a_run_killed_with_its_serving_process_is_crashed_by_the_server_once_and
     again = start_serve(api, env, work, log, receiver.url)
     try:
         wait_for("the orphaned MLflow runs to end", lambda: all(
-            r.info.status != "RUNNING" for r in mlflow_runs(work, killed)), 180, procs=[again], interval=2)
+            r.info.status != "RUNNING" for r in mlflow_runs(work, killed)), 180, procs=[again], interval=2,
+            progress=tree_progress(work, log))
         for run in mlflow_runs(work, killed):
             if run.data.tags["rlcore.stage"] != "data_prep":
                 assert run.info.status == "KILLED" and run.data.tags["failure"].startswith(LIVENESS_PREFIX)
-        assert PREFECT_HTTP.get(f"{api}/deployments/{dep['id']}", timeout=5).json()["paused"] is False
+        assert PREFECT_HTTP.get(f"{api}/deployments/{dep['id']}", timeout=scaled(5)).json()["paused"] is False
         serving(api, dep, restarted, again)
         stop_cleanly(again, signal.SIGINT, log)
     finally:

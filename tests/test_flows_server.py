@@ -7,11 +7,11 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
-from conftest import PREFECT_HTTP, stop_process_group, wait_for  # tests/ is on sys.path (pytest rootdir conftest)
+from conftest import PREFECT_HTTP, stop_process_group, tree_progress, wait_for  # tests/ is on sys.path (pytest rootdir conftest)
+from timing import scaled  # tests/ is on sys.path (pytest rootdir conftest)
 
 from rlcore.data import read_rows, write_rows
 
@@ -36,12 +36,14 @@ def test_data_event_runs_pipeline_and_registers_version(prefect_api, tiny_exampl
          "--cron", "0 3 * * *", *QUICK], cwd=work, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
     try:
         def deployment():
-            got = PREFECT_HTTP.get(f"{api}/deployments/name/rl_pipeline/rl-pipeline", timeout=5)
+            got = PREFECT_HTTP.get(f"{api}/deployments/name/rl_pipeline/rl-pipeline", timeout=scaled(5))
             return got.json() if got.ok else None
 
         dep = wait_for("the deployment", deployment, 180, procs=[serve])  # the serving process imports torch first
         assert [s["schedule"]["cron"] for s in dep["schedules"]] == ["0 3 * * *"]
-        time.sleep(3)  # the watcher has taken its first look at the (empty) directory
+        # The watcher takes its first look at the (empty) directory before the runner starts polling.
+        wait_for("the serving process to poll", lambda: PREFECT_HTTP.get(
+            f"{api}/deployments/{dep['id']}", timeout=scaled(5)).json().get("last_polled"), 180, procs=[serve])
 
         rows = read_rows(tiny_example.train_file)[:64]
         partial = watch / ".new.parquet"
@@ -51,7 +53,7 @@ def test_data_event_runs_pipeline_and_registers_version(prefect_api, tiny_exampl
 
         def finished_run():
             body = {"flow_runs": {"deployment_id": {"any_": [dep["id"]]}}}
-            runs = PREFECT_HTTP.post(f"{api}/flow_runs/filter", json=body, timeout=5).json()
+            runs = PREFECT_HTTP.post(f"{api}/flow_runs/filter", json=body, timeout=scaled(5)).json()
             for run in runs:
                 if run["parameters"].get("data_path") != str(arrived.resolve()):
                     continue
@@ -62,7 +64,8 @@ def test_data_event_runs_pipeline_and_registers_version(prefect_api, tiny_exampl
                     return run
             return None
 
-        run = wait_for("the triggered pipeline run", finished_run, 300, interval=2, procs=[serve])
+        run = wait_for("the triggered pipeline run", finished_run, 300, interval=2, procs=[serve],
+                       progress=tree_progress(work, tmp_path / "serve.log"))
     finally:
         stop_process_group(serve)
         log.close()
@@ -88,7 +91,7 @@ def test_data_event_runs_pipeline_and_registers_version(prefect_api, tiny_exampl
 
 def _prefect(args: list[str], env: dict[str, str], timeout: float = 180) -> subprocess.CompletedProcess:
     done = subprocess.run([sys.executable, "-m", "prefect", *args], cwd=ROOT, env=env, capture_output=True,
-                          text=True, timeout=timeout)
+                          text=True, timeout=scaled(timeout))
     assert done.returncode == 0, f"prefect {' '.join(args)}:\n{done.stdout[-2000:]}\n{done.stderr[-2000:]}"
     return done
 
@@ -103,11 +106,11 @@ def test_prefect_deploy_runs_a_flow_on_a_process_work_pool(prefect_api, tiny_exa
     _prefect(["work-pool", "create", "rlcore-process", "--type", "process"], env)
     _prefect(["--no-prompt", "deploy", "--all"], env)
 
-    deployments = {d["name"]: d for d in PREFECT_HTTP.post(f"{api}/deployments/filter", json={}, timeout=5).json()}
+    deployments = {d["name"]: d for d in PREFECT_HTTP.post(f"{api}/deployments/filter", json={}, timeout=scaled(5)).json()}
     assert set(deployments) == {"rl-pipeline", "data-prep", "evaluate"}
     assert {d["work_pool_name"] for d in deployments.values()} == {"rlcore-process"}
     assert [s["schedule"]["cron"] for s in deployments["rl-pipeline"]["schedules"]] == ["0 3 * * *"]
-    automations = PREFECT_HTTP.post(f"{api}/automations/filter", json={}, timeout=5).json()
+    automations = PREFECT_HTTP.post(f"{api}/automations/filter", json={}, timeout=scaled(5)).json()
     trigger = next(a["trigger"] for a in automations if a["name"] == "rlcore-data-arrived")
     assert trigger["expect"] == ["rlcore.data.arrived"]
 
@@ -120,11 +123,11 @@ def test_prefect_deploy_runs_a_flow_on_a_process_work_pool(prefect_api, tiny_exa
         "overrides": [f"model.path={tiny_example.model_dir}", f"data.val_files=[{tiny_example.val_file}]"],
     }
     created = PREFECT_HTTP.post(f"{api}/deployments/{deployments['data-prep']['id']}/create_flow_run",
-                            json={"parameters": params}, timeout=10)
+                            json={"parameters": params}, timeout=scaled(10))
     assert created.ok, created.text
     _prefect(["worker", "start", "--pool", "rlcore-process", "--run-once"], env, timeout=300)
 
-    run = PREFECT_HTTP.get(f"{api}/flow_runs/{created.json()['id']}", timeout=5).json()
+    run = PREFECT_HTTP.get(f"{api}/flow_runs/{created.json()['id']}", timeout=scaled(5)).json()
     assert run["state"]["type"] == "COMPLETED", run["state"]
     [report] = list((work / "data").glob("*/prep_report.json"))
     import json

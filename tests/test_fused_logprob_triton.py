@@ -22,6 +22,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from timing import scaled  # tests/ is on sys.path (pytest rootdir conftest)
 
 # name -> (N, H, V, dtype, temperature, block sizes or None for the kernel defaults, head)
 # head: (bias, logit_scale, softcap), as in tests/test_fused_logprob.py
@@ -99,7 +100,7 @@ def triton_results(tmp_path_factory):
     pythonpath = os.pathsep.join(p for p in (root, os.environ.get("PYTHONPATH", "")) if p)
     env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=pythonpath)
     proc = subprocess.run([sys.executable, __file__, str(path)], env=env, capture_output=True, text=True,
-                          timeout=300)
+                          timeout=scaled(300))
     assert proc.returncode == 0, proc.stderr[-4000:]
     return torch.load(path)
 

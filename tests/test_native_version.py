@@ -13,6 +13,7 @@ from types import ModuleType
 
 import pytest
 import torch
+from timing import scaled  # tests/ is on sys.path (pytest rootdir conftest)
 
 import rlcore
 from rlcore import _native, native
@@ -27,7 +28,7 @@ def run_python(code: str, **env: str) -> subprocess.CompletedProcess[str]:
     full_env = {k: v for k, v in os.environ.items() if k != native.ENV_VAR}
     full_env.update(env, PYTHONPATH=str(ROOT))
     return subprocess.run([sys.executable, "-c", textwrap.dedent(code)], env=full_env, capture_output=True,
-                          text=True, timeout=120, cwd=ROOT)
+                          text=True, timeout=scaled(120), cwd=ROOT)
 
 
 def fake_native(version: str, missing: tuple[str, ...] = ()) -> ModuleType:

@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from timing import scaled  # tests/ is on sys.path (pytest rootdir conftest)
 
 from rlcore import cpus
 from rlcore.controller import Dispatch, InProcessWorkerGroup, Worker, WorkerError, register
@@ -96,7 +97,7 @@ def test_a_group_on_its_own_thread_overlaps_the_caller_and_keeps_call_order(monk
     try:
         worker = group.workers[0]
         assert worker.setup_thread != threading.get_ident()  # built and set up there
-        pending = group.call_async("wait", 30.0)  # returns at once: the worker blocks on its own thread
+        pending = group.call_async("wait", scaled(30.0))  # returns at once: the worker blocks on its own thread
         after = group.call_async("record")         # queued behind it
         worker.event.set()                          # the caller is free to act meanwhile
         ident = pending.result()[0]
@@ -197,7 +198,7 @@ def test_one_step_in_process_generates_the_next_batch_during_the_update(tiny_exa
 
     def hold_second_generation():
         if next(generations) == 1:  # step 2's batch, launched during step 1
-            assert update_started[1].wait(60), "step 2's generation never overlapped step 1's update"
+            assert update_started[1].wait(scaled(60)), "step 2's generation never overlapped step 1's update"
 
     updates = iter(range(1, 10))
     spy(rollout, "generate_sequences", hold_second_generation)

@@ -24,6 +24,7 @@ from pathlib import Path
 import pytest
 import yaml
 from conftest import prefect_env  # tests/ is on sys.path (pytest rootdir conftest)
+from timing import scaled  # tests/ is on sys.path (pytest rootdir conftest)
 
 pytestmark = [pytest.mark.slow, pytest.mark.prefect, pytest.mark.pipeline,  # every test reads the pipeline's run
               pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="vllm is not installed")]
@@ -64,7 +65,7 @@ def pipeline(own_model, tmp_path_factory, shared_prefect_server):
     env.pop("MLFLOW_TRACKING_URI", None)
     args = [sys.executable, "-m", "rlcore.cli", "pipeline", "run", "--json", "--config", str(root / "grpo.yaml"),
             "--sft-data", str(own_model.sft_file), "--sft-config", str(root / "sft.yaml"), "--output-dir", str(root / "work")]
-    done = subprocess.run(args, cwd=root, env=env, capture_output=True, text=True, timeout=600)
+    done = subprocess.run(args, cwd=root, env=env, capture_output=True, text=True, timeout=scaled(600))
     assert done.returncode == 0, done.stderr[-4000:]
     return json.loads(done.stdout), root
 

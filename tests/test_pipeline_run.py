@@ -16,6 +16,7 @@ from pathlib import Path
 
 import pytest
 from conftest import PREFECT_HTTP  # tests/ is on sys.path (pytest rootdir conftest)
+from timing import scaled  # tests/ is on sys.path (pytest rootdir conftest)
 
 ROOT = Path(__file__).resolve().parents[1]
 QUICK = ["trainer.total_steps=2", "data.train_batch_size=8", "actor.ppo_mini_batch_size=4", "rollout.n=4",
@@ -33,7 +34,7 @@ def pipeline_env(prefect_api: tuple[str, dict[str, str]]) -> dict[str, str]:
 
 def run_cli(args: list[str], cwd: Path, env: dict[str, str], timeout: float = 240) -> subprocess.CompletedProcess:
     done = subprocess.run([sys.executable, "-m", "rlcore.cli", *args], cwd=cwd, env=env, capture_output=True,
-                          text=True, timeout=timeout)
+                          text=True, timeout=scaled(timeout))
     assert done.returncode == 0, done.stderr[-4000:]
     return done
 
@@ -140,7 +141,7 @@ def test_pipeline_run_twice_warm_starts_from_champion(tiny_example, tmp_path, pr
     api, _ = prefect_api
     body = {"artifacts": {"key": {"any_": ["mlflow-run"]}}}
     artifacts = [(a["key"], a["description"], a["flow_run_id"])
-                 for a in PREFECT_HTTP.post(f"{api}/artifacts/filter", json=body, timeout=10).json()]
+                 for a in PREFECT_HTTP.post(f"{api}/artifacts/filter", json=body, timeout=scaled(10)).json()]
     assert (f"mlflow_run_id={second['mlflow_run_id']}" in [a[1] for a in artifacts])
     assert {str(a[2]).replace("-", "") for a in artifacts if a[1].endswith(second["mlflow_run_id"])} == {
         flow_run_id.replace("-", "")}

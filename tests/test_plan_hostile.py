@@ -26,6 +26,7 @@ from typing import Any
 
 import pytest
 import yaml
+from timing import scaled  # tests/ is on sys.path (pytest rootdir conftest)
 from transformers import GPT2Config, Qwen2Config
 
 from rlcore.cli import main as cli_main
@@ -371,7 +372,7 @@ def test_hostile_layouts_are_refused_at_load_naming_the_key(tmp_path, capfd):
 
 def _rlcore(*args: str) -> subprocess.CompletedProcess[str]:
     return subprocess.run([sys.executable, "-m", "rlcore.cli", *args], cwd=ROOT, capture_output=True, text=True,
-                          timeout=300)
+                          timeout=scaled(300))
 
 
 def test_rlcore_plan_refuses_in_one_line_as_a_process(run):

@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 from safetensors.torch import save_file
+from timing import scaled  # tests/ is on sys.path (pytest rootdir conftest)
 
 from rlcore.cli import CONFIG_DIR, main
 from rlcore.config import load_config
@@ -214,7 +215,7 @@ def test_rlcore_train_with_a_missing_model_path(setup):
     """The real command, in its own process: a one-line message and a non-zero exit."""
     args = [sys.executable, "-m", "rlcore.cli", "train", str(CONFIG_DIR / "tiny_grpo.yaml"), *setup.args(),
             f"model.path={setup.root / 'nope'}"]
-    done = subprocess.run(args, capture_output=True, text=True, timeout=300, cwd=ROOT)
+    done = subprocess.run(args, capture_output=True, text=True, timeout=scaled(300), cwd=ROOT)
     assert done.returncode == 2
     assert done.stderr.startswith("rlcore: error: model.path:") and done.stderr.count("\n") == 1, done.stderr
     assert not setup.out.exists()

@@ -24,6 +24,7 @@ import pytest
 from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 from net import free_port  # tests/ is on sys.path (pytest rootdir conftest)
+from timing import scaled  # tests/ is on sys.path (pytest rootdir conftest)
 
 from rlcore.cli import main
 from rlcore.lifecycle import job_server
@@ -92,7 +93,7 @@ def test_the_real_command_refuses_a_credentialed_address_in_one_line():
     """The issue's reproduction, as a user runs it."""
     address = f"http://{USER}:{PASSWORD}@127.0.0.1:{CLOSED}/?token={TOKEN}"
     done = subprocess.run([sys.executable, "-m", "rlcore.cli", "pipeline", "run", "--ray-address", address],
-                          capture_output=True, text=True, timeout=120, cwd=ROOT)
+                          capture_output=True, text=True, timeout=scaled(120), cwd=ROOT)
     assert done.returncode == 2 and done.stdout == "", done.stderr
     assert done.stderr.splitlines() == [
         f"rlcore: error: --ray-address http://***@127.0.0.1:{CLOSED}/?token=***: a job server URL has no query or "

@@ -19,6 +19,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from timing import scaled  # tests/ is on sys.path (pytest rootdir conftest)
 
 from rlcore.controller import Dispatch, Worker, register
 from rlcore.controller.ray_backend import RayWorkerGroup, ResourcePool, address_host, ensure_ray, is_loopback
@@ -95,7 +96,7 @@ def test_local_cluster_and_distributed_workers_listen_on_loopback_only(ray_temp)
         assert ray.util.get_node_ip_address() == "127.0.0.1"
         pool = ResourcePool("bind", 2, cpus_per_bundle=1.0)
         group = RayWorkerGroup(lambda r, ws: Gloo(r, ws), 2, "gloo", pool=pool, distributed=True,
-                               dist_backend="gloo", call_timeout_s=120, init_timeout_s=300)
+                               dist_backend="gloo", call_timeout_s=scaled(120), init_timeout_s=scaled(300))
         assert group.all_reduce(1.0) == [3.0, 3.0]  # (1+0) + (1+1) on both ranks: the group works
         workers = set(group.pid())
         pids = tree_pids()
@@ -130,7 +131,7 @@ OWNER = textwrap.dedent("""
     def ping() -> str:
         return "alive"
 
-    print(ray.get(ping.remote(), timeout=60), flush=True)
+    print(ray.get(ping.remote(), timeout=float(sys.argv[2])), flush=True)
     ray.shutdown()
 """)
 
@@ -140,7 +141,7 @@ def test_a_cluster_given_by_address_is_used_as_it_is(ray_temp):
     and the cluster goes on working after the disconnect."""
     assert not ray.is_initialized(), "another test left Ray running"
     env = dict(os.environ, PYTHONPATH=str(ROOT), RAY_USAGE_STATS_ENABLED="0")
-    owner = subprocess.Popen([sys.executable, "-c", OWNER, ray_temp], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+    owner = subprocess.Popen([sys.executable, "-c", OWNER, ray_temp, str(scaled(60))], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                              stderr=subprocess.PIPE, text=True, env=env)
     try:
         line = owner.stdout.readline().split()
@@ -153,10 +154,10 @@ def test_a_cluster_given_by_address_is_used_as_it_is(ray_temp):
             nodes = [n for n in ray.nodes() if n["Alive"]]
             assert [n["NodeID"] for n in nodes] == [node_id]  # the owner's node, no new one
             assert nodes[0]["NodeManagerAddress"] == "127.0.0.1"
-            assert ray.get(ray.remote(lambda: 41 + 1).remote(), timeout=60) == 42
+            assert ray.get(ray.remote(lambda: 41 + 1).remote(), timeout=scaled(60)) == 42
         finally:
             ray.shutdown()
-        out, err = owner.communicate("\n", timeout=120)
+        out, err = owner.communicate("\n", timeout=scaled(120))
         assert owner.returncode == 0 and out.strip() == "alive", err[-2000:]
     finally:
         if owner.poll() is None:
@@ -205,7 +206,7 @@ def test_a_sigkilled_rlcore_train_leaves_nothing_of_its_local_ray_running(tiny_e
     procs: dict[int, tuple[float, str]] = {}
     try:
         wanted = ("ray::DashboardAgent", "ray::RuntimeEnvAgent", "ray::_WorkerHost", "gcs_server", "raylet")
-        deadline = time.monotonic() + 600
+        deadline = time.monotonic() + scaled(600)
         while True:  # progress: every kind of process the run's Ray has, each started
             procs = _ray_processes(run.pid)
             if all(any(kind in what for _, what in procs.values()) for kind in wanted):
@@ -216,7 +217,7 @@ def test_a_sigkilled_rlcore_train_leaves_nothing_of_its_local_ray_running(tiny_e
         procs = _ray_processes(run.pid)
         run.kill()
         run.wait()
-        deadline = time.monotonic() + 30  # seconds are enough (the watcher acts at once); a loaded machine
+        deadline = time.monotonic() + scaled(30)  # seconds are enough (the watcher acts at once); a loaded machine
         while (left := _still_running(procs)) and time.monotonic() < deadline:
             time.sleep(0.2)
         assert not left, f"still running 30 s after the SIGKILL: { {pid: what[:150] for pid, what in left.items()} }"

@@ -21,6 +21,7 @@ import pytest
 import torch
 from conftest import stop_process_group  # tests/ is on sys.path (pytest rootdir conftest)
 from safetensors.torch import load_file
+from timing import scaled  # tests/ is on sys.path (pytest rootdir conftest)
 
 from rlcore.checkpoint import CheckpointManager, step_of
 from rlcore.cli import CONFIG_DIR
@@ -46,7 +47,7 @@ def quick_grpo(prepared: dict[str, str], out: Path) -> list[str]:
         f"trainer.output_dir={out}", "trainer.backend=ray", "actor.world_size=2", "algorithm.use_reference=false",
         "data.train_batch_size=8", "actor.ppo_mini_batch_size=8", "rollout.n=4", f"trainer.total_steps={STEPS}",
         "trainer.save_every=1", "trainer.keep_last=10", "trainer.val_before_train=false", "trainer.val_every=100",
-        "trainer.loggers=[jsonl]", "ray.call_timeout_s=300", "ray.init_timeout_s=300",
+        "trainer.loggers=[jsonl]", f"ray.call_timeout_s={scaled(300):.0f}", f"ray.init_timeout_s={scaled(300):.0f}",
         "ray.colocate=[[rollout, reward]]",  # one process for both: a Python process less to start
     ]
 
@@ -60,7 +61,7 @@ def rlcore_train(overrides: list[str], env: dict[str, str], config: Path = GRPO)
 def finish(proc: subprocess.Popen, timeout: float = 600) -> tuple[int, str]:
     """Its exit status and stderr; an interrupted test stops it (and what it started)."""
     try:
-        _, err = proc.communicate(timeout=timeout)
+        _, err = proc.communicate(timeout=scaled(timeout))
     except BaseException:
         stop_process_group(proc)
         raise
@@ -113,7 +114,7 @@ def test_roles_spread_over_the_nodes_and_a_lost_node_stops_rlcore_train_naming_i
 
     run = rlcore_train(overrides, ray_cluster.env, CONFIG_DIR / "tiny_ppo.yaml")  # its data, sizes, ranks; PPO's algorithm
     manager = CheckpointManager(out / "checkpoints")
-    deadline = time.monotonic() + 600
+    deadline = time.monotonic() + scaled(600)
     while not manager.complete():  # step 1 is saved: the run is in step 2 now (a step takes ~1 s)
         assert run.poll() is None, run.communicate()[1][-4000:]
         assert time.monotonic() < deadline, "no checkpoint in 600 s"
@@ -162,7 +163,7 @@ def test_a_failed_or_stopped_ray_job_raises_with_its_reason(ray_cluster):
     running = submit(client, entrypoint="python -c \"import time; print('working', flush=True); time.sleep(300)\"")
 
     def stop_when_working() -> None:
-        deadline = time.monotonic() + 120
+        deadline = time.monotonic() + scaled(120)
         while "working" not in lines and time.monotonic() < deadline:
             time.sleep(0.2)
         client.stop_job(running)
@@ -216,7 +217,7 @@ def test_pipeline_runs_its_stages_as_ray_jobs_and_retries_a_lost_node_from_the_c
          "--config", str(GRPO), "--output-dir", str(work), *overrides, *ON_CLUSTER, "tracking.log_model=false"],
         cwd=work, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
     try:
-        deadline = time.monotonic() + 600
+        deadline = time.monotonic() + scaled(600)
         while not any(CheckpointManager(d / "checkpoints").complete() for d in work.glob("pipeline-*/train")):
             assert proc.poll() is None, proc.communicate()[1][-4000:]
             assert time.monotonic() < deadline, "no checkpoint in 600 s"
@@ -230,7 +231,7 @@ def test_pipeline_runs_its_stages_as_ray_jobs_and_retries_a_lost_node_from_the_c
         victim_rank = ranks.index(victim)
         ray_cluster.kill_node(victim)
         written = {p.name: (p / "COMPLETE.json").read_text() for p in CheckpointManager(train_dir / "checkpoints").complete()}
-        out, err = proc.communicate(timeout=900)
+        out, err = proc.communicate(timeout=scaled(900))
     finally:
         stop_process_group(proc)
     assert proc.returncode == 0, err[-4000:]

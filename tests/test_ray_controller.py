@@ -10,6 +10,7 @@ import signal
 import numpy as np
 import pytest
 import torch
+from timing import scaled  # tests/ is on sys.path (pytest rootdir conftest)
 
 from rlcore.controller import ColocatedWorker, Dispatch, Worker, WorkerError, register
 from rlcore.controller.group import _UNSET
@@ -103,7 +104,7 @@ def test_remote_exception_names_role_rank_method_with_traceback(cluster):
 
 
 def test_killed_worker_is_a_clear_error_not_a_hang(cluster):
-    g = RayWorkerGroup(lambda r, ws: Toy(r, ws), 2, "toy", distributed=False, call_timeout_s=90)
+    g = RayWorkerGroup(lambda r, ws: Toy(r, ws), 2, "toy", distributed=False, call_timeout_s=scaled(90))
     try:
         pids = g.pids()
         fut = g.call_async("sleep", 60.0)
@@ -137,8 +138,8 @@ def test_a_rank_lost_mid_collective_is_named_through_a_passed_future(cluster):
     """Rank 1 dies in a collective whose future went on to another group as an ObjectRef: rank 0's
     collective breaks at once (gloo: connection closed by peer), the receiving call fails with
     it, and what is reported is the root cause, the dead rank of the producing group."""
-    a = RayWorkerGroup(lambda r, ws: Reducing(r, ws), 2, "a", distributed=True, dist_backend="gloo", call_timeout_s=120)
-    b = RayWorkerGroup(lambda r, ws: Toy(r, ws), 1, "b", distributed=False, call_timeout_s=120)
+    a = RayWorkerGroup(lambda r, ws: Reducing(r, ws), 2, "a", distributed=True, dist_backend="gloo", call_timeout_s=scaled(120))
+    b = RayWorkerGroup(lambda r, ws: Toy(r, ws), 1, "b", distributed=False, call_timeout_s=scaled(120))
     try:
         pids = a.pids()
         produced = a.call_async("reduce_many", 3000)
@@ -236,7 +237,7 @@ def test_fsdp2_two_ranks_update_equals_one_process(cluster, tmp_path):
     lr = one_cfg.actor.optim.lr
     eps = build_optimizer(torch.nn.Linear(1, 1), one_cfg.actor.optim).defaults["eps"]
     one = InProcessWorkerGroup(lambda r, ws: ActorWorker(one_cfg, r, ws), 1, "actor")
-    two = RayWorkerGroup(lambda r, ws: ActorWorker(two_cfg, r, ws), 2, "actor", call_timeout_s=120)
+    two = RayWorkerGroup(lambda r, ws: ActorWorker(two_cfg, r, ws), 2, "actor", call_timeout_s=scaled(120))
     try:
         start = {k: v.clone() for k, v in one.weights_for_rollout().result()}  # views otherwise
         vocab = start["lm_head.weight"].shape[0]
@@ -307,7 +308,7 @@ def test_fsdp2_lora_two_ranks_update_equals_one_process(cluster, tmp_path):
     lr = one_cfg.actor.optim.lr
     eps = build_optimizer(torch.nn.Linear(1, 1), one_cfg.actor.optim).defaults["eps"]
     one = InProcessWorkerGroup(lambda r, ws: ActorWorker(one_cfg, r, ws), 1, "actor")
-    two = RayWorkerGroup(lambda r, ws: ActorWorker(two_cfg, r, ws), 2, "actor", call_timeout_s=120)
+    two = RayWorkerGroup(lambda r, ws: ActorWorker(two_cfg, r, ws), 2, "actor", call_timeout_s=scaled(120))
     try:
         start = {k: v.clone() for k, v in one.adapter_for_rollout().result()[0].items()}
         batch = _update_batch(int(one.workers[0].model.get_output_embeddings().weight.shape[0]))

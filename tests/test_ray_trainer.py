@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 from safetensors.torch import load_file
+from timing import scaled  # tests/ is on sys.path (pytest rootdir conftest)
 
 from rlcore.checkpoint import CheckpointManager, step_of
 from rlcore.cli import CONFIG_DIR, tiny_example_overrides
@@ -50,7 +51,7 @@ def _train(overrides: list[str], kill_at: int = 0) -> dict:
     """One run in a fresh process, as a restarted job would be (and one Ray session per process:
     object and actor ids repeat across sessions of one process)."""
     args = json.dumps({"config": str(CONFIG_DIR / "tiny_grpo.yaml"), "overrides": overrides, "kill_at": kill_at})
-    proc = subprocess.run([sys.executable, "-c", _CHILD, args], capture_output=True, text=True, timeout=300)
+    proc = subprocess.run([sys.executable, "-c", _CHILD, args], capture_output=True, text=True, timeout=scaled(300))
     lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
     assert lines, f"rc={proc.returncode}\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
     return json.loads(lines[-1][len("RESULT "):])
@@ -62,7 +63,7 @@ def _overrides(example, out: Path, address: str) -> list[str]:
         "trainer.val_before_train=false", "trainer.val_every=100", "trainer.loggers=[jsonl]",
         "trainer.total_steps=3", "trainer.save_every=1", "trainer.device=cpu",
         "trainer.backend=ray", f"ray.address={address}", "actor.world_size=2",
-        "ray.call_timeout_s=300", "ray.init_timeout_s=300",
+        f"ray.call_timeout_s={scaled(300):.0f}", f"ray.init_timeout_s={scaled(300):.0f}",
     ]
 
 

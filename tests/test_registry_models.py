@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from timing import scaled  # tests/ is on sys.path (pytest rootdir conftest)
 
 pytestmark = pytest.mark.slow
 
@@ -87,7 +88,7 @@ def test_pyfunc_loads_without_rlcore_on_the_path(tiny_example, tmp_path):
               "sys.modules['rlcore'] = None  # importing rlcore fails from here on\n"
               f"print(json.dumps(mlflow.pyfunc.load_model({str(folder)!r}).predict(['12+34='], params={{'max_new_tokens': 8}})))\n")
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
-    done = subprocess.run([sys.executable, "-c", script], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+    done = subprocess.run([sys.executable, "-c", script], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=scaled(300))
     assert done.returncode == 0, done.stderr[-3000:]
     [text] = json.loads(done.stdout.strip().splitlines()[-1])
     assert isinstance(text, str) and text.strip()

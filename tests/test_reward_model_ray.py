@@ -7,6 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 from test_reward_model import _generated, _policy_dir, other_tokenizer, rl_config, save_rm
+from timing import scaled  # tests/ is on sys.path (pytest rootdir conftest)
 
 from rlcore.controller import InProcessWorkerGroup
 from rlcore.example.tokenizer import build_tokenizer
@@ -38,7 +39,7 @@ def test_reward_model_pool_with_two_ranks_scores_as_one_process(tmp_path, ray_dr
     try:
         pool = ResourcePool("rm", 2, cpus_per_bundle=1.0)
         group = RayWorkerGroup(lambda r, ws: RewardModelWorker(config, r, ws), 2, "reward_model", pool=pool,
-                               distributed=True, call_timeout_s=300, init_timeout_s=300)
+                               distributed=True, call_timeout_s=scaled(300), init_timeout_s=scaled(300))
         try:
             got = group.compute_rm_score(gen)
             pids = {ident["pid"] for ident in group.identities()}

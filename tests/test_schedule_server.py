@@ -13,7 +13,14 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from conftest import PREFECT_HTTP, PrefectServer, stop_process_group, wait_for  # tests/ is on sys.path (pytest rootdir conftest)
+from conftest import (  # tests/ is on sys.path (pytest rootdir conftest)
+    PREFECT_HTTP,
+    PrefectServer,
+    stop_process_group,
+    tree_progress,
+    wait_for,
+)
+from timing import scaled  # tests/ is on sys.path (pytest rootdir conftest)
 
 ROOT = Path(__file__).resolve().parents[1]
 # As short as the pipeline allows: one training step on few prompts, a negative promotion margin
@@ -41,7 +48,7 @@ def test_cron_schedule_creates_runs_that_register_a_model_version(
             cwd=work, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
         try:
             def deployment() -> dict[str, Any] | None:
-                got = PREFECT_HTTP.get(f"{api}/deployments/name/rl_pipeline/rl-pipeline", timeout=5)
+                got = PREFECT_HTTP.get(f"{api}/deployments/name/rl_pipeline/rl-pipeline", timeout=scaled(5))
                 return got.json() if got.ok else None
 
             dep = wait_for("the deployment", deployment, 180, procs=[serve])  # the serving process imports torch first
@@ -49,7 +56,7 @@ def test_cron_schedule_creates_runs_that_register_a_model_version(
 
             def runs() -> list[dict[str, Any]]:
                 body = {"flow_runs": {"deployment_id": {"any_": [dep["id"]]}}, "sort": "EXPECTED_START_TIME_ASC"}
-                return PREFECT_HTTP.post(f"{api}/flow_runs/filter", json=body, timeout=5).json()
+                return PREFECT_HTTP.post(f"{api}/flow_runs/filter", json=body, timeout=scaled(5)).json()
 
             # the server's scheduler, not anyone here, makes the runs: one a minute, ahead of time
             scheduled = wait_for("runs made by the scheduler", lambda: [r for r in runs() if r["auto_scheduled"]],
@@ -64,7 +71,8 @@ def test_cron_schedule_creates_runs_that_register_a_model_version(
                 return first if state == "COMPLETED" else None
 
             # the first run is due at the next whole minute, then runs the (short) pipeline
-            run = wait_for("the first scheduled run to complete", first_finished, 240, procs=[serve], interval=2)
+            run = wait_for("the first scheduled run to complete", first_finished, 240, procs=[serve], interval=2,
+                           progress=tree_progress(work, tmp_path / "serve.log"))
         finally:
             stop_process_group(serve)
     assert run["auto_scheduled"] and run["id"] == scheduled[0]["id"]

@@ -29,6 +29,7 @@ from typing import Any
 
 import psutil
 import pytest
+from timing import scaled  # tests/ is on sys.path (pytest rootdir conftest)
 
 from rlcore.cli import CONFIG_DIR, main, tiny_example_overrides
 from rlcore.config import dump_config, load_config
@@ -501,17 +502,17 @@ def prefect_outputs(api: str, deployment_id: str, flow_run_id: str) -> dict[str,
     from conftest import PREFECT_HTTP  # tests/ is on sys.path (pytest rootdir conftest)
 
     def post(path: str, body: dict[str, Any]) -> str:
-        got = PREFECT_HTTP.post(f"{api}{path}", json=body, timeout=10)
+        got = PREFECT_HTTP.post(f"{api}{path}", json=body, timeout=scaled(10))
         assert got.ok, got.text
         return got.text
 
     about_run = {"flow_runs": {"id": {"any_": [flow_run_id]}}}
     return {
-        "deployment": PREFECT_HTTP.get(f"{api}/deployments/{deployment_id}", timeout=10).text,
+        "deployment": PREFECT_HTTP.get(f"{api}/deployments/{deployment_id}", timeout=scaled(10)).text,
         "deployments": post("/deployments/filter", {}),
-        "flow run": PREFECT_HTTP.get(f"{api}/flow_runs/{flow_run_id}", timeout=10).text,
+        "flow run": PREFECT_HTTP.get(f"{api}/flow_runs/{flow_run_id}", timeout=scaled(10)).text,
         "flow runs": post("/flow_runs/filter", {}),
-        "flow run states": PREFECT_HTTP.get(f"{api}/flow_run_states/", params={"flow_run_id": flow_run_id}, timeout=10).text,
+        "flow run states": PREFECT_HTTP.get(f"{api}/flow_run_states/", params={"flow_run_id": flow_run_id}, timeout=scaled(10)).text,
         "task runs": post("/task_runs/filter", about_run),
         "logs": post("/logs/filter", {"logs": {"flow_run_id": {"any_": [flow_run_id]}}, "limit": 200}),
         "automations": post("/automations/filter", {}),
@@ -531,7 +532,7 @@ def test_served_pipeline_keeps_secrets_out_of_prefect(prefect_api, receiver, tin
     data_prep naming that file, and notifies `failed` to the webhook (its URL, credentials and
     token as given). Prefect's deployment, flow run, task runs, states, logs, events, automations
     and blocks, and the serving process's output, hold none of the secrets."""
-    from conftest import PREFECT_HTTP, stop_process_group, wait_for
+    from conftest import PREFECT_HTTP, stop_process_group, tree_progress, wait_for
 
     api, env = prefect_api
     work, log = tmp_path / "work", tmp_path / "serve.log"
@@ -546,24 +547,24 @@ def test_served_pipeline_keeps_secrets_out_of_prefect(prefect_api, receiver, tin
                                  cwd=work, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
     try:
         def deployed() -> dict[str, Any] | None:
-            got = PREFECT_HTTP.get(f"{api}/deployments/name/rl_pipeline/rl-pipeline", timeout=5)
+            got = PREFECT_HTTP.get(f"{api}/deployments/name/rl_pipeline/rl-pipeline", timeout=scaled(5))
             return got.json() if got.ok else None
 
         dep = wait_for("the deployment", deployed, 180, procs=[serve])
-        created = PREFECT_HTTP.post(f"{api}/deployments/{dep['id']}/create_flow_run", json={"parameters": {}}, timeout=10)
+        created = PREFECT_HTTP.post(f"{api}/deployments/{dep['id']}/create_flow_run", json={"parameters": {}}, timeout=scaled(10))
         assert created.ok, created.text
         run_id = created.json()["id"]
 
         def ended() -> str | None:
-            state = (PREFECT_HTTP.get(f"{api}/flow_runs/{run_id}", timeout=5).json().get("state") or {}).get("type")
+            state = (PREFECT_HTTP.get(f"{api}/flow_runs/{run_id}", timeout=scaled(5)).json().get("state") or {}).get("type")
             return state if state in ("COMPLETED", "FAILED", "CRASHED", "CANCELLED") else None
 
-        assert wait_for("the run to end", ended, 400, procs=[serve], interval=2) == "FAILED"
+        assert wait_for("the run to end", ended, 400, procs=[serve], interval=2, progress=tree_progress(work, log)) == "FAILED"
         wait_for("the failed notification", lambda: receiver.posts, 60, procs=[serve])
         wait_for("the run's process to exit", lambda: not psutil.Process(serve.pid).children(recursive=True), 60,
                  procs=[serve])
         serve.send_signal(signal.SIGTERM)
-        assert serve.wait(timeout=60) == 0, log.read_text()[-3000:]
+        assert serve.wait(timeout=scaled(60)) == 0, log.read_text()[-3000:]
     finally:
         stop_process_group(serve)
 

@@ -4,6 +4,7 @@ Prefect server is gone for the next, and what one made on the shared Ray goes wi
 from __future__ import annotations
 
 from conftest import PREFECT_HTTP, prefect_keys, reset_prefect  # tests/ is on sys.path (pytest rootdir conftest)
+from timing import scaled  # tests/ is on sys.path (pytest rootdir conftest)
 
 
 def test_prefect_api_gives_each_test_an_empty_server(prefect_api, shared_prefect_server):
@@ -11,16 +12,16 @@ def test_prefect_api_gives_each_test_an_empty_server(prefect_api, shared_prefect
     start_state = shared_prefect_server.start_state
     assert env["PREFECT_API_URL"] == api and "prefect_client" in env["PREFECT_HOME"]  # this test's own home
     assert prefect_keys(api) == start_state  # nothing of an earlier test's
-    flow = PREFECT_HTTP.post(f"{api}/flows/", json={"name": "suite-fixture-flow"}, timeout=10).json()
+    flow = PREFECT_HTTP.post(f"{api}/flows/", json={"name": "suite-fixture-flow"}, timeout=scaled(10)).json()
     made = [
-        PREFECT_HTTP.post(f"{api}/deployments/", json={"name": "d", "flow_id": flow["id"]}, timeout=10),
-        PREFECT_HTTP.post(f"{api}/flow_runs/", json={"flow_id": flow["id"], "name": "r"}, timeout=10),
-        PREFECT_HTTP.post(f"{api}/work_pools/", json={"name": "suite-fixture-pool", "type": "process"}, timeout=10),
-        PREFECT_HTTP.post(f"{api}/variables/", json={"name": "suite_fixture_var", "value": 1}, timeout=10),
+        PREFECT_HTTP.post(f"{api}/deployments/", json={"name": "d", "flow_id": flow["id"]}, timeout=scaled(10)),
+        PREFECT_HTTP.post(f"{api}/flow_runs/", json={"flow_id": flow["id"], "name": "r"}, timeout=scaled(10)),
+        PREFECT_HTTP.post(f"{api}/work_pools/", json={"name": "suite-fixture-pool", "type": "process"}, timeout=scaled(10)),
+        PREFECT_HTTP.post(f"{api}/variables/", json={"name": "suite_fixture_var", "value": 1}, timeout=scaled(10)),
         PREFECT_HTTP.post(f"{api}/automations/", json={
             "name": "suite-fixture-automation", "trigger": {"type": "event", "expect": ["x.y"], "posture": "Reactive",
                                                             "threshold": 1, "within": 0},
-            "actions": [{"type": "do-nothing"}]}, timeout=10),
+            "actions": [{"type": "do-nothing"}]}, timeout=scaled(10)),
     ]
     assert all(r.ok for r in made), [r.text for r in made if not r.ok]
     assert prefect_keys(api) != start_state

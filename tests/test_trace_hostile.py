@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import pytest
+from timing import scaled  # tests/ is on sys.path (pytest rootdir conftest)
 
 from rlcore.cli import main
 
@@ -196,7 +197,7 @@ def test_the_console_shows_one_line_and_no_traceback(tmp_path):
     (tmp_path / "trace.jsonl").write_bytes(b"\xff\xfe\x00garbage\n" + nested(50_000).encode() + b"\n" + b'{"step": "x"}\n')
     done = subprocess.run([sys.executable, "-c", "import sys; from rlcore.cli import main; sys.exit(main())",
                            "trace", str(tmp_path), "--step", "99999999999999999999"],
-                          capture_output=True, text=True, timeout=120, env={**os.environ, "PYTHONPATH": str(Path.cwd())})
+                          capture_output=True, text=True, timeout=scaled(120), env={**os.environ, "PYTHONPATH": str(Path.cwd())})
     assert done.returncode == 2 and not done.stdout
     assert done.stderr.splitlines() == [
         f"rlcore: error: {tmp_path / 'trace.jsonl'}: no step recorded a conversation (none is readable); skipped 3 "

@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 from safetensors.torch import load_file
+from timing import scaled  # tests/ is on sys.path (pytest rootdir conftest)
 from transformers import AutoModelForCausalLM
 
 from rlcore.algos import register_policy_loss, vanilla_policy_loss
@@ -104,12 +105,12 @@ def _cli_train(example, out: Path, steps: int) -> subprocess.Popen:
 def test_resume_after_sigkill_matches_uninterrupted_run(tiny_example, tmp_path):
     steps = 4
     straight = _cli_train(tiny_example, tmp_path / "straight", steps)
-    _, err = straight.communicate(timeout=600)
+    _, err = straight.communicate(timeout=scaled(600))
     assert straight.returncode == 0, err
 
     killed_dir = tmp_path / "killed"
     victim = _cli_train(tiny_example, killed_dir, steps)
-    deadline = time.time() + 600
+    deadline = time.time() + scaled(600)
     while not (killed_dir / "checkpoints" / "step_00000002" / "COMPLETE.json").exists():
         assert victim.poll() is None, victim.stderr.read()
         assert time.time() < deadline
@@ -119,7 +120,7 @@ def test_resume_after_sigkill_matches_uninterrupted_run(tiny_example, tmp_path):
     assert not (killed_dir / "checkpoints" / "step_00000004").exists()
 
     resumed = _cli_train(tiny_example, killed_dir, steps)  # trainer.resume=auto by default
-    _, err = resumed.communicate(timeout=600)
+    _, err = resumed.communicate(timeout=scaled(600))
     assert resumed.returncode == 0, err
 
     a = load_file(tmp_path / "straight" / "checkpoints" / "step_00000004" / "actor" / "model.safetensors")

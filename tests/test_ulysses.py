@@ -20,6 +20,7 @@ import pytest
 import torch
 from gloo_ranks import spawn  # tests/ is on sys.path
 from net import free_port  # tests/ is on sys.path
+from timing import scaled  # tests/ is on sys.path (pytest rootdir conftest)
 from tiny_models import ARCHS, SIZES, VOCAB, assert_grads_close, tiny_model  # tests/ is on sys.path
 from transformers import Qwen2Config
 
@@ -322,7 +323,7 @@ def test_sequence_parallel_workers_step_as_one_process(tmp_path, ray_driver):
     one = _step(InProcessWorkerGroup(_colocated(one_cfg), 1, "actor+ref+critic"))
 
     ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])  # workers cannot import tests/
-    group = RayWorkerGroup(_colocated(sp_cfg), 2, "actor+ref+critic", call_timeout_s=300)
+    group = RayWorkerGroup(_colocated(sp_cfg), 2, "actor+ref+critic", call_timeout_s=scaled(300))
     assert group.methods["actor.update_actor"].ranks_per_shard == group.methods["critic.compute_values"].ranks_per_shard == 2
     two = _step(group)
     group.shutdown()

@@ -12,6 +12,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from timing import scaled  # tests/ is on sys.path (pytest rootdir conftest)
 
 from rlcore.cli import CONFIG_DIR, main, tiny_example_overrides
 from rlcore.rewards.registry import SpecError, load_function
@@ -124,7 +125,7 @@ def test_rlcore_sft_with_a_tool_file_that_exits_exits_2(tiny_example, files):
     done = subprocess.run([sys.executable, "-m", "rlcore.cli", "sft", str(CONFIG_DIR / "tiny_sft.yaml"),
                            f"model.path={tiny_example.model_dir}", f"data.train_files=[{tiny_example.sft_file}]",
                            f"data.tools=[{spec}]", f"trainer.output_dir={files / 'run'}"],
-                          capture_output=True, text=True, timeout=600)
+                          capture_output=True, text=True, timeout=scaled(600))
     assert done.returncode == 2, done.stderr
     assert f"data.tools[0]: '{spec}': executing {files / 'exit0.py'} called sys.exit(0)" in done.stderr
     assert "Traceback" not in done.stderr and not (files / "run" / "model").exists()

@@ -19,6 +19,7 @@ from pathlib import Path
 
 import pytest
 from conftest import prefect_env  # tests/ is on sys.path (pytest rootdir conftest)
+from timing import scaled  # tests/ is on sys.path (pytest rootdir conftest)
 
 ROOT = Path(__file__).resolve().parents[1]
 CACHE = Path(os.environ.get("RLCORE_CACHE", Path.home() / ".cache" / "rlcore"))
@@ -29,7 +30,7 @@ pytestmark = [pytest.mark.slow, pytest.mark.prefect, pytest.mark.pipeline]  # a 
 
 
 def _run(args: list[str], timeout: float, **kwargs) -> subprocess.CompletedProcess:
-    done = subprocess.run(args, capture_output=True, text=True, timeout=timeout, **kwargs)
+    done = subprocess.run(args, capture_output=True, text=True, timeout=scaled(timeout), **kwargs)
     assert done.returncode == 0, f"{' '.join(map(str, args))}:\n{done.stdout[-3000:]}\n{done.stderr[-3000:]}"
     return done
 

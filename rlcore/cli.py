@@ -10,18 +10,19 @@ from __future__ import annotations
 
 import argparse
 import json
-import logging
 import os
 import sys
 import traceback
 from pathlib import Path
-from typing import Any, TextIO
 
 import rlcore
 from rlcore.algorithms import names_where
 from rlcore.config import Config, load_config, load_sft_config
+from rlcore.console_log import configure_logging, redacted_excepthook
 from rlcore.errors import RLCoreError
 from rlcore.lifecycle.job_server import TIMEOUT_S as JOB_SERVER_TIMEOUT_S
+from rlcore.pipeline_checks import check_job_server, check_pipeline_inputs, ray_address
+from rlcore.pipeline_summary import format_summary
 from rlcore.redact import redact_text
 
 CONFIG_DIR = Path(__file__).resolve().parent / "configs"
@@ -188,7 +189,7 @@ def _pipeline_inputs(args: argparse.Namespace) -> dict:
         "sft": sft,
     }
     if args.ray_address is not None:  # only when given: a deployment made without it keeps the flow's default
-        inputs["ray_address"] = _ray_address(args.ray_address)
+        inputs["ray_address"] = ray_address(args.ray_address)
     if args.reward == "model":
         if args.reward_config is None and not example:
             raise RLCoreError("--reward model: give the reward model's training config (--reward-config FILE, "
@@ -198,114 +199,6 @@ def _pipeline_inputs(args: argparse.Namespace) -> dict:
     elif args.reward_config or args.reward_override:
         raise RLCoreError("--reward-config and --reward-override need --reward model")
     return inputs
-
-
-def format_summary(summary: dict) -> str:
-    def pct(x):
-        return "n/a" if x is None else f"{100 * x:.1f}%"
-
-    if summary.get("warm_start"):
-        start = (f"the champion {summary['warm_start']}, at {pct(summary['warm_start_accuracy'])} accuracy "
-                 "(warm start: registry.warm_start)")
-    else:
-        start = "the SFT model" if summary.get("sft_model") else "the base model"
-    lines = [
-        "",
-        f"rlcore pipeline run {summary['pipeline_run']}",
-        f"  data             fingerprint {summary['dataset_fingerprint'][:16]}",
-        f"  trained from     {start} ({summary['steps']} steps)",
-    ]
-    if summary.get("sft_model"):
-        lines.append(f"  SFT warm start   {summary['sft_model']} (the base model and KL reference of this run)")
-    if summary.get("health_stop"):
-        lines.append(f"  health stop      {summary['health_stop']}")
-    if "reward_model" in summary:
-        if summary.get("reward_model_version") is not None:
-            verdict = "champion" if summary["reward_model_champion"] else "challenger"
-            lines.append(f"  reward model     version {summary['reward_model_version']} ({verdict}; held-out pairwise "
-                         f"accuracy {pct(summary['reward_model_pairwise_accuracy'])}): {summary['reward_model_reason']}")
-        lines.append(f"  trained against  {summary['reward_model']}")
-    if summary.get("accuracy_start") is None:  # training started from the baseline
-        lines.append(f"  accuracy         before {pct(summary['accuracy_before'])} ({summary['baseline'] or 'n/a'}) -> "
-                     f"after {pct(summary['accuracy_after'])}")
-    else:  # trained from the base (or SFT) model while a champion exists: both numbers
-        lines.append(f"  accuracy (rule)  before {pct(summary['accuracy_start'])} (where training started) -> after "
-                     f"{pct(summary['accuracy_after'])}; the champion has {pct(summary['accuracy_before'])}")
-    if summary.get("reward_model_score_after") is not None:
-        before = summary.get("reward_model_score_start")
-        lines.append(f"  RM score         of the greedy answers: before {'n/a' if before is None else f'{before:.3f}'} -> "
-                     f"after {summary['reward_model_score_after']:.3f} (what RLHF optimised)")
-    if summary.get("version") is not None:
-        verdict = "yes: now the champion" if summary["champion"] else "no: challenger"
-        lines += [f"  registered       version {summary['version']} ({summary['model_uri']})",
-                  f"  champion         {verdict}",
-                  f"  why              {summary['reason']}"]
-    else:
-        lines.append(f"  registered       nothing ({summary['reason']})")
-    links = summary.get("links") or {}
-    lines.append(f"  run directory    {summary['run_dir']}")
-    for key, label in (("mlflow_run", "MLflow run"), ("model_version", "model version"), ("prefect_flow_run", "Prefect run")):
-        if links.get(key):
-            lines.append(f"  {label:<16} {links[key]}")
-    lines += [
-        f"  open the UIs     {summary['mlflow_ui']}",
-        f"                   {summary['prefect_ui']}",
-    ]
-    return "\n".join(lines)
-
-
-def check_pipeline_inputs(inputs: dict[str, Any], data_path: str | None) -> Config:
-    """The config and its overrides as the flow will load them, checked before Prefect starts: a
-    typo is one line in well under a second, not a flow-run traceback after Prefect's start-up.
-    (The tiny example's model and data paths are not known yet: the flow builds it first.)"""
-    if data_path is not None and not Path(data_path).is_file():
-        raise RLCoreError(f"--data: no such data file: {data_path}")
-    sft = inputs.get("sft") or {}
-    for flag, key in (("--sft-data", "data_path"), ("--sft-config", "config_path")):
-        if sft.get(key) and not Path(sft[key]).is_file():
-            raise RLCoreError(f"{flag}: no such file: {sft[key]}")
-    extra = [f"data.train_files=[{data_path}]"] if data_path else []  # as stages.load_pipeline_config
-    rm_policy: list[str] = []
-    if inputs.get("reward") == "model":
-        from rlcore.lifecycle.rm_plan import champion_alias_uri, check_reward_model_config
-
-        rm_config = load_config(inputs["reward_config_path"], inputs["reward_overrides"])
-        rm_policy = [f"reward_model.path={champion_alias_uri(rm_config)}"]  # as the flow: trained against its champion
-    config = load_config(inputs["config_path"], [*rm_policy, *inputs["overrides"], *extra])
-    if rm_policy:
-        check_reward_model_config(rm_config, config)
-    if sft:  # the warm start's config as its stage will load it (rlcore.lifecycle.stages.sft_stage_config)
-        sft_data = [f"data.train_files=[{sft['data_path']}]"] if sft.get("data_path") else []
-        try:
-            load_sft_config(sft.get("config_path"), [f"model.path={config.model.path}", *sft_data, *sft.get("overrides", [])])
-        except RLCoreError as err:
-            raise RLCoreError(f"--sft-config/--sft-data: {err}") from None
-    return config
-
-
-def _ray_address(address: str) -> str:
-    """--ray-address as a job server URL, checked without the network (milliseconds): an empty,
-    malformed or non-HTTP address is one line naming the option, its secrets redacted."""
-    from rlcore.lifecycle.job_server import JobServerAddressError, job_server_url
-
-    try:
-        return job_server_url(address)
-    except JobServerAddressError as err:
-        raise RLCoreError(f"--ray-address {err}") from None
-
-
-def _check_job_server(address: str) -> None:
-    """--ray-address answers as a Ray job server, before Prefect starts (a typo is one line): each
-    network step within rlcore.lifecycle.job_server.TIMEOUT_S, the address shown redacted."""
-    from rlcore.lifecycle.job_server import JobServerAddressError, JobServerUnreachable, connect
-
-    try:
-        connect(address)
-    except JobServerAddressError as err:
-        raise RLCoreError(f"--ray-address {err}") from None
-    except JobServerUnreachable as err:
-        raise RLCoreError(f"--ray-address {err}; the job server is the head node's dashboard (`ray start --head "
-                          "--dashboard-host ...`, port 8265)") from None
 
 
 EPHEMERAL_TIMEOUT_VAR = "PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS"
@@ -328,7 +221,7 @@ def _cmd_pipeline_run(args: argparse.Namespace) -> int:
     inputs = _pipeline_inputs(args)
     check_pipeline_inputs(inputs, args.data)
     if "ray_address" in inputs:
-        _check_job_server(inputs["ray_address"])
+        check_job_server(inputs["ray_address"])
     if inputs["example"]:  # built here with progress on stderr (first time ~1 min), not silently in the flow
         from rlcore.example import build_tiny_example
 
@@ -377,7 +270,7 @@ def _cmd_pipeline_serve(args: argparse.Namespace) -> int:
     # that crash unseen are notified by the server, whatever happens to the processes running them.
     config = load_config(inputs["config_path"], inputs["overrides"])
     if "ray_address" in inputs:
-        _check_job_server(inputs["ray_address"])
+        check_job_server(inputs["ray_address"])
     if args.unresponsive_after <= args.heartbeat:
         raise RLCoreError(f"--unresponsive-after ({args.unresponsive_after:g} s) must exceed --heartbeat ({args.heartbeat:g} s)")
     print(f"rlcore: serving rl_pipeline (cron {args.cron or 'none'}{f', watching {args.watch}' if args.watch else ''}) "
@@ -543,32 +436,6 @@ def user_error_exit(err: BaseException) -> int | None:
     return None
 
 
-LOG_FORMAT = "%(asctime)s.%(msecs)03d | %(levelname)-7s | %(name)s - %(message)s"  # Prefect's console format
-
-
-class _RlcoreConsole(logging.StreamHandler[TextIO]):
-    """rlcore's log records on the current stderr, unless Prefect's console handler on the root
-    logger prints them already (pipeline commands, once Prefect has set up its logging)."""
-
-    def emit(self, record: logging.LogRecord) -> None:
-        if any(type(h).__name__ == "PrefectConsoleHandler" for h in logging.getLogger().handlers):
-            return
-        self.stream = sys.stderr  # the current one (a test's capture, a redirection), not the one at set-up
-        super().emit(record)
-
-
-def configure_logging(verbose: bool) -> None:
-    """Level and console output of the `rlcore` loggers only: the root logger, Prefect's and other
-    libraries' loggers keep their own configuration (Prefect's format with task names and times)."""
-    logger = logging.getLogger("rlcore")
-    logger.setLevel(logging.INFO if verbose else logging.WARNING)
-    for old in [h for h in logger.handlers if isinstance(h, _RlcoreConsole)]:
-        logger.removeHandler(old)
-    handler = _RlcoreConsole()
-    handler.setFormatter(logging.Formatter(LOG_FORMAT, datefmt="%H:%M:%S"))
-    logger.addHandler(handler)
-
-
 def parse_args(argv: list[str]) -> argparse.Namespace:
     """`argv` parsed; a subcommand with `overrides_anywhere` (`rlcore plan`, `pipeline run/serve`) also takes its
     dotted.key=value overrides after its options, as its usage shows (argparse gives a `nargs="*"`
@@ -582,17 +449,12 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     return args
 
 
-def _redacted_excepthook(kind: type[BaseException], err: BaseException, tb: Any) -> None:
-    """An unexpected error's traceback, as Python prints it, with its secrets redacted (rlcore.redact)."""
-    print(redact_text("".join(traceback.format_exception(kind, err, tb))), end="", file=sys.stderr)
-
-
 def main(argv: list[str] | None = None) -> int:
     argv, verbose = pop_verbose(list(sys.argv[1:] if argv is None else argv))
     args = parse_args(argv)
     verbose = verbose or args.verbose
     configure_logging(verbose)
-    sys.excepthook = _redacted_excepthook
+    sys.excepthook = redacted_excepthook
     # No per-file "Loading weights" bars from transformers (a run loads several models; off a
     # terminal each is a line of carriage returns): rlcore's own progress says where a run is.
     os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")

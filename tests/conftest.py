@@ -467,7 +467,7 @@ def ray_driver(ray_local: str) -> Iterator[str]:
 
     import ray
 
-    from rlcore.controller.ray_backend import ensure_ray
+    from rlcore.controller.ray_cluster import ensure_ray
 
     assert not ray.is_initialized(), "an earlier test left this process connected to Ray"
     ensure_ray(address=ray_local)

@@ -21,6 +21,7 @@ from timing import scaled  # tests/ is on sys.path (pytest rootdir conftest)
 
 import rlcore
 from rlcore import cli
+from rlcore.console_log import configure_logging
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY_GRPO = str(ROOT / "rlcore" / "configs" / "tiny_grpo.yaml")
@@ -81,8 +82,8 @@ def test_rlcore_configures_only_its_own_loggers(capsys: pytest.CaptureFixture[st
     # as in a process where Prefect has not set up its logging yet (another test may have imported it)
     monkeypatch.setattr(root, "handlers", [h for h in root.handlers if type(h).__name__ != "PrefectConsoleHandler"])
     root_before = (root.level, list(root.handlers))
-    cli.configure_logging(verbose=True)
-    cli.configure_logging(verbose=True)  # again (main called twice in one process): still one line per record
+    configure_logging(verbose=True)
+    configure_logging(verbose=True)  # again (main called twice in one process): still one line per record
     assert (root.level, list(root.handlers)) == root_before
     logging.getLogger("rlcore.lifecycle.stages").info("from rlcore")
     logging.getLogger("somelib").info("from another library")
@@ -90,7 +91,7 @@ def test_rlcore_configures_only_its_own_loggers(capsys: pytest.CaptureFixture[st
     [line] = [ln for ln in err.splitlines() if "from rlcore" in ln]
     assert line.endswith("| INFO    | rlcore.lifecycle.stages - from rlcore")
     assert "from another library" not in err
-    cli.configure_logging(verbose=False)
+    configure_logging(verbose=False)
     logging.getLogger("rlcore.x").info("quiet now")
     assert "quiet now" not in capsys.readouterr().err
 

@@ -1,5 +1,6 @@
-"""Imports point one way: cli -> flows -> example -> lifecycle -> trainer -> workers ->
-controller/rollout/data/rewards/kernels -> packing/checkpoint/tracking -> config -> algos/protocol/algorithms.
+"""Imports point one way: cli -> flows -> example/pipeline_checks -> lifecycle -> trainer -> workers ->
+controller/rollout/data/rewards/kernels -> packing/checkpoint/tracking -> config/console_log ->
+algos/protocol/algorithms/pipeline_summary.
 
 Every import in the package (module level and inside functions) is read from the source; an
 import of a higher layer from a lower one fails the test, naming both modules. Inside a layer no
@@ -20,6 +21,7 @@ LAYERS: dict[str, int] = {
     "cli": 10,
     "flows": 9,  # the Prefect flows of the lifecycle (the repository's flows/ re-exports them)
     "example": 8,
+    "pipeline_checks": 8,  # `pipeline run/serve`'s inputs checked before Prefect starts (the flow's configs, --ray-address)
     "lifecycle": 7,
     "trainer": 6, "plan": 6,  # the memory planner: workers' layouts and forwards on fake tensors, beside the recipes
     "workers": 5,
@@ -27,8 +29,10 @@ LAYERS: dict[str, int] = {
     "packing": 3, "checkpoint": 3, "tracking": 3, "flops": 3, "cpus": 3,
     "chat": 3,  # the one rendering of chat messages into ids: RL prompts, agent turns (rollout) and SFT rows (data)
     "config": 2,
+    "console_log": 2,  # the `rlcore` loggers on the console and the redacted excepthook, set up by the CLI
     "algos": 1, "protocol": 1, "redact": 1, "algorithms": 1,  # algorithms: the per-algorithm traits table
     "rollout_backends": 1,  # the rollout backends table: each backend's engine class and traits
+    "pipeline_summary": 1,  # the text of a pipeline run's summary; imports nothing
     "native": 0, "_native": -1,  # the Rust extension and its loader (version check)
     "errors": 0,  # RLCoreError, the base every layer's user-facing errors derive from; imports nothing
     "__init__": 99,  # the package root: its version string and the native check at import; exempt

@@ -121,7 +121,7 @@ class _Hook(BaseHTTPRequestHandler):
 def test_health_stop_keeps_last_healthy_checkpoint(store, tiny_example, tmp_path):
     from rlcore.cli import CONFIG_DIR
     from rlcore.example.overrides import example_overrides
-    from rlcore.lifecycle import stages
+    from rlcore.lifecycle import pipeline_run, stages
 
     _Hook.received = []
     server = HTTPServer(("127.0.0.1", 0), _Hook)
@@ -130,14 +130,14 @@ def test_health_stop_keeps_last_healthy_checkpoint(store, tiny_example, tmp_path
         base = example_overrides() + QUICK + [
             f"tracking.mlflow_uri={store.tracking_uri}", "tracking.experiment=test", "trainer.save_every=1",
             f"registry.webhook_url=http://127.0.0.1:{server.server_port}/h"]
-        healthy = stages.load_pipeline_config(str(CONFIG_DIR / "tiny_grpo.yaml"), base + ["trainer.total_steps=1"])
-        ctx = stages.start_pipeline(healthy, tmp_path, "health-test")
+        healthy = pipeline_run.load_pipeline_config(str(CONFIG_DIR / "tiny_grpo.yaml"), base + ["trainer.total_steps=1"])
+        ctx = pipeline_run.start_pipeline(healthy, tmp_path, "health-test")
         prepared = stages.prepare_data_stage(healthy, tmp_path)
         first = stages.train_stage(healthy, prepared, tmp_path, ctx)
         assert first["stopped"] is None and first["checkpoint"].endswith("step_00000001")
 
         # Same pipeline run (as a retry would be): resumes at step 1; the entropy floor trips at step 2.
-        sick = stages.load_pipeline_config(str(CONFIG_DIR / "tiny_grpo.yaml"),
+        sick = pipeline_run.load_pipeline_config(str(CONFIG_DIR / "tiny_grpo.yaml"),
                                            base + ["trainer.total_steps=3", "health.min_entropy=1000"])
         second = stages.train_stage(sick, prepared, tmp_path, ctx)
     finally:
@@ -172,16 +172,16 @@ def test_runs_left_open_by_a_failed_pipeline_end_with_the_reason(store, tmp_path
     run of it still RUNNING, the pipeline's and its stages', ends with the status and the reason;
     finished stage runs and other pipeline runs are left as they are."""
     from rlcore.config import load_config
-    from rlcore.lifecycle import stages
+    from rlcore.lifecycle import pipeline_run
 
     config = load_config(None, ["model.path=/m", "data.train_files=[/t.parquet]", "tracking.experiment=test",
                                 f"tracking.mlflow_uri={store.tracking_uri}"])
-    ctx = stages.start_pipeline(config, tmp_path, "failing-run")
-    finished = store.start_run("data_prep", ctx["run_id"], stages.stage_tags(ctx, "data_prep"))
+    ctx = pipeline_run.start_pipeline(config, tmp_path, "failing-run")
+    finished = store.start_run("data_prep", ctx["run_id"], pipeline_run.stage_tags(ctx, "data_prep"))
     store.end_run(finished)
-    train = store.start_run("train", ctx["run_id"], stages.stage_tags(ctx, "train"))
-    other = stages.start_pipeline(config, tmp_path, "another-run")
-    ended = stages.end_open_runs(config, {stages.PIPELINE_TAG: "failing-run"}, "KILLED", "process exited with -9")
+    train = store.start_run("train", ctx["run_id"], pipeline_run.stage_tags(ctx, "train"))
+    other = pipeline_run.start_pipeline(config, tmp_path, "another-run")
+    ended = pipeline_run.end_open_runs(config, {pipeline_run.PIPELINE_TAG: "failing-run"}, "KILLED", "process exited with -9")
     assert sorted(ended) == sorted([ctx["run_id"], train])
     for run_id in ended:
         run = store.client.get_run(run_id)

@@ -95,13 +95,13 @@ def test_pipeline_trains_gates_and_uses_a_reward_model(tiny_example, tmp_path, p
     # A second reward model: the same gate, against the champion's pairwise accuracy on the same pairs
     from rlcore.config import load_config
     from rlcore.example.overrides import example_rm_overrides
-    from rlcore.lifecycle import promotion, rm_stages
+    from rlcore.lifecycle import pipeline_run, promotion, rm_stages
     from rlcore.lifecycle import stages as lifecycle
 
     rm_config = load_config(CONFIG_DIR / "tiny_rm.yaml", example_rm_overrides() + [
         "trainer.total_steps=2", "trainer.save_every=2", "trainer.val_every=2", "trainer.val_before_train=false",
         "registry.promotion_margin=0.5", f"tracking.mlflow_uri={uri}", "registry.warm_start=false"])
-    ctx = lifecycle.start_pipeline(rm_config, work, "second-rm")
+    ctx = pipeline_run.start_pipeline(rm_config, work, "second-rm")
     champion = lifecycle.champion_stage(rm_config, work)
     train = rm_stages.train_reward_model_stage(rm_config, work, ctx, champion)
     evaluation = rm_stages.evaluate_reward_model_stage(rm_config, train["candidate_dir"], champion, work, ctx)

@@ -22,7 +22,9 @@ import torch
 from timing import scaled  # tests/ is on sys.path (pytest rootdir conftest)
 
 from rlcore.controller import Dispatch, Worker, register
-from rlcore.controller.ray_backend import RayWorkerGroup, ResourcePool, address_host, ensure_ray, is_loopback
+from rlcore.controller.ray_backend import RayWorkerGroup
+from rlcore.controller.ray_cluster import address_host, ensure_ray, is_loopback
+from rlcore.controller.ray_placement import ResourcePool
 
 ray = pytest.importorskip("ray")
 psutil = pytest.importorskip("psutil")
@@ -121,7 +123,7 @@ def test_local_cluster_and_distributed_workers_listen_on_loopback_only(ray_temp)
 OWNER = textwrap.dedent("""
     import sys
     import ray
-    from rlcore.controller.ray_backend import ensure_ray
+    from rlcore.controller.ray_cluster import ensure_ray
 
     assert ensure_ray(num_cpus=1, temp_dir=sys.argv[1])
     print(ray.get_runtime_context().gcs_address, ray.get_runtime_context().get_node_id(), flush=True)

@@ -52,7 +52,7 @@ def test_pool_placement_keys_and_ray_address_from_the_environment(monkeypatch):
                 "ray.pools.default.label_selector={pool: train, zone: '!us-east'}")
     assert cfg.ray.pools["default"].resources == {"node_a": 1.0}
     assert cfg.ray.pools["default"].label_selector == {"pool": "train", "zone": "!us-east"}
-    from rlcore.controller.ray_backend import ensure_ray
+    from rlcore.controller.ray_cluster import ensure_ray
 
     # a dashboard URL in RAY_ADDRESS (as `ray job submit` users set it) is refused, naming the key
     monkeypatch.setenv("RAY_ADDRESS", "http://127.0.0.1:8265")
@@ -161,7 +161,7 @@ def test_each_pool_asks_for_a_bundle_per_rank_of_its_largest_group_naming_the_ke
 ])
 def test_pools_the_cluster_cannot_hold_are_refused_naming_key_need_and_what_it_has(overrides, nodes, ceiling, local,
                                                                                     verdict, says):
-    from rlcore.controller.ray_backend import placement_verdict
+    from rlcore.controller.ray_placement import placement_verdict
     from rlcore.trainer.roles import LOCAL_RAY_HINT
 
     got, why = placement_verdict(_demands(*overrides), nodes, ceiling, local, LOCAL_RAY_HINT if local else "")

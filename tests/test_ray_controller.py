@@ -14,7 +14,8 @@ from timing import scaled  # tests/ is on sys.path (pytest rootdir conftest)
 
 from rlcore.controller import ColocatedWorker, Dispatch, Worker, WorkerError, register
 from rlcore.controller.group import _UNSET
-from rlcore.controller.ray_backend import RayWorkerGroup, ResourcePool, WorkerDiedError
+from rlcore.controller.ray_backend import RayWorkerGroup, WorkerDiedError
+from rlcore.controller.ray_placement import ResourcePool
 from rlcore.protocol import Batch
 
 ray = pytest.importorskip("ray")
@@ -27,7 +28,7 @@ def cluster(ray_local):
     import gc
     import sys
 
-    from rlcore.controller.ray_backend import ensure_ray
+    from rlcore.controller.ray_cluster import ensure_ray
 
     ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])  # workers cannot import tests/
     ensure_ray(address=ray_local)
@@ -382,7 +383,7 @@ def test_an_autoscaling_cluster_is_refused_only_beyond_its_ceiling(cluster, capl
     from ray.core.generated import autoscaler_pb2
     from ray.experimental.internal_kv import _internal_kv_del, _internal_kv_put
 
-    from rlcore.controller.ray_backend import PlacementError, PoolDemand, bundle_of, check_placement
+    from rlcore.controller.ray_placement import PlacementError, PoolDemand, bundle_of, check_placement
 
     key, namespace = ray._raylet.GCS_AUTOSCALER_CLUSTER_CONFIG_KEY, ray._raylet.GCS_AUTOSCALER_STATE_NAMESPACE
     config = autoscaler_pb2.ClusterConfig(max_resources={"CPU": 64}, node_group_configs=[
@@ -393,7 +394,7 @@ def test_an_autoscaling_cluster_is_refused_only_beyond_its_ceiling(cluster, capl
         check_placement(within, local=False)  # no autoscaler: the cluster is what it has
     _internal_kv_put(key, config.SerializeToString(), namespace=namespace)
     try:
-        with caplog.at_level("WARNING", logger="rlcore.controller.ray_backend"):
+        with caplog.at_level("WARNING", logger="rlcore.controller.ray_placement"):
             check_placement(within, local=False)
         assert "its autoscaler may add nodes (up to {CPU: 64}): the pools wait up to 120 s for them" in caplog.text
         with pytest.raises(PlacementError, match=r"and its autoscaler grows it to at most \{CPU: 64\}"):

@@ -126,7 +126,7 @@ def test_pipeline_registers_a_lora_reward_model_merged_with_its_adapter_beside_a
     from rlcore.cli import CONFIG_DIR
     from rlcore.config import load_config
     from rlcore.example.overrides import example_rm_overrides
-    from rlcore.lifecycle import rm_stages
+    from rlcore.lifecycle import pipeline_run, rm_stages
     from rlcore.lifecycle import stages as lifecycle
     from rlcore.lifecycle.mlflow_store import MlflowStore, ModelRegistry
     from rlcore.lifecycle.promotion import promote_stage
@@ -139,7 +139,7 @@ def test_pipeline_registers_a_lora_reward_model_merged_with_its_adapter_beside_a
         "trainer.total_steps=2", "trainer.save_every=2", "trainer.val_every=2", "trainer.val_before_train=false",
         "registry.promotion_margin=-1", f"tracking.mlflow_uri={uri}", "reward_model.lora.rank=4",
         "reward_model.lora.alpha=8", "reward_model.margin=0.5"])
-    ctx = lifecycle.start_pipeline(config, work, "rm-lora")
+    ctx = pipeline_run.start_pipeline(config, work, "rm-lora")
     train = rm_stages.train_reward_model_stage(config, work, ctx)
     evaluation = rm_stages.evaluate_reward_model_stage(config, train["candidate_dir"], None, work, ctx)
     decided = promote_stage(config, train, evaluation, work, ctx)
@@ -170,7 +170,7 @@ def test_pipeline_registers_a_lora_reward_model_merged_with_its_adapter_beside_a
         "trainer.total_steps=2", "trainer.save_every=2", "trainer.val_every=2", "trainer.val_before_train=true",
         "registry.promotion_margin=-1", f"tracking.mlflow_uri={uri}", "reward_model.lora.rank=4",
         "reward_model.lora.alpha=8"])
-    warm = rm_stages.train_reward_model_stage(again, work, lifecycle.start_pipeline(again, work, "rm-lora-2"), champion)
+    warm = rm_stages.train_reward_model_stage(again, work, pipeline_run.start_pipeline(again, work, "rm-lora-2"), champion)
     assert warm["parent_model"] == "models:/rlcore-tiny-rm/1" and warm["start_model"] == champion["path"]
     [first_end] = [r for r in read_jsonl(Path(train["output_dir"]) / "metrics.jsonl") if r["step"] == 2 and "val/score_margin" in r]
     [warm_start] = [r for r in read_jsonl(Path(warm["output_dir"]) / "metrics.jsonl") if r["step"] == 0]

@@ -18,7 +18,8 @@ pytestmark = [pytest.mark.slow, pytest.mark.ray, pytest.mark.distributed]  # 2 r
 
 
 def test_reward_model_pool_with_two_ranks_scores_as_one_process(tmp_path, ray_driver):
-    from rlcore.controller.ray_backend import RayWorkerGroup, ResourcePool
+    from rlcore.controller.ray_backend import RayWorkerGroup
+    from rlcore.controller.ray_placement import ResourcePool
 
     rm_dir = save_rm(tmp_path / "rm", other_tokenizer())
     config = rl_config(_policy_dir(tmp_path), rm_dir)

@@ -387,7 +387,7 @@ def test_pipeline_params_carry_no_secret(receiver, tmp_path, env_secrets):
     from mlflow.tracking import MlflowClient
 
     from rlcore.lifecycle.mlflow_store import MlflowStore, ModelRegistry
-    from rlcore.lifecycle.stages import start_pipeline
+    from rlcore.lifecycle.pipeline_run import start_pipeline
 
     uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
     cfg = load_config(CONFIG_DIR / "tiny_grpo.yaml", [

@@ -32,7 +32,8 @@ def test_prefect_api_gives_each_test_an_empty_server(prefect_api, shared_prefect
 def test_ray_driver_frees_what_a_test_made_when_it_disconnects(ray_local):
     import ray
 
-    from rlcore.controller.ray_backend import ResourcePool, ensure_ray
+    from rlcore.controller.ray_cluster import ensure_ray
+    from rlcore.controller.ray_placement import ResourcePool
 
     ensure_ray(address=ray_local)  # as `ray_driver` connects
     try:

@@ -10,7 +10,8 @@ from rlcore.controller.dispatch import Dispatch, MethodSpec, balanced_partitions
 from rlcore.controller.errors import WorkerError
 from rlcore.controller.group import GroupFuture, RoleView, WorkerGroup
 from rlcore.controller.inprocess import InProcessWorkerGroup
-from rlcore.controller.ray_backend import RayWorkerGroup, ResourcePool, WorkerDiedError, WorkerTimeoutError
+from rlcore.controller.ray_backend import RayWorkerGroup, WorkerDiedError, WorkerTimeoutError
+from rlcore.controller.ray_placement import ResourcePool
 from rlcore.controller.subprocess_group import SubprocessWorkerGroup
 from rlcore.controller.worker import ColocatedWorker, Worker
 

@@ -14,7 +14,7 @@ from prefect.utilities.annotations import NotSet
 
 from rlcore.config import config_from_dict
 from rlcore.flows.results import DATA_ONLY_JSON, result_storage_for
-from rlcore.lifecycle import stages
+from rlcore.lifecycle import pipeline_run, stages
 from rlcore.lifecycle.data_prep import retry_if_transient
 from rlcore.lifecycle.results import PipelineContext, PreparedData
 from rlcore.redact import redacts_errors  # a failed task's or flow's message is stored by Prefect
@@ -49,5 +49,5 @@ def prepare_data(config: dict[str, Any], workdir: str, val_fraction: float = 0.1
 @redacts_errors
 def data_prep(config_path: str | None = None, overrides: list[str] | None = None, data_path: str | None = None,
               workdir: str = "runs/pipeline", val_fraction: float = 0.1) -> PreparedData:
-    config = stages.load_pipeline_config(config_path, overrides or [], data_path)
+    config = pipeline_run.load_pipeline_config(config_path, overrides or [], data_path)
     return prepare_data(config.model_dump(mode="json"), workdir, val_fraction)

@@ -9,7 +9,7 @@ from prefect import flow, get_run_logger, task
 from prefect.cache_policies import NO_CACHE
 
 from rlcore.config import config_from_dict
-from rlcore.lifecycle import ray_job, stages
+from rlcore.lifecycle import pipeline_run, ray_job, stages
 from rlcore.lifecycle.data_prep import retry_if_transient
 from rlcore.lifecycle.results import Evaluation, PipelineContext
 from rlcore.redact import redacts_errors  # a failed task's or flow's message is stored by Prefect
@@ -36,7 +36,7 @@ def evaluate_task(config: dict[str, Any], candidate_dir: str, baseline_dir: str,
 def evaluate(candidate_dir: str, val_file: str, config_path: str | None = None, overrides: list[str] | None = None,
              workdir: str = "runs/pipeline") -> Evaluation:
     """Candidate vs the registry's champion (or `model.path` when there is none)."""
-    config = stages.load_pipeline_config(config_path, overrides or [])
+    config = pipeline_run.load_pipeline_config(config_path, overrides or [])
     tree = config.model_dump(mode="json")
     champion = stages.champion_stage(config, workdir)
     baseline_dir, name = (champion["path"], "champion") if champion else (config.model.path, "base")

@@ -36,7 +36,7 @@ from rlcore.flows.evaluate import evaluate_task
 from rlcore.flows.promote import promote_task
 from rlcore.flows.reward_model import evaluate_reward_model_task, reward_model_in_use_task, train_reward_model_task
 from rlcore.flows.train import champion_task, sft_task, train_task
-from rlcore.lifecycle import flow_secrets, rm_plan, run_end, stages
+from rlcore.lifecycle import flow_secrets, pipeline_run, rm_plan, run_end, stages
 from rlcore.lifecycle.automations import served_heartbeat
 from rlcore.lifecycle.job_server import job_server_url
 from rlcore.lifecycle.results import Evaluation, Promotion, RewardModelInUse, Summary
@@ -48,14 +48,14 @@ def pipeline_run_name() -> str:
     this as the run starts, inside its flow-run context)."""
     from prefect.runtime import flow_run
 
-    return flow_run.parameters.get("run_name") or stages.new_run_name()
+    return flow_run.parameters.get("run_name") or pipeline_run.new_run_name()
 
 
 def _current_run_name() -> str:
     """The name pipeline_run_name gave this flow run (a new one when called outside Prefect)."""
     from prefect.runtime import flow_run
 
-    return flow_run.name or stages.new_run_name()
+    return flow_run.name or pipeline_run.new_run_name()
 
 
 @flow(name="rl_pipeline", flow_run_name=pipeline_run_name, on_failure=[run_end.on_failure], on_crashed=[run_end.on_crashed],
@@ -92,17 +92,17 @@ def rl_pipeline(
         base = example_overrides() if example else []
         rm_config = None
         if reward == "model":
-            rm_config = stages.load_pipeline_config(reward_config_path, (example_rm_overrides() if example else [])
+            rm_config = pipeline_run.load_pipeline_config(reward_config_path, (example_rm_overrides() if example else [])
                                                     + list(reward_overrides or []))
             base.append(f"reward_model.path={rm_plan.champion_alias_uri(rm_config)}")  # resolved below
         elif reward != "rule":
             raise ValueError(f"reward={reward!r}: expected 'rule' or 'model'")
-        config = stages.load_pipeline_config(config_path, base + list(overrides or []), data_path)
+        config = pipeline_run.load_pipeline_config(config_path, base + list(overrides or []), data_path)
         if rm_config is not None:
             rm_plan.check_reward_model_config(rm_config, config)
         tree = config.model_dump(mode="json")
         workdir = str(Path(workdir).resolve())
-        ctx = stages.start_pipeline(config, workdir, run_name or _current_run_name(),
+        ctx = pipeline_run.start_pipeline(config, workdir, run_name or _current_run_name(),
                                     trigger={"data_path": data_path} if data_path else None)
         prepared = prepare_data(tree, workdir, val_fraction, ctx)
         if not (Path(prepared["train_file"]).is_file() and Path(prepared["val_file"]).is_file()):
@@ -142,5 +142,5 @@ def rl_pipeline(
             summary["reward_model_champion"] = rm_promotion["promoted"] if rm_promotion else False
             summary["reward_model_pairwise_accuracy"] = rm_promotion["candidate_score"] if rm_promotion else None
             summary["reward_model_reason"] = rm_promotion["reason"] if rm_promotion else None
-        stages.finish_pipeline(config, ctx, summary)
+        pipeline_run.finish_pipeline(config, ctx, summary)
     return summary

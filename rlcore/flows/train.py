@@ -9,7 +9,7 @@ from prefect import flow, get_run_logger, task
 from prefect.cache_policies import NO_CACHE
 
 from rlcore.config import config_from_dict
-from rlcore.lifecycle import ray_job, stages
+from rlcore.lifecycle import pipeline_run, ray_job, stages
 from rlcore.lifecycle.data_prep import retry_if_transient
 from rlcore.lifecycle.results import PipelineContext, PreparedData, RegisteredVersion, RewardModelInUse, SftResult, TrainResult
 from rlcore.redact import redacts_errors  # a failed task's or flow's message is stored by Prefect
@@ -46,13 +46,13 @@ def champion_task(config: dict[str, Any], workdir: str) -> RegisteredVersion | N
 def train(config_path: str | None = None, overrides: list[str] | None = None, workdir: str = "runs/pipeline",
           run_name: str | None = None) -> TrainResult:
     """Train on the config's data as given (no prep), recorded as its own MLflow run."""
-    config = stages.load_pipeline_config(config_path, overrides or [])
-    run_name = run_name or stages.new_run_name()
-    ctx = stages.start_pipeline(config, workdir, run_name)
+    config = pipeline_run.load_pipeline_config(config_path, overrides or [])
+    run_name = run_name or pipeline_run.new_run_name()
+    ctx = pipeline_run.start_pipeline(config, workdir, run_name)
     prepared: PreparedData = {"train_file": config.data.train_files[0],
                               "val_file": (config.data.val_files or config.data.train_files)[0],
                               "fingerprint": stages.data_prep_key(config)}
     tree = config.model_dump(mode="json")
     result = train_task(tree, prepared, workdir, ctx, champion_task(tree, workdir))
-    stages.finish_pipeline(config, ctx, {"steps": result["steps"], "candidate_dir": result["candidate_dir"]})
+    pipeline_run.finish_pipeline(config, ctx, {"steps": result["steps"], "candidate_dir": result["candidate_dir"]})
     return result

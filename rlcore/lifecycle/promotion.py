@@ -19,8 +19,8 @@ from rlcore.lifecycle.gate import GatePolicy, decide
 from rlcore.lifecycle.lineage import build_lineage, lineage_tags, reward_functions, reward_model_tags, reward_record, reward_tag
 from rlcore.lifecycle.mlflow_store import CHALLENGER, CHAMPION, ModelRegistry
 from rlcore.lifecycle.notify import notify
+from rlcore.lifecycle.pipeline_run import PIPELINE_TAG, announce, notification_fields, open_store, stage_tags
 from rlcore.lifecycle.results import Evaluation, PipelineContext, Promotion, Role, TrainResult
-from rlcore.lifecycle.stages import PIPELINE_TAG, announce, notification_fields, open_store, stage_tags
 
 PAIRWISE_ACCURACY = "pairwise_accuracy"  # the reward model's gate metric (`held_out_pair_metrics`)
 

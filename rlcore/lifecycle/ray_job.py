@@ -29,7 +29,7 @@ from typing import Any
 
 from rlcore.config import config_from_dict
 from rlcore.errors import RLCoreError
-from rlcore.lifecycle import stages
+from rlcore.lifecycle import pipeline_run, stages
 from rlcore.lifecycle.job_server import connect, job_server_url, shown
 from rlcore.lifecycle.results import PipelineContext
 from rlcore.redact import redact_text
@@ -108,12 +108,12 @@ def run_stage_as_job(address: str, stage: str, config: dict[str, Any], kwargs: d
     client = job_client(address)
     spec = write_stage_file(workdir, stage, {"config": config, **kwargs})
     run_name = ctx["run_name"] if ctx else "run"
-    tracking = (ctx["tracking_uri"] if ctx else None) or stages.tracking_uri(config_from_dict(config))
+    tracking = (ctx["tracking_uri"] if ctx else None) or pipeline_run.tracking_uri(config_from_dict(config))
     started = int(time.time() * 1000)
     job_id = submit(
         client, entrypoint=f"python -m rlcore.cli pipeline stage {shlex.quote(str(spec))}",
         submission_id=f"rlcore-{run_name}-{stage}-{secrets.token_hex(3)}",
-        metadata={stages.PIPELINE_TAG: run_name, stages.STAGE_TAG: stage},
+        metadata={pipeline_run.PIPELINE_TAG: run_name, pipeline_run.STAGE_TAG: stage},
         runtime_env={"env_vars": {"MLFLOW_TRACKING_URI": tracking}},
     )
     log_line(f"{stage}: submitted Ray job {job_id} to {shown(job_server(address))}")
@@ -262,12 +262,12 @@ def record_job(config: dict[str, Any], ctx: PipelineContext, stage: str, job_id:
     ids (the job's driver runs outside Prefect). Never fails the stage (a tag is not worth it)."""
     try:
         status = client.get_job_status(job_id).value
-        store = stages.open_store(config_from_dict(config), ctx["workdir"])
+        store = pipeline_run.open_store(config_from_dict(config), ctx["workdir"])
         runs = store.client.search_runs(
             [store.experiment_id],
-            filter_string=f"tags.`{stages.PIPELINE_TAG}` = '{ctx['run_name']}' and tags.`{stages.STAGE_TAG}` = '{stage}' "
+            filter_string=f"tags.`{pipeline_run.PIPELINE_TAG}` = '{ctx['run_name']}' and tags.`{pipeline_run.STAGE_TAG}` = '{stage}' "
                           f"and attributes.start_time >= {started_ms - 60_000}")
-        tags = {**stages.stage_tags(ctx, stage), JOB_TAG: job_id, "ray.job_status": status,
+        tags = {**pipeline_run.stage_tags(ctx, stage), JOB_TAG: job_id, "ray.job_status": status,
                 "ray.job_server": shown(job_server(address))}
         for run in runs:
             if JOB_TAG not in run.data.tags:

@@ -16,10 +16,11 @@ from pathlib import Path
 from rlcore.config import Config
 from rlcore.lifecycle.evaluation import evaluate_reward_model
 from rlcore.lifecycle.fingerprint import files_fingerprint
+from rlcore.lifecycle.pipeline_run import open_store, stage_tags
 from rlcore.lifecycle.promotion import PAIRWISE_ACCURACY
 from rlcore.lifecycle.results import Evaluation, PipelineContext, PreparedData, RegisteredVersion, RewardModelInUse, TrainResult
 from rlcore.lifecycle.rm_plan import RewardModelStageError, champion_alias_uri, check_reward_model_config
-from rlcore.lifecycle.stages import champion_stage, open_store, stage_tags, train_stage
+from rlcore.lifecycle.stages import champion_stage, train_stage
 
 CHANCE = {PAIRWISE_ACCURACY: 0.5}  # the baseline of a first reward model: it must beat coin flips by the margin
 

@@ -45,7 +45,7 @@ def config_of(parameters: dict[str, Any]) -> Config | None:
     """The pipeline's config as its flow run's parameters give it (the tiny example's model and data
     paths aside, which tracking and the webhook do not depend on); None when it does not load."""
     from rlcore.lifecycle.flow_secrets import unseal
-    from rlcore.lifecycle.stages import load_pipeline_config
+    from rlcore.lifecycle.pipeline_run import load_pipeline_config
 
     try:
         parameters = unseal(parameters)  # the secrets Prefect stores redacted, from this process's environment
@@ -72,7 +72,7 @@ def run_ended(flow_run: Any, state: Any, event: RunEnd, detected_by: str) -> Non
         config = config_of(dict(flow_run.parameters or {}))
         if config is None:
             return
-        from rlcore.lifecycle.stages import end_open_runs
+        from rlcore.lifecycle.pipeline_run import end_open_runs
 
         ended = end_open_runs(config, {"prefect.flow_run_id": flow_run_id}, MLFLOW_STATUS[event], reason)
         log.info("pipeline run %s %s: ended %d MLflow run(s) %s", name, event, len(ended), MLFLOW_STATUS[event])
@@ -94,7 +94,7 @@ def end_runs_of_finished_flow_runs(config: Config) -> list[str]:
 
     from prefect.client.orchestration import get_client
 
-    from rlcore.lifecycle.stages import end_open_runs, open_runs
+    from rlcore.lifecycle.pipeline_run import end_open_runs, open_runs
 
     status_of = {"FAILED": "FAILED", "CRASHED": "KILLED", "CANCELLED": "KILLED"}
     ended: list[str] = []

@@ -30,7 +30,7 @@ from rlcore.workers.reward_model import RewardModelWorker
 from rlcore.workers.rollout import RolloutWorker
 
 if TYPE_CHECKING:
-    from rlcore.controller.ray_backend import PoolDemand
+    from rlcore.controller.ray_placement import PoolDemand
 
 Factory = Callable[[int, int], Worker]  # (rank, world size) -> the worker of that rank
 
@@ -126,7 +126,7 @@ def pool_demands(config: Config, roles: dict[str, tuple[Factory, int]],
                  pool_units: dict[str, list[list[str]]]) -> list[PoolDemand]:
     """What each pool asks of the cluster: a bundle per rank of its largest group (the key that
     set that size named), as `ResourcePool` will reserve them."""
-    from rlcore.controller.ray_backend import PoolDemand, bundle_of
+    from rlcore.controller.ray_placement import PoolDemand, bundle_of
 
     demands = []
     for name, units in pool_units.items():
@@ -144,7 +144,9 @@ LOCAL_RAY_HINT = (" (the local Ray rlcore started: this machine's CPUs and GPUs;
 def build_ray_worker_groups(config: Config, only: Collection[str] | None = None) -> WorkerGroups:
     """Ray actors for every role (or those in `only`), on placement-group pools mapped by `ray.roles`.
     Pools the cluster can never hold are refused first (`check_placement`), before any is made."""
-    from rlcore.controller.ray_backend import RayWorkerGroup, ResourcePool, check_placement, effective_address, ensure_ray
+    from rlcore.controller.ray_backend import RayWorkerGroup
+    from rlcore.controller.ray_cluster import effective_address, ensure_ray
+    from rlcore.controller.ray_placement import ResourcePool, check_placement
 
     rc = config.ray
     roles = _factories_of(config, only)

@@ -1,6 +1,6 @@
 """What the control flow sees of the workers: one typed interface per role, and `WorkerGroups`.
 
-A recipe calls `groups.actor.update_actor(batch)`; at run time that goes through the group's
+A recipe calls `groups.actor.update_actor(batch, sampling.n)`; at run time that goes through the group's
 dispatch (`rlcore.controller.WorkerGroup.__getattr__`: the batch split over ranks, the results
 gathered), which no type checker can follow. These Protocols say what each call takes and gives
 back *through the group*, so mypy checks the recipe layer against them:

@@ -64,7 +64,7 @@ def rl_batch(rows: int, seed: int) -> Batch:
                          [torch.randint(1, VOCAB, (n,), generator=g).tolist() for n in response_lens], pad_id=0)
     r = t["responses"].shape[1]
     t["advantages"] = torch.randn(rows, 1, generator=g).expand(rows, r).contiguous()
-    return Batch(tensors=t, info={"n": rows, "temperature": 1.0})
+    return Batch(tensors=t)  # one prompt, `rows` samples
 
 
 def cpu_seconds() -> float:
@@ -94,11 +94,11 @@ def bench_update(model_dir: Path, batch: Batch, args: argparse.Namespace) -> dic
     workers = {"packed": actor(model_dir, True, args.max_tokens, len(batch)), "padded": actor(model_dir, False, args.max_tokens, len(batch))}
     batch = batch.union(workers["packed"].compute_log_prob(batch).select("old_log_probs"))  # same weights in both: valid for both
     for w in workers.values():  # warm-up: first-call allocations, and it empties the token tally
-        w.update_actor(batch.take(range(min(8, len(batch)))))
+        w.update_actor(batch.take(range(min(8, len(batch)))), len(batch))
     runs: dict[str, list[tuple[float, float, dict]]] = {k: [] for k in workers}
     for _ in range(args.rounds):
         for name, w in workers.items():
-            wall, cpu, metrics = timed(lambda w=w: w.update_actor(batch))
+            wall, cpu, metrics = timed(lambda w=w: w.update_actor(batch, len(batch)))
             runs[name].append((wall, cpu, metrics))
     real = float(batch["attention_mask"].sum())
     out = {}

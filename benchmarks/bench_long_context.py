@@ -76,7 +76,7 @@ def batch(tokens: int) -> Batch:
     t = sequence_tensors([prompt], [response], pad_id=0)
     r = t["responses"].shape[1]
     t.update(advantages=torch.ones(1, r), old_log_probs=torch.full((1, r), -math.log(VOCAB)))
-    return Batch(tensors=t, info={"n": 1, "temperature": 1.0})
+    return Batch(tensors=t)
 
 
 def status_mb(field: str) -> float:
@@ -109,7 +109,7 @@ def rank_main(rank: int, sp: int, port: int, model: Path, tokens: int, checkpoin
         mine = plan_dispatch(Dispatch.DP_BALANCED, sp, (batch(tokens),), {}, ranks_per_shard=sp).calls[rank][1][0]
         rss_before = status_mb("VmRSS")
         start, cpu_start = time.perf_counter(), time.process_time()
-        metrics = worker.update_actor(mine)
+        metrics = worker.update_actor(mine, 1)
         wall, cpu = time.perf_counter() - start, time.process_time() - cpu_start
         after = dict(worker.weights_for_rollout())
         usage = resource.getrusage(resource.RUSAGE_SELF)

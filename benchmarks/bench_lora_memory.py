@@ -62,12 +62,12 @@ def child(args: argparse.Namespace) -> None:
     t = sequence_tensors([torch.randint(3, vocab, (64,), generator=g).tolist() for _ in range(32)],
                          [torch.randint(3, vocab, (64,), generator=g).tolist() for _ in range(32)], pad_id=0)
     t["advantages"] = torch.randn(32, 1, generator=g).expand(32, 64).contiguous()
-    batch = Batch(tensors=t, info={"n": 32, "temperature": 1.0})
+    batch = Batch(tensors=t)
     batch = batch.union(worker.compute_log_prob(batch).select("old_log_probs"))
     if cuda:
         torch.cuda.reset_peak_memory_stats()
     for _ in range(args.steps):
-        metrics = worker.update_actor(batch)
+        metrics = worker.update_actor(batch, 32)
     opt = worker.optimizer
     state_bytes = sum(v.numel() * v.element_size() for s in opt.state.values() for v in s.values() if torch.is_tensor(v))
     grad_bytes = sum(p.grad.numel() * p.grad.element_size() for p in worker.model.parameters() if p.grad is not None)

@@ -38,6 +38,7 @@ import torch
 
 from rlcore.config import load_config
 from rlcore.protocol import Batch
+from rlcore.rollout import SamplingParams
 from rlcore.trainer.groups import WorkerGroups
 from rlcore.trainer.roles import build_worker_groups
 
@@ -93,12 +94,12 @@ def decode_speed(groups: WorkerGroups, vocab: int, reps: int = 3) -> float:
     g = torch.Generator().manual_seed(2)
     ids = torch.randint(3, vocab, (32, 16), generator=g)
     prompts = Batch(tensors={"input_ids": ids, "attention_mask": torch.ones_like(ids)},
-                    meta={"uid": np.array([str(i) for i in range(32)], dtype=object)},
-                    info={"sampling": dict(n=4, max_new_tokens=32, seed=0, temperature=1.0)})
+                    meta={"uid": np.array([str(i) for i in range(32)], dtype=object)})
+    sampling = SamplingParams(n=4, max_new_tokens=32, seed=0, temperature=1.0)
     speeds = []
     for _ in range(reps):
         start = time.perf_counter()
-        out = groups.rollout.generate_sequences(prompts)
+        out = groups.rollout.generate_sequences(prompts, sampling)
         speeds.append(float(out["response_mask"].sum()) / (time.perf_counter() - start))
     return statistics.median(speeds)
 

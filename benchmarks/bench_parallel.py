@@ -97,7 +97,7 @@ def rl_batch() -> Batch:
                          [torch.randint(1, VOCAB, (16,), generator=g).tolist() for _ in range(4)], pad_id=0)
     n, r = t["responses"].shape
     t.update(advantages=torch.randn(n, 1, generator=g).expand(n, r).contiguous(), old_log_probs=torch.full((n, r), -9.0))
-    return Batch(tensors=t, info={"n": 2, "temperature": 1.0})
+    return Batch(tensors=t)
 
 
 def _my_share(worker: ActorWorker, batch: Batch) -> Batch:
@@ -120,7 +120,7 @@ def memory_rank(rank: int, world: int, model: Path) -> dict:
     worker.setup()  # every rank reads the whole checkpoint, then keeps its shards
     held = status_mb("VmRSS") - base
     reset_peak()
-    worker.update_actor(_my_share(worker, rl_batch()))
+    worker.update_actor(_my_share(worker, rl_batch()), 2)
     params = list(worker.model.parameters())
     state = [v for s in worker.optimizer.state.values() for v in s.values() if isinstance(v, torch.Tensor) and v.dim() > 0]
     return {"params": _bytes(params), "grads": _bytes(p.grad for p in params), "optim": _bytes(state),
@@ -130,7 +130,7 @@ def memory_rank(rank: int, world: int, model: Path) -> dict:
 def sync_rank(rank: int, world: int, model: Path, layout: dict | None) -> dict:
     worker = ActorWorker(config(model, layout), rank, world)
     worker.setup()
-    worker.update_actor(_my_share(worker, rl_batch()))
+    worker.update_actor(_my_share(worker, rl_batch()), 2)
     model_bytes = sum(t.numel() * t.element_size() for t in worker.model.state_dict().values())
     rss = status_mb("VmRSS")
     reset_peak()

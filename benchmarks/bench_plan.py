@@ -105,7 +105,7 @@ def _batch(config, rows: int, seed: int):
     t.update(advantages=torch.randn(n, r, generator=g), old_log_probs=-3.0 + 0.1 * torch.randn(n, r, generator=g),
              ref_log_probs=-3.0 + 0.1 * torch.randn(n, r, generator=g), values=torch.randn(n, r, generator=g),
              returns=torch.randn(n, r, generator=g))
-    return Batch(tensors=t, info={"n": config.rollout.n})
+    return Batch(tensors=t)
 
 
 def _status(field: str) -> int:
@@ -157,7 +157,7 @@ def _rank_main(args: argparse.Namespace) -> None:
         dp = case["world"] // shard
         rows = config.data.train_batch_size * config.rollout.n // dp
         batch = _batch(config, rows, seed=args.rank // shard)  # the ranks of a sequence/tensor-parallel group hold the same rows
-        step = {"actor": lambda: worker.update_actor(batch), "critic": lambda: worker.update_critic(batch),
+        step = {"actor": lambda: worker.update_actor(batch, config.rollout.n), "critic": lambda: worker.update_critic(batch, config.rollout.n),
                 "ref": lambda: worker.compute_ref_log_prob(batch)}[role]
         step()
         gc.collect()

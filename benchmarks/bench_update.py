@@ -108,7 +108,7 @@ def grpo_batch(prompts: int, n: int, vocab: int, seed: int) -> Batch:
     rows, r = t["responses"].shape
     t["advantages"] = torch.randn(rows, 1, generator=g).expand(rows, r).contiguous()
     t["old_log_probs"] = (-torch.log(torch.tensor(float(vocab))) + 0.05 * torch.randn(rows, r, generator=g)) * t["response_mask"]
-    return Batch(tensors=t, info={"n": n, "temperature": 1.0})
+    return Batch(tensors=t)  # `n` consecutive rows per prompt
 
 
 def actor(model_dir: Path, overrides: list[str], prompts: int, n: int, micro_tokens: int) -> ActorWorker:
@@ -254,7 +254,7 @@ def profile_update(worker: ActorWorker, batch: Batch) -> tuple[dict[str, float],
     worker.policy_loss = tagged("loss", loss)
     try:
         with parts_marked(worker.model), profile(activities=[ProfilerActivity.CPU]) as prof:
-            wall, _, _ = timed(lambda: worker.update_actor(batch))
+            wall, _, _ = timed(lambda: worker.update_actor(batch, worker.config.rollout.n))
     finally:
         worker.policy_loss = loss
     return attribute(list(prof.events())), wall
@@ -305,12 +305,12 @@ def main() -> None:
         first: dict[str, tuple[float, float]] = {}
         for name, kind in zip(names, kinds):
             workers[name] = actor(Path(tmp), VARIANTS[kind], args.prompts, args.n, args.micro_tokens)
-            wall, cpu, _ = timed(lambda w=workers[name]: w.update_actor(batch))  # warm-up; compiles
+            wall, cpu, _ = timed(lambda w=workers[name]: w.update_actor(batch, args.n))  # warm-up; compiles
             first[name] = (wall, cpu)
         runs: dict[str, list[tuple[float, float]]] = {k: [] for k in names}
         for _ in range(args.rounds):
             for name, w in workers.items():
-                wall, cpu, _ = timed(lambda w=w: w.update_actor(batch))
+                wall, cpu, _ = timed(lambda w=w: w.update_actor(batch, args.n))
                 runs[name].append((wall, cpu))
         # the machine's rate: the better of before and after the rounds (a shared machine has slow spells)
         rates = {k: max(v, matmul_rate(*mlp, torch.float32 if k == "fp32" else torch.bfloat16)) for k, v in before.items()}

@@ -419,7 +419,6 @@ def actor_batch(s: Shapes, vocab: int):
             "advantages": torch.randn(b, r, generator=g),
         },
         meta={"uid": np.array([str(i) for i in range(b)], dtype=object)},
-        info={"n": 1, "temperature": 1.0},
     )
 
 
@@ -734,7 +733,7 @@ def _tp_actor_step(rank: int, world: int, model_dir: Path, root: Path, s: Shapes
     worker.setup()
     batch = actor_batch(replace(s, actor_seqs=4), s.vocab)
     logp = worker.compute_log_prob(batch)["old_log_probs"]
-    metrics = worker.update_actor(batch)
+    metrics = worker.update_actor(batch, 1)
     return {"logp": logp.cpu(), "loss": metrics["actor/pg_loss"], "grad_norm": metrics["actor/grad_norm"],
             "param_norm": metrics["actor/param_norm"], "cuda": torch.cuda.is_available()}
 

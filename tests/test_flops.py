@@ -61,12 +61,12 @@ def test_peaks_by_device_name(name, peak):
     assert peak_flops_for(name) == peak
 
 
-def _gen(n: int = 2) -> Batch:
+def _gen() -> Batch:
     """4 samples (2 prompts x n=2): prompt lengths 3,3,2,2 (left padded to 3), responses 2,1,3,2."""
     prompt = torch.tensor([[1, 1, 1], [1, 1, 1], [0, 1, 1], [0, 1, 1]])
     response = torch.tensor([[1, 1, 0], [1, 0, 0], [1, 1, 1], [1, 1, 0]])
     return Batch(tensors={"attention_mask": torch.cat([prompt, response], 1), "response_mask": response.float()},
-                 meta={"uid": np.array(["a", "a", "b", "b"], dtype=object)}, info={"n": n})
+                 meta={"uid": np.array(["a", "a", "b", "b"], dtype=object)})
 
 
 def test_step_throughput_per_phase(tmp_path):
@@ -75,7 +75,7 @@ def test_step_throughput_per_phase(tmp_path):
     timer.seconds.update(generate=2.0, old_log_prob=0.5, update_actor=4.0)
     st = StepThroughput(actor=f, critic=None, peak_flops=1e9, devices={"generate": 1, "old_log_prob": 1, "ref_log_prob": 1,
                         "update_actor": 2}, actor_epochs=2, critic_epochs=1)
-    m = st.metrics(_gen(), timer)
+    m = st.metrics(_gen(), timer, 2)
     seq = [5, 4, 5, 4]
     assert m["throughput/generate_tok_s"] == 8 / 2.0
     assert m["throughput/old_log_prob_tok_s"] == 18 / 0.5
@@ -87,7 +87,7 @@ def test_step_throughput_per_phase(tmp_path):
     assert not any(k.startswith(("throughput/ref_log_prob", "throughput/values", "gpu/")) for k in m)  # not timed / no GPU
 
     st.peak_flops = None  # CPU without a configured peak: tokens/s only
-    assert not any(k.endswith("_mfu") for k in st.metrics(_gen(), timer))
+    assert not any(k.endswith("_mfu") for k in st.metrics(_gen(), timer, 2))
 
 
 @pytest.mark.slow
@@ -119,4 +119,4 @@ def test_a_config_without_the_usual_keys_gives_tokens_per_second_only(tmp_path):
     timer = Timer(device_memory=False)
     timer.seconds.update(update_actor=2.0)
     st = StepThroughput(actor=None, critic=None, peak_flops=1e9, devices={"update_actor": 1}, actor_epochs=1, critic_epochs=1)
-    assert st.metrics(_gen(), timer) == {"throughput/update_actor_tok_s": 18 / 2.0}
+    assert st.metrics(_gen(), timer, 2) == {"throughput/update_actor_tok_s": 18 / 2.0}

@@ -100,7 +100,7 @@ def _compare(tmp_path: Path, device: torch.device) -> None:
             worker.model = gc.fsdp2_bf16(worker.model, device)
             worker.optimizer = build_optimizer(worker.model, a.optim)
             worker.scheduler = build_scheduler(worker.optimizer, a.optim, cfg.trainer.total_steps)
-        metrics = worker.update_actor(batch)
+        metrics = worker.update_actor(batch, 1)  # one sample per prompt (rollout.n=1)
         got_grads = {n: to_full(p.grad).float() for n, p in worker.model.named_parameters()}
         got_params = {n: to_full(p.detach()).float() for n, p in worker.model.named_parameters()}
 

@@ -54,7 +54,7 @@ def test_auto_is_sized_on_the_device_said_once_and_the_update_reports_its_peak(t
     worker.setup()
     with caplog.at_level(logging.INFO, logger="rlcore.workers.memory"):
         for _ in range(2):
-            metrics = worker.update_actor(gc.actor_batch(shapes, shapes.vocab))
+            metrics = worker.update_actor(gc.actor_batch(shapes, shapes.vocab), 1)
     lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith(f"{KEY}=auto:")]
     assert len(lines) == 1 and " tokens on cuda" in lines[0] and ": (" in lines[0], lines
     assert worker.budget is not None and worker.budget.tokens >= 4096  # a small model on a large device
@@ -74,12 +74,12 @@ def test_the_formula_covers_the_activations_the_allocator_holds_per_token(tmp_pa
     worker.setup()
     full = gc.actor_batch(shapes, shapes.vocab)
     half = full.take(list(range(shapes.actor_seqs // 2)))
-    worker.update_actor(full)  # AdamW's state and the allocator's first growth
+    worker.update_actor(full, 1)  # AdamW's state and the allocator's first growth
     peaks = {}
     for name, batch in (("full", full), ("half", half)):
         torch.cuda.empty_cache()
         with PeakMeter(torch.device("cuda")) as meter:
-            worker.update_actor(batch)
+            worker.update_actor(batch, 1)
         peaks[name] = meter.peak
     tokens = int(full["attention_mask"].sum()) - int(half["attention_mask"].sum())
     measured = (peaks["full"] - peaks["half"]) / tokens

@@ -31,7 +31,10 @@ def through_group(result: Any, spec: MethodSpec) -> Any:
     if spec.dispatch is Dispatch.ONE_TO_ALL:
         out = list[result]  # one result per rank
     elif spec.dispatch in (Dispatch.DP_COMPUTE, Dispatch.DP_BALANCED):
-        out = result if result in (Batch, type(None)) else list[result]  # batches concatenated, the rest per rank
+        if get_origin(result) is tuple and get_args(result)[0] is Batch:  # (Batch, metrics): the batch whole, metrics per rank
+            out = tuple[Batch, list[get_args(result)[1]]]  # type: ignore[misc]
+        else:
+            out = result if result in (Batch, type(None)) else list[result]  # batches concatenated, the rest per rank
     else:
         out = result  # rank 0's, or the collective's one result
     return out if spec.blocking else GroupFuture[out]
@@ -107,6 +110,10 @@ class _Echo(Worker):
     def metrics(self, batch: Batch) -> dict[str, float]:
         return {"rows": float(len(batch))}
 
+    @register(dispatch=Dispatch.DP_COMPUTE)
+    def double_with_metrics(self, batch: Batch) -> tuple[Batch, dict[str, float]]:
+        return self.double(batch), {"rows": float(len(batch))}
+
     @register(dispatch=Dispatch.ONE_TO_ALL)
     def ping(self) -> None:
         pass
@@ -116,6 +123,7 @@ class _EchoGroup(typing.Protocol):
     def double(self, batch: Batch) -> Batch: ...
     def double_async(self, batch: Batch) -> GroupFuture[Batch]: ...
     def metrics(self, batch: Batch) -> list[dict[str, float]]: ...
+    def double_with_metrics(self, batch: Batch) -> tuple[Batch, list[dict[str, float]]]: ...
     def ping(self) -> list[None]: ...
 
 
@@ -136,6 +144,8 @@ def test_the_derivation_matches_what_groups_return():
             future = group.double_async(batch)
             assert isinstance(future, GroupFuture) and torch.equal(future.result().tensors["x"], torch.arange(4.0) * 2)
             assert group.metrics(batch) == [{"rows": 2.0}, {"rows": 2.0}]
+            doubled, per_rank = group.double_with_metrics(Batch(tensors={"x": torch.arange(3.0)}))  # padded to 4 rows, cut back
+            assert torch.equal(doubled.tensors["x"], torch.arange(3.0) * 2) and per_rank == [{"rows": 2.0}, {"rows": 2.0}]
             assert group.ping() == [None, None]
     finally:
         plain.shutdown()

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 from gloo_ranks import call, launch  # tests/ is on sys.path
-from test_tensor_parallel import LR, rl_batch, role_config, save_models
+from test_tensor_parallel import LR, SAMPLES_PER_PROMPT, rl_batch, role_config, save_models
 from transformers import AutoModelForCausalLM
 
 from rlcore.workers.actor import ActorWorker
@@ -38,7 +38,7 @@ def _step(worker: ActorWorker) -> dict:
     """One update (two optimizer steps) and the weights it leaves, as every rank sees them."""
     batch = rl_batch()
     old = call(worker, "compute_log_prob", batch)
-    metrics = call(worker, "update_actor", batch.union(old.select("old_log_probs")))[0]
+    metrics = call(worker, "update_actor", batch.union(old.select("old_log_probs")), SAMPLES_PER_PROMPT)[0]
     weights = {n: to_full(p.detach()).clone() for n, p in worker.model.named_parameters()}
     return {"metrics": {k: v for k, v in metrics.items() if not k.startswith("perf/")}, "weights": weights}
 

@@ -68,7 +68,7 @@ def _batch(n: int = 6, p: int = 6, r: int = 5, seed: int = 0) -> Batch:
     return Batch(tensors={
         "prompts": prompts, "responses": responses, "input_ids": torch.cat([prompts, responses], 1), "attention_mask": attn,
         "position_ids": (attn.cumsum(-1) - 1).clamp(min=0), "response_mask": rmask.float(),
-        "advantages": torch.randn(n, 1, generator=g).expand(n, r).contiguous()}, info={"n": 2, "temperature": 1.0})
+        "advantages": torch.randn(n, 1, generator=g).expand(n, r).contiguous()})
 
 
 def _config(model_dir: Path, tmp_path: Path, *extra: str):
@@ -170,7 +170,7 @@ def test_reference_is_the_actors_base_one_copy_equal_to_a_reference_model(tmp_pa
         before = groups.ref.compute_ref_log_prob(batch)["ref_log_probs"]
         torch.testing.assert_close(before, batch["old_log_probs"], atol=0, rtol=0)  # B = 0: adapter == base
         for _ in range(2):
-            groups.actor.update_actor(batch)
+            groups.actor.update_actor(batch, 2)
         after_policy = groups.actor.compute_log_prob(batch)["old_log_probs"]
         after_ref = groups.ref.compute_ref_log_prob(batch)["ref_log_probs"]
     finally:
@@ -279,7 +279,7 @@ def test_lora_trains_under_bf16_compute(tmp_path, precision):
     actor.setup()
     batch = _batch()
     batch = batch.union(actor.compute_log_prob(batch).select("old_log_probs"))
-    metrics = actor.update_actor(batch)
+    metrics = actor.update_actor(batch, 2)
     assert metrics["actor/grad_norm"] > 0 and metrics["actor/bad_updates"] == 0
     state = actor.adapter.state(keep=True)
     assert max(float(v.abs().max()) for k, v in state.items() if ".lora_B." in k) > 0

@@ -234,7 +234,7 @@ def _batch(n: int = 8, p: int = 6, r: int = 5) -> Batch:
     return Batch(tensors={"prompts": prompts, "responses": responses, "input_ids": torch.cat([prompts, responses], 1),
                           "attention_mask": attn, "position_ids": (attn.cumsum(-1) - 1).clamp(min=0),
                           "response_mask": rmask.float(), "advantages": torch.randn(n, 1, generator=g).expand(n, r).contiguous(),
-                          "old_log_probs": -torch.rand(n, r, generator=g) - 2.0}, info={"n": 2})
+                          "old_log_probs": -torch.rand(n, r, generator=g) - 2.0})
 
 
 LOG_PROBS = PolicyLogProbs(temperature=1.0, chunk_tokens=1024, backend="torch")

@@ -71,7 +71,6 @@ def _batch(seed: int = 0) -> Batch:
             "ref_log_probs": near + 0.1 * torch.randn(N, R, generator=g),
         },
         meta={"uid": np.array([str(i // 2) for i in range(N)], dtype=object)},
-        info={"n": 2, "temperature": 1.0},
     )
 
 
@@ -85,9 +84,8 @@ def test_the_on_policy_update_equals_the_update_after_the_recompute_pass(model_d
     before = {n: p.detach().clone() for n, p in with_pass.model.named_parameters()}
 
     old = with_pass.compute_log_prob(batch)
-    metrics_pass = with_pass.update_actor(batch.union(old))
-    out = without.update_actor_on_policy(batch)
-    metrics_skip = out.info.pop("metrics")
+    metrics_pass = with_pass.update_actor(batch.union(old), 2)
+    out, metrics_skip = without.update_actor_on_policy(batch)
 
     # the update's forward gave what the pass computed (rows in the batch's order; padding zero)
     torch.testing.assert_close(out["old_log_probs"], old["old_log_probs"], rtol=0, atol=1e-6)

@@ -46,7 +46,7 @@ def _rl_batch(seed: int = 0) -> Batch:
     t.update(advantages=torch.randn(n, 1, generator=g).expand(n, r).contiguous(),
              old_log_probs=-3.0 + 0.1 * torch.randn(n, r, generator=g), ref_log_probs=-3.0 + 0.1 * torch.randn(n, r, generator=g),
              returns=torch.randn(n, r, generator=g), values=0.1 * torch.randn(n, r, generator=g))
-    return Batch(tensors=t, info={"temperature": 1.0})
+    return Batch(tensors=t)
 
 
 def _grads(model: torch.nn.Module, loss: torch.Tensor) -> dict[str, torch.Tensor]:
@@ -132,7 +132,7 @@ def test_packed_dpo_loss_and_gradient_equal_padded(arch):
         rows = random_rows(prompt_lens, lens, seed, prompt_width=6, response_width=8)
         tensors.update({prefix + k: v for k, v in rows.items()})
     tensors.update(ref_chosen_logps=torch.tensor([-12.0, -30.0, -4.0]), ref_rejected_logps=torch.tensor([-20.0, -8.0, -25.0]))
-    batch = Batch(tensors=tensors, info={"temperature": 1.0})
+    batch = Batch(tensors=tensors)
     out = {}
     for mode, (packed, shared) in MODES.items():
         log_probs = PolicyLogProbs(temperature=1.0, chunk_tokens=1024, backend="torch", remove_padding=packed, share_prompts=shared)
@@ -188,7 +188,7 @@ def _long_tailed_batch(n: int = 24, seed: int = 0) -> Batch:
     prompt_lens = torch.randint(4, 17, (n,), generator=g).tolist()
     t = random_rows(prompt_lens, response_lens, seed)
     t["advantages"] = torch.randn(n, 1, generator=g).expand(n, t["responses"].shape[1]).contiguous()
-    return Batch(tensors=t, info={"n": 4, "temperature": 1.0})
+    return Batch(tensors=t)
 
 
 @pytest.mark.parametrize("packed", [True, False], ids=["packed", "padded"])
@@ -203,7 +203,7 @@ def test_update_actor_reports_computed_against_real_tokens(tmp_path, packed):
     actor.setup()
     batch = _long_tailed_batch()
     batch = batch.union(actor.compute_log_prob(batch))
-    metrics = actor.update_actor(batch)
+    metrics = actor.update_actor(batch, 4)
     real = float(batch["attention_mask"].sum()) * 3  # the old-log-prob pass and two epochs
     assert metrics["perf/actor_real_tokens"] == real
     ratio = metrics["perf/actor_compute_token_ratio"]
@@ -224,7 +224,7 @@ def test_critic_reports_computed_against_real_tokens(tmp_path):
     batch = _long_tailed_batch(seed=1)
     batch = batch.union(Batch(tensors={"returns": torch.randn(batch["responses"].shape)}))
     batch = batch.union(critic.compute_values(batch))
-    metrics = critic.update_critic(batch)
+    metrics = critic.update_critic(batch, 4)
     assert metrics["perf/critic_real_tokens"] == float(batch["attention_mask"].sum()) * 2
     assert metrics["perf/critic_compute_token_ratio"] <= 1.05
 
@@ -246,7 +246,7 @@ def _grouped_batch(prompts: int = 6, n: int = 4, seed: int = 0) -> Batch:
     for row in range(prompts * n):  # the samples of a prompt repeat its first row's prompt
         t["input_ids"][row, :-r] = t["input_ids"][row - row % n, :-r]
     t["advantages"] = torch.randn(prompts * n, 1, generator=g).expand(prompts * n, r).contiguous()
-    return Batch(tensors=t, info={"n": n, "temperature": 1.0})
+    return Batch(tensors=t)
 
 
 def test_update_actor_with_shared_prompts_steps_as_without_and_computes_each_prompt_once(tmp_path):
@@ -263,7 +263,7 @@ def test_update_actor_with_shared_prompts_steps_as_without_and_computes_each_pro
         actor = ActorWorker(cfg)
         actor.setup()
         old = actor.compute_log_prob(batch)
-        metrics = actor.update_actor(batch.union(old))
+        metrics = actor.update_actor(batch.union(old), 4)
         out[share] = old["old_log_probs"], metrics, {k: v.clone() for k, v in actor.model.state_dict().items()}
     torch.testing.assert_close(out[True][0], out[False][0], atol=1e-5, rtol=0)
     for key in ("actor/pg_loss", "actor/grad_norm", "perf/actor_real_tokens"):

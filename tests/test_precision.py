@@ -76,7 +76,6 @@ def _batch(seed: int = 0) -> Batch:
             "returns": torch.randn(N, R, generator=g), "values": 0.1 * torch.randn(N, R, generator=g),
         },
         meta={"uid": np.array([str(i // 2) for i in range(N)], dtype=object)},
-        info={"n": 2, "temperature": 1.0},
     )
 
 
@@ -112,7 +111,7 @@ def test_actor_mixed_precision_bf16_without_process_group(model_dir, tmp_path):
     # prepend: run before the policy's own hook puts the float32 master back
     handle = q_proj.register_forward_hook(lambda m, args, out: seen.append((m.weight.dtype, out.dtype)), prepend=True)
     before = worker.compute_log_prob(batch)["old_log_probs"]
-    metrics = worker.update_actor(batch)
+    metrics = worker.update_actor(batch, 2)
     handle.remove()
 
     assert seen and set(seen) == {(torch.bfloat16, torch.bfloat16)}  # every forward computed in bf16
@@ -181,7 +180,7 @@ def test_model_dtype_bfloat16_masters_unless_pure_bf16(model_dir, tmp_path, pure
     torch.testing.assert_close(actor_lp, ref_lp, rtol=0, atol=0)
     assert {p.dtype for p in ref.model.parameters()} == {torch.bfloat16}
 
-    worker.update_actor(batch)
+    worker.update_actor(batch, 2)
     want = torch.bfloat16 if pure else torch.float32
     params = dict(worker.model.named_parameters())
     assert {p.dtype for p in params.values()} == {want}
@@ -203,7 +202,7 @@ def test_critic_follows_model_dtype(model_dir, tmp_path):
         values = response_values(critic.model, batch)
         want = response_values(_plain_copy(critic.model, torch.bfloat16), batch)
     torch.testing.assert_close(values, want, rtol=0, atol=0)
-    critic.update_critic(batch)
+    critic.update_critic(batch, 2)
     params = list(critic.model.parameters())
     assert {p.dtype for p in params} == {torch.float32}
     assert {p.grad.dtype for p in params} == {torch.float32}
@@ -233,7 +232,7 @@ def test_cpu_offload_on_one_gpu_keeps_masters_on_host(model_dir, tmp_path):
                       actor__cpu_offload=offload)
         worker = ActorWorker(cfg)
         worker.setup()
-        worker.update_actor(_batch())
+        worker.update_actor(_batch(), 2)
         params = list(worker.model.parameters())
         where = {p.device.type for p in params} | {p.grad.device.type for p in params}
         where |= {v.device.type for s in worker.optimizer.state.values() for k, v in s.items() if k != "step"}

@@ -84,8 +84,8 @@ def test_non_finite_loss_skips_the_step(tiny_example, pref_files, tmp_path):
         before = {k: v.clone() for k, v in worker.model.state_dict().items()}
         batch = trainer.reference.attach(trainer.train_loader.next_batch(), trainer.train_loader)
         batch["ref_chosen_logps"] = torch.full_like(batch["ref_chosen_logps"], float("nan"))
-        batch.info.update(algorithm="dpo", temperature=1.0)
-        metrics = trainer.groups.actor.update_preference(batch)
+        batch.info.update(temperature=1.0)
+        metrics = trainer.groups.actor.update_preference(batch, "dpo")
         metrics = metrics[0] if isinstance(metrics, list) else metrics
         assert metrics["actor/bad_updates"] == 2.0  # both optimizer steps (16 pairs, mini-batches of 8) skipped
         assert all(torch.equal(before[k], v) for k, v in worker.model.state_dict().items())

@@ -190,7 +190,6 @@ def _update_batch(tokenizer_vocab: int, n: int = 8, p: int = 6, r: int = 5) -> B
             "attention_mask": attn, "position_ids": (attn.cumsum(-1) - 1).clamp(min=0),
             "response_mask": rmask.float(), "advantages": torch.randn(n, 1, generator=g).expand(n, r).contiguous(),
         },
-        info={"n": 2, "temperature": 1.0},
     )
 
 
@@ -247,7 +246,7 @@ def test_fsdp2_two_ranks_update_equals_one_process(cluster, tmp_path):
         # float32 forwards of differently split micro-batches (measured: equal bit for bit here)
         torch.testing.assert_close(lp2["old_log_probs"], lp1["old_log_probs"], atol=1e-5, rtol=1e-5)
         batch = batch.union(lp1.select("old_log_probs"))
-        m1, m2 = one.update_actor(batch), two.update_actor(batch)
+        m1, m2 = one.update_actor(batch, 2), two.update_actor(batch, 2)
         for rank_metrics in m2:  # every rank reports the one-process loss (summed over ranks)
             assert rank_metrics["actor/grad_norm"] == pytest.approx(m1[0]["actor/grad_norm"], rel=1e-4)
             assert rank_metrics["actor/pg_loss"] == pytest.approx(m1[0]["actor/pg_loss"], rel=1e-4, abs=1e-7)
@@ -314,7 +313,7 @@ def test_fsdp2_lora_two_ranks_update_equals_one_process(cluster, tmp_path):
         start = {k: v.clone() for k, v in one.adapter_for_rollout().result()[0].items()}
         batch = _update_batch(int(one.workers[0].model.get_output_embeddings().weight.shape[0]))
         batch = batch.union(one.compute_log_prob(batch).select("old_log_probs"))
-        m1, m2 = one.update_actor(batch), two.update_actor(batch)
+        m1, m2 = one.update_actor(batch, 2), two.update_actor(batch, 2)
         for rank_metrics in m2:
             assert rank_metrics["actor/grad_norm"] == pytest.approx(m1[0]["actor/grad_norm"], rel=1e-4)
             assert rank_metrics["actor/pg_loss"] == pytest.approx(m1[0]["actor/pg_loss"], rel=1e-4, abs=1e-7)

@@ -84,7 +84,7 @@ def test_rollout_log_probs_match_full_forward(model, temperature, top_k, top_p):
     assert mask.all()  # no EOS: every step is real
     torch.testing.assert_close(out["rollout_log_probs"], ref, atol=1e-5, rtol=0)
     assert out["rollout_log_probs"].dtype == torch.float32
-    assert out.info["temperature"] == temperature and out.info["step"] == 3
+    assert out.info == {"step": 3}  # the input's: data about the batch
 
 
 def test_rollout_log_probs_with_early_stops(model):
@@ -131,7 +131,6 @@ def test_greedy_matches_hf_generate(model):
     # greedy reports log-probs at temperature 1
     torch.testing.assert_close(out["rollout_log_probs"], reference_log_probs(model, out, 1.0),
                                atol=1e-5, rtol=0)
-    assert out.info["temperature"] == 1.0
 
 
 def test_top_k_one_equals_greedy(model):

@@ -121,7 +121,7 @@ class TestSharedEngine:
         ref = reference_log_probs(model_a, out, temperature)
         torch.testing.assert_close(out["rollout_log_probs"], ref, atol=1e-4, rtol=0)
         assert out["rollout_log_probs"].dtype == torch.float32
-        assert out.info["temperature"] == temperature and out.info["step"] == 7
+        assert out.info == {"step": 7}  # the input's: data about the batch
 
     def test_cpu_blocks_of_32_and_log_probs_across_blocks(self, models, engine_a):
         """The CPU default KV block is 32 tokens; contexts spanning three blocks still give the
@@ -145,7 +145,6 @@ class TestSharedEngine:
                                        pad_token_id=PAD)[0, prompt.shape[1]:]
             assert out["responses"][i].tolist() == ref.tolist()
         torch.testing.assert_close(out["rollout_log_probs"], reference_log_probs(model_a, out, 1.0), atol=1e-4, rtol=0)
-        assert out.info["temperature"] == 1.0
 
     def test_output_layout_n_samples_and_meta(self, engine_a):
         batch = prompt_batch([3, 6])

@@ -20,6 +20,7 @@ import torch  # noqa: E402
 from test_rollout_vllm import prompt_batch, tiny_model  # noqa: E402  tests/ is on sys.path
 
 from rlcore.config import config_from_dict  # noqa: E402
+from rlcore.rollout import SamplingParams  # noqa: E402
 from rlcore.rollout import vllm as vllm_backend  # noqa: E402
 from rlcore.workers.rollout import RolloutWorker  # noqa: E402
 
@@ -59,14 +60,14 @@ def test_a_tensor_parallel_engine_generates_and_syncs_as_one_process(tmp_path, t
     new_weights = list(tiny_model(1).named_parameters())
     batch = prompt_batch([5, 9, 2, 7])
     batch.meta["uid"] = np.array([f"p{i}" for i in range(4)], dtype=object)
-    batch.info["sampling"] = dict(n=1, do_sample=False, max_new_tokens=10)
+    greedy = SamplingParams(n=1, do_sample=False, max_new_tokens=10)
 
     def run(worker: RolloutWorker) -> list:
         try:
-            before = worker.generate_sequences(batch)
+            before = worker.generate_sequences(batch, greedy)
             for i in range(0, len(new_weights), 3):  # buckets that split attention and MLP groups
                 worker.update_weights([(n, p.detach()) for n, p in new_weights[i:i + 3]])
-            return [before, worker.generate_sequences(batch)]
+            return [before, worker.generate_sequences(batch, greedy)]
         finally:
             worker.shutdown()
 

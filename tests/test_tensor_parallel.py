@@ -66,6 +66,9 @@ def role_config(root: Path, role: str, arch: str, layout: dict | None, device: s
     return config_from_dict(tree)
 
 
+SAMPLES_PER_PROMPT = 2  # rl_batch's rows per prompt (rollout.n of role_config)
+
+
 def rl_batch() -> Batch:
     """Eight rows (4 prompts x 2) of varied lengths, with what the actor and critic updates read."""
     g = torch.Generator().manual_seed(3)
@@ -75,7 +78,7 @@ def rl_batch() -> Batch:
     n, r = t["responses"].shape
     t.update(advantages=torch.randn(n, 1, generator=g).expand(n, r).contiguous(), returns=torch.randn(n, r, generator=g),
              values=0.1 * torch.randn(n, r, generator=g), ref_log_probs=-4.0 + 0.1 * torch.randn(n, r, generator=g))
-    return Batch(tensors=t, info={"n": 2, "temperature": 1.0})
+    return Batch(tensors=t)
 
 
 def _full(model: torch.nn.Module) -> tuple[dict, dict]:
@@ -93,14 +96,14 @@ def run_role(root: Path, role: str, arch: str, layout: dict | None, rank: int = 
         worker.setup()
         batch = rl_batch()
         old = call(worker, "compute_log_prob", batch)
-        metrics = call(worker, "update_actor", batch.union(old.select("old_log_probs")))[0]
+        metrics = call(worker, "update_actor", batch.union(old.select("old_log_probs")), SAMPLES_PER_PROMPT)[0]
         out = {"old_log_probs": old["old_log_probs"], "entropy": old["entropy"]}
     elif role == "critic":
         worker = CriticWorker(config, rank, world)
         worker.setup()
         batch = rl_batch()
         out = {"values": call(worker, "compute_values", batch)["values"]}
-        metrics = call(worker, "update_critic", batch)[0]
+        metrics = call(worker, "update_critic", batch, SAMPLES_PER_PROMPT)[0]
         out["grads"], out["weights"] = _full(worker.model)  # before a root forward: FSDP2 then drops the root's gradients
         out["values_after"] = call(worker, "compute_values", batch)["values"]
     else:

@@ -28,6 +28,7 @@ from rlcore.rollout import HFRolloutEngine, SamplingParams
 from rlcore.workers.tokenizer import cut_at_end, end_token_ids, load_tokenizer
 
 MAX_NEW = 12
+GREEDY = SamplingParams(n=1, do_sample=False, max_new_tokens=MAX_NEW)
 
 
 def run_config(model_dir: Path, train_file: Path, out: Path, **sections) -> dict:
@@ -149,9 +150,7 @@ def rollout(config_tree: dict, batch: Batch) -> Batch:
     worker = RolloutWorker(config_from_dict(config_tree))
     worker.setup()
     try:
-        batch = Batch(tensors=dict(batch.tensors), meta=dict(batch.meta), info={
-            "sampling": dict(n=1, do_sample=False, max_new_tokens=MAX_NEW)})
-        return worker.generate_sequences(batch)
+        return worker.generate_sequences(batch, GREEDY)
     finally:
         worker.shutdown()
 
@@ -181,11 +180,10 @@ def test_two_rollout_ranks_whose_longest_responses_differ_return_what_one_rank_d
     longest = max(range(1, len(lengths)), key=lambda i: lengths[i])
     assert lengths[longest] > lengths[0] == first_stop  # the two ranks' widths will differ
     pair = batch.take([0, longest])
-    pair.info["sampling"] = dict(n=1, do_sample=False, max_new_tokens=MAX_NEW)
     config = config_from_dict(run_config(folder, own_model.train_file, tmp_path, rollout={"backend": "hf"}))
     groups = [InProcessWorkerGroup(lambda rank, ws: RolloutWorker(config, rank, ws), ws, "rollout") for ws in (2, 1)]
     try:
-        two, one = (g.call("generate_sequences", pair) for g in groups)
+        two, one = (g.call("generate_sequences", pair, GREEDY) for g in groups)
     finally:
         for g in groups:
             g.shutdown()

@@ -50,7 +50,7 @@ def _batch(seed: int = 0) -> Batch:
     n, r = t["responses"].shape
     t.update(advantages=torch.randn(n, 1, generator=g).expand(n, r).contiguous(),
              old_log_probs=-3.0 + 0.1 * torch.randn(n, r, generator=g), ref_log_probs=-3.0 + 0.1 * torch.randn(n, r, generator=g))
-    return Batch(tensors=t, info={"temperature": 0.9})
+    return Batch(tensors=t)
 
 
 def _shared_batch() -> Batch:
@@ -70,8 +70,8 @@ def _shared_batch() -> Batch:
 
 
 ACTOR = ActorConfig(entropy_coeff=0.01, use_kl_loss=True, loss_agg_mode="seq-mean-token-mean", logprob_chunk_tokens=7)
-LOG_PROBS = PolicyLogProbs(1.0, chunk_tokens=7, backend="torch")
-SHARED_LOG_PROBS = PolicyLogProbs(1.0, chunk_tokens=7, backend="torch", share_prompts=True)
+LOG_PROBS = PolicyLogProbs(0.9, chunk_tokens=7, backend="torch")
+SHARED_LOG_PROBS = PolicyLogProbs(0.9, chunk_tokens=7, backend="torch", share_prompts=True)
 
 
 def _loss_and_grads(model: torch.nn.Module, batch: Batch, counts: GlobalCounts, log_probs: PolicyLogProbs = LOG_PROBS,
@@ -257,7 +257,7 @@ def _worker_batch(n: int = 6) -> Batch:
     r = t["responses"].shape[1]
     t.update(advantages=torch.randn(n, 1, generator=g).expand(n, r).contiguous(), returns=torch.randn(n, r, generator=g),
              values=0.1 * torch.randn(n, r, generator=g), ref_log_probs=-4.0 + 0.1 * torch.randn(n, r, generator=g))
-    return Batch(tensors=t, info={"n": 2, "temperature": 1.0})
+    return Batch(tensors=t)
 
 
 def _colocated(cfg):
@@ -286,8 +286,8 @@ def _step(group) -> dict:
     batch = _worker_batch()
     out = {"old": actor.compute_log_prob(batch), "ref": ref.compute_ref_log_prob(batch), "values": critic.compute_values(batch)}
     batch = batch.union(out["old"].select("old_log_probs"))
-    out["critic_metrics"] = critic.update_critic(batch)[0]
-    out["actor_metrics"] = actor.update_actor(batch)[0]
+    out["critic_metrics"] = critic.update_critic(batch, 2)[0]
+    out["actor_metrics"] = actor.update_actor(batch, 2)[0]
     out["grads"] = actor.full_grads()
     out["weights"] = {k: v.clone() for k, v in actor.weights_for_rollout().result()}
     out["values_after"] = critic.compute_values(batch)

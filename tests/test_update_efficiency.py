@@ -74,7 +74,6 @@ def _batch(seed: int = 0) -> Batch:
             "advantages": torch.randn(N, R, generator=g),
         },
         meta={"uid": np.array([str(i) for i in range(N)], dtype=object)},  # distinct prompts: nothing shared
-        info={"n": 2, "temperature": 1.0},
     )
 
 
@@ -92,7 +91,7 @@ def _two_steps(worker: ActorWorker) -> tuple[list[list[torch.Tensor]], list[torc
              layer.register_forward_pre_hook(lambda m, args: sharded.append(isinstance(q_proj.weight, DTensor)), prepend=True)]
     grads = []
     for seed in (1, 2):
-        worker.update_actor(_batch(seed))
+        worker.update_actor(_batch(seed), 2)
         grads.append([p.grad.clone() for p in worker.model.parameters()])
     for hook in hooks:
         hook.remove()
@@ -222,7 +221,7 @@ def _gpu_actor(model_dir: Path, tmp_path: Path, **overrides) -> ActorWorker:
 
 def _gpu_step(worker: ActorWorker, batch: Batch) -> tuple[torch.Tensor, list[torch.Tensor]]:
     logp = worker.compute_log_prob(batch)["old_log_probs"]
-    worker.update_actor(batch)
+    worker.update_actor(batch, 2)
     return logp, [p.grad.float().cpu() for p in worker.model.parameters()]
 
 

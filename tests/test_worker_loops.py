@@ -58,7 +58,6 @@ def _batch(n: int = 8, p: int = 6, r: int = 5, seed: int = 0) -> Batch:
             "advantages": torch.randn(n, 1, generator=g).expand(n, r).contiguous(),
             "returns": torch.randn(n, r, generator=g), "values": 0.1 * torch.randn(n, r, generator=g),
         },
-        info={"n": 2, "temperature": 1.0},
     )
 
 
@@ -181,7 +180,7 @@ def _run(world_size: int, rank: int, policy: Path, critic: Path, work: Path) -> 
     actor.setup(), critic_w.setup()
     out["log_probs"] = actor.compute_log_prob(mine)["old_log_probs"]
     out["values"] = critic_w.compute_values(mine)["values"]
-    out["actor"], out["critic"] = actor.update_actor(mine), critic_w.update_critic(mine)
+    out["actor"], out["critic"] = actor.update_actor(mine, 2), critic_w.update_critic(mine, 2)
     folder = work / f"ckpt_{world_size}"
     folder.mkdir(exist_ok=True)
     actor.save_checkpoint(str(folder)), critic_w.save_checkpoint(str(folder))
@@ -189,7 +188,7 @@ def _run(world_size: int, rank: int, policy: Path, critic: Path, work: Path) -> 
     if resume_from.is_dir():
         actor.load_checkpoint(str(resume_from))
         critic_w.load_checkpoint(str(resume_from))
-    out["actor_again"], out["critic_again"] = actor.update_actor(mine), critic_w.update_critic(mine)
+    out["actor_again"], out["critic_again"] = actor.update_actor(mine, 2), critic_w.update_critic(mine, 2)
     out["weights"] = dict(actor.weights_for_rollout())
     return out
 
@@ -232,7 +231,7 @@ def test_two_fsdp2_ranks_report_and_step_as_one_process(tmp_path):
     back = ActorWorker(cfg)
     back.load_checkpoint(str(tmp_path / "ckpt_2"))
     batch = _batch().union(Batch(tensors={"old_log_probs": torch.load(tmp_path / "old.pt"), "ref_log_probs": torch.load(tmp_path / "ref.pt")}))
-    again = back.update_actor(batch)
+    again = back.update_actor(batch, 2)
     for name, value in one["actor_again"].items():
         assert again[name] == pytest.approx(value, rel=1e-4, abs=1e-6), name
     w1, w2, w3 = one["weights"], ranks[0]["weights"], dict(back.weights_for_rollout())

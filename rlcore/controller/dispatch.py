@@ -164,10 +164,13 @@ def _collect_dp(results: list[Any], parts: list[np.ndarray], n: int, n_pad: int,
     """Concat per-rank Batches back into the original sample order, padding removed.
 
     A rank may return `m` rows per input row (rollout with n samples per prompt), as long as
-    they are consecutive per input row and `m` is the same on every rank.
+    they are consecutive per input row and `m` is the same on every rank. A rank may also return
+    `(Batch, value)` (a batch and its metrics): the batches come back as above, the values one per rank.
     """
     if all(r is None for r in results):
         return None
+    if all(isinstance(r, tuple) and len(r) == 2 and isinstance(r[0], Batch) for r in results):
+        return _collect_dp([r[0] for r in results], parts, n, n_pad, method), [r[1] for r in results]
     if not all(isinstance(r, Batch) for r in results):
         return results  # per-rank values (e.g. metrics dicts) are returned as they are
     n_in = [len(p) for p in parts]

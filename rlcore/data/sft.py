@@ -94,8 +94,7 @@ def collate_sft(examples: Sequence[SFTExample], pad_token_id: int) -> Batch:
         attention_mask[i, : len(e.input_ids)] = 1
     position_ids = (attention_mask.cumsum(1) - 1).clamp(min=0)
     return Batch(tensors={"input_ids": input_ids, "attention_mask": attention_mask, "position_ids": position_ids,
-                          "responses": input_ids[:, 1:].clone(), "response_mask": (labels[:, 1:] != IGNORE_INDEX).float()},
-                 info={"temperature": 1.0})
+                          "responses": input_ids[:, 1:].clone(), "response_mask": (labels[:, 1:] != IGNORE_INDEX).float()})
 
 
 def tokenize_prompt_response(prompt: str | list[dict[str, str]], response: str, tokenizer: Any,

@@ -103,8 +103,8 @@ class HFRolloutEngine:
         """Sample `params.n` responses per prompt; returns the rollout output batch.
 
         `rollout_log_probs` are log_softmax(logits / temperature) at the chosen tokens, before
-        top-k/top-p filtering (temperature 1 for greedy); `info["temperature"]` records the
-        temperature the actor should recompute log-probs at.
+        top-k/top-p filtering (temperature 1 for greedy: `params.logprob_temperature`, which the
+        actor recomputes log-probs at).
         """
         if self._asleep:
             raise RuntimeError("HFRolloutEngine.generate called while asleep; call wake() first")

@@ -73,8 +73,7 @@ def rollout_output(
     )
     meta = {k: np.repeat(v, n, axis=0) for k, v in batch.meta.items()}
     meta.update(sample_trace_meta(batch, n))
-    info = {**batch.info, "temperature": params.logprob_temperature}
-    return Batch(tensors=tensors, meta=meta, info=info)
+    return Batch(tensors=tensors, meta=meta, info=dict(batch.info))
 
 
 def response_right_pad(pad_token_id: int) -> dict[str, float | str]:

@@ -13,13 +13,14 @@ the baseline then comes from weights one update newer than the samples, which is
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from dataclasses import dataclass, replace
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
 
 from rlcore.protocol import Batch
+from rlcore.rollout import SamplingParams
 from rlcore.trainer.groups import required
 
 if TYPE_CHECKING:  # annotations only
@@ -27,9 +28,9 @@ if TYPE_CHECKING:  # annotations only
     from rlcore.trainer.metrics import Timer
 
 
-def greedy_sampling(sampling: dict[str, Any]) -> dict[str, Any]:
+def greedy_sampling(sampling: SamplingParams) -> SamplingParams:
     """The step's sampling parameters made greedy with one response per prompt (seed unused)."""
-    return {**sampling, "n": 1, "do_sample": False}
+    return replace(sampling, n=1, do_sample=False)
 
 
 @dataclass(frozen=True)
@@ -50,17 +51,15 @@ class GreedyBaselines:
         return {"remax/greedy_reward_mean": float(np.mean(list(self.by_uid.values())))} if self.by_uid else {}
 
 
-def greedy_reward_baselines(groups: WorkerGroups, prompts: Batch, sampling: dict[str, Any], timer: Timer) -> GreedyBaselines:
+def greedy_reward_baselines(groups: WorkerGroups, prompts: Batch, sampling: SamplingParams, timer: Timer) -> GreedyBaselines:
     """Generate one greedy response per prompt of `prompts` and score it (timed as phases
-    `baseline_generate` and `baseline_reward`). `prompts` is left as it was: the greedy request
-    goes out on a copy, so the step's own sampling parameters are untouched."""
+    `baseline_generate` and `baseline_reward`)."""
     if "uid" not in prompts.meta:
         raise ValueError("greedy baselines need the prompts' uids (meta 'uid') to match samples to their prompt")
-    request = Batch(tensors=prompts.tensors, meta=prompts.meta, info={**prompts.info, "sampling": greedy_sampling(sampling)})
     with timer.phase("baseline_generate"):
-        greedy = required(groups.rollout, "rollout").generate_sequences(request)
+        greedy = required(groups.rollout, "rollout").generate_sequences(prompts, greedy_sampling(sampling))
     with timer.phase("baseline_reward"):
-        scored = required(groups.reward, "reward").compute_reward(greedy)
+        scored, _ = required(groups.reward, "reward").compute_reward(greedy)
     scores = scored.tensors["scores"].float().tolist()
     return GreedyBaselines({str(uid): score for uid, score in zip(greedy.meta["uid"], scores)})
 

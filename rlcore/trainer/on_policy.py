@@ -108,15 +108,15 @@ class OnPolicyTrainer:
         """One step; returns its metrics and its trace (phase times, per-sample records)."""
         algo = self.config.algorithm
         timer = Timer()
+        sampling = train_sampling(self.config, self.step)  # n: samples per prompt, for the generation and the updates
         # ReMax: each prompt's greedy-response score is its samples' baseline (engine still awake here)
-        baselines = (greedy_reward_baselines(self.groups, prompts, train_sampling(self.config, self.step), timer)
-                     if self.greedy_baseline else None)
+        baselines = greedy_reward_baselines(self.groups, prompts, sampling, timer) if self.greedy_baseline else None
 
-        if self.prefetcher is not None:
+        if self.prefetcher is not None:  # launched with this step's `train_sampling` too
             gen = self.prefetcher.collect(prompts, self.step, self.rollout_version, timer)
             self.prefetcher.launch_next(self.step, self.rollout_version)
         else:
-            gen = generate(self.groups, prompts, train_sampling(self.config, self.step), self.rollout_version, timer)
+            gen = generate(self.groups, prompts, sampling, self.rollout_version, timer)
         self.rollout_sleep.after_generation(timer)
         rm_pending = self.reward_model.launch(gen, timer)  # runs beside the steps below (its own pool on Ray)
         gen, reward_metrics = score(self.groups, gen, timer, self.config.reward)
@@ -145,28 +145,27 @@ class OnPolicyTrainer:
         critic_metrics: dict[str, float] = {}
         if self.critic is not None:
             with timer.phase("update_critic"):
-                critic_metrics = mean_over_ranks(self.critic.update_critic(gen))
-        gen, actor_metrics = update_actor(self.groups, gen, timer, on_policy=on_policy)
+                critic_metrics = mean_over_ranks(self.critic.update_critic(gen, sampling.n))
+        gen, actor_metrics = update_actor(self.groups, gen, timer, samples_per_prompt=sampling.n, on_policy=on_policy)
         sync_weights(self.groups, self.rollout_sleep, timer)
         self.rollout_sleep.after_update({**critic_metrics, **actor_metrics})  # rollout.sleep=auto decides after step 1
         self.rollout_version = self.step
 
         metrics = {**rl_batch_metrics(gen, timer, step=self.step, max_new_tokens=self.config.rollout.max_new_tokens),
-                   **self.throughput.metrics(gen, timer),
+                   **self.throughput.metrics(gen, timer, sampling.n),
                    **reward_metrics, **rm_metrics, **kl_metrics, **critic_metrics, **actor_metrics,
                    **(baselines.metrics() if baselines is not None else {})}
-        return metrics, self.trace(gen, timer)
+        return metrics, self.trace(gen, timer, sampling.n)
 
     def next_prompts(self) -> Batch:
         """This step's prompts: those a one-step prefetch already launched, else the loader's next batch."""
         prefetched = self.prefetcher.prompts_for(self.step) if self.prefetcher is not None else None
         return prefetched if prefetched is not None else self.train_loader.next_batch()
 
-    def trace(self, gen: Batch, timer: Timer) -> dict[str, Any]:
-        """This step's phases and per-sample records for trace.jsonl (see rlcore.trainer.tracing)."""
+    def trace(self, gen: Batch, timer: Timer, n: int) -> dict[str, Any]:
+        """This step's phases and per-sample records (`n` per prompt) for trace.jsonl (see rlcore.trainer.tracing)."""
         if not self.config.trainer.trace:
             return {}
-        n = int(gen.info.get("n", self.config.rollout.n))
         return {"phases": dict(timer.seconds), "samples": sample_records(gen, self.groups, n)}
 
 

@@ -18,6 +18,7 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
+from rlcore.algorithms import PreferenceObjective
 from rlcore.config import Config
 from rlcore.protocol import Batch
 from rlcore.trainer.groups import WorkerGroups, required
@@ -44,6 +45,10 @@ class PreferenceTrainer:
     def __init__(self, config: Config, groups: WorkerGroups | None = None, step_hooks: Sequence[StepHook] = ()) -> None:
         self.config = config
         self.algorithm = config.algorithm.name
+        objective = config.traits.objective  # the loss `update_preference` trains with
+        if objective is None:
+            raise ValueError(f"algorithm.name={self.algorithm} has no preference objective in its traits row (rlcore.algorithms)")
+        self.objective: PreferenceObjective = objective
         self.run_dir = prepare_run_dir(config)
         self.tokenizer = load_tokenizer(config.model.path)
         data, self.kind = config.data, preference_kind(config.traits.data)
@@ -90,9 +95,8 @@ class PreferenceTrainer:
         timer = Timer()
         with timer.phase("ref_log_prob"):  # ref_chosen_logps, ref_rejected_logps; unpaired: ref_logps, ref_kl_logps
             batch = self.reference.attach(batch, self.train_loader, extra_prefixes=BATCH_DEPENDENT[self.kind])
-        batch.info.update(algorithm=self.algorithm, temperature=1.0)  # the worker's objective (rlcore.workers.preference)
         with timer.phase("update_actor"):
-            actor_metrics = mean_over_ranks(self.actor.update_preference(batch))
+            actor_metrics = mean_over_ranks(self.actor.update_preference(batch, self.objective))
         return {**actor_metrics, **preference_step_metrics(batch, timer, self.config.actor.ppo_epochs)}
 
     def validate(self) -> dict[str, float]:

@@ -87,7 +87,6 @@ class SequenceLogProbs:
 
     def __call__(self, batch: Batch, prefixes: Sequence[str], *, reference: bool) -> dict[str, torch.Tensor]:
         flat = Batch.concat([sequence_view(batch, p) for p in prefixes])
-        flat.info["temperature"] = 1.0
         if reference:
             token_lp = required(self.groups.ref, "ref").compute_ref_log_prob(flat).tensors["ref_log_probs"]
         else:

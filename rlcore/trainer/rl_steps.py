@@ -27,11 +27,9 @@ def score(groups: WorkerGroups, gen: Batch, timer: Timer, reward: RewardConfig) 
     """Rewards for generated samples, joined to them; reward metrics and the first error (logged).
     Raises `RewardFailures` when the failed calls exceed `reward.max_error_fraction` of the batch."""
     with timer.phase("reward"):
-        scored = required(groups.reward, "reward").compute_reward(gen)
-    metrics: dict[str, float | str] = dict(scored.info.pop("reward_metrics", {}))
-    first_error = scored.info.pop("reward_first_error", None)
+        scored, metrics = required(groups.reward, "reward").compute_reward(gen)
+    first_error = metrics.get("reward/first_error")
     if first_error:
-        metrics["reward/first_error"] = first_error
         log.warning("reward function error (counted, score=%s): %s", reward.error_score, first_error)
     errors, timeouts = int(metrics.get("reward/errors", 0)), int(metrics.get("reward/timeouts", 0))
     if errors + timeouts > reward.max_error_fraction * len(gen):
@@ -67,17 +65,18 @@ def rewards_with_kl(config: Config, gen: Batch, kl_ctrl: FixedKLController | Ada
     return rewards, metrics
 
 
-def update_actor(groups: WorkerGroups, gen: Batch, timer: Timer, *, on_policy: bool) -> tuple[Batch, dict[str, float]]:
-    """The actor's update; its metrics. `on_policy`: the batch has no old log-probs, the update's
+def update_actor(groups: WorkerGroups, gen: Batch, timer: Timer, *, samples_per_prompt: int,
+                 on_policy: bool) -> tuple[Batch, dict[str, float]]:
+    """The actor's update of `gen` (`samples_per_prompt` consecutive rows per prompt: mini-batches
+    hold whole prompts); its metrics. `on_policy`: the batch has no old log-probs, the update's
     forward gives them (and the entropy), joined to the batch as if the pass had run, so the
     step reports the same entropy, KL and rollout/actor gap."""
     actor = required(groups.actor, "actor")
     with timer.phase("update_actor"):
         if not on_policy:
-            return gen, mean_over_ranks(actor.update_actor(gen))
-        out = actor.update_actor_on_policy(gen)
-    metrics: dict[str, float] = out.info.pop("metrics")
-    return gen.union(out), metrics
+            return gen, mean_over_ranks(actor.update_actor(gen, samples_per_prompt))
+        out, per_rank = actor.update_actor_on_policy(gen)
+    return gen.union(out), per_rank[0]  # rank 0's, as this step has always reported
 
 
 __all__ = ["RewardFailures", "old_and_ref_log_probs", "rewards_with_kl", "score", "update_actor"]

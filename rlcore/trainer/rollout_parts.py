@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Literal
 
 import numpy as np
 import torch
@@ -17,6 +17,7 @@ from rlcore.config import Config
 from rlcore.controller import GroupFuture
 from rlcore.data import PromptLoader
 from rlcore.protocol import Batch
+from rlcore.rollout import SamplingParams
 from rlcore.trainer.groups import WorkerGroups, required
 from rlcore.trainer.metrics import Timer
 from rlcore.workers.memory import sleep_decision
@@ -29,19 +30,20 @@ def sampling_seed(seed: int, step: int) -> int:
     return (seed * 1_000_003 + step * 7919) % (2**31 - 1)
 
 
-def train_sampling(config: Config, step: int) -> dict[str, Any]:
-    """Sampling parameters of step `step`'s training generation."""
+def train_sampling(config: Config, step: int) -> SamplingParams:
+    """Sampling parameters of step `step`'s training generation: `rollout.n` samples per prompt
+    (`.n`, which the recipe also hands the updates to split rows by)."""
     r = config.rollout
-    return dict(n=r.n, temperature=r.temperature, top_p=r.top_p, top_k=r.top_k, max_new_tokens=r.max_new_tokens,
-                seed=sampling_seed(config.trainer.seed, step))
+    return SamplingParams(n=r.n, temperature=r.temperature, top_p=r.top_p, top_k=r.top_k, max_new_tokens=r.max_new_tokens,
+                          seed=sampling_seed(config.trainer.seed, step))
 
 
-def val_sampling(config: Config, step: int) -> dict[str, Any]:
+def val_sampling(config: Config, step: int) -> SamplingParams:
     """Validation: `rollout.val_n` samples per prompt, greedy when `val_n` is 1 (`rollout.val_greedy`)."""
     r = config.rollout
     greedy = r.val_greedy if r.val_greedy is not None else r.val_n == 1
-    return dict(n=r.val_n, temperature=r.val_temperature, do_sample=not greedy, top_p=r.top_p, top_k=r.top_k,
-                max_new_tokens=r.max_new_tokens, seed=sampling_seed(config.trainer.seed + 1, step))
+    return SamplingParams(n=r.val_n, temperature=r.val_temperature, do_sample=not greedy, top_p=r.top_p, top_k=r.top_k,
+                          max_new_tokens=r.max_new_tokens, seed=sampling_seed(config.trainer.seed + 1, step))
 
 
 def stamp_policy_version(gen: Batch, version: int) -> Batch:
@@ -50,11 +52,10 @@ def stamp_policy_version(gen: Batch, version: int) -> Batch:
     return gen
 
 
-def generate(groups: WorkerGroups, prompts: Batch, sampling: dict[str, Any], policy_version: int, timer: Timer) -> Batch:
+def generate(groups: WorkerGroups, prompts: Batch, sampling: SamplingParams, policy_version: int, timer: Timer) -> Batch:
     """Generate now (waiting for the result) with the given sampling parameters."""
-    prompts.info["sampling"] = sampling
     with timer.phase("generate"):
-        gen = required(groups.rollout, "rollout").generate_sequences(prompts)
+        gen = required(groups.rollout, "rollout").generate_sequences(prompts, sampling)
     return stamp_policy_version(gen, policy_version)
 
 
@@ -210,8 +211,7 @@ class Prefetcher:
             self.pending = self._launch(self.loader.next_batch(), step + 1, policy_version)
 
     def _launch(self, prompts: Batch, step: int, policy_version: int) -> PendingRollout:
-        prompts.info["sampling"] = train_sampling(self.config, step)
-        future = required(self.groups.rollout, "rollout").generate_sequences_async(prompts)
+        future = required(self.groups.rollout, "rollout").generate_sequences_async(prompts, train_sampling(self.config, step))
         return PendingRollout(step, prompts, future, policy_version)
 
 

@@ -77,16 +77,17 @@ class StepThroughput:
             generate_timed=config.trainer.off_policy == "sync",
         )
 
-    def metrics(self, gen: Batch, timer: Timer) -> dict[str, float]:
+    def metrics(self, gen: Batch, timer: Timer, samples_per_prompt: int) -> dict[str, float]:
         """`throughput/<phase>_tok_s` and `throughput/<phase>_mfu` for the model phases this step
-        timed, and the device numbers (see the module docstring)."""
+        timed (`gen`: `samples_per_prompt` consecutive samples per prompt), and the device numbers
+        (see the module docstring)."""
         seq = gen.tensors["attention_mask"].sum(-1).double().numpy()
         resp = gen.tensors["response_mask"].sum(-1).double().numpy()
         tokens, head_tokens, pairs = float(seq.sum()), float(resp.sum()), causal_pairs(seq.tolist())
         actor, critic = self.actor, self.critic
         work: dict[str, tuple[float, float | None]] = {}  # phase -> (tokens, FLOPs)
         if self.generate_timed:
-            work["generate"] = (head_tokens, self._generation_flops(actor, gen, seq - resp, resp) if actor else None)
+            work["generate"] = (head_tokens, self._generation_flops(actor, samples_per_prompt, seq - resp, resp) if actor else None)
         work["old_log_prob"] = work["ref_log_prob"] = (tokens, actor.forward(tokens, head_tokens, pairs) if actor else None)
         work["update_actor"] = (tokens * self.actor_epochs,
                                 actor.training(tokens, head_tokens, pairs) * self.actor_epochs if actor else None)
@@ -106,9 +107,8 @@ class StepThroughput:
         return out
 
     @staticmethod
-    def _generation_flops(model: ModelFlops, gen: Batch, prompt: np.ndarray, resp: np.ndarray) -> float:
-        """Prefill once per prompt (the cache is shared by its n samples), then one token at a time."""
-        n = max(1, int(gen.info.get("n", 1)))
+    def _generation_flops(model: ModelFlops, n: int, prompt: np.ndarray, resp: np.ndarray) -> float:
+        """Prefill once per prompt (the cache is shared by its `n` samples), then one token at a time."""
         unique = prompt[::n]
         prefill = model.forward(float(unique.sum()), 0.0, causal_pairs(unique.tolist()))
         decode = model.forward(float(resp.sum()), float(resp.sum()), decode_pairs(prompt.tolist(), resp.tolist()))

@@ -82,11 +82,11 @@ class RLValidator:
         agent: dict[str, list[Any]] = {k: [] for k in AGENT_META}
         self.samples = []
         for prompts in self.loader.epoch_batches():
-            gen = generate(groups, prompts, val_sampling(self.config, step), policy_version, timer)
+            sampling = val_sampling(self.config, step)
+            gen = generate(groups, prompts, sampling, policy_version, timer)
             gen, _ = score(groups, gen, timer, self.config.reward)
             if self.config.trainer.trace:
-                n = int(gen.info.get("n", self.config.rollout.val_n))
-                self.samples += sample_records(gen, groups, n, trained=False)
+                self.samples += sample_records(gen, groups, sampling.n, trained=False)
             if AGENT_META[0] in gen.meta:
                 for key in AGENT_META:
                     agent[key].extend(gen.meta[key])

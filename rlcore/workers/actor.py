@@ -16,6 +16,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from rlcore.algorithms import PreferenceObjective
 from rlcore.algos import agg_loss, get_policy_loss, kl_loss
 from rlcore.algos.policy_loss import PolicyLoss
 from rlcore.config import ActorConfig, Config
@@ -174,26 +175,26 @@ class ActorWorker(Worker):
             return self.log_probs.no_grad(self.model, batch, "ref_log_probs", self.settings.micro, self.device)
 
     @register(dispatch=Dispatch.DP_BALANCED)
-    def update_actor(self, batch: Batch) -> dict[str, float]:
+    def update_actor(self, batch: Batch, samples_per_prompt: int) -> dict[str, float]:
         """One training step: `actor.ppo_epochs` passes over mini-batches of `actor.ppo_mini_batch_size`
-        prompts (with their `rollout.n` responses each)."""
+        prompts, with their `samples_per_prompt` responses each (the generation's `SamplingParams.n`)."""
         objective = PolicyObjective(self.config.actor, self.policy_loss, self.log_probs, self.model)
-        rows = self.settings.mini_batch_rows(int(batch.info.get("n", self.config.rollout.n)), self.data_parallel_size)
+        rows = self.settings.mini_batch_rows(samples_per_prompt, self.data_parallel_size)
         result = run_update(self.trained, batch, objective, self.settings, mini_batch_rows=rows, device=self.device)
         return self._policy_metrics(result, rows)
 
     @register(dispatch=Dispatch.DP_BALANCED)
-    def update_actor_on_policy(self, batch: Batch) -> Batch:
+    def update_actor_on_policy(self, batch: Batch) -> tuple[Batch, dict[str, float]]:
         """`update_actor` on an exactly on-policy step (`Config.old_log_probs_from_update`), without
         old log-probs in the batch: one optimizer step on this rank's whole share, whose forward,
         detached, gives the old log-probs (ratio 1). Returns them with their entropy, as
-        `compute_log_prob` would have, and the update's metrics in `info["metrics"]`."""
+        `compute_log_prob` would have, and the update's metrics."""
         if self.settings.epochs != 1:
             raise ValueError(f"update_actor_on_policy: actor.ppo_epochs={self.settings.epochs}; a second pass would "
                              "need the old log-probs of before the first step (actor.recompute_old_log_prob=always)")
         objective = PolicyObjective(self.config.actor, self.policy_loss, self.log_probs, self.model, old_from_current=True)
         result = run_update(self.trained, batch, objective, self.settings, mini_batch_rows=len(batch), device=self.device)
-        return Batch(tensors=result.outputs, info={"metrics": self._policy_metrics(result, len(batch))})
+        return Batch(tensors=result.outputs), self._policy_metrics(result, len(batch))
 
     def _policy_metrics(self, result: UpdateResult, mini_rows: int) -> dict[str, float]:
         return {**{f"actor/{k}": v for k, v in result.metrics.items()}, "actor/pg_loss": result.loss, **self._step_metrics(result),
@@ -210,15 +211,13 @@ class ActorWorker(Worker):
         return result.peak_metrics("actor", most, role_cost(self.config, "actor").per_token())
 
     @register(dispatch=Dispatch.DP_COMPUTE)
-    def update_preference(self, batch: Batch) -> dict[str, float]:
-        """One training step on a preference batch (`batch.info["algorithm"]`: "dpo" or "kto"):
+    def update_preference(self, batch: Batch, objective: PreferenceObjective) -> dict[str, float]:
+        """One training step on a preference batch with `objective` (the algorithm's `AlgorithmTraits.objective`):
         `actor.ppo_epochs` passes over mini-batches of `actor.ppo_mini_batch_size` examples."""
-        objective = preference_objective(
-            batch.info["algorithm"], self.config.preference, self.log_probs, self.model, self.settings.micro, self.device
-        )
+        loss = preference_objective(objective, self.config.preference, self.log_probs, self.model, self.settings.micro, self.device)
         rows = self.settings.mini_batch_rows(1, self.data_parallel_size)
         result = run_update(
-            self.trained, batch, objective, self.settings, mini_batch_rows=rows, device=self.device, lengths=objective.lengths
+            self.trained, batch, loss, self.settings, mini_batch_rows=rows, device=self.device, lengths=loss.lengths
         )
         return {**result.metrics, "pref/loss": result.loss, **self._step_metrics(result),
                 **forward_token_metrics("actor", self.model, self.device)}

@@ -133,10 +133,10 @@ class CriticWorker(Worker):
         return Batch(tensors={"values": out["values"] * batch["response_mask"].float().cpu()})
 
     @register(dispatch=Dispatch.DP_BALANCED)
-    def update_critic(self, batch: Batch) -> dict[str, float]:
+    def update_critic(self, batch: Batch, samples_per_prompt: int) -> dict[str, float]:
         """One training step: `critic.ppo_epochs` passes over mini-batches of `critic.ppo_mini_batch_size`
-        prompts (with their `rollout.n` responses each)."""
-        rows = self.settings.mini_batch_rows(int(batch.info.get("n", self.config.rollout.n)), self.world_size // self.ranks_per_shard)
+        prompts, with their `samples_per_prompt` responses each (the generation's `SamplingParams.n`)."""
+        rows = self.settings.mini_batch_rows(samples_per_prompt, self.world_size // self.ranks_per_shard)
         objective = ValueObjective(self.config.critic, self.model, self.config.model.use_remove_padding,
                                    self.config.model.shares_prompts)
         result = run_update(self.trained, batch, objective, self.settings, mini_batch_rows=rows, device=self.device)

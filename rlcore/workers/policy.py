@@ -19,7 +19,7 @@ from rlcore.workers.loops import MicroBatching, forward_no_grad
 
 @dataclass(frozen=True)
 class PolicyLogProbs:
-    temperature: float  # when the batch does not say (`batch.info["temperature"]`, set by the rollout)
+    temperature: float  # what the logits are divided by (`of`)
     chunk_tokens: int
     backend: str
     remove_padding: bool = True  # packed sequences (`model.use_remove_padding`)
@@ -27,15 +27,18 @@ class PolicyLogProbs:
 
     @classmethod
     def of(cls, config: Config) -> PolicyLogProbs:
+        """The run's settings. Temperature: an algorithm that trains on its own samples compares
+        log-probs at the temperature it sampled them at (`rollout.temperature`, as the engine's
+        `rollout_log_probs` are: `SamplingParams.logprob_temperature`); one that trains on data
+        (preference pairs, supervised rows) scores it at 1."""
         backend = "auto" if config.actor.fused_kernels else "torch"
-        return cls(config.rollout.temperature, config.actor.logprob_chunk_tokens, backend, config.model.use_remove_padding,
-                   config.model.shares_prompts)
+        temperature = config.rollout.temperature if config.traits.generates else 1.0
+        return cls(temperature, config.actor.logprob_chunk_tokens, backend, config.model.use_remove_padding, config.model.shares_prompts)
 
     def __call__(self, model: nn.Module, batch: Batch, compute_entropy: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Log-probs (and entropy) of `batch["responses"]`, both [N, R], with gradients."""
-        temperature = float(batch.info.get("temperature", self.temperature))
         return response_log_probs(
-            model, batch, temperature, chunk_tokens=self.chunk_tokens, compute_entropy=compute_entropy, backend=self.backend,
+            model, batch, self.temperature, chunk_tokens=self.chunk_tokens, compute_entropy=compute_entropy, backend=self.backend,
             remove_padding=self.remove_padding, share_prompts=self.share_prompts,
         )
 

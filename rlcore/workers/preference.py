@@ -12,10 +12,12 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 from functools import partial
+from typing import get_args
 
 import torch
 from torch import nn
 
+from rlcore.algorithms import PreferenceObjective
 from rlcore.algos.preference import dpo_loss, kto_loss, kto_reference_point_from_sums
 from rlcore.config import PreferenceConfig
 from rlcore.data.preference import sequence_log_prob_sums, sequence_view
@@ -118,18 +120,22 @@ class KTOObjective:
         return forward_no_grad(self.model, view, forward, self.micro, self.device)["logps"]
 
 
+ObjectiveBuilder = Callable[[PreferenceConfig, PolicyLogProbs, nn.Module, MicroBatching, torch.device], "DPOObjective | KTOObjective"]
+# each objective an algorithm's traits row may name (`AlgorithmTraits.objective`), by that name
+OBJECTIVES: dict[PreferenceObjective, ObjectiveBuilder] = {
+    "dpo": lambda config, log_probs, model, micro, device: DPOObjective(config, log_probs, model),
+    "kto": KTOObjective,  # its reference point z0 is a no-grad pass over the mismatched pairs: micro-batched on `device`
+}
+if set(OBJECTIVES) != set(get_args(PreferenceObjective)):
+    raise AssertionError(f"OBJECTIVES {sorted(OBJECTIVES)} and PreferenceObjective {get_args(PreferenceObjective)} disagree")
+
+
 def preference_objective(
-    algorithm: str, config: PreferenceConfig, log_probs: PolicyLogProbs, model: nn.Module,
+    objective: PreferenceObjective, config: PreferenceConfig, log_probs: PolicyLogProbs, model: nn.Module,
     micro: MicroBatching, device: torch.device,
 ) -> DPOObjective | KTOObjective:
-    """The objective of `algorithm` ("dpo" or "kto") on `model`; its `lengths` are what to pack by."""
-    objectives: dict[str, Callable[[], DPOObjective | KTOObjective]] = {
-        "dpo": lambda: DPOObjective(config, log_probs, model),
-        "kto": lambda: KTOObjective(config, log_probs, model, micro, device),
-    }
-    if algorithm not in objectives:
-        raise ValueError(f"update_preference: unknown algorithm {algorithm!r} (expected one of {sorted(objectives)})")
-    return objectives[algorithm]()
+    """`objective` (`AlgorithmTraits.objective`) on `model`; its `lengths` are what to pack by."""
+    return OBJECTIVES[objective](config, log_probs, model, micro, device)
 
 
-__all__ = ["DPOObjective", "KTOObjective", "preference_objective"]
+__all__ = ["DPOObjective", "KTOObjective", "OBJECTIVES", "preference_objective"]

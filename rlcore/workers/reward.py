@@ -44,7 +44,9 @@ class RewardWorker(Worker):
                 for row, n in zip(responses, lengths)]
 
     @register(dispatch=Dispatch.RANK_ZERO)
-    def compute_reward(self, batch: Batch) -> Batch:
+    def compute_reward(self, batch: Batch) -> tuple[Batch, dict[str, float | str]]:
+        """Each sample's score, by `reward.function`; the call's metrics: failed, timed-out and
+        clipped calls, and the first error's text (`reward/first_error`) when a call failed."""
         texts = self.decode_responses(batch)
         extra_info = batch.meta.get("extra_info", np.array([None] * len(batch), dtype=object))
         if "agent_messages" in batch.meta:
@@ -64,14 +66,14 @@ class RewardWorker(Worker):
             },
             meta={"response_text": np.array(texts, dtype=object)},
         )
-        out.info["reward_metrics"] = {
+        metrics: dict[str, float | str] = {
             "reward/errors": float(result.n_errors),
             "reward/timeouts": float(result.n_timeouts),
             "reward/clipped": float(result.n_clipped),  # beyond ±reward.clip (see RewardScorer)
         }
         if result.first_error:
-            out.info["reward_first_error"] = result.first_error
-        return out
+            metrics["reward/first_error"] = result.first_error
+        return out, metrics
 
     def shutdown(self) -> None:
         self.scorer.close()

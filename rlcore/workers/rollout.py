@@ -83,11 +83,10 @@ class RolloutWorker(Worker):
         self.setup(model_path=model_path)
 
     @register(dispatch=Dispatch.DP_COMPUTE)
-    def generate_sequences(self, batch: Batch) -> Batch:
-        params = SamplingParams(**batch.info["sampling"])
+    def generate_sequences(self, batch: Batch, sampling: SamplingParams) -> Batch:
+        """`sampling.n` responses per prompt, each prompt's consecutively (`rlcore.rollout.base.RolloutEngine`)."""
         generator = self.agent if self.agent is not None else self.engine
-        out = generator.generate(batch, params)  # info: the input's, plus the log-prob temperature
-        out.info["n"] = params.n
+        out = generator.generate(batch, sampling)
         # every rank's responses are as wide as its own longest: the group's results concatenate
         # right-padded to the widest (what one rank generating the whole batch would return)
         out.info[RIGHT_PAD] = response_right_pad(self.pad_id)

@@ -10,6 +10,7 @@ import shutil
 from pathlib import Path
 
 import pytest
+from tiny_runs import SCORE_IN_PROCESS  # tests/ is on sys.path
 
 from rlcore.checkpoint import MANIFEST, CheckpointError, CheckpointManager, file_sha256, step_of
 from rlcore.cli import CONFIG_DIR, tiny_example_overrides
@@ -23,7 +24,7 @@ pytestmark = pytest.mark.slow
 QUICK = [
     "data.train_batch_size=8", "actor.ppo_mini_batch_size=4", "rollout.n=4", "data.val_batch_size=64",
     "trainer.val_every=100", "trainer.val_before_train=false", "trainer.loggers=[jsonl]", "rollout.backend=hf",
-    "rollout.max_new_tokens=8", "trainer.trace=false",
+    "rollout.max_new_tokens=8", "trainer.trace=false", SCORE_IN_PROCESS,
 ]
 
 

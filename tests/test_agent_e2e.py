@@ -15,6 +15,7 @@ import os
 import pytest
 import torch
 from conftest import train_on_ray  # tests/ is on sys.path (pytest rootdir conftest)
+from tiny_runs import SCORE_IN_PROCESS  # tests/ is on sys.path
 
 from rlcore.cli import CONFIG_DIR
 from rlcore.config import load_config
@@ -43,7 +44,8 @@ def test_grpo_with_the_calculator_raises_greedy_val_acc_by_more_than_25_points(t
     out = tmp_path / "run"
     uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
     config = load_config(CONFIG_DIR / "tiny_tool_grpo.yaml", [*tool_example_overrides(tool_example, str(out)),
-                                                              "trainer.loggers=[jsonl,mlflow]", f"tracking.mlflow_uri={uri}"])
+                                                              "trainer.loggers=[jsonl,mlflow]", f"tracking.mlflow_uri={uri}",
+                                                              SCORE_IN_PROCESS])
     run_training(config)
     metrics = read_jsonl(out / "metrics.jsonl")
     val = {m["step"]: m["val/acc"] for m in metrics if "val/acc" in m}

@@ -10,6 +10,7 @@ import pytest
 import torch
 from conftest import train_on_ray  # tests/ is on sys.path (pytest rootdir conftest)
 from safetensors.torch import load_file
+from tiny_runs import SCORE_IN_PROCESS  # tests/ is on sys.path
 
 from rlcore.cli import CONFIG_DIR, tiny_example_overrides
 from rlcore.config import load_config
@@ -25,7 +26,7 @@ QUICK = [
 
 
 def _config(example, out: Path, extra=(), algorithm: str = "grpo"):
-    overrides = tiny_example_overrides(example, str(out)) + QUICK + ["trainer.off_policy=one_step", *extra]
+    overrides = tiny_example_overrides(example, str(out)) + QUICK + ["trainer.off_policy=one_step", SCORE_IN_PROCESS, *extra]
     return load_config(CONFIG_DIR / f"tiny_{algorithm}.yaml", overrides)
 
 
@@ -83,7 +84,7 @@ def test_one_step_learns_the_tiny_task(tiny_example, tmp_path, algorithm, steps)
         CONFIG_DIR / f"tiny_{algorithm}.yaml",
         tiny_example_overrides(tiny_example, str(tmp_path / "run")) + [
             "trainer.off_policy=one_step", f"trainer.total_steps={steps}", "trainer.save_every=100",
-            f"trainer.val_every={steps}", "trainer.loggers=[jsonl]", "data.val_batch_size=256",
+            f"trainer.val_every={steps}", "trainer.loggers=[jsonl]", "data.val_batch_size=256", SCORE_IN_PROCESS,
         ],
     )
     make_trainer(cfg).fit()

@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from tiny_runs import SCORE_IN_PROCESS  # tests/ is on sys.path
 
 from rlcore.algos import register_policy_loss, vanilla_policy_loss
 from rlcore.cli import CONFIG_DIR, main, tiny_example_overrides
@@ -59,7 +60,7 @@ def receiver() -> Iterator[Receiver]:
 
 def train_args(example, out: Path, url: str, *extra: str) -> list[str]:
     return ["train", str(CONFIG_DIR / "tiny_grpo.yaml"), *tiny_example_overrides(example, str(out)), *QUICK,
-            f"registry.webhook_url={url}", *extra]
+            SCORE_IN_PROCESS, f"registry.webhook_url={url}", *extra]
 
 
 def test_finished_run_posts_finished_with_its_checkpoint(tiny_example, tmp_path, receiver):

@@ -1,6 +1,12 @@
-"""Every advantage estimator and policy loss that ships, and the actor/KL options, through two real
-training steps on the tiny example (in-process, hf rollout): each must train (finite metrics,
-weights moved) and show its effect in what the run reports (metrics.jsonl, trace.jsonl)."""
+"""Every advantage estimator recipe and policy loss that ships, and the actor/KL options, through
+two real training steps on the tiny example (in-process, hf rollout): each must train (finite
+metrics, weights moved) and show its effect in what the run reports (metrics.jsonl, trace.jsonl).
+
+One training per estimator recipe, not per estimator: the trainer hands every estimator the same
+inputs in one `compute_advantage` call (rlcore/trainer/on_policy.py), and each estimator's math is
+pinned by tests/test_algos_golden.py. The GRPO run stands for the group-centred family; its other
+members (`SAME_INPUTS_AS`) are computed here on that run's real samples, with the trainer's input
+types, and must centre each prompt (or whiten the batch) as their end-to-end runs asserted."""
 
 from __future__ import annotations
 
@@ -12,6 +18,7 @@ import numpy as np
 import pytest
 import torch
 from safetensors.torch import load_file
+from tiny_runs import SCORE_IN_PROCESS  # tests/ is on sys.path
 
 from rlcore.algos import (
     AdaptiveKLController,
@@ -19,6 +26,7 @@ from rlcore.algos import (
     compute_advantage,
     get_advantage_estimator,
     get_policy_loss,
+    group_ids_from_uids,
     masked_mean,
     policy_loss_names,
 )
@@ -39,6 +47,7 @@ pytestmark = pytest.mark.slow
 # weights its logged entropy and old log-probs were computed with), no validation, no reference
 # model unless a KL term asks for one.
 SMALL = (
+    SCORE_IN_PROCESS,
     "data.train_batch_size=8",
     "actor.ppo_mini_batch_size=8",
     "rollout.n=4",
@@ -50,7 +59,11 @@ SMALL = (
     "actor.optim.warmup_steps=0",
     "algorithm.use_reference=null",
 )
-ESTIMATORS = ["grpo", "drgrpo", "rloo", "reinforce_plus_plus", "reinforce_plus_plus_baseline", "remax", "gae"]
+# A training each: the group-centred family (grpo), REINFORCE++'s discounted, whitened returns,
+# ReMax's greedy-baseline generation, PPO with a critic (gae).
+ESTIMATORS = ["grpo", "reinforce_plus_plus", "remax", "gae"]
+# Checked on the GRPO run's samples (`test_estimator_on_a_real_step`): the same inputs, no training of their own.
+SAME_INPUTS_AS = {"drgrpo": "grpo", "rloo": "grpo", "reinforce_plus_plus_baseline": "grpo"}
 POLICY_LOSSES = ["vanilla", "gspo"]
 ZERO_MEAN_PER_GROUP = {"grpo", "drgrpo", "rloo"}  # estimators that centre each prompt's scores
 WHITENED = {"gae", "reinforce_plus_plus", "reinforce_plus_plus_baseline"}  # zero mean over the batch's tokens
@@ -85,6 +98,20 @@ def train(tiny_example, tmp_path_factory):
     return run
 
 
+# KL in the reward with the adaptive controller (`test_adaptive_kl_controller_moves_the_coefficient`),
+# trained in the vanilla policy loss's run: the two read different metrics of the same two steps.
+KL_INIT, KL_TARGET, KL_HORIZON = 0.1, 0.05, 32
+
+
+def policy_loss_overrides(loss: str) -> tuple[str, ...]:
+    """Two PPO epochs, so the second pass sees ratios != 1 and the (tiny) clip range bites; the
+    vanilla loss's run also carries the adaptive KL controller."""
+    kl = ("algorithm.use_kl_in_reward=true", "algorithm.kl_ctrl.type=adaptive", f"algorithm.kl_ctrl.kl_coef={KL_INIT}",
+          f"algorithm.kl_ctrl.target_kl={KL_TARGET}", f"algorithm.kl_ctrl.horizon={KL_HORIZON}")
+    return (f"actor.policy_loss={loss}", "actor.ppo_epochs=2", "actor.clip_ratio_low=3e-4", "actor.clip_ratio_high=4e-4",
+            *(kl if loss == "vanilla" else ()))
+
+
 def estimator_overrides(name: str) -> tuple[str, ...]:
     return ("algorithm.name=ppo", "algorithm.adv_estimator=gae") if name == "gae" else (f"algorithm.adv_estimator={name}",)
 
@@ -110,9 +137,11 @@ def trace_samples(run: Run, step: int) -> tuple[list[str], torch.Tensor, torch.T
 
 
 def test_every_shipped_estimator_and_policy_loss_is_covered():
-    """A new estimator or loss in rlcore.algos must get its end-to-end run here."""
+    """A new estimator or loss in rlcore.algos must get its end-to-end run here (or, when it takes
+    the inputs of one that has, its check on that run's samples)."""
     shipped = {n for n in advantage_estimator_names() if get_advantage_estimator(n).__module__.startswith("rlcore.")}
-    assert shipped == set(ESTIMATORS)
+    assert shipped == set(ESTIMATORS) | set(SAME_INPUTS_AS)
+    assert set(SAME_INPUTS_AS.values()) <= set(ESTIMATORS)
     assert {n for n in policy_loss_names() if get_policy_loss(n).__module__.startswith("rlcore.")} == set(POLICY_LOSSES)
 
 
@@ -150,10 +179,37 @@ def test_estimator_trains_two_steps(name, train, tiny_example):
             assert metrics["advantages/max"] > 0 > metrics["advantages/min"], "no prompt had mixed rewards: nothing learned"
 
 
+@pytest.mark.parametrize("name", sorted(SAME_INPUTS_AS))
+def test_estimator_on_a_real_step(name, train):
+    """`name` on each step's samples of the run of the estimator whose inputs it takes, passed as
+    the trainer passes them (token rewards, mask, torch long group ids from the prompt uids, the
+    algorithm's gamma, lam and std setting): finite, and centred per prompt with both signs (or
+    whitened over the batch's tokens) on real, mixed rewards."""
+    run = train(*estimator_overrides(SAME_INPUTS_AS[name]))
+    cfg = run.config.algorithm
+    for step in (1, 2):
+        uids, scores, mask = trace_samples(run, step)
+        advantages, _ = compute_advantage(
+            name, token_level_rewards=scores_to_token_rewards(scores, mask), response_mask=mask,
+            group_ids=torch.as_tensor(group_ids_from_uids(np.array(uids)), dtype=torch.long),
+            gamma=cfg.gamma, lam=cfg.lam, norm_adv_by_std=cfg.norm_adv_by_std)
+        assert torch.isfinite(advantages).all() and not advantages[mask == 0].any()
+        if name in WHITENED:
+            assert float(masked_mean(advantages, mask)) == pytest.approx(0.0, abs=1e-5)
+        if name in ZERO_MEAN_PER_GROUP:
+            per_sample = advantages.sum(-1) / mask.sum(-1).clamp(min=1)
+            by_prompt: dict[str, list[float]] = defaultdict(list)
+            for uid, a in zip(uids, per_sample.tolist()):
+                by_prompt[uid].append(a)
+            assert all(abs(sum(a)) < 1e-4 for a in by_prompt.values())
+        valid = advantages[mask.bool()]
+        assert valid.max() > 0 > valid.min(), "no prompt had mixed rewards: nothing to learn from"
+
+
 @pytest.mark.parametrize("loss", POLICY_LOSSES)
 def test_policy_loss_trains_two_steps(loss, train, tiny_example):
     """Two PPO epochs, so the second pass sees ratios != 1 and the (tiny) clip range bites."""
-    run = train(f"actor.policy_loss={loss}", "actor.ppo_epochs=2", "actor.clip_ratio_low=3e-4", "actor.clip_ratio_high=4e-4")
+    run = train(*policy_loss_overrides(loss))
     assert_trained(run, Path(tiny_example.model_dir))
     for metrics in run.history:
         assert 0.0 < metrics["actor/pg_clipfrac"] <= 1.0
@@ -190,11 +246,10 @@ def test_tis_cap_bounds_the_importance_weights(train, tiny_example):
 
 def test_adaptive_kl_controller_moves_the_coefficient(train, tiny_example):
     """KL in the reward with the adaptive controller: step 1 uses the initial coefficient; the
-    controller then sees step 1's KL (0: policy == reference) and lowers it for step 2."""
-    init, target, horizon = 0.1, 0.05, 32
-    run = train(*estimator_overrides("grpo"), "algorithm.use_kl_in_reward=true", "algorithm.kl_ctrl.type=adaptive",
-                f"algorithm.kl_ctrl.kl_coef={init}", f"algorithm.kl_ctrl.target_kl={target}",
-                f"algorithm.kl_ctrl.horizon={horizon}")
+    controller then sees step 1's KL (0: policy == reference) and lowers it for step 2 (GRPO, in
+    the vanilla policy loss's two-epoch run)."""
+    init, target, horizon = KL_INIT, KL_TARGET, KL_HORIZON
+    run = train(*policy_loss_overrides("vanilla"))
     assert_trained(run, Path(tiny_example.model_dir))
     first, second = run.history
     assert first["actor/reward_kl_penalty"] == pytest.approx(0.0, abs=1e-6)

@@ -3,6 +3,8 @@ code from a file, survive torn logs, stop an exploding model before it is saved.
 
 from __future__ import annotations
 
+import contextlib
+import io
 import json
 import os
 import pickle
@@ -10,6 +12,7 @@ import shutil
 from pathlib import Path
 
 import pytest
+from tiny_runs import SCORE_IN_PROCESS  # tests/ is on sys.path
 
 from rlcore.checkpoint import MANIFEST, CheckpointError, CheckpointManager, file_sha256, step_of
 from rlcore.cli import CONFIG_DIR, tiny_example_overrides
@@ -23,7 +26,7 @@ pytestmark = pytest.mark.slow
 QUICK = [
     "data.train_batch_size=8", "actor.ppo_mini_batch_size=4", "rollout.n=4", "data.val_batch_size=64",
     "trainer.val_every=100", "trainer.val_before_train=false", "trainer.loggers=[jsonl]", "rollout.backend=hf",
-    "rollout.max_new_tokens=8", "trainer.trace=false",
+    "rollout.max_new_tokens=8", "trainer.trace=false", SCORE_IN_PROCESS,
 ]
 
 
@@ -144,14 +147,45 @@ def test_a_pickle_payload_in_a_state_file_is_refused_and_never_runs(two_checkpoi
         (newest / MANIFEST).write_text(pristine_manifest)
 
 
-def test_torn_last_lines_are_dropped_on_resume(two_checkpoints, tiny_example, tmp_path, caplog):
-    run = _copy(two_checkpoints, tmp_path)
+TORN = '{"step": 3, "reward/mean": 0.'  # a record killed mid-write
+
+
+def _tear(run: Path) -> None:
     for name in ("metrics.jsonl", "trace.jsonl"):
         with open(run / name, "a") as f:
-            f.write('{"step": 3, "reward/mean": 0.')  # killed mid-write
-        assert [r["step"] for r in read_jsonl(run / name)] == ([1, 2] if name == "metrics.jsonl" else [])
+            f.write(TORN)
+
+
+@pytest.fixture(scope="module")
+def resumed_over_torn_logs(two_checkpoints, tiny_example, tmp_path_factory) -> tuple[Path, str]:
+    """`rlcore train` to step 3 (traced) on a copy of the 2-step run whose logs end in a torn
+    line: the run folder and what the command printed to stderr. Read by the torn-line test and
+    the resume-announcement test (one resumed run for both)."""
+    from rlcore.cli import main
+
+    run = tmp_path_factory.mktemp("resumed") / "run"
+    shutil.copytree(two_checkpoints, run)
+    _tear(run)
+    args = ["train", str(CONFIG_DIR / "tiny_grpo.yaml"), *tiny_example_overrides(tiny_example, str(run)), *QUICK,
+            "trainer.total_steps=3", "trainer.trace=true"]
+    err = io.StringIO()
+    with contextlib.redirect_stderr(err):
+        code = main(args)
+    assert code == 0, err.getvalue()
+    return run, err.getvalue()
+
+
+def test_torn_last_lines_are_dropped_on_resume(two_checkpoints, resumed_over_torn_logs, tmp_path, caplog):
+    torn = tmp_path / "torn"  # the logs alone, torn as the resumed run's were before it started
+    torn.mkdir()
+    for name in ("metrics.jsonl", "trace.jsonl"):
+        if (two_checkpoints / name).exists():
+            shutil.copy(two_checkpoints / name, torn)
+    _tear(torn)
+    for name in ("metrics.jsonl", "trace.jsonl"):
+        assert [r["step"] for r in read_jsonl(torn / name)] == ([1, 2] if name == "metrics.jsonl" else [])
     assert "torn last line" in caplog.text
-    make_trainer(_config(tiny_example, run, "trainer.total_steps=3", "trainer.trace=true")).fit()
+    run, _ = resumed_over_torn_logs
     assert [r["step"] for r in read_jsonl(run / "metrics.jsonl")] == [1, 2, 3]
     assert [r["step"] for r in read_jsonl(run / "trace.jsonl")] == [3]
 
@@ -161,10 +195,11 @@ def test_torn_last_lines_are_dropped_on_resume(two_checkpoints, tiny_example, tm
         read_jsonl(damaged)
 
 
-def test_a_fresh_start_leaves_no_rows_of_an_earlier_attempt(tiny_example, tmp_path):
-    run = tmp_path / "run"
+def test_a_fresh_start_leaves_no_rows_of_an_earlier_attempt(two_checkpoints, tiny_example, tmp_path):
+    """The earlier attempt is the module's 2-step run (rows 1 and 2, its checkpoints left there)."""
+    run = _copy(two_checkpoints, tmp_path)
+    assert [r["step"] for r in read_jsonl(run / "metrics.jsonl")] == [1, 2]
     extra = ("trainer.total_steps=1", "trainer.val_before_train=true", "trainer.resume=disable")
-    make_trainer(_config(tiny_example, run, *extra)).fit()
     make_trainer(_config(tiny_example, run, *extra)).fit()
     assert [r["step"] for r in read_jsonl(run / "metrics.jsonl")] == [0, 1]
     truncate_jsonl(run / "metrics.jsonl", -1)
@@ -177,20 +212,20 @@ def test_a_non_finite_learning_rate_is_refused_at_load(tiny_example, tmp_path):
             _config(tiny_example, tmp_path / "run", f"actor.optim.lr={value}")
 
 
-def test_an_exploding_update_stops_the_run_and_keeps_the_healthy_checkpoint(tiny_example, tmp_path):
+def test_an_exploding_update_stops_the_run_and_keeps_the_healthy_checkpoint(two_checkpoints, tiny_example, tmp_path):
     """lr=1e30 leaves a finite loss but weights of ~1e30: the health guard stops the run at that
-    step, before it is saved, and keep_last never prunes the last healthy checkpoint."""
-    run = tmp_path / "run"
-    make_trainer(_config(tiny_example, run, "trainer.total_steps=1", "trainer.keep_last=1")).fit()
-    # a resumed run keeps its optimizer's learning rate: a fresh run from step 1's weights explodes
-    healthy = run / "checkpoints" / "step_00000001"
+    step, before it is saved, and keep_last never prunes the healthy checkpoints (the module's
+    2-step run's: a save with keep_last=1 would have left one)."""
+    run = _copy(two_checkpoints, tmp_path)
+    # a resumed run keeps its optimizer's learning rate: a fresh run from step 2's weights explodes
+    healthy = run / "checkpoints" / "step_00000002"
     with pytest.raises(TrainingStopped, match=r"actor/param_norm_growth|non-finite"):
         make_trainer(_config(tiny_example, run, "trainer.total_steps=3", "trainer.keep_last=1", "trainer.save_every=1",
                              "trainer.resume=disable", f"model.path={healthy / 'actor'}", "actor.optim.lr=1e30",
                              "actor.optim.warmup_steps=0")).fit()
     manager = CheckpointManager(run / "checkpoints")
-    assert [step_of(p) for p in manager.complete()] == [1]
-    assert step_of(manager.latest()) == 1
+    assert [step_of(p) for p in manager.complete()] == [1, 2]
+    assert step_of(manager.latest()) == 2
 
 
 def test_rlcore_train_applies_the_health_settings(tiny_example, tmp_path, capsys):
@@ -253,14 +288,8 @@ def test_a_forged_checkpoint_is_refused_in_one_line_and_auto_resume_falls_back(t
     assert f"resumed from checkpoint step 1 ({run / 'checkpoints' / 'step_00000001'}, trainer.resume=auto)" in err
 
 
-def test_a_resumed_run_says_which_step_it_continued_from_and_where(two_checkpoints, tiny_example, tmp_path, capsys):
+def test_a_resumed_run_says_which_step_it_continued_from_and_where(resumed_over_torn_logs):
     """`rlcore train` on a run folder with checkpoints: the console says the step and the folder."""
-    from rlcore.cli import main
-
-    run = _copy(two_checkpoints, tmp_path)
-    args = ["train", str(CONFIG_DIR / "tiny_grpo.yaml"), *tiny_example_overrides(tiny_example, str(run)), *QUICK,
-            "trainer.total_steps=3"]
-    assert main(args) == 0
-    err = capsys.readouterr().err
+    run, err = resumed_over_torn_logs
     line = f"resumed from checkpoint step 2 ({run / 'checkpoints' / 'step_00000002'}, trainer.resume=auto)"
     assert err.count(f"rlcore: {line}") == 1

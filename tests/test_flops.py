@@ -7,6 +7,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
+from tiny_runs import SCORE_IN_PROCESS  # tests/ is on sys.path
 from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config
 
 from rlcore.flops import ModelFlops, causal_pairs, decode_pairs, mfu, peak_flops_for
@@ -100,7 +101,7 @@ def test_a_ppo_step_reports_tokens_per_second_and_mfu_per_phase(tiny_example, tm
     cfg = load_config(CONFIG_DIR / "tiny_ppo.yaml", tiny_example_overrides(tiny_example, str(tmp_path / "run")) + [
         "data.train_batch_size=4", "actor.ppo_mini_batch_size=4", "rollout.n=2", "trainer.total_steps=1",
         "trainer.val_before_train=false", "trainer.loggers=[console,jsonl]", "trainer.trace=false",
-        "trainer.device_peak_tflops=0.001", "actor.recompute_old_log_prob=always"])  # a 1 GFLOP/s "device"
+        "trainer.device_peak_tflops=0.001", "actor.recompute_old_log_prob=always", SCORE_IN_PROCESS])  # a 1 GFLOP/s "device"
     make_trainer(cfg).fit()
     step = [r for r in read_jsonl(tmp_path / "run" / "metrics.jsonl") if r["step"] == 1][0]
     for phase in ("generate", "old_log_prob", "values", "update_critic", "update_actor"):

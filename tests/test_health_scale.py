@@ -16,6 +16,7 @@ import random
 from pathlib import Path
 
 import pytest
+from tiny_runs import SCORE_IN_PROCESS  # tests/ is on sys.path
 
 from rlcore.cli import CONFIG_DIR, tiny_example_overrides
 from rlcore.config import ConfigError, load_config
@@ -126,7 +127,7 @@ def compute_score(data_source, solution_str, ground_truth, extra_info=None):
 
 QUICK = ["data.train_batch_size=8", "actor.ppo_mini_batch_size=8", "rollout.n=4", "data.val_batch_size=64",
          "trainer.val_every=100", "trainer.val_before_train=false", "trainer.loggers=[jsonl]", "rollout.backend=hf",
-         "rollout.max_new_tokens=8", "trainer.trace=false"]
+         "rollout.max_new_tokens=8", "trainer.trace=false", SCORE_IN_PROCESS]
 
 
 @pytest.mark.slow

@@ -8,6 +8,7 @@ from collections.abc import Callable
 from typing import Any
 
 import pytest
+from tiny_runs import SCORE_IN_PROCESS  # tests/ is on sys.path
 
 from rlcore import _native
 from rlcore.cli import CONFIG_DIR, tiny_example_overrides
@@ -18,6 +19,7 @@ from rlcore.trainer.run import run_training
 pytestmark = pytest.mark.slow
 
 ONE_SMALL_STEP = [
+    SCORE_IN_PROCESS,
     "trainer.total_steps=1",
     "trainer.save_every=1",
     "trainer.val_before_train=false",

@@ -14,6 +14,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from tiny_runs import SCORE_IN_PROCESS  # tests/ is on sys.path
 from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
 from rlcore.config import config_from_dict
@@ -144,7 +145,7 @@ def _run(tiny_example, out: Path, algorithm: str, *extra: str) -> tuple[list[dic
     cfg = load_config(CONFIG_DIR / f"tiny_{algorithm}.yaml", tiny_example_overrides(tiny_example, str(out)) + [
         "data.train_batch_size=8", "actor.ppo_mini_batch_size=8", "rollout.n=4", "trainer.total_steps=2",
         "trainer.save_every=2", "trainer.val_before_train=false", "trainer.val_every=100", "trainer.loggers=[jsonl]",
-        "trainer.trace=false", *extra])
+        "trainer.trace=false", SCORE_IN_PROCESS, *extra])
     trainer = make_trainer(cfg)
     actor = trainer.groups.actor.workers[0]
     calls = []

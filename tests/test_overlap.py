@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 from timing import scaled  # tests/ is on sys.path (pytest rootdir conftest)
+from tiny_runs import SCORE_IN_PROCESS  # tests/ is on sys.path
 
 from rlcore import cpus
 from rlcore.controller import Dispatch, InProcessWorkerGroup, Worker, WorkerError, register
@@ -174,7 +175,7 @@ def test_one_step_in_process_generates_the_next_batch_during_the_update(tiny_exa
     cfg = load_config(CONFIG_DIR / "tiny_grpo.yaml", tiny_example_overrides(tiny_example, str(tmp_path / "run")) + [
         "data.train_batch_size=4", "actor.ppo_mini_batch_size=4", "rollout.n=2", "trainer.total_steps=3",
         "trainer.save_every=100", "trainer.val_before_train=false", "trainer.val_every=100", "trainer.loggers=[jsonl]",
-        "trainer.off_policy=one_step"])
+        "trainer.off_policy=one_step", SCORE_IN_PROCESS])
     assert cfg.trainer.overlap_with == "thread"  # the default: its worker can be watched here
     trainer = make_trainer(cfg)
     actor, rollout = trainer.groups.actor.workers[0], trainer.groups.rollout.workers[0]
@@ -263,7 +264,7 @@ def test_one_step_in_process_generates_in_a_child_process(tiny_example, tmp_path
     cfg = load_config(CONFIG_DIR / "tiny_grpo.yaml", tiny_example_overrides(tiny_example, str(out)) + [
         "data.train_batch_size=4", "actor.ppo_mini_batch_size=4", "rollout.n=2", "trainer.total_steps=3",
         "trainer.save_every=100", "trainer.val_before_train=false", "trainer.val_every=100", "trainer.loggers=[jsonl]",
-        "trainer.off_policy=one_step", "trainer.overlap_with=process"])
+        "trainer.off_policy=one_step", "trainer.overlap_with=process", SCORE_IN_PROCESS])
     history = make_trainer(cfg).fit()
     assert [m["rollout/staleness_max"] for m in history] == [0.0, 1.0, 1.0]
     pids = {s["rollout_pid"] for rec in read_jsonl(out / "trace.jsonl") for s in rec["samples"]}

@@ -9,6 +9,7 @@ import math
 import pytest
 import torch
 from conftest import train_on_ray  # tests/ is on sys.path (pytest rootdir conftest)
+from tiny_runs import SCORE_IN_PROCESS  # tests/ is on sys.path
 
 from rlcore.checkpoint import CheckpointManager
 from rlcore.cli import CONFIG_DIR
@@ -30,7 +31,7 @@ def pref_files(tiny_example):
 
 
 def _config(example, files, algorithm, out, extra=()):
-    return load_config(CONFIG_DIR / f"tiny_{algorithm}.yaml", train_overrides(example, files, algorithm, str(out)) + list(extra))
+    return load_config(CONFIG_DIR / f"tiny_{algorithm}.yaml", train_overrides(example, files, algorithm, str(out)) + [SCORE_IN_PROCESS, *extra])
 
 
 def _steady(record):

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from tiny_runs import SCORE_IN_PROCESS  # tests/ is on sys.path
 
 from rlcore.checkpoint import CheckpointManager, load_trainer_state
 from rlcore.cli import CONFIG_DIR, tiny_example_overrides
@@ -78,7 +79,7 @@ def test_rl_on_the_reward_models_score_alone_lifts_rule_judged_accuracy(tiny_exa
     _, folder = trained_rm
     # the shipped classic-RLHF recipe (reward model only, KL to the SFT start), its first 10 steps
     cfg = load_config(CONFIG_DIR / f"tiny_{algorithm}_rm.yaml", tiny_example_overrides(tiny_example, str(tmp_path / "run"))
-                      + QUICK + [f"reward_model.path={folder}", "trainer.total_steps=10"])
+                      + QUICK + [f"reward_model.path={folder}", "trainer.total_steps=10", SCORE_IN_PROCESS])
     assert cfg.reward_model.rule_weight == 0.0
     history = make_trainer(cfg).fit()
     records = read_jsonl(tmp_path / "run" / "metrics.jsonl")
@@ -97,6 +98,6 @@ def test_rl_on_the_reward_models_score_alone_lifts_rule_judged_accuracy(tiny_exa
         manager = CheckpointManager(tmp_path / "run" / "checkpoints")
         assert load_trainer_state(manager.latest())["reward_model"]["moments"]["count"] == 10 * samples
         resumed = load_config(CONFIG_DIR / "tiny_ppo_rm.yaml", tiny_example_overrides(tiny_example, str(tmp_path / "run"))
-                              + QUICK + [f"reward_model.path={folder}", "trainer.total_steps=11"])
+                              + QUICK + [f"reward_model.path={folder}", "trainer.total_steps=11", SCORE_IN_PROCESS])
         make_trainer(resumed).fit()
         assert load_trainer_state(manager.latest())["reward_model"]["moments"]["count"] == 11 * samples

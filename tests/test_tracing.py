@@ -9,6 +9,7 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 import torch
+from tiny_runs import SCORE_IN_PROCESS  # tests/ is on sys.path
 
 from rlcore.controller import Dispatch, MethodSpec
 from rlcore.controller.dispatch import plan_dispatch
@@ -88,7 +89,7 @@ def test_trace_jsonl_follows_every_sample_of_every_step(tiny_example, tmp_path):
     cfg = load_config(CONFIG_DIR / "tiny_grpo.yaml", tiny_example_overrides(tiny_example, str(tmp_path / "run")) + [
         "data.train_batch_size=8", "actor.ppo_mini_batch_size=4", "rollout.n=4", "trainer.total_steps=2",
         "trainer.val_before_train=false", "trainer.val_every=100", "trainer.loggers=[jsonl]",
-        "trainer.trace_samples=3", "trainer.trace_max_chars=16",
+        "trainer.trace_samples=3", "trainer.trace_max_chars=16", SCORE_IN_PROCESS,
     ])
     history = make_trainer(cfg).fit()
     trace = read_jsonl(tmp_path / "run" / "trace.jsonl")

@@ -10,6 +10,7 @@ import math
 from pathlib import Path
 
 import pytest
+from tiny_runs import SCORE_IN_PROCESS  # tests/ is on sys.path
 
 from rlcore.cli import CONFIG_DIR, tiny_example_overrides
 from rlcore.config import load_config
@@ -141,6 +142,7 @@ def test_engine_sleeps_after_generation_and_wakes_before_weight_sync(tiny_exampl
         "data.train_batch_size=8", "actor.ppo_mini_batch_size=4", "rollout.n=2", "data.val_batch_size=128",
         "trainer.loggers=[jsonl]", "trainer.total_steps=2", "trainer.val_before_train=false",
         "trainer.device=cpu", f"rollout.sleep={'always' if sleeps else 'never'}", "actor.max_tokens_per_micro_batch=auto",
+        SCORE_IN_PROCESS,
     ]
     trainer = make_trainer(load_config(CONFIG_DIR / "tiny_grpo.yaml", overrides))
     calls: list[str] = []

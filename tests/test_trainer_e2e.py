@@ -15,6 +15,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 from timing import scaled  # tests/ is on sys.path (pytest rootdir conftest)
+from tiny_runs import SCORE_IN_PROCESS  # tests/ is on sys.path
 from transformers import AutoModelForCausalLM
 
 from rlcore.algos import register_policy_loss, vanilla_policy_loss
@@ -36,6 +37,7 @@ QUICK = [
     "data.val_batch_size=128",
     "trainer.val_every=100",
     "trainer.loggers=[jsonl]",
+    SCORE_IN_PROCESS,
 ]
 
 
@@ -173,6 +175,7 @@ def test_reward_function_that_raises_is_counted_and_training_goes_on(tiny_exampl
         tiny_example,
         tmp_path / "run",
         extra=("trainer.total_steps=2", "trainer.val_before_train=false", f"reward.function={fn}:compute_score", "reward.error_score=-1.0",
+               "reward.num_workers=2",  # on the scorer pool: the function raises in its worker processes
                "reward.max_error_fraction=0.5"),  # ~1 in 10 answers ends in 0: below the limit, the run goes on
     )
     history = make_trainer(cfg).fit()

@@ -4,6 +4,7 @@ with n > 1 is refused (it would report pass@n = accuracy)."""
 from __future__ import annotations
 
 import pytest
+from tiny_runs import SCORE_IN_PROCESS  # tests/ is on sys.path
 
 from rlcore.cli import CONFIG_DIR, tiny_example_overrides
 from rlcore.config import ConfigError, load_config
@@ -30,7 +31,7 @@ def test_mean_pass_and_majority_per_prompt_and_source():
 def _config(example, tmp_path, *extra):
     return load_config(CONFIG_DIR / "tiny_grpo.yaml", tiny_example_overrides(example, str(tmp_path / "run")) + [
         "data.train_batch_size=8", "actor.ppo_mini_batch_size=4", "rollout.n=4", "data.val_batch_size=400",
-        "trainer.total_steps=1", "trainer.loggers=[jsonl]", "rollout.backend=hf", *extra])
+        "trainer.total_steps=1", "trainer.loggers=[jsonl]", "rollout.backend=hf", SCORE_IN_PROCESS, *extra])
 
 
 def test_greedy_validation_with_several_samples_is_refused(tiny_example, tmp_path):

@@ -95,6 +95,9 @@ def effective_address(address: str | None) -> str | None:
     return address or os.environ.get("RAY_ADDRESS") or None
 
 
+LOOPBACK_TRIES = 3  # how often ensure_ray asks, and tries, a cluster on a loopback address before giving up
+
+
 def ensure_ray(address: str | None = None, num_cpus: float | None = None, temp_dir: str | None = None) -> bool:
     """Connect to `address`, or start a local cluster. Returns True when this call started Ray
     (the caller then owns `ray.shutdown()`); an already initialised Ray is reused as it is.
@@ -125,14 +128,27 @@ def ensure_ray(address: str | None = None, num_cpus: float | None = None, temp_d
             # --node-ip-address=127.0.0.1` head registers the routable address (Ray rewrote it
             # there), and a plain connection finds it. Only how this process connects changes.
             # The GCS says which it is; each wrong guess would cost Ray's 60 s search for the node.
-            on_loopback = _node_registered_on_loopback(address)
+            # A loaded machine can miss either bound once (the GCS's 10 s answer, Ray's own wait
+            # for the node): ask again before guessing, and a node known to be on loopback is
+            # only ever reached there (a plain connection would wait for it forever).
+            on_loopback = None
+            for _ in range(LOOPBACK_TRIES):
+                on_loopback = _node_registered_on_loopback(address)
+                if on_loopback is not None:
+                    break
             if on_loopback is not False:
-                try:
-                    with _ray_node_ip_kept_local():
-                        ray.init(address=address, log_to_driver=True, _node_ip_address=LOOPBACK)
-                    return True
-                except (ConnectionError, RuntimeError):
-                    ray.shutdown()
+                failure: Exception | None = None
+                for _ in range(LOOPBACK_TRIES if on_loopback else 1):
+                    try:
+                        with _ray_node_ip_kept_local():
+                            ray.init(address=address, log_to_driver=True, _node_ip_address=LOOPBACK)
+                        return True
+                    except (ConnectionError, RuntimeError) as err:
+                        ray.shutdown()
+                        failure = err
+                if on_loopback:
+                    raise ConnectionError(f"could not join the Ray cluster at {address} (its node is on {LOOPBACK}) "
+                                          f"in {LOOPBACK_TRIES} tries: {failure}")
         ray.init(address=address, log_to_driver=True)
         return True
     kwargs: dict[str, Any] = dict(include_dashboard=False, dashboard_host=LOOPBACK, log_to_driver=True,

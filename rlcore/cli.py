@@ -269,6 +269,7 @@ def _cmd_pipeline_serve(args: argparse.Namespace) -> int:
     # The config as run (the example's paths change neither its webhook nor its MLflow store): runs
     # that crash unseen are notified by the server, whatever happens to the processes running them.
     config = load_config(inputs["config_path"], inputs["overrides"])
+    check_pipeline_inputs(inputs, None, data_from_events=not args.cron)  # as `pipeline run`: refused before serving
     if "ray_address" in inputs:
         check_job_server(inputs["ray_address"])
     if args.unresponsive_after <= args.heartbeat:

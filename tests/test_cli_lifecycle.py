@@ -1,5 +1,5 @@
 """What a person sees from the `rlcore` command around the pipeline (#14): its version; a config
-typo in `pipeline run` reported in one line before Prefect starts (-v anywhere adds the
+typo or a placeholder left in a config reported by `pipeline run` in one line before Prefect starts (-v anywhere adds the
 traceback); rlcore configuring only its own loggers, so Prefect's log lines keep their format; a
 clear message naming the setting when Prefect's ephemeral server is slow to start; `pipeline emit`
 reaching the server without importing torch; data prep not retrying a data error; progress with
@@ -22,6 +22,7 @@ from timing import scaled  # tests/ is on sys.path (pytest rootdir conftest)
 import rlcore
 from rlcore import cli
 from rlcore.console_log import configure_logging
+from rlcore.errors import RLCoreError
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY_GRPO = str(ROOT / "rlcore" / "configs" / "tiny_grpo.yaml")
@@ -222,3 +223,53 @@ def test_plots_have_y_axis_labels(tmp_path: Path) -> None:
     fig = curve_figure("kl", {"actor/kl": [(1, 0.01), (2, 0.02)]})
     [ax] = fig.axes
     assert ax.get_ylabel() == "KL to the reference (per token)" and ax.get_xlabel() == "step"
+
+
+def _refusal(capsys: pytest.CaptureFixture[str], argv: list[str]) -> tuple[int, list[str]]:
+    code = cli.main(argv)
+    return code, capsys.readouterr().err.splitlines()
+
+
+def test_pipeline_run_refuses_a_config_still_holding_placeholders_naming_the_keys(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch) -> None:
+    """A shipped config given as is (`REPLACE_WITH_...` paths) is one line, exit 2, before Prefect
+    starts (it used to fail ~3 min into the flow); keys the pipeline fills itself are not named."""
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("PREFECT_HOME", str(tmp_path / "prefect"))
+    code, err = _refusal(capsys, ["pipeline", "run", "--config", TINY_GRPO])
+    assert code == 2 and err == ["rlcore: error: --config: still holds placeholders model.path (REPLACE_WITH_MODEL_DIR), "
+                                 "data.train_files (REPLACE_WITH_TRAIN_FILE), data.val_files (REPLACE_WITH_VAL_FILE): "
+                                 "set them in the file or override (e.g. model.path=...)"]
+    data = tmp_path / "new.jsonl"
+    data.write_text("{}\n")
+    # --data fills data.train_files; what is left is named alone
+    code, err = _refusal(capsys, ["pipeline", "run", "--config", TINY_GRPO, "--data", str(data), "model.path=/m",
+                                  "--output-dir", str(tmp_path / "w")])
+    assert code == 2 and err == ["rlcore: error: --config: still holds placeholder data.val_files (REPLACE_WITH_VAL_FILE): "
+                                 "set it in the file or override (e.g. data.val_files=...)"]
+    # --reward model fills the policy's reward_model.path; the reward model's own config is checked too
+    rm = str(ROOT / "rlcore" / "configs" / "tiny_rm.yaml")
+    code, err = _refusal(capsys, ["pipeline", "run", "--config", str(ROOT / "rlcore" / "configs" / "tiny_grpo_rm.yaml"),
+                                  "--reward", "model", "--reward-config", rm, "model.path=/m", "data.train_files=[/t]",
+                                  "data.val_files=[/v]", "--reward-override", "model.path=/m"])
+    assert code == 2 and err == ["rlcore: error: --reward-config: still holds placeholders data.train_files "
+                                 "(REPLACE_WITH_DPO_TRAIN_FILE), data.val_files (REPLACE_WITH_DPO_VAL_FILE): set them in the "
+                                 "file or override (e.g. data.train_files=...)"]
+    assert not (tmp_path / "prefect").exists() and not (tmp_path / "mlflow.db").exists()  # nothing started
+
+
+def test_pipeline_checks_pass_what_the_pipeline_fills_in_itself() -> None:
+    """The tiny example (every recipe, --reward model too): model and data paths come from the example
+    the flow builds; a served deployment without a cron schedule gets its data from events."""
+    from rlcore.algorithms import names_where
+    from rlcore.pipeline_checks import check_pipeline_inputs
+
+    for algorithm in names_where(generates=True):
+        for reward in ("rule", "model"):
+            args = cli.parse_args(["pipeline", "run", "--algorithm", algorithm, "--reward", reward])
+            check_pipeline_inputs(cli._pipeline_inputs(args), None)
+    served = cli._pipeline_inputs(cli.parse_args(["pipeline", "serve", "--config", TINY_GRPO, "model.path=/m",
+                                                  "data.val_files=[/v]"]))
+    check_pipeline_inputs(served, None, data_from_events=True)
+    with pytest.raises(RLCoreError, match=r"^--config: still holds placeholder data.train_files \(REPLACE_WITH_TRAIN_FILE\)"):
+        check_pipeline_inputs(served, None)  # a cron run would train on the config's files

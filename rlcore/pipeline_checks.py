@@ -63,10 +63,9 @@ def check_pipeline_inputs(inputs: dict[str, Any], data_path: str | None, data_fr
         rm_config = load_config(inputs["reward_config_path"], inputs["reward_overrides"])
         rm_policy = [f"reward_model.path={champion_alias_uri(rm_config)}"]  # as the flow: trained against its champion
     config = load_config(inputs["config_path"], [*rm_policy, *inputs["overrides"], *extra])
-    check_no_placeholders(config, "--config", STAGE_FILLED | example | ({"data.train_files"} if data_from_events else set()))
     if rm_policy:
         check_reward_model_config(rm_config, config)
-        check_no_placeholders(rm_config, "--reward-config", STAGE_FILLED | example)
+    sft_config = None
     if sft:  # the warm start's config as its stage will load it (rlcore.lifecycle.stages.sft_stage_config)
         sft_data = [f"data.train_files=[{sft['data_path']}]"] if sft.get("data_path") else []
         try:
@@ -74,7 +73,12 @@ def check_pipeline_inputs(inputs: dict[str, Any], data_path: str | None, data_fr
                                          [f"model.path={config.model.path}", *sft_data, *sft.get("overrides", [])])
         except RLCoreError as err:
             raise RLCoreError(f"--sft-config/--sft-data: {err}") from None
-        check_no_placeholders(sft_config, "--sft-config/--sft-data", STAGE_FILLED | example)  # model.path: the RL config's
+    # then what is left to fill in, once every config is known to load
+    check_no_placeholders(config, "--config", STAGE_FILLED | example | ({"data.train_files"} if data_from_events else set()))
+    if rm_policy:
+        check_no_placeholders(rm_config, "--reward-config", STAGE_FILLED | example)
+    if sft_config is not None:  # its model.path is the RL config's (checked above)
+        check_no_placeholders(sft_config, "--sft-config/--sft-data", STAGE_FILLED | example)
     return config
 
 

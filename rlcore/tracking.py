@@ -268,7 +268,11 @@ def end_mlflow_run(client: Any, run_id: str, status: str = "FINISHED") -> None:
         client.set_terminated(run_id, status=status)
     finally:
         os.environ.pop(MLFLOW_LINKS_VAR, None)
-    info = client.get_run(run_id).info
+    try:  # a link is not worth a failed stage
+        info = client.get_run(run_id).info
+    except Exception as err:  # noqa: BLE001
+        log.warning("MLflow run %s ended %s; its page is not known: %s", run_id, status, err)
+        return
     print(f"rlcore: MLflow run {info.run_name} ({status}): {mlflow_run_url(uri, info.experiment_id, run_id)}",
           file=sys.stderr, flush=True)
 

@@ -212,7 +212,7 @@ def test_a_process_death_is_never_retried_and_every_task_says_so() -> None:
                   SystemExit(1), KeyboardInterrupt()):
         assert not retry_if_transient(None, None, Failed(data=death)), repr(death)
     assert retry_if_transient(None, None, Failed(data=ConnectionResetError("tracking server reset")))  # still transient
-    assert retry_if_transient(None, None, Failed(data=RuntimeError("from", ValueError()).__class__("plain")))
+    assert retry_if_transient(None, None, Failed(data=RuntimeError("the tracking store answered 503")))
 
     stages = [data_prep.prepare_data_task, train.train_task, train.sft_task, evaluate.evaluate_task, promote.promote_task,
               reward_model.train_reward_model_task, reward_model.evaluate_reward_model_task]

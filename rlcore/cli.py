@@ -21,6 +21,7 @@ from rlcore.config import Config, load_config, load_sft_config
 from rlcore.console_log import configure_logging, redacted_excepthook
 from rlcore.errors import RLCoreError
 from rlcore.lifecycle.job_server import TIMEOUT_S as JOB_SERVER_TIMEOUT_S
+from rlcore.lifecycle.retry import LOOKUP_RETRIES, STAGE_RETRIES
 from rlcore.pipeline_checks import check_job_server, check_pipeline_inputs, ray_address
 from rlcore.pipeline_summary import format_summary
 from rlcore.redact import redact_text
@@ -190,6 +191,8 @@ def _pipeline_inputs(args: argparse.Namespace) -> dict:
     }
     if args.ray_address is not None:  # only when given: a deployment made without it keeps the flow's default
         inputs["ray_address"] = ray_address(args.ray_address)
+    if args.retries is not None:  # likewise
+        inputs["retries"] = args.retries
     if args.reward == "model":
         if args.reward_config is None and not example:
             raise RLCoreError("--reward model: give the reward model's training config (--reward-config FILE, "
@@ -269,6 +272,7 @@ def _cmd_pipeline_serve(args: argparse.Namespace) -> int:
     # The config as run (the example's paths change neither its webhook nor its MLflow store): runs
     # that crash unseen are notified by the server, whatever happens to the processes running them.
     config = load_config(inputs["config_path"], inputs["overrides"])
+    check_pipeline_inputs(inputs, None, data_from_events=not args.cron)  # as `pipeline run`: refused before serving
     if "ray_address" in inputs:
         check_job_server(inputs["ray_address"])
     if args.unresponsive_after <= args.heartbeat:
@@ -277,7 +281,8 @@ def _cmd_pipeline_serve(args: argparse.Namespace) -> int:
           f"on {redact_text(str(_require_server()))}; Ctrl-C or SIGTERM stops it", file=sys.stderr, flush=True)
     serve_until_stopped(load_flow(), inputs, cron=args.cron or None, watch_dir=args.watch,
                         watch_interval_s=args.watch_interval, limit=args.limit, webhook_url=config.registry.webhook_url,
-                        unresponsive_after_s=args.unresponsive_after, heartbeat_s=args.heartbeat, config=config)
+                        unresponsive_after_s=args.unresponsive_after, heartbeat_s=args.heartbeat, config=config,
+                        concurrency_limit=args.concurrency_limit)
     return 0
 
 
@@ -294,6 +299,20 @@ def _cmd_pipeline_emit(args: argparse.Namespace) -> int:
         return 2
     print(emit_data_arrived(path))
     return 0
+
+
+def _count(least: int):
+    """An argparse type: a whole number >= `least` (the option's name is in argparse's message)."""
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected a whole number, got {text!r}") from None
+        if value < least:
+            raise argparse.ArgumentTypeError(f"expected {least} or more, got {value}")
+        return value
+
+    return parse
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -375,6 +394,10 @@ def build_parser() -> argparse.ArgumentParser:
                             "same paths there. Checked first: resolving its host, connecting and the job server's "
                             f"answer must each finish within {JOB_SERVER_TIMEOUT_S:g} s. Default: every stage runs in this "
                             "process")
+        p.add_argument("--retries", type=_count(0), default=None, metavar="N",
+                       help=f"try each stage again up to N times after a transient failure (I/O, the tracking store; "
+                            f"default {STAGE_RETRIES}; the registry reads {LOOKUP_RETRIES}); a data or config error, or the "
+                            "death of a process of the run (a worker killed, a broken pipe), is never retried")
 
     run = pipeline_sub.add_parser("run", help="run rl_pipeline once (ephemeral Prefect, SQLite MLflow here) and print a summary")
     common(run)
@@ -386,7 +409,10 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--cron", default="0 3 * * *", help="retraining schedule ('' for none)")
     serve.add_argument("--watch", default=None, help="directory whose new data files trigger a run")
     serve.add_argument("--watch-interval", type=float, default=5.0)
-    serve.add_argument("--limit", type=int, default=1, help="concurrent flow runs")
+    serve.add_argument("--limit", type=int, default=1, help="concurrent flow runs of this serving process")
+    serve.add_argument("--concurrency-limit", type=_count(1), default=None, metavar="N",
+                       help="concurrent runs of the deployment on the Prefect server, whoever serves them (runs "
+                            "beyond it wait in Scheduled, Prefect's ENQUEUE); default: no limit (--limit per process)")
     serve.add_argument("--heartbeat", type=float, default=30.0, metavar="SECONDS",
                        help="a served run's heartbeat interval (rlcore's liveness events)")
     serve.add_argument("--unresponsive-after", type=float, default=90.0, metavar="SECONDS",

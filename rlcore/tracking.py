@@ -207,11 +207,74 @@ class MlflowSink:
 
     def close(self) -> None:
         if self.end_run_on_close:
-            self.client.set_terminated(self.run_id, status="FINISHED")
+            end_mlflow_run(self.client, self.run_id)
 
 
 def default_tracking_uri(workdir: str | Path | None = None) -> str:
     return f"sqlite:///{(Path(workdir) if workdir else Path.cwd()).resolve() / 'mlflow.db'}"
+
+
+# ---------------------------------------------------------------------- MLflow UI links
+MLFLOW_UI_DEFAULT = "http://127.0.0.1:5000"  # where `mlflow ui` serves a local store
+# MLflow 3.17's UI shows an experiment as GenAI (traces, evaluations) or model training by a switch of
+# its own, kept per browser and GenAI by default; a link can choose (the experiment's
+# `mlflow.experimentKind` tag no longer decides it).
+MLFLOW_TRAINING_VIEW = "?workflowType=machine_learning"
+MLFLOW_LINKS_VAR = "MLFLOW_SUPPRESS_PRINTING_URL_TO_STDOUT"  # MLflow's own "View run" lines (stdout, GenAI view)
+
+
+def is_tracking_server(tracking_uri: str) -> bool:
+    """A tracking server (its UI is served at the same address), not a store read in this process."""
+    return tracking_uri.startswith(("http://", "https://"))
+
+
+def mlflow_ui_base(tracking_uri: str) -> str:
+    """The MLflow UI of a store: the tracking server itself, or `mlflow ui` on a local one."""
+    return tracking_uri.rstrip("/") if is_tracking_server(tracking_uri) else MLFLOW_UI_DEFAULT
+
+
+def mlflow_experiment_url(tracking_uri: str, experiment_id: str) -> str:
+    return f"{mlflow_ui_base(tracking_uri)}/#/experiments/{experiment_id}{MLFLOW_TRAINING_VIEW}"
+
+
+def mlflow_run_url(tracking_uri: str, experiment_id: str, run_id: str) -> str:
+    return f"{mlflow_ui_base(tracking_uri)}/#/experiments/{experiment_id}/runs/{run_id}{MLFLOW_TRAINING_VIEW}"
+
+
+def model_version_url(tracking_uri: str, model: str, version: str) -> str:
+    return f"{mlflow_ui_base(tracking_uri)}/#/models/{model}/versions/{version}{MLFLOW_TRAINING_VIEW}"
+
+
+def mlflow_ui_hint(tracking_uri: str, experiment_id: str) -> str:
+    """Where to see a store's runs: a tracking server's own UI (the experiment, model-training view),
+    a Databricks workspace, or `mlflow ui` started over a store this process wrote to directly."""
+    if is_tracking_server(tracking_uri):
+        return mlflow_experiment_url(tracking_uri, experiment_id)
+    if tracking_uri.startswith("databricks"):
+        return f"the experiment {experiment_id} in the Databricks workspace of {tracking_uri}"
+    return f"mlflow ui --backend-store-uri {tracking_uri}  (UI at {mlflow_experiment_url(tracking_uri, experiment_id)})"
+
+
+def end_mlflow_run(client: Any, run_id: str, status: str = "FINISHED") -> None:
+    """End a run. Against a tracking server MLflow prints "View run ... at" to stdout (into
+    `pipeline run --json`'s output) with a link opening the GenAI view: rlcore prints the run's
+    model-training page on stderr instead, unless the user set MLFLOW_SUPPRESS_PRINTING_URL_TO_STDOUT."""
+    uri = str(client.tracking_uri)
+    if not is_tracking_server(uri) or MLFLOW_LINKS_VAR in os.environ:
+        client.set_terminated(run_id, status=status)
+        return
+    os.environ[MLFLOW_LINKS_VAR] = "true"
+    try:
+        client.set_terminated(run_id, status=status)
+    finally:
+        os.environ.pop(MLFLOW_LINKS_VAR, None)
+    try:  # a link is not worth a failed stage
+        info = client.get_run(run_id).info
+    except Exception as err:  # noqa: BLE001
+        log.warning("MLflow run %s ended %s; its page is not known: %s", run_id, status, err)
+        return
+    print(f"rlcore: MLflow run {info.run_name} ({status}): {mlflow_run_url(uri, info.experiment_id, run_id)}",
+          file=sys.stderr, flush=True)
 
 
 def flatten(tree: dict[str, Any], prefix: str = "") -> dict[str, str]:
@@ -266,7 +329,7 @@ class MlflowStore:
         return run.info.run_id
 
     def end_run(self, run_id: str, status: str = "FINISHED") -> None:
-        self.client.set_terminated(run_id, status=status)
+        end_mlflow_run(self.client, run_id, status)
 
     def log_params(self, run_id: str, params: dict[str, Any]) -> None:
         from mlflow.entities import Param
@@ -300,7 +363,7 @@ class MlflowStore:
         return f"{base}/{path}" if path else base
 
     def run_url_hint(self) -> str:
-        return f"mlflow ui --backend-store-uri {self.tracking_uri}"
+        return mlflow_ui_hint(self.tracking_uri, self.experiment_id)
 
 
 def open_tracker(loggers: Iterable[str], run_dir: Path, total_steps: int, *, mlflow_uri: str | None = None,

@@ -1,5 +1,5 @@
 """What a person sees from the `rlcore` command around the pipeline (#14): its version; a config
-typo in `pipeline run` reported in one line before Prefect starts (-v anywhere adds the
+typo or a placeholder left in a config reported by `pipeline run` in one line before Prefect starts (-v anywhere adds the
 traceback); rlcore configuring only its own loggers, so Prefect's log lines keep their format; a
 clear message naming the setting when Prefect's ephemeral server is slow to start; `pipeline emit`
 reaching the server without importing torch; data prep not retrying a data error; progress with
@@ -22,6 +22,7 @@ from timing import scaled  # tests/ is on sys.path (pytest rootdir conftest)
 import rlcore
 from rlcore import cli
 from rlcore.console_log import configure_logging
+from rlcore.errors import RLCoreError
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY_GRPO = str(ROOT / "rlcore" / "configs" / "tiny_grpo.yaml")
@@ -110,7 +111,8 @@ def test_ephemeral_start_up_timeout_defaults_longer_unless_set(monkeypatch: pyte
 @pytest.mark.prefect  # Prefect's ephemeral server (in the CLI's process), the behaviour under test: not the session's
 def test_ephemeral_server_timeout_names_the_setting_and_prefect_logs_keep_their_format(tmp_path: Path) -> None:
     env = cli_env(tmp_path, PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS="0")
-    done = rlcore_cli(["pipeline", "run", "--config", TINY_GRPO], tmp_path, env)
+    paths = ["model.path=/m", "data.train_files=[/t]", "data.val_files=[/v]"]  # past the placeholder check; never read
+    done = rlcore_cli(["pipeline", "run", "--config", TINY_GRPO, *paths], tmp_path, env)
     assert done.returncode == 2
     [message] = [ln for ln in done.stderr.splitlines() if ln.startswith("rlcore: error:")]
     assert "did not start within 0 s (PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS)" in message
@@ -159,7 +161,8 @@ def test_data_prep_does_not_retry_a_data_error(tmp_path: Path, prefect_api) -> N
     api, _ = prefect_api
     bad = tmp_path / "bad.jsonl"
     bad.write_text(json.dumps({"data_source": "x", "prompt": [{"role": "user", "content": "1+1"}]}) + "\n")
-    done = rlcore_cli(["pipeline", "run", "--config", TINY_GRPO, "--data", str(bad), "data.val_files=[]"], tmp_path,
+    done = rlcore_cli(["pipeline", "run", "--config", TINY_GRPO, "--data", str(bad), "data.val_files=[]", "model.path=/no",
+                       "--retries", "3"], tmp_path,
                       cli_env(tmp_path, PREFECT_API_URL=api))
     assert done.returncode == 2, done.stderr[-3000:]
     assert "rlcore: error: 1 bad row(s) in the dataset:" in done.stderr
@@ -176,13 +179,65 @@ def test_data_prep_retries_only_transient_failures() -> None:
 
     from rlcore.data.schema import DataValidationError
     from rlcore.flows.data_prep import prepare_data_task
-    from rlcore.lifecycle.data_prep import retry_if_transient
+    from rlcore.lifecycle.retry import retry_if_transient
 
     assert prepare_data_task.retries == 1 and prepare_data_task.retry_condition_fn is retry_if_transient
     for transient in (OSError("disk hiccup"), TimeoutError("tracking store"), ConnectionError("reset")):
         assert retry_if_transient(prepare_data_task, None, Failed(data=transient))  # no task run needed
     for final in (DataValidationError([]), ValueError("no training rows left"), KeyError("prompt")):
         assert not retry_if_transient(prepare_data_task, None, Failed(data=final))
+
+
+@pytest.mark.slow  # imports Prefect, MLflow, torch and Ray
+def test_a_process_death_is_never_retried_and_every_task_says_so() -> None:
+    """A dead process (the serving process gone: a broken pipe; a worker killed or out of memory) is
+    final, also when wrapped by the code that saw it; every task of the pipeline asks the same
+    condition, with the documented number of retries (`--retries` changes the stages')."""
+    import ray.exceptions
+    from prefect.states import Failed
+
+    from rlcore.controller.ray_backend import WorkerDiedError
+    from rlcore.flows import data_prep, evaluate, promote, reward_model, train
+    from rlcore.lifecycle.retry import LOOKUP_RETRIES, STAGE_RETRIES, retry_if_transient
+
+    died = WorkerDiedError("actor", 1, "update", "ActorDiedError: killed by SIGKILL", "", node_id=None)
+    try:
+        try:
+            raise BrokenPipeError(32, "Broken pipe")
+        except BrokenPipeError as err:
+            raise RuntimeError("could not log the step") from err
+    except RuntimeError as err:
+        wrapped = err
+    for death in (BrokenPipeError(32, "Broken pipe"), died, MemoryError(), wrapped, ray.exceptions.RayActorError(),
+                  SystemExit(1), KeyboardInterrupt()):
+        assert not retry_if_transient(None, None, Failed(data=death)), repr(death)
+    assert retry_if_transient(None, None, Failed(data=ConnectionResetError("tracking server reset")))  # still transient
+    assert retry_if_transient(None, None, Failed(data=RuntimeError("the tracking store answered 503")))
+
+    stages = [data_prep.prepare_data_task, train.train_task, train.sft_task, evaluate.evaluate_task, promote.promote_task,
+              reward_model.train_reward_model_task, reward_model.evaluate_reward_model_task]
+    lookups = [train.champion_task, reward_model.reward_model_in_use_task]
+    for task in stages + lookups:
+        assert task.retry_condition_fn is retry_if_transient, task.name
+    assert [t.retries for t in stages] == [STAGE_RETRIES] * len(stages) and STAGE_RETRIES == 1
+    assert [t.retries for t in lookups] == [LOOKUP_RETRIES] * len(lookups) and LOOKUP_RETRIES == 2
+
+
+def test_retries_and_concurrency_limit_options(capsys: pytest.CaptureFixture[str]) -> None:
+    """`--retries N` becomes the flow's `retries` parameter (absent: the flow's default, so a deployment
+    made without it keeps it); `--concurrency-limit N` is the served deployment's; nonsense is one line."""
+    assert cli._pipeline_inputs(cli.parse_args(["pipeline", "run", "--retries", "0"]))["retries"] == 0
+    assert "retries" not in cli._pipeline_inputs(cli.parse_args(["pipeline", "serve"]))
+    assert cli.parse_args(["pipeline", "serve", "--concurrency-limit", "2"]).concurrency_limit == 2
+    assert cli.parse_args(["pipeline", "serve"]).concurrency_limit is None
+    for argv, line in ((["pipeline", "run", "--retries", "-1"], "argument --retries: expected 0 or more, got -1"),
+                       (["pipeline", "serve", "--concurrency-limit", "0"], "argument --concurrency-limit: expected 1 or more, got 0"),
+                       (["pipeline", "serve", "--concurrency-limit", "two"],
+                        "argument --concurrency-limit: expected a whole number, got 'two'")):
+        with pytest.raises(SystemExit) as stopped:
+            cli.main(argv)
+        assert stopped.value.code == 2
+        assert capsys.readouterr().err.splitlines()[-1].endswith(f"error: {line}")
 
 
 def test_console_sink_shows_elapsed_and_remaining(capsys: pytest.CaptureFixture[str]) -> None:
@@ -222,3 +277,53 @@ def test_plots_have_y_axis_labels(tmp_path: Path) -> None:
     fig = curve_figure("kl", {"actor/kl": [(1, 0.01), (2, 0.02)]})
     [ax] = fig.axes
     assert ax.get_ylabel() == "KL to the reference (per token)" and ax.get_xlabel() == "step"
+
+
+def _refusal(capsys: pytest.CaptureFixture[str], argv: list[str]) -> tuple[int, list[str]]:
+    code = cli.main(argv)
+    return code, capsys.readouterr().err.splitlines()
+
+
+def test_pipeline_run_refuses_a_config_still_holding_placeholders_naming_the_keys(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch) -> None:
+    """A shipped config given as is (`REPLACE_WITH_...` paths) is one line, exit 2, before Prefect
+    starts (it used to fail ~3 min into the flow); keys the pipeline fills itself are not named."""
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("PREFECT_HOME", str(tmp_path / "prefect"))
+    code, err = _refusal(capsys, ["pipeline", "run", "--config", TINY_GRPO])
+    assert code == 2 and err == ["rlcore: error: --config: still holds placeholders model.path (REPLACE_WITH_MODEL_DIR), "
+                                 "data.train_files (REPLACE_WITH_TRAIN_FILE), data.val_files (REPLACE_WITH_VAL_FILE): "
+                                 "set them in the file or override (e.g. model.path=...)"]
+    data = tmp_path / "new.jsonl"
+    data.write_text("{}\n")
+    # --data fills data.train_files; what is left is named alone
+    code, err = _refusal(capsys, ["pipeline", "run", "--config", TINY_GRPO, "--data", str(data), "model.path=/m",
+                                  "--output-dir", str(tmp_path / "w")])
+    assert code == 2 and err == ["rlcore: error: --config: still holds placeholder data.val_files (REPLACE_WITH_VAL_FILE): "
+                                 "set it in the file or override (e.g. data.val_files=...)"]
+    # --reward model fills the policy's reward_model.path; the reward model's own config is checked too
+    rm = str(ROOT / "rlcore" / "configs" / "tiny_rm.yaml")
+    code, err = _refusal(capsys, ["pipeline", "run", "--config", str(ROOT / "rlcore" / "configs" / "tiny_grpo_rm.yaml"),
+                                  "--reward", "model", "--reward-config", rm, "model.path=/m", "data.train_files=[/t]",
+                                  "data.val_files=[/v]", "--reward-override", "model.path=/m"])
+    assert code == 2 and err == ["rlcore: error: --reward-config: still holds placeholders data.train_files "
+                                 "(REPLACE_WITH_DPO_TRAIN_FILE), data.val_files (REPLACE_WITH_DPO_VAL_FILE): set them in the "
+                                 "file or override (e.g. data.train_files=...)"]
+    assert not (tmp_path / "prefect").exists() and not (tmp_path / "mlflow.db").exists()  # nothing started
+
+
+def test_pipeline_checks_pass_what_the_pipeline_fills_in_itself() -> None:
+    """The tiny example (every recipe, --reward model too): model and data paths come from the example
+    the flow builds; a served deployment without a cron schedule gets its data from events."""
+    from rlcore.algorithms import names_where
+    from rlcore.pipeline_checks import check_pipeline_inputs
+
+    for algorithm in names_where(generates=True):
+        for reward in ("rule", "model"):
+            args = cli.parse_args(["pipeline", "run", "--algorithm", algorithm, "--reward", reward])
+            check_pipeline_inputs(cli._pipeline_inputs(args), None)
+    served = cli._pipeline_inputs(cli.parse_args(["pipeline", "serve", "--config", TINY_GRPO, "model.path=/m",
+                                                  "data.val_files=[/v]"]))
+    check_pipeline_inputs(served, None, data_from_events=True)
+    with pytest.raises(RLCoreError, match=r"^--config: still holds placeholder data.train_files \(REPLACE_WITH_TRAIN_FILE\)"):
+        check_pipeline_inputs(served, None)  # a cron run would train on the config's files

@@ -45,6 +45,7 @@ def test_rl_pipeline_parameters_and_task_policies():
     params = flow.parameters.properties
     assert {"config_path", "overrides", "data_path", "example", "workdir", "ray_address"} <= set(params)
     assert params["ray_address"]["default"] is None  # without it every stage runs in the flow's process
+    assert params["retries"]["default"] is None  # the tasks' own (rlcore.lifecycle.retry), unless --retries N
     from rlcore.flows.data_prep import prepare_data_task
     from rlcore.flows.train import train_task
 
@@ -64,3 +65,6 @@ def test_deployment_has_cron_and_data_trigger():
     assert trigger.expect == {"rlcore.data.arrived"}
     assert trigger.parameters == {"data_path": "{{ event.payload.path }}"}
     assert dep.parameters == {"example": True}
+    assert dep.concurrency_limit is None  # no limit unless `pipeline serve --concurrency-limit N`
+    limited = build_deployment(load_flow(), {"example": True}, cron=None, concurrency_limit=2)
+    assert limited.concurrency_limit == 2 and limited.concurrency_options is None  # Prefect's default: ENQUEUE

@@ -54,7 +54,9 @@ def test_pipeline_run_twice_warm_starts_from_champion(tiny_example, tmp_path, pr
     # Same val data, greedy, exactly: the example's greedy choices lead by > 1e-3 logits (test_example_build),
     # so this process's kernels cannot flip an answer of the pinned build's evaluation.
     assert first["accuracy_before"] == pytest.approx(tiny_example.sft_greedy_accuracy)
-    assert "mlflow ui --backend-store-uri sqlite:///" in first["mlflow_ui"]
+    assert first["mlflow_ui"].startswith(f"mlflow ui --backend-store-uri sqlite:///{work / 'mlflow.db'}  (UI at http://127.0.0.1:5000/#/experiments/")
+    assert first["prefect_ui"] == f"Prefect UI at {prefect_api[0].removesuffix('/api')}"  # the server in use, not :4200
+    assert first["links"]["mlflow_run"].endswith(f"/runs/{first['mlflow_run_id']}?workflowType=machine_learning")
 
     second_proc = run_cli(["pipeline", "run", "--json", *QUICK, "registry.promotion_margin=0.5"], work, env)
     second = json.loads(second_proc.stdout)

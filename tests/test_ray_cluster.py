@@ -144,8 +144,8 @@ def test_a_failed_or_stopped_ray_job_raises_with_its_reason(ray_cluster):
     (`rlcore: ...` lines), and whether a retry may help (a refused input or a stopped job: no)."""
     import threading
 
-    from rlcore.lifecycle.data_prep import is_deterministic
     from rlcore.lifecycle.ray_job import RayJobRefused, RayJobStopped, finish_job, job_client, submit
+    from rlcore.lifecycle.retry import is_deterministic
 
     client = job_client(ray_cluster.dashboard_url)
     try:

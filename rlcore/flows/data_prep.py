@@ -15,8 +15,8 @@ from prefect.utilities.annotations import NotSet
 from rlcore.config import config_from_dict
 from rlcore.flows.results import DATA_ONLY_JSON, result_storage_for
 from rlcore.lifecycle import pipeline_run, stages
-from rlcore.lifecycle.data_prep import retry_if_transient
 from rlcore.lifecycle.results import PipelineContext, PreparedData
+from rlcore.lifecycle.retry import STAGE_RETRIES, retry_if_transient
 from rlcore.redact import redacts_errors  # a failed task's or flow's message is stored by Prefect
 
 
@@ -28,10 +28,10 @@ def _cache_key(context: Any, parameters: dict[str, Any]) -> str:
     return f"rlcore-data-prep-{key}-{workdir}"
 
 
-# Retried once for a transient failure (I/O, the tracking store); a data or config error is final.
+# Retried once (STAGE_RETRIES) for a transient failure (I/O, the tracking store); a data or config error is final.
 # Call it through `prepare_data`, which stores its result under the workdir.
 @task(name="data_prep", cache_key_fn=_cache_key, persist_result=True, result_serializer=DATA_ONLY_JSON,
-      retries=1, retry_delay_seconds=2, retry_condition_fn=retry_if_transient)
+      retries=STAGE_RETRIES, retry_delay_seconds=2, retry_condition_fn=retry_if_transient)
 @redacts_errors
 def prepare_data_task(config: dict[str, Any], workdir: str, val_fraction: float = 0.1,
                       ctx: PipelineContext | None = None) -> PreparedData:
@@ -39,9 +39,11 @@ def prepare_data_task(config: dict[str, Any], workdir: str, val_fraction: float 
 
 
 def prepare_data(config: dict[str, Any], workdir: str, val_fraction: float = 0.1, ctx: PipelineContext | None = None,
-                 *, refresh: bool = False) -> PreparedData:
-    """The data_prep task, its cached result kept in `<workdir>/task-results` (`refresh`: recompute)."""
-    task = prepare_data_task.with_options(result_storage=result_storage_for(workdir), refresh_cache=True if refresh else NotSet)
+                 *, refresh: bool = False, retries: int | None = None) -> PreparedData:
+    """The data_prep task, its cached result kept in `<workdir>/task-results` (`refresh`: recompute;
+    `retries`: its retries after a transient failure, None: STAGE_RETRIES)."""
+    task = prepare_data_task.with_options(result_storage=result_storage_for(workdir), refresh_cache=True if refresh else NotSet,
+                                          retries=STAGE_RETRIES if retries is None else retries)
     return task(config, workdir, val_fraction, ctx)
 
 

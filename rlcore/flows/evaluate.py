@@ -10,12 +10,13 @@ from prefect.cache_policies import NO_CACHE
 
 from rlcore.config import config_from_dict
 from rlcore.lifecycle import pipeline_run, ray_job, stages
-from rlcore.lifecycle.data_prep import retry_if_transient
 from rlcore.lifecycle.results import Evaluation, PipelineContext
+from rlcore.lifecycle.retry import STAGE_RETRIES, retry_if_transient
 from rlcore.redact import redacts_errors  # a failed task's or flow's message is stored by Prefect
 
 
-@task(name="evaluate", retries=1, retry_delay_seconds=2, retry_condition_fn=retry_if_transient, timeout_seconds=3600, cache_policy=NO_CACHE)
+@task(name="evaluate", retries=STAGE_RETRIES, retry_delay_seconds=2, retry_condition_fn=retry_if_transient, timeout_seconds=3600,
+      cache_policy=NO_CACHE)
 @redacts_errors
 def evaluate_task(config: dict[str, Any], candidate_dir: str, baseline_dir: str, baseline_name: str,
                   reference_dir: str, val_file: str, workdir: str, ctx: PipelineContext | None = None,

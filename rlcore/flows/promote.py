@@ -11,12 +11,12 @@ from prefect.cache_policies import NO_CACHE
 
 from rlcore.config import config_from_dict
 from rlcore.lifecycle import promotion
-from rlcore.lifecycle.data_prep import retry_if_transient
 from rlcore.lifecycle.results import Evaluation, PipelineContext, Promotion, TrainResult
+from rlcore.lifecycle.retry import STAGE_RETRIES, retry_if_transient
 from rlcore.redact import redacts_errors  # a failed task's or flow's message is stored by Prefect
 
 
-@task(name="promote", retries=1, retry_delay_seconds=2, retry_condition_fn=retry_if_transient, cache_policy=NO_CACHE)
+@task(name="promote", retries=STAGE_RETRIES, retry_delay_seconds=2, retry_condition_fn=retry_if_transient, cache_policy=NO_CACHE)
 @redacts_errors
 def promote_task(config: dict[str, Any], train: TrainResult, evaluation: Evaluation, workdir: str,
                  ctx: PipelineContext) -> Promotion:

@@ -29,6 +29,7 @@ from pathlib import Path
 from typing import Any
 
 from prefect import flow
+from prefect.utilities.annotations import NotSet
 
 from rlcore.example.overrides import example_overrides, example_rm_overrides
 from rlcore.flows.data_prep import prepare_data
@@ -74,13 +75,17 @@ def rl_pipeline(
     reward_config_path: str | None = None,
     reward_overrides: list[str] | None = None,
     ray_address: str | None = None,
+    retries: int | None = None,
 ) -> Summary:
     """`example=True` points the config at the built-in tiny example (before `overrides`; and the
     reward model's config at its preference set).
     `sft`: {"data_path", "config_path", "overrides"} of a supervised warm start (see
     `rlcore.lifecycle.stages.sft_stage`); None: RL starts from `model.path` as given.
     `reward`: "rule" (the config's reward) or "model" (train and gate a reward model first, see the
-    module's doc)."""
+    module's doc).
+    `retries`: how many times each stage is tried again after a transient failure (None:
+    rlcore.lifecycle.retry.STAGE_RETRIES; `pipeline run/serve --retries`); a data/config error or a
+    process death is never retried."""
     # the secrets among the parameters come from this process's environment: Prefect stores them redacted
     config_path, overrides, data_path, sft, reward_config_path, reward_overrides, ray_address = flow_secrets.unseal({
         "config_path": config_path, "overrides": overrides, "data_path": data_path, "sft": sft,
@@ -89,6 +94,9 @@ def rl_pipeline(
     with served_heartbeat():  # served: liveness events until this returns or raises, none after
         if ray_address is not None:  # before any stage: "" or a malformed address is one line, not a local run
             job_server_url(ray_address)
+        if retries is not None and retries < 0:
+            raise ValueError(f"retries={retries}: expected 0 or more")
+        tries = NotSet if retries is None else retries  # each stage task's (NotSet: the task's own)
         base = example_overrides() if example else []
         rm_config = None
         if reward == "model":
@@ -104,35 +112,35 @@ def rl_pipeline(
         workdir = str(Path(workdir).resolve())
         ctx = pipeline_run.start_pipeline(config, workdir, run_name or _current_run_name(),
                                     trigger={"data_path": data_path} if data_path else None)
-        prepared = prepare_data(tree, workdir, val_fraction, ctx)
+        prepared = prepare_data(tree, workdir, val_fraction, ctx, retries=retries)
         if not (Path(prepared["train_file"]).is_file() and Path(prepared["val_file"]).is_file()):
-            prepared = prepare_data(tree, workdir, val_fraction, ctx, refresh=True)
+            prepared = prepare_data(tree, workdir, val_fraction, ctx, refresh=True, retries=retries)
         if sft:
-            warm = sft_task(tree, sft, workdir, ctx)
+            warm = sft_task.with_options(retries=tries)(tree, sft, workdir, ctx)
             tree = {**tree, "model": {**tree["model"], "path": warm["model_dir"]}}
         reward_model: RewardModelInUse | None = None
         rm_promotion: Promotion | None = None
         if rm_config is not None:
             rm_tree = rm_config.model_dump(mode="json")
             rm_champion = champion_task(rm_tree, workdir)
-            rm_train = train_reward_model_task(rm_tree, workdir, ctx, rm_champion)
+            rm_train = train_reward_model_task.with_options(retries=tries)(rm_tree, workdir, ctx, rm_champion)
             if rm_train["candidate_dir"] and rm_train["model_logged"]:
-                rm_eval = evaluate_reward_model_task(rm_tree, rm_train["candidate_dir"], rm_champion, workdir, ctx)
-                rm_promotion = promote_task.with_options(name="promote_reward_model")(rm_tree, rm_train, rm_eval, workdir, ctx)
+                rm_eval = evaluate_reward_model_task.with_options(retries=tries)(rm_tree, rm_train["candidate_dir"], rm_champion, workdir, ctx)
+                rm_promotion = promote_task.with_options(name="promote_reward_model", retries=tries)(rm_tree, rm_train, rm_eval, workdir, ctx)
             reward_model = reward_model_in_use_task(rm_tree, workdir)  # the champion, this run's or an earlier one
         champion = champion_task(tree, workdir)
-        train = train_task(tree, prepared, workdir, ctx, champion, reward_model, ray_address=ray_address)
+        train = train_task.with_options(retries=tries)(tree, prepared, workdir, ctx, champion, reward_model, ray_address=ray_address)
         evaluation: Evaluation | None = None
         promotion: Promotion | None = None
         if train["candidate_dir"]:  # None: stopped by the health guard before any checkpoint
             baseline_dir, baseline_name = (champion["path"], "champion") if champion else (train["reference_model"], "base")
-            evaluation = evaluate_task(tree, train["candidate_dir"], baseline_dir, baseline_name,
+            evaluation = evaluate_task.with_options(retries=tries)(tree, train["candidate_dir"], baseline_dir, baseline_name,
                                        train["reference_model"], prepared["val_file"], workdir, ctx,
                                        start_dir=train["start_model"],
                                        reward_model_dir=reward_model["path"] if reward_model else None,
                                        ray_address=ray_address)
             if train["model_logged"]:  # a version's files are the train run's `model` artifact
-                promotion = promote_task(tree, train, evaluation, workdir, ctx)
+                promotion = promote_task.with_options(retries=tries)(tree, train, evaluation, workdir, ctx)
         summary = stages.summarize(ctx, prepared, train, evaluation, promotion, champion, workdir)
         if sft:
             summary["sft_model"] = warm["model_dir"]

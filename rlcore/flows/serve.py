@@ -54,10 +54,11 @@ def data_trigger() -> DeploymentEventTrigger:
 
 
 def build_deployment(flow: Flow[..., Any], parameters: dict[str, Any], cron: str | None = DEFAULT_CRON,
-                     name: str = DEPLOYMENT_NAME, on_data: bool = True) -> RunnerDeployment:
+                     name: str = DEPLOYMENT_NAME, on_data: bool = True, concurrency_limit: int | None = None) -> RunnerDeployment:
     """The deployment, with a module-path entrypoint (`rlcore.flows.rl_pipeline.rl_pipeline`):
     its runs import the installed package, whatever the working directory. Active (`paused=False`):
-    applying it resumes one an earlier serve left paused."""
+    applying it resumes one an earlier serve left paused. `concurrency_limit`: runs of it at once on
+    the server, whichever process serves them (more wait, Prefect's default ENQUEUE); None: no limit."""
     return cast(RunnerDeployment, flow.to_deployment(  # sync here: the deployment itself
         name=name,
         cron=cron,
@@ -67,6 +68,7 @@ def build_deployment(flow: Flow[..., Any], parameters: dict[str, Any], cron: str
         description="RL post-training pipeline: data_prep -> train -> evaluate -> promote",
         entrypoint_type=EntrypointType.MODULE_PATH,
         paused=False,
+        concurrency_limit=concurrency_limit,
     ))
 
 
@@ -110,7 +112,8 @@ async def serve_until_signal(runner: Runner) -> None:
 def serve_pipeline(flow: Flow[..., Any], parameters: dict[str, Any], cron: str | None = DEFAULT_CRON,
                    watch_dir: str | None = None, watch_interval_s: float = 5.0, limit: int = 1,
                    webhook_url: str | None = None, unresponsive_after_s: float = DEFAULT_UNRESPONSIVE_AFTER_S,
-                   heartbeat_s: float = DEFAULT_HEARTBEAT_S, config: Config | None = None) -> None:
+                   heartbeat_s: float = DEFAULT_HEARTBEAT_S, config: Config | None = None,
+                   concurrency_limit: int | None = None) -> None:
     """Create the deployment, its liveness and crash notifications, end the MLflow runs that runs
     which died with an earlier serving process left open (`config`'s store), then run its flow runs
     here (each in a process of its own, sending heartbeats) until SIGINT or SIGTERM; with
@@ -119,7 +122,7 @@ def serve_pipeline(flow: Flow[..., Any], parameters: dict[str, Any], cron: str |
     from rlcore.lifecycle.run_end import end_runs_of_finished_flow_runs
 
     with sealed(parameters) as stored:  # the deployment's parameters, secrets redacted; their values stay here
-        deployment = build_deployment(flow, stored, cron)
+        deployment = build_deployment(flow, stored, cron, concurrency_limit=concurrency_limit)
         runner = Runner(name=f"rlcore-{deployment.name}", limit=limit, pause_on_shutdown=False)
         # applied once, here (applying again would replace the runs its schedule already made)
         deployment_id = cast(UUID, runner.add_deployment(deployment))  # sync here: a UUID

@@ -10,12 +10,13 @@ from prefect.cache_policies import NO_CACHE
 
 from rlcore.config import config_from_dict
 from rlcore.lifecycle import pipeline_run, ray_job, stages
-from rlcore.lifecycle.data_prep import retry_if_transient
 from rlcore.lifecycle.results import PipelineContext, PreparedData, RegisteredVersion, RewardModelInUse, SftResult, TrainResult
+from rlcore.lifecycle.retry import LOOKUP_RETRIES, STAGE_RETRIES, retry_if_transient
 from rlcore.redact import redacts_errors  # a failed task's or flow's message is stored by Prefect
 
 
-@task(name="train", retries=1, retry_delay_seconds=5, retry_condition_fn=retry_if_transient, timeout_seconds=6 * 3600, cache_policy=NO_CACHE)
+@task(name="train", retries=STAGE_RETRIES, retry_delay_seconds=5, retry_condition_fn=retry_if_transient, timeout_seconds=6 * 3600,
+      cache_policy=NO_CACHE)
 @redacts_errors
 def train_task(config: dict[str, Any], prepared: PreparedData, workdir: str, ctx: PipelineContext,
                champion: RegisteredVersion | None = None, reward_model: RewardModelInUse | None = None,
@@ -28,14 +29,15 @@ def train_task(config: dict[str, Any], prepared: PreparedData, workdir: str, ctx
     return stages.train_stage(config_from_dict(config), prepared, workdir, ctx, champion, reward_model)
 
 
-@task(name="sft", retries=1, retry_delay_seconds=5, retry_condition_fn=retry_if_transient, timeout_seconds=6 * 3600, cache_policy=NO_CACHE)
+@task(name="sft", retries=STAGE_RETRIES, retry_delay_seconds=5, retry_condition_fn=retry_if_transient, timeout_seconds=6 * 3600,
+      cache_policy=NO_CACHE)
 @redacts_errors
 def sft_task(config: dict[str, Any], sft: dict[str, Any], workdir: str, ctx: PipelineContext) -> SftResult:
     """The supervised warm start (reused when its inputs were trained on before; a retry resumes)."""
     return stages.sft_stage(config_from_dict(config), sft, workdir, ctx)
 
 
-@task(name="champion", retries=2, retry_delay_seconds=2, retry_condition_fn=retry_if_transient, cache_policy=NO_CACHE)
+@task(name="champion", retries=LOOKUP_RETRIES, retry_delay_seconds=2, retry_condition_fn=retry_if_transient, cache_policy=NO_CACHE)
 @redacts_errors
 def champion_task(config: dict[str, Any], workdir: str) -> RegisteredVersion | None:
     return stages.champion_stage(config_from_dict(config), workdir)

@@ -19,7 +19,6 @@ from typing import Any, Literal
 
 from rlcore.data.io import read_rows, write_rows
 from rlcore.data.schema import DataError, apply_policy
-from rlcore.errors import RLCoreError
 from rlcore.lifecycle.fingerprint import canonical_row, rows_fingerprint
 
 log = logging.getLogger(__name__)
@@ -37,19 +36,6 @@ class PreparedData:
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
-
-
-def is_deterministic(err: BaseException) -> bool:
-    """A problem in the data or the config (rlcore's own errors, validation's ValueErrors): the same
-    inputs fail the same way again, so a retry would only delay the report."""
-    return isinstance(err, (RLCoreError, ValueError, TypeError, KeyError))
-
-
-def retry_if_transient(task: Any, task_run: Any, state: Any) -> bool:
-    """Prefect's `retry_condition_fn` for data prep: retry an I/O hiccup (a file system or the
-    tracking store), not a deterministic data/config error. `state.data` holds the exception."""
-    err = getattr(state, "data", None)
-    return not (isinstance(err, BaseException) and is_deterministic(err))
 
 
 def dedup_key(row: dict[str, Any]) -> str:

@@ -22,7 +22,16 @@ from typing import Any
 from rlcore.config import Config, load_config
 from rlcore.lifecycle.mlflow_store import MlflowStore
 from rlcore.lifecycle.results import PipelineContext, Summary
-from rlcore.tracking import default_tracking_uri, flatten
+from rlcore.tracking import (
+    MLFLOW_TRAINING_VIEW,
+    MLFLOW_UI_DEFAULT,
+    default_tracking_uri,
+    flatten,
+    is_tracking_server,
+    mlflow_run_url,
+    mlflow_ui_base,
+    model_version_url,
+)
 
 log = logging.getLogger(__name__)
 
@@ -76,25 +85,20 @@ def stage_tags(ctx: PipelineContext, stage: str) -> dict[str, str]:
             **{f"prefect.flow_run_{k}": v for k, v in prefect_flow_run().items()}}
 
 
-MLFLOW_UI_DEFAULT = "http://127.0.0.1:5000"  # where `mlflow ui` serves a local store
 PREFECT_UI_DEFAULT = "http://127.0.0.1:4200"  # where `prefect server start` serves its UI
-# MLflow 3.17's UI shows an experiment as GenAI (traces, evaluations) or model training by a switch of
-# its own, kept per browser and GenAI by default; a link can choose (the experiment's
-# `mlflow.experimentKind` tag no longer decides it).
-MLFLOW_TRAINING_VIEW = "?workflowType=machine_learning"
 
 
-def mlflow_ui_base(tracking_uri: str) -> str:
-    """The MLflow UI of a store: the tracking server itself, or `mlflow ui` on a local one."""
-    return tracking_uri.rstrip("/") if tracking_uri.startswith(("http://", "https://")) else MLFLOW_UI_DEFAULT
+def prefect_ui_hint(api_url: str | None, ui_url: str | None, home: str, db_url: str | None = None) -> str:
+    """Where to see a run's flow runs: the UI of the Prefect server in use (`api_url` set; `ui_url`
+    is Prefect's PREFECT_UI_URL, derived from it), or `prefect server start` here over the database
+    the ephemeral API wrote to (`db_url` when rlcore gave it one of its own, else under `home`)."""
+    if api_url:
+        return f"Prefect UI at {(ui_url or api_url.removesuffix('/api')).rstrip('/')}"
+    from rlcore.lifecycle.prefect_db import DB_URL_VAR
 
-
-def mlflow_run_url(tracking_uri: str, experiment_id: str, run_id: str) -> str:
-    return f"{mlflow_ui_base(tracking_uri)}/#/experiments/{experiment_id}/runs/{run_id}{MLFLOW_TRAINING_VIEW}"
-
-
-def model_version_url(tracking_uri: str, model: str, version: str) -> str:
-    return f"{mlflow_ui_base(tracking_uri)}/#/models/{model}/versions/{version}{MLFLOW_TRAINING_VIEW}"
+    if db_url:
+        return f"{DB_URL_VAR}={db_url} prefect server start  (UI at {PREFECT_UI_DEFAULT})"
+    return f"prefect server start  (UI at {PREFECT_UI_DEFAULT}; flow runs are stored under {home})"
 
 
 def prefect_flow_run_url(flow_run_id: str) -> str:
@@ -106,9 +110,9 @@ def prefect_flow_run_url(flow_run_id: str) -> str:
 def _mlflow_run_link(store: MlflowStore, run_id: str) -> str:
     """The run's page on a tracking server, or how to open the UI on a local store."""
     url = mlflow_run_url(store.tracking_uri, store.experiment_id, run_id)
-    if store.tracking_uri.startswith(("http://", "https://")):
+    if is_tracking_server(store.tracking_uri):
         return f"[MLflow run {run_id}]({url})"
-    return f"[MLflow run {run_id}]({url}) once `{store.run_url_hint()}` serves it"
+    return f"[MLflow run {run_id}]({url}) once `mlflow ui --backend-store-uri {store.tracking_uri}` serves it"
 
 
 def notification_fields(ctx: PipelineContext, event: str, about: str) -> dict[str, str | None]:
@@ -199,8 +203,8 @@ def end_open_runs(config: Config, tags: dict[str, str], status: str, reason: str
 
 
 __all__ = [
-    "MLFLOW_UI_DEFAULT", "PIPELINE_TAG", "PREFECT_UI_DEFAULT", "STAGE_TAG", "announce", "end_open_runs",
+    "MLFLOW_TRAINING_VIEW", "MLFLOW_UI_DEFAULT", "PIPELINE_TAG", "PREFECT_UI_DEFAULT", "STAGE_TAG", "announce", "end_open_runs",
     "finish_pipeline", "load_pipeline_config", "mlflow_run_url", "mlflow_ui_base", "model_version_url", "new_run_name",
-    "notification_fields", "open_runs", "open_store", "prefect_flow_run", "prefect_flow_run_url", "stage_tags",
+    "notification_fields", "open_runs", "open_store", "prefect_flow_run", "prefect_flow_run_url", "prefect_ui_hint", "stage_tags",
     "start_pipeline", "tracking_uri",
 ]

@@ -42,6 +42,7 @@ from rlcore.lifecycle.pipeline_run import (
     notification_fields,
     open_store,
     prefect_flow_run_url,
+    prefect_ui_hint,
     stage_tags,
 )
 from rlcore.lifecycle.results import (
@@ -57,6 +58,7 @@ from rlcore.lifecycle.results import (
     TrainResult,
 )
 from rlcore.redact import redact_tree
+from rlcore.tracking import mlflow_ui_hint
 
 
 def _with(config: Config, **sections: dict[str, Any]) -> Config:
@@ -350,19 +352,17 @@ def _no_promotion_reason(train: TrainResult) -> str:
 
 
 def _prefect_ui_hint() -> str:
-    """How to see this run's flow runs: a server on the database the ephemeral server used."""
+    """Where to see this run's flow runs: the Prefect server in use, or a server started here on the
+    database the ephemeral API used."""
     from rlcore.lifecycle.prefect_db import DB_URL_VAR
 
-    db_url = os.environ.get(DB_URL_VAR)
-    if db_url:
-        return f"{DB_URL_VAR}={db_url} prefect server start  (UI at http://127.0.0.1:4200)"
     try:
-        from prefect.settings import get_current_settings
+        from prefect.settings import PREFECT_API_URL, PREFECT_UI_URL, get_current_settings
 
-        home = str(get_current_settings().home)
+        api_url, ui_url, home = PREFECT_API_URL.value(), PREFECT_UI_URL.value(), str(get_current_settings().home)
     except Exception:  # noqa: BLE001 - only a hint
-        home = "$PREFECT_HOME (~/.prefect)"
-    return f"prefect server start  (UI at http://127.0.0.1:4200; flow runs are stored under {home})"
+        api_url, ui_url, home = None, None, "$PREFECT_HOME (~/.prefect)"
+    return prefect_ui_hint(api_url, ui_url, home, os.environ.get(DB_URL_VAR))
 
 
 def summarize(ctx: PipelineContext, prepared: PreparedData, train: TrainResult, evaluation: Evaluation | None,
@@ -392,7 +392,7 @@ def summarize(ctx: PipelineContext, prepared: PreparedData, train: TrainResult, 
         "mlflow_run_id": ctx["run_id"],
         "prefect_flow_run_id": ctx["prefect_flow_run_id"],
         "links": {"mlflow_run": mlflow_run_url(ctx["tracking_uri"], ctx["experiment_id"], ctx["run_id"])},
-        "mlflow_ui": f"mlflow ui --backend-store-uri {ctx['tracking_uri']}",
+        "mlflow_ui": mlflow_ui_hint(ctx["tracking_uri"], ctx["experiment_id"]),
         "prefect_ui": _prefect_ui_hint(),
     }
     if promotion:

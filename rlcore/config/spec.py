@@ -62,7 +62,6 @@ class RoleSpec(Generic[S]):
     preference: PreferenceConfig | None = None  # the preference losses' section (actor)
 
 
-
 def _micro(section: Any, key: str) -> MicroSpec:
     return MicroSpec(section.micro_batch_size, section.dynamic_batch_size, section.max_tokens_per_micro_batch, key)
 
@@ -78,10 +77,10 @@ def role_spec(config: ConfigTree, role: str) -> RoleSpec[Any]:
     trains = role in ("actor", "critic") or (role == "reward_model" and "reward_model" in config.traits.trains)
     meshed = role != "reward"  # the rule scorer holds no model: one rank, no layout keys
     layout = config.layout_of(role) if meshed else LayoutConfig()
+    tp_key, sp_key = (config.layout_key(role, "tensor_parallel"), config.layout_key(role, "sequence_parallel")) if meshed else ("", "")
     agent = config.rollout.agent
     common: dict[str, Any] = dict(
-        role=role, section=getattr(config, role), model=config.model, layout=layout,
-        tp_key=config.layout_key(role, "tensor_parallel") if meshed else "", sp_key=config.layout_key(role, "sequence_parallel") if meshed else "",
+        role=role, section=getattr(config, role), model=config.model, layout=layout, tp_key=tp_key, sp_key=sp_key,
         device=t.device, seed=t.seed, total_steps=t.total_steps, trains=trains, model_path=config.model.path,
         logprob_chunk_tokens=a.logprob_chunk_tokens,
         longest_sequence=config.data.max_prompt_length + (agent.max_total_tokens if agent.enabled else config.rollout.max_new_tokens),

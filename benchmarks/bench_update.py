@@ -246,15 +246,15 @@ def attribute(events: list[Any]) -> dict[str, float]:
     return seconds
 
 
-def profile_update(worker: ActorWorker, batch: Batch) -> tuple[dict[str, float], float]:
-    """Seconds per part of one update under the profiler, and that update's wall seconds."""
+def profile_update(worker: ActorWorker, batch: Batch, n: int) -> tuple[dict[str, float], float]:
+    """Seconds per part of one update (`n` responses per prompt) under the profiler, and that update's wall seconds."""
     from torch.profiler import ProfilerActivity, profile
 
     loss = worker.policy_loss
     worker.policy_loss = tagged("loss", loss)
     try:
         with parts_marked(worker.model), profile(activities=[ProfilerActivity.CPU]) as prof:
-            wall, _, _ = timed(lambda: worker.update_actor(batch, worker.config.rollout.n))
+            wall, _, _ = timed(lambda: worker.update_actor(batch, n))
     finally:
         worker.policy_loss = loss
     return attribute(list(prof.events())), wall
@@ -333,7 +333,7 @@ def main() -> None:
             name = next((n for n, k in zip(names, kinds) if k == kind), None)
             if name is None:
                 continue
-            seconds, wall = profile_update(workers[name], batch)
+            seconds, wall = profile_update(workers[name], batch, args.n)
             total = sum(seconds.values())
             print(f"\nprofile of {name}: one update, {wall:.2f} s wall under the profiler, {total:.2f} s of operator self time")
             for part in sorted(seconds, key=seconds.get, reverse=True):  # type: ignore[arg-type]

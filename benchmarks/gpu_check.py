@@ -50,6 +50,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import functools
 import importlib.util
 import json
@@ -502,7 +503,7 @@ def phase_actor(s: Shapes, device, meter: Meter, model_dir: Path, train_file: Pa
                 worker = _actor_worker(config(**overrides), device, out)
                 settings = out.pop("settings")
             assert worker is not None
-            worker.config.actor.fused_kernels = fused
+            worker.spec = dataclasses.replace(worker.spec, fused_kernels=fused)  # read per call (`PolicyLogProbs.of`)
             _, first_s = meter.timed(functools.partial(worker.update_actor, batch))  # warm-up: compilation, allocator
             meter.reset()
             times, metrics = [], {}

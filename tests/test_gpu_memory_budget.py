@@ -83,7 +83,7 @@ def test_the_formula_covers_the_activations_the_allocator_holds_per_token(tmp_pa
         peaks[name] = meter.peak
     tokens = int(full["attention_mask"].sum()) - int(half["attention_mask"].sum())
     measured = (peaks["full"] - peaks["half"]) / tokens
-    estimate = role_cost(cfg, "actor").per_token()
+    estimate = role_cost(worker.spec).per_token()
     print(f"per token: measured {measured:,.0f} bytes, formula {estimate:,.0f} ({estimate / measured:.2f}x)")
     assert measured <= estimate <= 1.5 * measured
 

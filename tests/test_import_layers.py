@@ -171,7 +171,7 @@ def test_no_import_cycle_inside_a_subpackage():
 CONFIG_LEVELS: dict[str, int] = {
     "base": 0, "legacy": 1,
     "model": 1, "roles": 1, "algorithm": 1, "run": 1, "rollout": 2,  # the sections
-    "tree": 3, "rules": 4, "root": 5, "sft": 6, "load": 7,
+    "tree": 3, "rules": 4, "spec": 4, "root": 5, "sft": 6, "load": 7,  # spec: each worker's RoleSpec, from the tree
 }
 
 

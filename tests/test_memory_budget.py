@@ -329,16 +329,18 @@ def test_an_oom_in_a_forward_only_roles_first_pass_halves_and_rewrites_every_row
 
 
 def test_a_worker_sizes_auto_once_and_on_the_cpu_keeps_the_default(tmp_path, caplog):
+    from rlcore.config import role_spec
     from rlcore.workers.memory import resolve_budget, role_budget
 
     config = load_config(None, [f"model.path={Path(tmp_path)}", "data.train_files=[t]", "trainer.device=cpu"])
-    budget = role_budget(config, "actor")
+    budget = role_budget(role_spec(config, "actor"))
     assert budget is not None and budget.key == KEY and not budget.forward_only
-    assert role_budget(config, "ref").key == f"{KEY} (ref)" and role_budget(config, "ref").forward_only
-    assert role_budget(load_config(None, ["model.path=m", "data.train_files=[t]", f"{KEY}=4096"]), "actor") is None
+    ref = role_budget(role_spec(config, "ref"))
+    assert ref is not None and ref.key == f"{KEY} (ref)" and ref.forward_only
+    assert role_budget(role_spec(load_config(None, ["model.path=m", "data.train_files=[t]", f"{KEY}=4096"]), "actor")) is None
     with caplog.at_level(logging.INFO, logger="rlcore.workers.memory"):
         for _ in range(3):
-            resolve_budget(budget, config, "actor", CPU, _policy())
+            resolve_budget(budget, role_spec(config, "actor"), CPU, _policy())
     assert budget.tokens == CPU_MICRO_BATCH_TOKENS
     assert len([r for r in caplog.records if r.getMessage().startswith(f"{KEY}=auto: 8,192 tokens on the CPU")]) == 1
 
@@ -445,9 +447,13 @@ def test_the_sleep_decision_weighs_the_update_at_the_largest_micro_batch_a_later
     from rlcore.workers.memory import largest_micro_batch
 
     config = load_config(None, ["model.path=m", "data.train_files=[t]", "data.max_prompt_length=32", "rollout.max_new_tokens=96"])
-    assert largest_micro_batch(config, dynamic=True, max_tokens=8192, rows_per_micro=64, mini_rows=16) == 16 * 128
-    assert largest_micro_batch(config, dynamic=True, max_tokens=1024, rows_per_micro=64, mini_rows=16) == 1024
-    assert largest_micro_batch(config, dynamic=False, max_tokens=8192, rows_per_micro=4, mini_rows=16) == 4 * 128
+    from rlcore.config import role_spec
+
+    longest = role_spec(config, "actor").longest_sequence
+    assert longest == 128
+    assert largest_micro_batch(longest, dynamic=True, max_tokens=8192, rows_per_micro=64, mini_rows=16) == 16 * 128
+    assert largest_micro_batch(longest, dynamic=True, max_tokens=1024, rows_per_micro=64, mini_rows=16) == 1024
+    assert largest_micro_batch(longest, dynamic=False, max_tokens=8192, rows_per_micro=4, mini_rows=16) == 4 * 128
     result = UpdateResult(loss=0.0, grad_norm=0.0, skipped_steps=0, metrics={}, device_peak=10 * GIB, largest_micro_tokens=1000)
     metrics = result.peak_metrics("actor", most_tokens=3000, per_token=MIB)
     assert metrics == {"memory/actor_update_device_peak_gib": 10.0, "memory/actor_update_device_bound_gib": 10.0 + 2000 / 1024}

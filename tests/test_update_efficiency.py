@@ -178,7 +178,7 @@ def test_compile_selection(setting, device, tp, liger, want):
 
 def test_nothing_compiles_on_cpu_by_default(model_dir, tmp_path):
     worker = ActorWorker(_config(model_dir, tmp_path))
-    assert worker.config.actor.compile == "auto"
+    assert worker.spec.section.compile == "auto"
     worker.setup()
     assert all("forward" not in vars(layer) for layer in worker.model.model.layers)  # the class's own forward
 

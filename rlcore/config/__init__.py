@@ -10,7 +10,10 @@ the key instead of a silently ignored setting. The package's modules, each one j
 - `tree` (`ConfigTree`: an RL run's sections and what they determine together), `rules` (the
   cross-section rules as plain functions, `RULES` their order) and `root` (`Config`: the tree whose
   one validator runs the rules);
-- `sft`: `SFTConfig`, `rlcore sft`'s schema and the RL `Config` it hands the actor worker;
+- `spec`: `RoleSpec`, what one worker is handed (its own section, the model's, its layout and the
+  few named values of other sections), built once per role by `role_spec`;
+- `sft`: `SFTConfig`, `rlcore sft`'s schema, its actor's `RoleSpec` (`sft_actor_spec`) and the RL
+  `Config` its run parts read;
 - `legacy`: older spellings of keys, rewritten on the raw tree before validation (a removal date
   on each);
 - `load`: YAML, dotted overrides, `load_config` / `load_sft_config`, `dump_config`.
@@ -69,16 +72,19 @@ from rlcore.config.sft import (
     SFTHealthConfig,
     SFTOptimConfig,
     SFTTrainerConfig,
+    sft_actor_spec,
 )
+from rlcore.config.spec import LoraSync, MicroSpec, RoleSpec, as_spec, role_spec
 from rlcore.config.tree import ConfigTree
 
 __all__ = [
     "MAX_PROBLEMS_SHOWN", "MAX_RANKS", "MICRO_BATCH_AUTO", "RAY_BUILTIN_RESOURCES", "ROLES", "WEBHOOK_ENV",
     "ActorConfig", "AgentConfig", "AlgorithmConfig", "Config", "ConfigError", "ConfigTree", "CriticConfig",
-    "DataConfig", "HealthConfig", "KLControlConfig", "LayoutConfig", "LoraConfig", "ModelConfig", "OptimConfig",
+    "DataConfig", "HealthConfig", "KLControlConfig", "LayoutConfig", "LoraConfig", "LoraSync", "MicroSpec", "ModelConfig",
+    "OptimConfig", "RoleSpec",
     "PreferenceConfig", "Ranks", "RayConfig", "RayPoolConfig", "RefConfig", "RegistryConfig", "RewardConfig",
     "RewardModelConfig", "RolloutConfig", "SFTActorConfig", "SFTConfig", "SFTDataConfig", "SFTHealthConfig",
     "SFTOptimConfig", "SFTTrainerConfig", "TokenBudget", "TrackingConfig", "TrainerConfig", "VLLMEngineConfig",
-    "check_registered", "config_from_dict", "dump_config", "estimator_inputs", "load_config", "load_sft_config",
-    "parse_override", "registered_names", "sft_config_from_dict",
+    "as_spec", "check_registered", "config_from_dict", "dump_config", "estimator_inputs", "load_config", "load_sft_config",
+    "parse_override", "registered_names", "role_spec", "sft_config_from_dict", "sft_actor_spec",
 ]

@@ -123,6 +123,26 @@ class LayoutConfig(Section):
                 f"tensor_parallel={self.tensor_parallel} = {self.world_size} ranks")
 
 
+def section_layout(section: Any, sequence_parallel: int = 1) -> LayoutConfig:
+    """A role section's device-mesh layout: its `layout` key, else what its legacy keys say
+    (`world_size` ranks, `sequence_parallel` of them per Ulysses group when that divides it)."""
+    if section.layout is not None:
+        layout: LayoutConfig = section.layout
+        return layout
+    sp = sequence_parallel if section.world_size % sequence_parallel == 0 else 1
+    return LayoutConfig(data_parallel=section.world_size // sp, sequence_parallel=sp)
+
+
+def section_layout_key(role: str, section: Any, part: str) -> str:
+    """The key a user set `part` of `role`'s layout with in `section` (the legacy key when no layout is given)."""
+    if section.layout is None:
+        if part == "sequence_parallel" and role in ("actor", "critic"):
+            return f"{role}.ulysses_sequence_parallel_size"
+        if part == "data_parallel":
+            return f"{role}.world_size"
+    return f"{role}.layout.{part}"
+
+
 def layout_fills_rank_keys(data: Any, section: str, sp_key: str | None, engines: bool = False) -> Any:
     """A role section's `layout` sets its `world_size` (the product; a rollout's: its engines, each
     of `tensor_parallel` ranks of vLLM's own) and Ulysses size; a legacy key given beside it must

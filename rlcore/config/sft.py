@@ -1,5 +1,7 @@
 """`rlcore sft`'s config: SFT's data and trainer sections, the RL actor's section with SFT's
-defaults, and `SFTConfig.worker_config`, the RL `Config` the actor worker and the run parts read."""
+defaults, the actor worker's `RoleSpec` built from them (`sft_actor_spec`), and
+`SFTConfig.worker_config`, the RL `Config` the shared run parts read (worker placement, checkpoints,
+step log)."""
 
 from __future__ import annotations
 
@@ -9,9 +11,10 @@ from pydantic import Field, ValidationError, model_validator
 
 from rlcore.config.base import Section, differs_from_default, format_validation_error
 from rlcore.config.model import DataConfig, ModelConfig
-from rlcore.config.roles import MICRO_BATCH_AUTO, ActorConfig, OptimConfig, TokenBudget
+from rlcore.config.roles import MICRO_BATCH_AUTO, ActorConfig, OptimConfig, TokenBudget, section_layout, section_layout_key
 from rlcore.config.root import Config
 from rlcore.config.run import ROLES, HealthConfig, RayConfig, TrackingConfig, TrainerConfig
+from rlcore.config.spec import MicroSpec, RoleSpec
 
 
 class SFTDataConfig(Section):
@@ -98,7 +101,8 @@ class SFTConfig(Section):
     """`rlcore sft CONFIG`: supervised fine-tuning on the actor worker, whose output folder
     (`trainer.output_dir/model`) is a Hugging Face model that an RL config's `model.path` can start
     from. It reads the sections an RL run's actor reads (`model`, `actor`, `ray`, `health`,
-    `tracking`; `worker_config` is the RL `Config` the actor worker and the shared run parts get), so
+    `tracking`; the actor worker is handed `sft_actor_spec`, and `worker_config` is the RL `Config` the
+    shared run parts get: worker placement, checkpoints, the step log), so
     what configures the actor's layout (world size, LoRA, precision, sequence parallelism) configures
     SFT alike."""
 
@@ -140,8 +144,8 @@ class SFTConfig(Section):
         return self
 
     def worker_config(self, total_steps: int) -> Config:
-        """The RL `Config` the actor worker, the worker groups and the run parts (checkpoints, step
-        log) read: this config's model, actor, ray, health and tracking sections as they are, its
+        """The RL `Config` the worker groups and the run parts (checkpoints, step log) read (the actor
+        worker itself gets `sft_actor_spec`): this config's model, actor, ray, health and tracking sections as they are, its
         trainer's run settings with `total_steps` resolved. Rows share no prompt (packed alone)."""
         t = self.trainer
         return Config(
@@ -157,3 +161,22 @@ class SFTConfig(Section):
             # the actor is the only role that runs; the RL roles the Config knows of go to its pool
             ray=self.ray.model_copy(update={"roles": {role: self.ray.pool_of("actor") for role in ROLES}}),
         )
+
+
+def sft_actor_spec(config: SFTConfig, total_steps: int) -> RoleSpec[ActorConfig]:
+    """The actor worker's `RoleSpec` in an SFT run, from `config`'s own sections: its actor section
+    and layout, the model (rows share no prompt: each is packed alone), the trainer's device and
+    seed, `total_steps` optimizer steps; log-probs at temperature 1 (it scores data, not its own
+    samples), the longest sequence `data.max_length`."""
+    actor, t = config.actor, config.trainer
+    return RoleSpec(
+        role="actor", section=actor, model=config.model.model_copy(update={"share_prompt_prefix": False}),
+        layout=section_layout(actor, actor.ulysses_sequence_parallel_size),
+        tp_key=section_layout_key("actor", actor, "tensor_parallel"), sp_key=section_layout_key("actor", actor, "sequence_parallel"),
+        device=t.device, seed=t.seed, total_steps=total_steps, trains=True, model_path=config.model.path,
+        mixed_precision=actor.mixed_precision,
+        micro=MicroSpec(actor.micro_batch_size, actor.dynamic_batch_size, actor.max_tokens_per_micro_batch,
+                        "actor.max_tokens_per_micro_batch"),
+        mini_batch_size=actor.ppo_mini_batch_size, logprob_temperature=1.0, logprob_chunk_tokens=actor.logprob_chunk_tokens,
+        fused_kernels=actor.fused_kernels, longest_sequence=config.data.max_length,
+    )

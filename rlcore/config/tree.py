@@ -17,6 +17,8 @@ from rlcore.config.roles import (
     RefConfig,
     RewardConfig,
     RewardModelConfig,
+    section_layout,
+    section_layout_key,
 )
 from rlcore.config.rollout import RolloutConfig
 from rlcore.config.run import HealthConfig, RayConfig, RegistryConfig, TrackingConfig, TrainerConfig
@@ -51,24 +53,14 @@ class ConfigTree(Section):
         its `layout` key, else what its legacy keys (`world_size`, Ulysses size) say."""
         if role == "ref":
             return self.ref.layout or self.layout_of("actor")
-        section = getattr(self, role)
-        if section.layout is not None:
-            layout: LayoutConfig = section.layout
-            return layout
         sp = {"actor": self.actor.ulysses_sequence_parallel_size, "critic": self.critic_sequence_parallel_size}.get(role, 1)
-        sp = sp if section.world_size % sp == 0 else 1
-        return LayoutConfig(data_parallel=section.world_size // sp, sequence_parallel=sp)
+        return section_layout(getattr(self, role), sp)
 
     def layout_key(self, role: str, part: str) -> str:
         """The key a user set `part` of `role`'s layout with (the legacy key when no layout is given)."""
         if role == "ref" and self.ref.layout is None:
             return self.layout_key("actor", part)
-        if role != "ref" and getattr(self, role).layout is None:
-            if part == "sequence_parallel" and role in ("actor", "critic"):
-                return f"{role}.ulysses_sequence_parallel_size"
-            if part == "data_parallel":
-                return f"{role}.world_size"
-        return f"{role}.layout.{part}"
+        return section_layout_key(role, getattr(self, role), part)
 
     @property
     def critic_sequence_parallel_size(self) -> int:

@@ -16,7 +16,7 @@ from typing import Any, Literal
 
 import torch
 
-from rlcore.config import Config, LayoutConfig, OptimConfig
+from rlcore.config import Config, LayoutConfig, OptimConfig, role_spec
 from rlcore.flops import ModelFlops, causal_pairs
 from rlcore.plan.hardware import PlanInputError
 from rlcore.plan.models import Head, config_dict
@@ -143,7 +143,7 @@ def _micro_key(section: str, micro: MicroBatching, own: Any = None) -> str:
 def _placeholder_budget(config: Config, role: Literal["actor", "ref", "critic", "reward_model"]) -> MicroBudget | None:
     """`role`'s `auto` token budget, standing at the CPU default until the planner sizes it for the
     hardware (`rlcore.plan.planner.size_auto_micro_batch`, once the model's shape is read)."""
-    budget = role_budget(config, role)
+    budget = role_budget(role_spec(config, role))
     if budget is not None:
         budget.tokens = CPU_MICRO_BATCH_TOKENS
     return budget
@@ -188,7 +188,7 @@ def role_plans(config: Config) -> list[RolePlan]:
         elif role == "critic":
             c = config.critic
             budget = _placeholder_budget(config, role)
-            settings = critic_settings(config, budget)
+            settings = critic_settings(role_spec(config, role), budget)
             plans.append(RolePlan(
                 role=role, model_path=c.model_path or config.model.path,
                 model_key="critic.model_path" if c.model_path else "model.path", head="value", trains=True,

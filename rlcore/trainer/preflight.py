@@ -27,7 +27,7 @@ from typing import Any
 
 from rlcore.algorithms import DataKind
 from rlcore.checkpoint import MANIFEST, CheckpointError, step_of
-from rlcore.config import Config, SFTConfig
+from rlcore.config import Config, SFTConfig, sft_actor_spec
 from rlcore.data import RL_FIELDS, DatasetError, peek_fields, read_column
 from rlcore.data.preference import PREFERENCE_FIELDS
 from rlcore.errors import RLCoreError
@@ -367,16 +367,15 @@ def sft_preflight(config: SFTConfig) -> None:
     parallel size splits it), the data files (a messages column, or prompt and response columns),
     the checkpoint to resume and the output folder."""
     problems = model_folder_problems("model.path", config.model.path, tokenizer=True)
-    actor = config.worker_config(1)  # the layout the actor worker takes (total_steps plays no part in it)
-    layout = actor.layout_of("actor")
+    actor = sft_actor_spec(config, 1)  # the layout the actor worker takes (total_steps plays no part in it)
+    layout = actor.layout
     if layout.tensor_parallel > 1 or layout.sequence_parallel > 1:
         try:  # an unreadable folder is model_folder_problems' to report
             model_config = json.loads((Path(config.model.path) / "config.json").read_text(encoding="utf-8"))
         except (OSError, ValueError, RecursionError):
             model_config = None
         if isinstance(model_config, dict):
-            problems += role_layout_problems(model_config, layout, actor.layout_key("actor", "tensor_parallel"),
-                                             actor.layout_key("actor", "sequence_parallel"), config.model.path)
+            problems += role_layout_problems(model_config, layout, actor.tp_key, actor.sp_key, config.model.path)
     data = config.data
     problems += [] if data.train_files else ["data.train_files: empty (give at least one .parquet or .jsonl file)"]
     needed = [(data.messages_key,), (data.prompt_key, data.response_key)]

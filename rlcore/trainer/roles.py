@@ -7,12 +7,12 @@ With LoRA on the actor there is no reference worker: `ref` is the actor group it
 
 from __future__ import annotations
 
-from collections.abc import Callable, Collection
+from collections.abc import Callable, Collection, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from functools import partial
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
-from rlcore.config import Config
+from rlcore.config import Config, RoleSpec, role_spec
 from rlcore.controller import (
     ColocatedWorker,
     InProcessWorkerGroup,
@@ -35,29 +35,43 @@ if TYPE_CHECKING:
 Factory = Callable[[int, int], Worker]  # (rank, world size) -> the worker of that rank
 
 
-def _factories(config: Config) -> dict[str, tuple[Factory, int]]:
+def _factories(config: Config, specs: Mapping[str, RoleSpec[Any]] | None = None) -> dict[str, tuple[Factory, int]]:
     """role -> (worker factory, world size) for the roles this run has (`Config.present_roles`);
-    with LoRA on the actor no reference worker: the actor serves that role."""
-    every: dict[str, tuple[Factory, int]] = {
-        "actor": (lambda rank, ws: ActorWorker(config, rank, ws), config.actor.world_size),
-        "rollout": (lambda rank, ws: RolloutWorker(config, rank, ws), config.rollout.world_size),
-        "reward": (lambda rank, ws: RewardWorker(config, rank, ws), 1),
-        "ref": (lambda rank, ws: ReferenceWorker(config, rank, ws), config.layout_of("ref").world_size),
-        "critic": (lambda rank, ws: CriticWorker(config, rank, ws), config.critic.world_size),
-        "reward_model": (lambda rank, ws: RewardModelWorker(config, rank, ws), config.reward_model.world_size),
+    with LoRA on the actor no reference worker: the actor serves that role. Each worker is handed
+    its role's `RoleSpec` (built once here, or given in `specs`), never the whole config."""
+    given = specs or {}
+    makers: dict[str, tuple[Callable[..., Worker], int]] = {
+        "actor": (ActorWorker, config.actor.world_size),
+        "rollout": (RolloutWorker, config.rollout.world_size),
+        "reward": (RewardWorker, 1),
+        "ref": (ReferenceWorker, config.layout_of("ref").world_size),
+        "critic": (CriticWorker, config.critic.world_size),
+        "reward_model": (RewardModelWorker, config.reward_model.world_size),
     }
-    return {role: every[role] for role in config.present_roles if not (role == "ref" and config.actor.lora.enabled)}
+    return {role: (_factory(makers[role][0], given.get(role) or role_spec(config, role)), makers[role][1])
+            for role in config.present_roles
+            if not (role == "ref" and config.actor.lora.enabled)}
 
 
-def _factories_of(config: Config, only: Collection[str] | None) -> dict[str, tuple[Factory, int]]:
+def _factory(worker: Callable[..., Worker], spec: RoleSpec[Any]) -> Factory:
+    def factory(rank: int, ws: int) -> Worker:
+        return worker(spec, rank, ws)
+
+    return factory
+
+
+def _factories_of(config: Config, only: Collection[str] | None,
+                  specs: Mapping[str, RoleSpec[Any]] | None = None) -> dict[str, tuple[Factory, int]]:
     """`_factories`, or those of its roles in `only`."""
-    every = _factories(config)
+    every = _factories(config, specs)
     return every if only is None else {role: made for role, made in every.items() if role in only}
 
 
-def build_worker_groups(config: Config, roles: Collection[str] | None = None) -> WorkerGroups:
+def build_worker_groups(config: Config, roles: Collection[str] | None = None,
+                        specs: Mapping[str, RoleSpec[Any]] | None = None) -> WorkerGroups:
     """The run's worker groups, and this (controller) thread's torch threads. `roles`: only these
-    of the run's roles (`rlcore sft`: the actor alone).
+    of the run's roles (`rlcore sft`: the actor alone); `specs`: workers' `RoleSpec`s made
+    elsewhere (`rlcore sft`: its actor's, from the SFT config), the others `role_spec`'s.
 
     In process, `trainer.off_policy=one_step` gives the rollout worker a thread of its own, or a
     child process (`trainer.overlap_with`), so the next batch's generation overlaps this step's scoring
@@ -66,15 +80,15 @@ def build_worker_groups(config: Config, roles: Collection[str] | None = None) ->
     the workers compute in their own processes."""
     if config.trainer.backend == "ray":
         use_cores(1)
-        return build_ray_worker_groups(config, roles)
+        return build_ray_worker_groups(config, roles, specs)
     overlap = config.trainer.off_policy == "one_step"
     train_cores, rollout_cores = split_cores(2) if overlap else (available_cpus(), 0.0)
     use_cores(train_cores)
     groups: dict[str, WorkerGroup | RoleView] = {}
     rollout_elsewhere = overlap and config.trainer.overlap_with == "process"
-    for role, (factory, _) in _factories_of(config, roles).items():
+    for role, (factory, _) in _factories_of(config, roles, specs).items():
         if role == "rollout" and rollout_elsewhere:
-            groups[role] = SubprocessWorkerGroup(partial(RolloutWorker, config), role=role, cores=rollout_cores)
+            groups[role] = SubprocessWorkerGroup(partial(RolloutWorker, role_spec(config, role)), role=role, cores=rollout_cores)
         else:
             groups[role] = InProcessWorkerGroup(factory, world_size=1, role=role, own_thread=overlap and role == "rollout",
                                                 cores=rollout_cores)
@@ -141,7 +155,8 @@ LOCAL_RAY_HINT = (" (the local Ray rlcore started: this machine's CPUs and GPUs;
                   "ranks then sharing cores; ray.address runs on a cluster)")
 
 
-def build_ray_worker_groups(config: Config, only: Collection[str] | None = None) -> WorkerGroups:
+def build_ray_worker_groups(config: Config, only: Collection[str] | None = None,
+                            specs: Mapping[str, RoleSpec[Any]] | None = None) -> WorkerGroups:
     """Ray actors for every role (or those in `only`), on placement-group pools mapped by `ray.roles`.
     Pools the cluster can never hold are refused first (`check_placement`), before any is made."""
     from rlcore.controller.ray_backend import RayWorkerGroup
@@ -149,7 +164,7 @@ def build_ray_worker_groups(config: Config, only: Collection[str] | None = None)
     from rlcore.controller.ray_placement import ResourcePool, check_placement
 
     rc = config.ray
-    roles = _factories_of(config, only)
+    roles = _factories_of(config, only, specs)
     units = _units(config, roles)
     pool_units: dict[str, list[list[str]]] = {}
     for unit in units:

@@ -28,7 +28,7 @@ from typing import Any
 
 import torch
 
-from rlcore.config import SFTConfig
+from rlcore.config import SFTConfig, sft_actor_spec
 from rlcore.data.schema import DatasetError
 from rlcore.data.sft import SFTDataset, SFTExample, collate_sft
 from rlcore.rewards.tools import tool_schemas
@@ -81,9 +81,11 @@ class SFTTrainer:
         if self.steps_per_epoch == 0:
             raise DatasetError(f"data.train_files: {len(self.train_set)} usable rows, fewer than one batch of "
                                f"trainer.batch_size={batch_size}")
-        # what the actor worker and the run parts read: this config's sections, the total resolved
-        self.run = config.worker_config(config.trainer.total_steps or config.trainer.epochs * self.steps_per_epoch)
-        self.groups = groups or build_worker_groups(self.run, roles=("actor",))
+        total = config.trainer.total_steps or config.trainer.epochs * self.steps_per_epoch
+        # the actor worker is handed its RoleSpec built from this config; the run parts (worker
+        # placement, checkpoints, step log) read the RL config of its sections, the total resolved
+        self.run = config.worker_config(total)
+        self.groups = groups or build_worker_groups(self.run, roles=("actor",), specs={"actor": sft_actor_spec(config, total)})
         self.guard = BadStepGuard(config.actor.max_consecutive_bad_steps, self.run_dir / "checkpoints")
         self.health = HealthGuard.from_config(config.health)
         self.checkpoints = RunCheckpoints(self.run, self.run_dir, self.groups, self.algorithm,

@@ -19,7 +19,7 @@ from torch import nn
 from rlcore.algorithms import PreferenceObjective
 from rlcore.algos import agg_loss, get_policy_loss, kl_loss
 from rlcore.algos.policy_loss import PolicyLoss
-from rlcore.config import ActorConfig, Config
+from rlcore.config import ActorConfig, Config, RefConfig, RoleSpec, as_spec
 from rlcore.controller import Dispatch, Worker, register
 from rlcore.protocol import Batch
 from rlcore.workers.checkpointing import adapter_folder, load_training_state, save_trained
@@ -110,42 +110,41 @@ class ActorWorker(Worker):
     it already holds (no second copy). The rollout engine then gets the merged weights of the
     adapted modules only, or the adapter itself (`rollout.lora_sync`)."""
 
-    def __init__(self, config: Config, rank: int = 0, world_size: int = 1) -> None:
+    def __init__(self, spec: RoleSpec[ActorConfig] | Config, rank: int = 0, world_size: int = 1) -> None:
         super().__init__(rank=rank, world_size=world_size, role="actor")
-        self.config = config
-        self.ranks_per_shard = config.layout_of("actor").ranks_per_shard  # a sequence/tensor-parallel group shares its rows
-        self.device = resolve_device(config.trainer.device)
+        self.spec: RoleSpec[ActorConfig] = as_spec(spec, "actor")
+        self.ranks_per_shard = self.spec.layout.ranks_per_shard  # a sequence/tensor-parallel group shares its rows
+        self.device = resolve_device(self.spec.device)
         self.model: nn.Module | None = None
         self.optimizer: torch.optim.Optimizer | None = None
         self.scheduler: torch.optim.lr_scheduler.LRScheduler | None = None
         self.adapter: Adapter | None = None
-        self.budget = role_budget(config, "actor")  # `actor.max_tokens_per_micro_batch: auto`, sized on first use
+        self.budget = role_budget(self.spec)  # `actor.max_tokens_per_micro_batch: auto`, sized on first use
 
     def setup(self, model_path: str | None = None, adapter_dir: str | None = None) -> None:
         """Load the model (`model.path`, or a checkpoint's); with `actor.lora`, add the adapter
         (restored from `adapter_dir` on resume) before sharding."""
-        cfg = self.config
-        model = load_causal_lm(model_path or cfg.model.path, trained_dtype(cfg.model), self.device, cfg.model.gradient_checkpointing,
-                               cfg.model.use_remove_padding)
-        if cfg.actor.liger_kernel:
+        spec, actor = self.spec, self.spec.section
+        model = load_causal_lm(model_path or spec.model_path, trained_dtype(spec.model), self.device, spec.model.gradient_checkpointing,
+                               spec.model.use_remove_padding)
+        if actor.liger_kernel:
             apply_liger_kernels(model, self.device)
-        precision = compute_precision(cfg.model, cfg.actor.mixed_precision)
-        self.adapter = (apply_lora(model, cfg.actor.lora, "actor.lora", seed=cfg.trainer.seed, mixed_precision=precision != "none")
-                        if cfg.actor.lora.enabled else None)
+        precision = compute_precision(spec.model, spec.mixed_precision)
+        self.adapter = (apply_lora(model, actor.lora, "actor.lora", seed=spec.seed, mixed_precision=precision != "none")
+                        if actor.lora.enabled else None)
         if self.adapter is not None and adapter_dir is not None:
             self.adapter.load(Path(adapter_dir))
         self.param_counts = parameter_counts(model)
         # tensor / sequence parallelism, then FSDP2 when this group has a process group (or, on one
         # rank, when bf16/offload is asked for)
-        self.model = apply_role_layout(model, cfg, "actor", self.device, mixed_precision=precision,
-                                       cpu_offload=cfg.actor.cpu_offload, forward_methods=POLICY_FORWARD_METHODS,
-                                       cast_once=cfg.actor.cast_once)
-        if compile_wanted(cfg.actor.compile, self.device, tensor_parallel=cfg.layout_of("actor").tensor_parallel,
-                          liger=cfg.actor.liger_kernel):
-            compile_decoder_layers(self.model, fall_back=cfg.actor.compile == "auto")
-        self.optimizer = build_optimizer(self.model, cfg.actor.optim)
-        self.scheduler = build_scheduler(self.optimizer, cfg.actor.optim, cfg.trainer.total_steps)
-        self.policy_loss = get_policy_loss(cfg.actor.policy_loss)
+        self.model = apply_role_layout(model, spec, self.device, mixed_precision=precision,
+                                       cpu_offload=actor.cpu_offload, forward_methods=POLICY_FORWARD_METHODS,
+                                       cast_once=actor.cast_once)
+        if compile_wanted(actor.compile, self.device, tensor_parallel=spec.layout.tensor_parallel, liger=actor.liger_kernel):
+            compile_decoder_layers(self.model, fall_back=actor.compile == "auto")
+        self.optimizer = build_optimizer(self.model, actor.optim)
+        self.scheduler = build_scheduler(self.optimizer, actor.optim, spec.total_steps)
+        self.policy_loss = get_policy_loss(actor.policy_loss)
         track_trained(self.model, self.optimizer)  # other roles' `auto` micro-batches leave room for its first step
 
     @property
@@ -154,12 +153,12 @@ class ActorWorker(Worker):
 
     @property
     def log_probs(self) -> PolicyLogProbs:
-        return PolicyLogProbs.of(self.config)  # read per call: the config is the one source of settings
+        return PolicyLogProbs.of(self.spec)  # read per call: the spec is the one source of settings
 
     @property
     def settings(self) -> UpdateSettings:
-        budget = resolve_budget(self.budget, self.config, "actor", self.device, self.model, self.optimizer)
-        return UpdateSettings.of(self.config.actor, self.config.model.shares_prompts, budget)
+        budget = resolve_budget(self.budget, self.spec, self.device, self.model, self.optimizer)
+        return UpdateSettings.of(self.spec.section, self.spec.model.shares_prompts, budget)
 
     @register(dispatch=Dispatch.DP_BALANCED)
     def compute_log_prob(self, batch: Batch) -> Batch:
@@ -178,7 +177,7 @@ class ActorWorker(Worker):
     def update_actor(self, batch: Batch, samples_per_prompt: int) -> dict[str, float]:
         """One training step: `actor.ppo_epochs` passes over mini-batches of `actor.ppo_mini_batch_size`
         prompts, with their `samples_per_prompt` responses each (the generation's `SamplingParams.n`)."""
-        objective = PolicyObjective(self.config.actor, self.policy_loss, self.log_probs, self.model)
+        objective = PolicyObjective(self.spec.section, self.policy_loss, self.log_probs, self.model)
         rows = self.settings.mini_batch_rows(samples_per_prompt, self.data_parallel_size)
         result = run_update(self.trained, batch, objective, self.settings, mini_batch_rows=rows, device=self.device)
         return self._policy_metrics(result, rows)
@@ -192,7 +191,7 @@ class ActorWorker(Worker):
         if self.settings.epochs != 1:
             raise ValueError(f"update_actor_on_policy: actor.ppo_epochs={self.settings.epochs}; a second pass would "
                              "need the old log-probs of before the first step (actor.recompute_old_log_prob=always)")
-        objective = PolicyObjective(self.config.actor, self.policy_loss, self.log_probs, self.model, old_from_current=True)
+        objective = PolicyObjective(self.spec.section, self.policy_loss, self.log_probs, self.model, old_from_current=True)
         result = run_update(self.trained, batch, objective, self.settings, mini_batch_rows=len(batch), device=self.device)
         return Batch(tensors=result.outputs), self._policy_metrics(result, len(batch))
 
@@ -206,15 +205,16 @@ class ActorWorker(Worker):
         if result.device_peak is None:
             return {}
         micro = self.settings.micro
-        most = largest_micro_batch(self.config, dynamic=micro.dynamic, max_tokens=micro.max_tokens, rows_per_micro=micro.size,
-                                   mini_rows=mini_rows)
-        return result.peak_metrics("actor", most, role_cost(self.config, "actor").per_token())
+        most = largest_micro_batch(self.spec.longest_sequence, dynamic=micro.dynamic, max_tokens=micro.max_tokens,
+                                   rows_per_micro=micro.size, mini_rows=mini_rows)
+        return result.peak_metrics("actor", most, role_cost(self.spec).per_token())
 
     @register(dispatch=Dispatch.DP_COMPUTE)
     def update_preference(self, batch: Batch, objective: PreferenceObjective) -> dict[str, float]:
         """One training step on a preference batch with `objective` (the algorithm's `AlgorithmTraits.objective`):
         `actor.ppo_epochs` passes over mini-batches of `actor.ppo_mini_batch_size` examples."""
-        loss = preference_objective(objective, self.config.preference, self.log_probs, self.model, self.settings.micro, self.device)
+        assert self.spec.preference is not None, "an SFT actor has no preference objective"
+        loss = preference_objective(objective, self.spec.preference, self.log_probs, self.model, self.settings.micro, self.device)
         rows = self.settings.mini_batch_rows(1, self.data_parallel_size)
         result = run_update(
             self.trained, batch, loss, self.settings, mini_batch_rows=rows, device=self.device, lengths=loss.lengths
@@ -227,7 +227,7 @@ class ActorWorker(Worker):
         """One supervised optimizer step on the whole batch (`rlcore.data.sft.collate_sft`): its mean
         response-token negative log-likelihood (`SFTObjective`), micro-batched by the actor's token
         budget. `rlcore sft`'s step."""
-        settings = UpdateSettings(1, len(batch), self.settings.micro, self.config.actor.optim.grad_clip)
+        settings = UpdateSettings(1, len(batch), self.settings.micro, self.spec.section.optim.grad_clip)
         result = run_update(self.trained, batch, SFTObjective(self.log_probs, self.model), settings,
                             mini_batch_rows=len(batch), device=self.device)
         return {"train/loss": result.loss, "train/micro_batches": result.metrics.get("micro_batches", math.nan),
@@ -284,7 +284,7 @@ class ActorWorker(Worker):
 
     @property
     def _bucket_bytes(self) -> int:
-        return int(self.config.actor.weight_sync_bucket_mb * 2**20)
+        return int(self.spec.section.weight_sync_bucket_mb * 2**20)
 
     @register(dispatch=Dispatch.ONE_TO_ALL)
     def save_checkpoint(self, folder: str, tokenizer_dir: str | None = None) -> None:
@@ -292,7 +292,7 @@ class ActorWorker(Worker):
 
     @register(dispatch=Dispatch.ONE_TO_ALL)
     def load_checkpoint(self, folder: str) -> None:
-        if self.config.actor.lora.enabled:  # the base from model.path, the adapter from the checkpoint
+        if self.spec.section.lora.enabled:  # the base from model.path, the adapter from the checkpoint
             self.setup(adapter_dir=str(Path(folder) / adapter_folder("actor")))
         else:
             self.setup(model_path=str(Path(folder) / "actor"))
@@ -303,23 +303,25 @@ class ReferenceWorker(Worker):
     """A frozen copy of the starting policy, for KL and the preference losses (not started with
     LoRA: the actor serves the reference role from its own base weights)."""
 
-    def __init__(self, config: Config, rank: int = 0, world_size: int = 1) -> None:
+    def __init__(self, spec: RoleSpec[RefConfig] | Config, rank: int = 0, world_size: int = 1) -> None:
         super().__init__(rank=rank, world_size=world_size, role="ref")
-        self.config = config
-        self.ranks_per_shard = config.layout_of("ref").ranks_per_shard  # `ref.layout`, else the actor's
-        self.device = resolve_device(config.trainer.device)
+        self.spec: RoleSpec[RefConfig] = as_spec(spec, "ref")
+        self.ranks_per_shard = self.spec.layout.ranks_per_shard  # `ref.layout`, else the actor's
+        self.device = resolve_device(self.spec.device)
         self.model: nn.Module | None = None
-        self.budget = role_budget(config, "ref")  # the actor's key; sized for a forward on this worker's device
+        self.budget = role_budget(self.spec)  # the actor's key; sized for a forward on this worker's device
 
     def setup(self, model_path: str | None = None) -> None:
-        cfg = self.config
-        self.model = load_causal_lm(model_path or cfg.model.path, cfg.model.dtype, self.device, remove_padding=cfg.model.use_remove_padding)
+        spec = self.spec
+        self.model = load_causal_lm(model_path or spec.model_path, spec.model.dtype, self.device,
+                                    remove_padding=spec.model.use_remove_padding)
         self.model.requires_grad_(False)
-        self.model = apply_role_layout(self.model, cfg, "ref", self.device, forward_methods=POLICY_FORWARD_METHODS)
+        self.model = apply_role_layout(self.model, spec, self.device, forward_methods=POLICY_FORWARD_METHODS)
 
     @register(dispatch=Dispatch.DP_BALANCED)
     def compute_ref_log_prob(self, batch: Batch) -> Batch:
-        log_probs = PolicyLogProbs.of(self.config)
-        budget = resolve_budget(self.budget, self.config, "ref", self.device, self.model)
-        micro = MicroBatching.of(self.config.actor, self.config.model.shares_prompts, budget)
+        log_probs = PolicyLogProbs.of(self.spec)
+        budget = resolve_budget(self.budget, self.spec, self.device, self.model)
+        assert self.spec.micro is not None
+        micro = MicroBatching.of_spec(self.spec.micro, self.spec.model.shares_prompts, budget)
         return log_probs.no_grad(self.model, batch, "ref_log_probs", micro, self.device)

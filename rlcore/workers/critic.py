@@ -9,13 +9,12 @@ from __future__ import annotations
 from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
-from typing import TypeVar
 
 import torch
 from torch import nn
 
 from rlcore.algos import compute_value_loss
-from rlcore.config import Config, CriticConfig
+from rlcore.config import Config, CriticConfig, RoleSpec, as_spec
 from rlcore.controller import Dispatch, Worker, register
 from rlcore.protocol import Batch
 from rlcore.workers.checkpointing import adapter_folder, load_training_state, save_trained
@@ -27,7 +26,6 @@ from rlcore.workers.loops import (
     MicroLoss,
     MicroLossFn,
     UpdateSettings,
-    budget_tokens,
     forward_no_grad,
     mean_stats,
     run_update,
@@ -39,25 +37,14 @@ from rlcore.workers.packed import forward_token_metrics
 from rlcore.workers.parallel.apply import apply_role_layout
 from rlcore.workers.trainable import Trainable
 
-T = TypeVar("T")
 
-
-def _or(value: T | None, default: T) -> T:
-    return default if value is None else value
-
-
-def critic_settings(config: Config, budget: MicroBudget | None = None) -> UpdateSettings:
-    """The critic's update settings; a batch field left unset (None) is the actor's, as in verl. An
-    `auto` token budget is `budget`'s (resolved by the worker)."""
-    c, a = config.critic, config.actor
-    micro = MicroBatching(
-        _or(c.micro_batch_size, a.micro_batch_size),
-        _or(c.dynamic_batch_size, a.dynamic_batch_size),
-        budget_tokens(_or(c.max_tokens_per_micro_batch, a.max_tokens_per_micro_batch), budget),
-        config.model.shares_prompts,
-        budget,
-    )
-    return UpdateSettings(c.ppo_epochs, _or(c.ppo_mini_batch_size, a.ppo_mini_batch_size), micro, c.optim.grad_clip)
+def critic_settings(spec: RoleSpec[CriticConfig], budget: MicroBudget | None = None) -> UpdateSettings:
+    """The critic's update settings; a batch field left unset (None) is the actor's, as in verl
+    (`role_spec` resolves them into `spec.micro` and `spec.mini_batch_size`). An `auto` token
+    budget is `budget`'s (resolved by the worker)."""
+    assert spec.micro is not None
+    micro = MicroBatching.of_spec(spec.micro, spec.model.shares_prompts, budget)
+    return UpdateSettings(spec.section.ppo_epochs, spec.mini_batch_size, micro, spec.section.optim.grad_clip)
 
 
 @dataclass(frozen=True)
@@ -90,31 +77,31 @@ class CriticWorker(Worker):
     """The value model (PPO): values for GAE, the clipped value update, checkpoints. FSDP2 when
     its group has a process group. With `critic.lora`, the backbone's adapter and the value head train."""
 
-    def __init__(self, config: Config, rank: int = 0, world_size: int = 1) -> None:
+    def __init__(self, spec: RoleSpec[CriticConfig] | Config, rank: int = 0, world_size: int = 1) -> None:
         super().__init__(rank=rank, world_size=world_size, role="critic")
-        self.config = config
-        self.ranks_per_shard = config.layout_of("critic").ranks_per_shard  # a sequence/tensor-parallel group shares its rows
-        self.device = resolve_device(config.trainer.device)
+        self.spec: RoleSpec[CriticConfig] = as_spec(spec, "critic")
+        self.ranks_per_shard = self.spec.layout.ranks_per_shard  # a sequence/tensor-parallel group shares its rows
+        self.device = resolve_device(self.spec.device)
         self.model: nn.Module | None = None
         self.optimizer: torch.optim.Optimizer | None = None
         self.scheduler: torch.optim.lr_scheduler.LRScheduler | None = None
         self.adapter: Adapter | None = None
-        self.budget = role_budget(config, "critic")  # an `auto` token budget, sized on first use
+        self.budget = role_budget(self.spec)  # an `auto` token budget, sized on first use
 
     def setup(self, model_path: str | None = None, adapter_dir: str | None = None) -> None:
-        cfg = self.config
-        path = model_path or cfg.critic.model_path or cfg.model.path
-        model = load_value_model(path, trained_dtype(cfg.model), self.device, cfg.model.gradient_checkpointing,
-                                 cfg.model.use_remove_padding, seed=cfg.trainer.seed)
-        precision = compute_precision(cfg.model)
-        self.adapter = (apply_lora(model, cfg.critic.lora, "critic.lora", task="token_cls", seed=cfg.trainer.seed,
-                                   mixed_precision=precision != "none") if cfg.critic.lora.enabled else None)
+        spec, critic = self.spec, self.spec.section
+        path = model_path or spec.model_path
+        model = load_value_model(path, trained_dtype(spec.model), self.device, spec.model.gradient_checkpointing,
+                                 spec.model.use_remove_padding, seed=spec.seed)
+        precision = compute_precision(spec.model)
+        self.adapter = (apply_lora(model, critic.lora, "critic.lora", task="token_cls", seed=spec.seed,
+                                   mixed_precision=precision != "none") if critic.lora.enabled else None)
         if self.adapter is not None and adapter_dir is not None:
             self.adapter.load(Path(adapter_dir))
         self.param_counts = parameter_counts(model)
-        self.model = apply_role_layout(model, cfg, "critic", self.device, mixed_precision=precision)  # TP / SP, FSDP2
-        self.optimizer = build_optimizer(self.model, cfg.critic.optim)
-        self.scheduler = build_scheduler(self.optimizer, cfg.critic.optim, cfg.trainer.total_steps)
+        self.model = apply_role_layout(model, spec, self.device, mixed_precision=precision)  # TP / SP, FSDP2
+        self.optimizer = build_optimizer(self.model, critic.optim)
+        self.scheduler = build_scheduler(self.optimizer, critic.optim, spec.total_steps)
         track_trained(self.model, self.optimizer)  # other roles' `auto` micro-batches leave room for its first step
 
     @property
@@ -123,11 +110,11 @@ class CriticWorker(Worker):
 
     @property
     def settings(self) -> UpdateSettings:
-        return critic_settings(self.config, resolve_budget(self.budget, self.config, "critic", self.device, self.model, self.optimizer))
+        return critic_settings(self.spec, resolve_budget(self.budget, self.spec, self.device, self.model, self.optimizer))
 
     @register(dispatch=Dispatch.DP_BALANCED)
     def compute_values(self, batch: Batch) -> Batch:
-        packed, share = self.config.model.use_remove_padding, self.config.model.shares_prompts
+        packed, share = self.spec.model.use_remove_padding, self.spec.model.shares_prompts
         out = forward_no_grad(self.model, batch, lambda mb: {"values": response_values(self.model, mb, packed, share)},
                               self.settings.micro, self.device)
         return Batch(tensors={"values": out["values"] * batch["response_mask"].float().cpu()})
@@ -137,17 +124,17 @@ class CriticWorker(Worker):
         """One training step: `critic.ppo_epochs` passes over mini-batches of `critic.ppo_mini_batch_size`
         prompts, with their `samples_per_prompt` responses each (the generation's `SamplingParams.n`)."""
         rows = self.settings.mini_batch_rows(samples_per_prompt, self.world_size // self.ranks_per_shard)
-        objective = ValueObjective(self.config.critic, self.model, self.config.model.use_remove_padding,
-                                   self.config.model.shares_prompts)
+        objective = ValueObjective(self.spec.section, self.model, self.spec.model.use_remove_padding,
+                                   self.spec.model.shares_prompts)
         result = run_update(self.trained, batch, objective, self.settings, mini_batch_rows=rows, device=self.device)
         out = {f"critic/{k}": v for k, v in result.metrics.items()}
         out.update({"critic/vf_loss": result.loss, "critic/grad_norm": result.grad_norm, "critic/bad_updates": float(result.skipped_steps),
                     "critic/trainable_params": float(self.param_counts[0]), "critic/total_params": float(self.param_counts[1])})
         if result.device_peak is not None:  # CUDA: what `rollout.sleep=auto` weighs (see ActorWorker._peak_metrics)
             micro = self.settings.micro
-            most = largest_micro_batch(self.config, dynamic=micro.dynamic, max_tokens=micro.max_tokens,
+            most = largest_micro_batch(self.spec.longest_sequence, dynamic=micro.dynamic, max_tokens=micro.max_tokens,
                                        rows_per_micro=micro.size, mini_rows=rows)
-            out.update(result.peak_metrics("critic", most, role_cost(self.config, "critic").per_token()))
+            out.update(result.peak_metrics("critic", most, role_cost(self.spec).per_token()))
         out.update(forward_token_metrics("critic", self.model, self.device))
         return out
 
@@ -157,7 +144,7 @@ class CriticWorker(Worker):
 
     @register(dispatch=Dispatch.ONE_TO_ALL)
     def load_checkpoint(self, folder: str) -> None:
-        if self.config.critic.lora.enabled:  # the base as at the start, the adapter and head from the checkpoint
+        if self.spec.section.lora.enabled:  # the base as at the start, the adapter and head from the checkpoint
             self.setup(adapter_dir=str(Path(folder) / adapter_folder("critic")))
         else:
             self.setup(model_path=str(Path(folder) / "critic"))

@@ -28,7 +28,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from rlcore.config import ActorConfig
+from rlcore.config import ActorConfig, MicroSpec
 from rlcore.packing import pack_token_budget
 from rlcore.protocol import Batch
 from rlcore.workers.fsdp import drop_compute_copies, equalize_micro_batches
@@ -61,6 +61,11 @@ class MicroBatching:
         `auto` token budget is `budget`'s (resolved by the worker)."""
         return cls(section.micro_batch_size, section.dynamic_batch_size,
                    budget_tokens(section.max_tokens_per_micro_batch, budget), share_prompts, budget)
+
+    @classmethod
+    def of_spec(cls, micro: MicroSpec, share_prompts: bool = False, budget: MicroBudget | None = None) -> MicroBatching:
+        """From a role's `RoleSpec.micro`; an `auto` token budget is `budget`'s (resolved by the worker)."""
+        return cls(micro.size, micro.dynamic, budget_tokens(micro.max_tokens, budget), share_prompts, budget)
 
     def can_shrink(self) -> bool:
         """Whether an out-of-memory error may halve this budget (`MicroBudget.may_halve`)."""

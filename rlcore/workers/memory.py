@@ -30,7 +30,7 @@ from typing import Any, Literal
 import torch
 from torch import nn
 
-from rlcore.config import Config
+from rlcore.config.spec import RoleSpec
 from rlcore.workers.ranks import distributed_world, max_over_ranks
 
 log = logging.getLogger(__name__)
@@ -341,65 +341,48 @@ class MicroBudget:
         self.settled = True
 
 
-def role_budget(config: Config, role: Literal["actor", "ref", "critic", "reward_model"]) -> MicroBudget | None:
-    """The `MicroBudget` of `role` when its micro-batches are packed by tokens (`dynamic_batch_size`)
-    under an `auto` budget: the reference reads the actor's key, the critic its own or, unset, the actor's."""
-    a, c, rm = config.actor, config.critic, config.reward_model
-    value, dynamic, key = a.max_tokens_per_micro_batch, a.dynamic_batch_size, "actor.max_tokens_per_micro_batch"
-    if role == "critic":
-        dynamic = a.dynamic_batch_size if c.dynamic_batch_size is None else c.dynamic_batch_size
-        if c.max_tokens_per_micro_batch is not None:
-            value, key = c.max_tokens_per_micro_batch, "critic.max_tokens_per_micro_batch"
-    elif role == "reward_model":
-        value, dynamic, key = rm.max_tokens_per_micro_batch, rm.dynamic_batch_size, "reward_model.max_tokens_per_micro_batch"
-    if value != "auto" or not dynamic:
+def role_budget(spec: RoleSpec[Any]) -> MicroBudget | None:
+    """The `MicroBudget` of `spec`'s role when its micro-batches are packed by tokens (`dynamic_batch_size`)
+    under an `auto` budget (`RoleSpec.micro`: the reference reads the actor's key, the critic its own or, unset, the actor's)."""
+    micro = spec.micro
+    if micro is None or micro.max_tokens != "auto" or not micro.dynamic:
         return None
-    label = key if key.startswith(role) else f"{key} ({role})"
-    return MicroBudget(label, forward_only=not role_trains(config, role))
+    label = micro.key if micro.key.startswith(spec.role) else f"{micro.key} ({spec.role})"
+    return MicroBudget(label, forward_only=not spec.trains)
 
 
-def role_trains(config: Config, role: str) -> bool:
-    """Whether `role` trains in this run (the reference never; a reward model under `algorithm.name: rm`)."""
-    return role in ("actor", "critic") or (role == "reward_model" and "reward_model" in config.traits.trains)
-
-
-def role_cost(config: Config, role: Literal["actor", "ref", "critic", "reward_model"]) -> ActivationCost:
-    """`role`'s `ActivationCost` as its worker runs it: its model's config.json, compute dtype,
+def role_cost(spec: RoleSpec[Any]) -> ActivationCost:
+    """`spec`'s role's `ActivationCost` as its worker runs it: its model's config.json, compute dtype,
     gradient checkpointing (trained roles), head, log-prob chunk and layout."""
     from rlcore.workers.loading import compute_precision
 
-    trains = role_trains(config, role)
-    model = config.model
-    path = {"critic": config.critic.model_path or model.path,
-            "reward_model": model.path if trains else (config.reward_model.path or model.path)}.get(role, model.path)
-    if trains:
-        bf16 = compute_precision(model, config.actor.mixed_precision if role == "actor" else "none") == "bf16" or model.pure_bf16
+    model = spec.model
+    if spec.trains:
+        bf16 = compute_precision(model, spec.mixed_precision) == "bf16" or model.pure_bf16
     else:
         bf16 = model.dtype == "bfloat16"
-    head: Head = {"critic": "value", "reward_model": "score"}.get(role, "lm")  # type: ignore[assignment]
-    layout = config.layout_of(role)
-    return ActivationCost.of_model_dir(path, compute_bytes=2 if bf16 else 4, checkpointing=trains and model.gradient_checkpointing,
-                                       head=head, chunk_tokens=config.actor.logprob_chunk_tokens,
-                                       tensor_parallel=layout.tensor_parallel, sequence_parallel=layout.sequence_parallel)
+    head: Head = {"critic": "value", "reward_model": "score"}.get(spec.role, "lm")  # type: ignore[assignment]
+    return ActivationCost.of_model_dir(spec.model_path, compute_bytes=2 if bf16 else 4,
+                                       checkpointing=spec.trains and model.gradient_checkpointing,
+                                       head=head, chunk_tokens=spec.logprob_chunk_tokens,
+                                       tensor_parallel=spec.layout.tensor_parallel, sequence_parallel=spec.layout.sequence_parallel)
 
 
-def largest_micro_batch(config: Config, *, dynamic: bool, max_tokens: int, rows_per_micro: int, mini_rows: int) -> int:
+def largest_micro_batch(longest: int, *, dynamic: bool, max_tokens: int, rows_per_micro: int, mini_rows: int) -> int:
     """The most tokens one micro-batch of an RL update may hold in any step: its token budget, or
-    its rows, of sequences at the longest the config allows (prompt and response limits), and no
-    more than a mini-batch's `mini_rows` rows on this rank."""
-    agent = config.rollout.agent
-    longest = config.data.max_prompt_length + (agent.max_total_tokens if agent.enabled else config.rollout.max_new_tokens)
+    its rows, of sequences at the `longest` the config allows (`RoleSpec.longest_sequence`: prompt
+    and response limits), and no more than a mini-batch's `mini_rows` rows on this rank."""
     if dynamic:
         return min(max_tokens, mini_rows * longest)
     return min(rows_per_micro, mini_rows) * longest
 
 
-def resolve_budget(budget: MicroBudget | None, config: Config, role: Literal["actor", "ref", "critic", "reward_model"],
-                   device: torch.device, model: nn.Module, optimizer: torch.optim.Optimizer | None = None) -> MicroBudget | None:
-    """`budget` chosen for `role`'s loaded `model` on `device` (once; see `choose_micro_batch`)."""
+def resolve_budget(budget: MicroBudget | None, spec: RoleSpec[Any], device: torch.device, model: nn.Module,
+                   optimizer: torch.optim.Optimizer | None = None) -> MicroBudget | None:
+    """`budget` chosen for `spec`'s role's loaded `model` on `device` (once; see `choose_micro_batch`)."""
     if budget is not None:
-        budget.resolve(lambda: choose_micro_batch(budget.key, device, lambda: role_cost(config, role),
-                                                  trains=role_trains(config, role), model=model, optimizer=optimizer))
+        budget.resolve(lambda: choose_micro_batch(budget.key, device, lambda: role_cost(spec),
+                                                  trains=spec.trains, model=model, optimizer=optimizer))
     return budget
 
 
@@ -407,5 +390,5 @@ __all__ = [
     "CPU_MICRO_BATCH_TOKENS", "GRANULE", "MAX_AUTO_TOKENS", "MIN_AUTO_TOKENS", "SAFETY_MARGIN", "ActivationCost",
     "DeviceMemory", "MicroBatchChoice", "MicroBudget", "PeakMeter", "SleepDecision", "bytes_to_come", "choose_micro_batch",
     "device_memory", "largest_micro_batch", "pending_bytes", "per_token_text", "resolve_budget", "role_budget", "role_cost",
-    "role_trains", "size_micro_batch", "sleep_decision", "track_trained",
+    "size_micro_batch", "sleep_decision", "track_trained",
 ]

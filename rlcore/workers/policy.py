@@ -7,11 +7,12 @@ that every log-prob in a run comes from the same chunking, kernel and temperatur
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch import nn
 
-from rlcore.config import Config
+from rlcore.config import RoleSpec
 from rlcore.protocol import Batch
 from rlcore.workers.forward import response_log_probs
 from rlcore.workers.loops import MicroBatching, forward_no_grad
@@ -26,14 +27,15 @@ class PolicyLogProbs:
     share_prompts: bool = False  # a packed row holds each prompt once (`model.share_prompt_prefix`)
 
     @classmethod
-    def of(cls, config: Config) -> PolicyLogProbs:
-        """The run's settings. Temperature: an algorithm that trains on its own samples compares
-        log-probs at the temperature it sampled them at (`rollout.temperature`, as the engine's
-        `rollout_log_probs` are: `SamplingParams.logprob_temperature`); one that trains on data
-        (preference pairs, supervised rows) scores it at 1."""
-        backend = "auto" if config.actor.fused_kernels else "torch"
-        temperature = config.rollout.temperature if config.traits.generates else 1.0
-        return cls(temperature, config.actor.logprob_chunk_tokens, backend, config.model.use_remove_padding, config.model.shares_prompts)
+    def of(cls, spec: RoleSpec[Any]) -> PolicyLogProbs:
+        """The role's settings (actor or reference: the actor's keys). Temperature: an algorithm that
+        trains on its own samples compares log-probs at the temperature it sampled them at
+        (`rollout.temperature`, as the engine's `rollout_log_probs` are:
+        `SamplingParams.logprob_temperature`); one that trains on data (preference pairs, supervised
+        rows) scores it at 1 (`RoleSpec.logprob_temperature`)."""
+        backend = "auto" if spec.fused_kernels else "torch"
+        return cls(spec.logprob_temperature, spec.logprob_chunk_tokens, backend, spec.model.use_remove_padding,
+                   spec.model.shares_prompts)
 
     def __call__(self, model: nn.Module, batch: Batch, compute_entropy: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Log-probs (and entropy) of `batch["responses"]`, both [N, R], with gradients."""

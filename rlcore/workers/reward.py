@@ -16,7 +16,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from rlcore.config import Config
+from rlcore.config import Config, RewardConfig, RoleSpec, as_spec
 from rlcore.controller import Dispatch, Worker, register
 from rlcore.protocol import Batch
 from rlcore.rewards import RewardScorer, ScoreItem, scores_to_token_rewards
@@ -24,14 +24,14 @@ from rlcore.workers.tokenizer import cut_at_end, end_token_ids, load_tokenizer
 
 
 class RewardWorker(Worker):
-    def __init__(self, config: Config, rank: int = 0, world_size: int = 1) -> None:
+    def __init__(self, spec: RoleSpec[RewardConfig] | Config, rank: int = 0, world_size: int = 1) -> None:
         super().__init__(rank=rank, world_size=world_size, role="reward")
-        self.config = config
+        self.spec: RoleSpec[RewardConfig] = as_spec(spec, "reward")
 
     def setup(self) -> None:
-        cfg = self.config.reward
-        self.tokenizer = load_tokenizer(self.config.model.path)
-        self.end_ids = end_token_ids(self.config.model.path)
+        cfg = self.spec.section
+        self.tokenizer = load_tokenizer(self.spec.model.path)  # the policy's: what the responses are in
+        self.end_ids = end_token_ids(self.spec.model.path)
         self.scorer = RewardScorer(cfg.function, num_workers=cfg.num_workers, timeout_s=cfg.timeout_s,
                                    error_score=cfg.error_score, clip=cfg.clip)
 

@@ -30,7 +30,7 @@ from torch import nn
 
 from rlcore.algos import bradley_terry_loss
 from rlcore.chat import has_chat_template, render_conversation
-from rlcore.config import Config, RewardModelConfig
+from rlcore.config import Config, RewardModelConfig, RoleSpec, as_spec
 from rlcore.controller import Dispatch, Worker, register
 from rlcore.errors import RLCoreError
 from rlcore.protocol import Batch
@@ -136,10 +136,11 @@ def score_pair_sides(model: nn.Module, mb: Batch, remove_padding: bool) -> tuple
     return scores[:len(mb)], scores[len(mb):]
 
 
-def rm_settings(config: Config, budget: MicroBudget | None = None) -> UpdateSettings:
-    """The reward model's update: one pass, `reward_model.mini_batch_size` pairs per optimizer step."""
-    rm = config.reward_model
-    return UpdateSettings(1, rm.mini_batch_size or config.data.train_batch_size, rm_micro_batching(rm, budget), rm.optim.grad_clip)
+def rm_settings(spec: RoleSpec[RewardModelConfig], budget: MicroBudget | None = None) -> UpdateSettings:
+    """The reward model's update: one pass, `reward_model.mini_batch_size` pairs per optimizer step
+    (`spec.mini_batch_size`: unset, `data.train_batch_size`)."""
+    rm = spec.section
+    return UpdateSettings(1, spec.mini_batch_size, rm_micro_batching(rm, budget), rm.optim.grad_clip)
 
 
 def rm_micro_batching(rm: RewardModelConfig, budget: MicroBudget | None = None) -> MicroBatching:
@@ -224,28 +225,28 @@ class RewardModelReader:
         return scores[:len(batch)], scores[len(batch):]
 
 
-def open_reward_model(path: str | Path, *, key: str, config: Config, device: torch.device,
+def open_reward_model(path: str | Path, *, key: str, config: RoleSpec[RewardModelConfig] | Config, device: torch.device,
                       training: bool = False, budget: MicroBudget | None = None) -> RewardModelReader:
     """The reward model at `path` (its tokenizer and chat template from the same folder), read
-    with `config.reward_model`'s limits. `training`: a backbone without a score head is allowed
+    with the reward model's limits (its `RoleSpec`, or that of a whole `Config`). `training`: a backbone without a score head is allowed
     (a fresh head is made), in float32 master weights. Errors name `key`. An `auto` micro-batch
     budget (`budget`, else a new one) is sized for the model as loaded, before any sharding (an
     upper bound on what a sharded rank holds)."""
-    cfg = config
+    spec: RoleSpec[RewardModelConfig] = as_spec(config, ROLE)
     tokenizer = load_tokenizer(str(path))
     if not has_chat_template(tokenizer):
         raise RewardModelInputError(
             f"{key}: the tokenizer of {path} has no chat template; a reward model scores whole conversations "
             "rendered with its own template (add one: chat_template.jinja, or chat_template in tokenizer_config.json)")
     model = load_sequence_classifier(
-        path, trained_dtype(cfg.model) if training else cfg.model.dtype, device, key=key, new_head_ok=training,
-        pad_token_id=tokenizer.pad_token_id, seed=cfg.trainer.seed,
-        gradient_checkpointing=training and cfg.model.gradient_checkpointing, remove_padding=cfg.model.use_remove_padding)
+        path, trained_dtype(spec.model) if training else spec.model.dtype, device, key=key, new_head_ok=training,
+        pad_token_id=tokenizer.pad_token_id, seed=spec.seed,
+        gradient_checkpointing=training and spec.model.gradient_checkpointing, remove_padding=spec.model.use_remove_padding)
     pad = model.config.pad_token_id
-    budget = resolve_budget(budget or role_budget(cfg, "reward_model"), cfg, "reward_model", device, model)
+    budget = resolve_budget(budget or role_budget(spec), spec, device, model)
     return RewardModelReader(model, tokenizer, int(pad) if pad is not None else int(tokenizer.pad_token_id),
-                             cfg.reward_model.max_length, rm_micro_batching(cfg.reward_model, budget), device,
-                             cfg.model.use_remove_padding)
+                             spec.section.max_length, rm_micro_batching(spec.section, budget), device,
+                             spec.model.use_remove_padding)
 
 
 def merge_reward_model(base_dir: str | Path, adapter_dir: str | Path, out_dir: str | Path) -> Path:
@@ -262,13 +263,13 @@ class RewardModelWorker(Worker):
     checkpoints. FSDP2 when its group has a process group. With `reward_model.lora` (training),
     the backbone's adapter and the score head train."""
 
-    def __init__(self, config: Config, rank: int = 0, world_size: int = 1) -> None:
+    def __init__(self, spec: RoleSpec[RewardModelConfig] | Config, rank: int = 0, world_size: int = 1) -> None:
         super().__init__(rank=rank, world_size=world_size, role=ROLE)
-        self.config = config
-        self.ranks_per_shard = config.layout_of(ROLE).ranks_per_shard  # a tensor-parallel group shares its rows
-        self.device = resolve_device(config.trainer.device)
-        self.training = "reward_model" in config.traits.trains
-        self.budget = role_budget(config, ROLE)  # an `auto` token budget, sized when the model loads
+        self.spec: RoleSpec[RewardModelConfig] = as_spec(spec, ROLE)
+        self.ranks_per_shard = self.spec.layout.ranks_per_shard  # a tensor-parallel group shares its rows
+        self.device = resolve_device(self.spec.device)
+        self.training = self.spec.trains
+        self.budget = role_budget(self.spec)  # an `auto` token budget, sized when the model loads
         self.reader: RewardModelReader | None = None
         self.optimizer: torch.optim.Optimizer | None = None
         self.scheduler: torch.optim.lr_scheduler.LRScheduler | None = None
@@ -278,30 +279,30 @@ class RewardModelWorker(Worker):
         """Load the model (`model.path` to train, `reward_model.path` to score, or a checkpoint's);
         training with `reward_model.lora`, add the adapter (restored from `adapter_dir` on resume)
         before sharding."""
-        cfg = self.config
+        spec = self.spec
         key = "model.path" if self.training else "reward_model.path"
-        path = model_path or (cfg.model.path if self.training else cfg.reward_model.path)
+        path = model_path or (spec.model.path if self.training else spec.section.path)
         assert path is not None
-        self.reader = open_reward_model(path, key=key, config=cfg, device=self.device, training=self.training, budget=self.budget)
+        self.reader = open_reward_model(path, key=key, config=spec, device=self.device, training=self.training, budget=self.budget)
         model = self.reader.model
         if self.training:
-            precision = compute_precision(cfg.model)
-            lora = cfg.reward_model.lora
-            self.adapter = (apply_lora(model, lora, "reward_model.lora", task="seq_cls", seed=cfg.trainer.seed,
+            precision = compute_precision(spec.model)
+            lora = spec.section.lora
+            self.adapter = (apply_lora(model, lora, "reward_model.lora", task="seq_cls", seed=spec.seed,
                                        mixed_precision=precision != "none") if lora.enabled else None)
             if self.adapter is not None and adapter_dir is not None:
                 self.adapter.load(Path(adapter_dir))
             self.param_counts = parameter_counts(model)
-            model = apply_role_layout(model, cfg, ROLE, self.device, mixed_precision=precision,
+            model = apply_role_layout(model, spec, self.device, mixed_precision=precision,
                                       forward_methods=SCORE_FORWARD_METHODS)
-            self.optimizer = build_optimizer(model, cfg.reward_model.optim)
-            self.scheduler = build_scheduler(self.optimizer, cfg.reward_model.optim, cfg.trainer.total_steps)
+            self.optimizer = build_optimizer(model, spec.section.optim)
+            self.scheduler = build_scheduler(self.optimizer, spec.section.optim, spec.total_steps)
             track_trained(model, self.optimizer)
         else:
             model.requires_grad_(False)
-            model = apply_role_layout(model, cfg, ROLE, self.device, forward_methods=SCORE_FORWARD_METHODS)
-            self.policy_tokenizer = load_tokenizer(cfg.model.path)
-            self.end_ids = end_token_ids(cfg.model.path)
+            model = apply_role_layout(model, spec, self.device, forward_methods=SCORE_FORWARD_METHODS)
+            self.policy_tokenizer = load_tokenizer(spec.model.path)
+            self.end_ids = end_token_ids(spec.model.path)
         self.reader.model = model
 
     @property
@@ -328,9 +329,9 @@ class RewardModelWorker(Worker):
         """One training step on a `collate_rm_pairs` batch: the Bradley-Terry loss,
         `reward_model.mini_batch_size` pairs per optimizer step."""
         assert self.reader is not None
-        settings = rm_settings(self.config, self.budget)
+        settings = rm_settings(self.spec, self.budget)
         pairs, _ = self.reader.encode_pairs(batch)
-        objective = BradleyTerryObjective(self.model, self.config.reward_model.margin, self.config.model.use_remove_padding)
+        objective = BradleyTerryObjective(self.model, self.spec.section.margin, self.spec.model.use_remove_padding)
         shards = self.world_size // self.ranks_per_shard
         result = run_update(self.trained, pairs, objective, settings, mini_batch_rows=settings.mini_batch_rows(1, shards),
                             device=self.device, lengths=objective.lengths)
@@ -352,11 +353,11 @@ class RewardModelWorker(Worker):
 
     @register(dispatch=Dispatch.ONE_TO_ALL)
     def save_checkpoint(self, folder: str) -> None:
-        save_trained(self.trained, Path(folder), ROLE, self.rank, Path(self.config.model.path))
+        save_trained(self.trained, Path(folder), ROLE, self.rank, Path(self.spec.model.path))
 
     @register(dispatch=Dispatch.ONE_TO_ALL)
     def load_checkpoint(self, folder: str) -> None:
-        if self.config.reward_model.lora.enabled:  # the base from model.path, the adapter and head from the checkpoint
+        if self.spec.section.lora.enabled:  # the base from model.path, the adapter and head from the checkpoint
             self.setup(adapter_dir=str(Path(folder) / adapter_folder(ROLE)))
         else:
             self.setup(model_path=str(Path(folder) / ROLE))

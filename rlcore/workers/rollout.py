@@ -8,7 +8,7 @@ from collections.abc import Iterable
 
 import torch
 
-from rlcore.config import Config
+from rlcore.config import Config, RoleSpec, RolloutConfig, as_spec
 from rlcore.controller import Dispatch, Worker, register
 from rlcore.protocol import RIGHT_PAD, Batch
 from rlcore.rewards.registry import load_function
@@ -23,45 +23,45 @@ from rlcore.workers.tokenizer import end_token_ids, load_tokenizer, pad_token_id
 
 
 class RolloutWorker(Worker):
-    def __init__(self, config: Config, rank: int = 0, world_size: int = 1) -> None:
+    def __init__(self, spec: RoleSpec[RolloutConfig] | Config, rank: int = 0, world_size: int = 1) -> None:
         super().__init__(rank=rank, world_size=world_size, role="rollout")
-        self.config = config
-        self.device = resolve_device(config.trainer.device)
+        self.spec: RoleSpec[RolloutConfig] = as_spec(spec, "rollout")
+        self.device = resolve_device(self.spec.device)
 
         self.engine = None
         self.agent: AgentLoop | None = None
         self.tools: ToolPool | None = None
 
     def setup(self, model_path: str | None = None) -> None:
-        cfg = self.config
-        backend = resolve_backend(cfg.rollout.backend)
-        problem = support_problem(backend, cfg.rollout.tensor_parallel_size, cfg.lora_sync)
+        spec, rollout = self.spec, self.spec.section
+        backend = resolve_backend(rollout.backend)
+        problem = support_problem(backend, rollout.tensor_parallel_size, spec.lora_sync)
         if problem is not None:  # `auto` resolved here (config checks a named backend at load)
-            raise ValueError(f"{problem} (rollout.backend={cfg.rollout.backend} resolved to {backend})")
+            raise ValueError(f"{problem} (rollout.backend={rollout.backend} resolved to {backend})")
         engine_kwargs = getattr(load_engine_class(backend), "engine_kwargs", None)
-        extra = {} if engine_kwargs is None else engine_kwargs(cfg.rollout, seed=cfg.trainer.seed, lora_sync=cfg.lora_sync,
-                                                               lora_rank=cfg.actor.lora.rank)
+        extra = {} if engine_kwargs is None else engine_kwargs(rollout, seed=spec.seed, lora_sync=spec.lora_sync,
+                                                               lora_rank=spec.lora_rank)
         self._close_engine()  # vLLM allows one engine per process: close the old one first
-        self.pad_id = pad_token_id(cfg.model.path)
+        self.pad_id = pad_token_id(spec.model.path)
         self.engine = make_rollout_engine(
             backend,
-            path=model_path or cfg.model.path,
-            dtype=cfg.rollout.dtype or cfg.model.dtype,
+            path=model_path or spec.model_path,
+            dtype=rollout.dtype or spec.model.dtype,
             device=str(self.device),
             pad_token_id=self.pad_id,
             # every end token the model declares (tokenizer and generation_config), as vLLM and
             # transformers' generate stop on them; the run's model.path is the tokenizer's folder
-            eos_token_ids=end_token_ids(cfg.model.path),
+            eos_token_ids=end_token_ids(spec.model.path),
             **extra,
         )
         self.backend = backend
-        agent = cfg.rollout.agent
+        agent = rollout.agent
         if agent.enabled:
             if agent.tools and self.tools is None:  # one pool for the worker's life (engine restarts keep it)
                 self.tools = ToolPool(agent.tools, num_workers=agent.tool_workers, timeout_s=agent.tool_timeout_s,
                                       memory_mb=agent.tool_memory_mb, max_chars=agent.tool_max_chars)
             interaction = load_function(agent.interaction, "interaction") if agent.interaction else None
-            self.agent = AgentLoop(self.engine, load_tokenizer(cfg.model.path), end_token_ids(cfg.model.path),
+            self.agent = AgentLoop(self.engine, load_tokenizer(spec.model.path), end_token_ids(spec.model.path),
                                    AgentSettings(agent.max_turns, agent.max_total_tokens), self.tools, interaction)
 
     def shutdown(self) -> None:

@@ -28,7 +28,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from rlcore.config import Config
+from rlcore.config import RoleSpec
 from rlcore.workers.fsdp import shard_model
 from rlcore.workers.packed import token_tally
 from rlcore.workers.parallel.mesh import Layout, device_mesh, fsdp_mesh
@@ -75,12 +75,11 @@ def apply_layout(
     return shard_model(model, device, mixed_precision, cpu_offload, forward_methods, mesh=fsdp_mesh(mesh), cast_once=cast_once)
 
 
-def apply_role_layout(model: nn.Module, config: Config, role: str, device: torch.device, *, mixed_precision: str = "none",
+def apply_role_layout(model: nn.Module, spec: RoleSpec[Any], device: torch.device, *, mixed_precision: str = "none",
                       cpu_offload: bool = False, forward_methods: Mapping[str, Callable[..., Any]] | None = None,
                       cast_once: bool | str = False) -> nn.Module:
-    """`apply_layout` with `role`'s layout and keys from the run's config (`Config.layout_of`)."""
-    return apply_layout(model, config.layout_of(role), device, tp_key=config.layout_key(role, "tensor_parallel"),
-                        sp_key=config.layout_key(role, "sequence_parallel"), mixed_precision=mixed_precision,
+    """`apply_layout` with the role's layout and keys (`RoleSpec.layout`, `tp_key`, `sp_key`)."""
+    return apply_layout(model, spec.layout, device, tp_key=spec.tp_key, sp_key=spec.sp_key, mixed_precision=mixed_precision,
                         cpu_offload=cpu_offload, forward_methods=forward_methods, cast_once=cast_once)
 
 

@@ -504,11 +504,11 @@ def phase_actor(s: Shapes, device, meter: Meter, model_dir: Path, train_file: Pa
                 settings = out.pop("settings")
             assert worker is not None
             worker.spec = dataclasses.replace(worker.spec, fused_kernels=fused)  # read per call (`PolicyLogProbs.of`)
-            _, first_s = meter.timed(functools.partial(worker.update_actor, batch))  # warm-up: compilation, allocator
+            _, first_s = meter.timed(functools.partial(worker.update_actor, batch, 1))  # warm-up: compilation, allocator
             meter.reset()
             times, metrics = [], {}
             for _ in range(s.actor_steps):
-                metrics, secs = meter.timed(functools.partial(worker.update_actor, batch))
+                metrics, secs = meter.timed(functools.partial(worker.update_actor, batch, 1))
                 times.append(secs)
             secs = sum(times) / len(times)
             out[name] = {

@@ -20,7 +20,7 @@ import torch  # noqa: E402
 from transformers import LlamaConfig, LlamaForCausalLM  # noqa: E402
 
 from rlcore.protocol import Batch  # noqa: E402
-from rlcore.rollout import RolloutEngine, SamplingParams, make_rollout_engine, register_backend  # noqa: E402
+from rlcore.rollout import RolloutEngine, SamplingParams, make_rollout_engine  # noqa: E402
 from rlcore.rollout.vllm import VLLMRolloutEngine  # noqa: E402
 
 pytestmark = [pytest.mark.slow, pytest.mark.vllm]
@@ -97,7 +97,6 @@ def models(tmp_path_factory):
 def engine_a(models):
     """One engine shared by a test class. vLLM keeps process-global state: only one engine may
     be alive at a time, and it must be closed before the next one starts."""
-    register_backend("vllm", "rlcore.rollout.vllm:VLLMRolloutEngine")
     engine = make_rollout_engine("vllm", path=str(models[1]), dtype="float32", device="cpu",
                                  eos_token_ids=[], **ENGINE_KW)
     yield engine

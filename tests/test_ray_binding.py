@@ -221,6 +221,9 @@ def test_a_sigkilled_rlcore_train_leaves_nothing_of_its_local_ray_running(tiny_e
             assert run.poll() is None, (tmp_path / "stderr.txt").read_text()[-3000:]
             assert time.monotonic() < deadline, f"the run's Ray did not start in 600 s: {[w[:150] for _, w in procs.values()]}"
             time.sleep(0.2)
+        # The watcher notes the Ray's processes every POLL_S (1 s); one started since its last look is not
+        # known to it. Give it a few looks (it scans /proc, slower on a loaded machine) before the kill.
+        time.sleep(scaled(5))
         procs = _ray_processes(run.pid)
         run.kill()
         run.wait()

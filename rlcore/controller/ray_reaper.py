@@ -15,7 +15,8 @@ its parent changed), it SIGKILLs every noted process still running (the same id 
 never a process that reused an id) and exits. When the roots end while the driver lives
 (`ray.shutdown()`), it exits without touching anything. It ignores SIGINT, SIGTERM and SIGHUP,
 which reach it with its driver's process group (Ctrl-C, a closed terminal, `kill -- -PGID`): that
-is when it is needed. Linux only, like the kernel fate-sharing it completes.
+is when it is needed. Linux only, like the kernel fate-sharing it completes. A process Ray starts
+less than a look (`POLL_S`) before the driver dies is not yet noted and can be missed.
 """
 
 from __future__ import annotations

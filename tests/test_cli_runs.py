@@ -28,7 +28,7 @@ def _pipeline(config, workdir, name: str, after: float | None, promote: bool | N
     train = store.start_run("train", ctx["run_id"], stage_tags(ctx, "train"))
     store.log_metrics(train, {"acc/mean": after, "actor/loss": loss})
     store.end_run(train)
-    check = "accuracy_margin" if promote else "accuracy_below_margin"
+    check = "promoted" if promote else "margin"  # gate.decide's checks
     registry = ModelRegistry(store, config.registry.model_name)
     version = registry.register(train, "model", tags={"rlcore.pipeline_run": name,
                                                       "rlcore.decision": "promoted" if promote else "rejected",
@@ -60,8 +60,8 @@ def test_lists_runs_newest_first_with_version_and_decision(store_uri, capsys):
     assert [line.split()[2] for line in lines[1:]] == ["run-c", "run-b", "run-a"]
     c, b, a = lines[1:]
     assert "FAILED" in c and "train: CUDA out of memory" in c and "Traceback" not in c
-    assert "0.250 -> 0.400" in b and " 2 " in b and "rejected (accuracy_below_margin)" in b
-    assert "0.250 -> 0.500" in a and " 1 " in a and "promoted (accuracy_margin)" in a
+    assert "0.250 -> 0.400" in b and " 2 " in b and "rejected (margin)" in b
+    assert "0.250 -> 0.500" in a and " 1 " in a and "promoted" in a and "(promoted)" not in a
 
 
 def test_limit_and_json(store_uri, capsys):

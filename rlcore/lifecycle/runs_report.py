@@ -33,7 +33,7 @@ class RunRow:
     accuracy_after: float | None
     version: str | None
     decision: str | None  # promoted / rejected
-    check: str | None  # the gate check that decided
+    check: str | None  # the gate check that decided (gate.decide: promoted, margin, kl_budget, length_budget)
     failure: str | None
     run_id: str
 
@@ -148,7 +148,7 @@ def _table(header: list[str], body: list[list[str]]) -> str:
 def format_runs(rows: list[RunRow]) -> str:
     body = []
     for r in rows:
-        decision = f"{r.decision} ({r.check})" if r.decision and r.check else (r.decision or "-")
+        decision = f"{r.decision} ({r.check})" if r.decision and r.check and r.check != r.decision else (r.decision or "-")
         body.append([r.started, r.name, r.status, f"{_num(r.accuracy_before)} -> {_num(r.accuracy_after)}",
                      r.version or "-", decision, (r.failure or "").splitlines()[0][:80] if r.failure else ""])
     return _table(["STARTED (UTC)", "RUN", "STATUS", "ACCURACY", "VERSION", "DECISION", "FAILURE"], body)

@@ -301,6 +301,22 @@ def _cmd_pipeline_emit(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_runs(args: argparse.Namespace) -> int:
+    """The recent pipeline runs, or two registered versions side by side (rlcore.lifecycle.runs_report)."""
+    from rlcore.lifecycle import runs_report as report
+
+    store = report.open_store(args.tracking_uri or report.default_uri(), args.experiment)
+    if args.compare:
+        rows = report.compare_versions(store, args.model, *args.compare)
+        print(json.dumps(report.compare_json(rows), indent=2) if args.json else report.format_compare(rows))
+        return 0
+    runs = report.recent_runs(store, args.limit)
+    if not runs:
+        raise RLCoreError(f"--experiment: no pipeline runs in experiment {args.experiment!r} at {store.tracking_uri}")
+    print(json.dumps(report.runs_json(runs), indent=2) if args.json else report.format_runs(runs))
+    return 0
+
+
 def _count(least: int):
     """An argparse type: a whole number >= `least` (the option's name is in argparse's message)."""
     def parse(text: str) -> int:
@@ -426,6 +442,16 @@ def build_parser() -> argparse.ArgumentParser:
     emit = pipeline_sub.add_parser("emit", help="emit rlcore.data.arrived for a data file (triggers the served pipeline)")
     emit.add_argument("path")
     emit.set_defaults(func=_cmd_pipeline_emit)
+    runs = sub.add_parser("runs", help="the recent pipeline runs (state, accuracy, version, decision), or two registered "
+                          "versions side by side: rlcore runs [--limit N] | rlcore runs --compare V1 V2")
+    runs.add_argument("--tracking-uri", default=None,
+                      help="MLflow store; default: $MLFLOW_TRACKING_URI, else sqlite:///<working dir>/mlflow.db (as pipeline run)")
+    runs.add_argument("--experiment", default="rlcore", help="MLflow experiment (tracking.experiment; default: rlcore)")
+    runs.add_argument("--limit", type=_count(1), default=20, help="how many runs, newest first (default: 20)")
+    runs.add_argument("--compare", nargs=2, metavar=("V1", "V2"), help="compare two registered versions of --model")
+    runs.add_argument("--model", default="rlcore-tiny", help="registered model for --compare (registry.model_name; default: rlcore-tiny)")
+    runs.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    runs.set_defaults(func=_cmd_runs)
     return parser
 
 

@@ -3,12 +3,12 @@ its name: every other part asks it a question (generates? critic? which role tra
 
 from __future__ import annotations
 
-import ast
 import importlib
 import re
 from pathlib import Path
 
 import pytest
+from name_checks import name_checks  # tests/ is on sys.path (pytest rootdir conftest)
 
 import rlcore
 from rlcore.algorithms import ALGORITHMS, names_where, traits_of
@@ -19,28 +19,10 @@ TABLE = PACKAGE / "algorithms.py"
 ABOUT_AN_ALGORITHM = re.compile(r"\balgorithm\b|\bname\b")  # config.algorithm.name, algorithm, self.algorithm, name
 
 
-def _names_in(node: ast.expr) -> set[str]:
-    """The algorithm names a literal spells: "ppo", or ("dpo", "kto") / ["grpo", "ppo"] / {"rm"}."""
-    if isinstance(node, ast.Constant) and isinstance(node.value, str):
-        return {node.value} & set(ALGORITHMS)
-    if isinstance(node, (ast.Tuple, ast.List, ast.Set)):
-        return set().union(*(_names_in(e) for e in node.elts)) if node.elts else set()
-    return set()
-
-
 def algorithm_name_checks(source: str, filename: str) -> list[str]:
     """Each comparison of something about an algorithm (its name) with an algorithm's name:
     `config.algorithm.name == "ppo"`, `name in ("dpo", "kto")`, `algorithm != "rm"`."""
-    found = []
-    for node in ast.walk(ast.parse(source, filename=filename)):
-        if not isinstance(node, ast.Compare):
-            continue
-        operands = [node.left, *node.comparators]
-        spelled = [o for o in operands if _names_in(o)]
-        about = [o for o in operands if not _names_in(o) and ABOUT_AN_ALGORITHM.search(ast.unparse(o))]
-        if spelled and about:
-            found.append(f"{filename}:{node.lineno}: {ast.unparse(node)}")
-    return found
+    return name_checks(source, filename, set(ALGORITHMS), ABOUT_AN_ALGORITHM)
 
 
 def test_no_algorithm_name_checks_outside_the_table():

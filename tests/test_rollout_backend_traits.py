@@ -5,14 +5,14 @@ outside rlcore trains by name from the CLI."""
 
 from __future__ import annotations
 
-import ast
 import importlib
 import importlib.util
 import re
 from pathlib import Path
 
 import pytest
-from thin_backend import ThinEngine  # tests/ is on sys.path (pytest rootdir conftest)
+from name_checks import name_checks  # tests/ is on sys.path (pytest rootdir conftest)
+from thin_backend import ThinEngine
 
 import rlcore
 from rlcore.cli import CONFIG_DIR, main, tiny_example_overrides
@@ -26,28 +26,10 @@ NAMES = {"hf", "vllm", "sglang", "trtllm"}  # the built-in rows and the names th
 ABOUT_A_BACKEND = re.compile(r"backend|engine|serving", re.IGNORECASE)
 
 
-def _names_in(node: ast.expr) -> set[str]:
-    """The backend names a literal spells: "vllm", or ("vllm", "auto") / ["hf"] / {"vllm"}."""
-    if isinstance(node, ast.Constant) and isinstance(node.value, str):
-        return {node.value} & (NAMES | set(_BACKENDS))
-    if isinstance(node, (ast.Tuple, ast.List, ast.Set)):
-        return set().union(*(_names_in(e) for e in node.elts)) if node.elts else set()
-    return set()
-
-
 def backend_name_checks(source: str, filename: str) -> list[str]:
     """Each comparison of something about a rollout backend with a backend's name:
     `config.rollout.backend == "vllm"`, `backend in ("vllm", "auto")`, `rollout.backend != "hf"`."""
-    found = []
-    for node in ast.walk(ast.parse(source, filename=filename)):
-        if not isinstance(node, ast.Compare):
-            continue
-        operands = [node.left, *node.comparators]
-        spelled = [o for o in operands if _names_in(o)]
-        about = [o for o in operands if not _names_in(o) and ABOUT_A_BACKEND.search(ast.unparse(o))]
-        if spelled and about:
-            found.append(f"{filename}:{node.lineno}: {ast.unparse(node)}")
-    return found
+    return name_checks(source, filename, NAMES | set(_BACKENDS), ABOUT_A_BACKEND)
 
 
 def test_no_backend_name_checks_outside_the_rollout_package():

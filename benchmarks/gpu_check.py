@@ -256,7 +256,7 @@ def write_task(root: Path, n_rows: int) -> Path:
 
 
 def base_config(model_dir: Path, train_file: Path, out_dir: Path, s: Shapes, device: str, **extra):
-    from rlcore.config import config_from_dict
+    from rlcore.config import config_from_dict, set_key
 
     tree: dict[str, Any] = {
         "model": {"path": str(model_dir), "dtype": "bfloat16"},
@@ -272,11 +272,7 @@ def base_config(model_dir: Path, train_file: Path, out_dir: Path, s: Shapes, dev
         "health": {"enabled": False},
     }
     for dotted, value in extra.items():
-        node = tree
-        *head, last = dotted.split("__")
-        for part in head:
-            node = node.setdefault(part, {})
-        node[last] = value
+        set_key(tree, dotted.split("__"), value)
     return config_from_dict(tree)
 
 

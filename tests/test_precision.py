@@ -22,7 +22,7 @@ import torch
 import torch.distributed as dist
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from rlcore.config import Config, ConfigError, config_from_dict
+from rlcore.config import Config, ConfigError, config_from_dict, set_key
 from rlcore.protocol import Batch
 from rlcore.workers.actor import ActorWorker, ReferenceWorker
 from rlcore.workers.critic import CriticWorker
@@ -54,11 +54,7 @@ def _config(model_dir: Path, tmp_path: Path, **overrides) -> Config:
         "trainer": {"device": "cpu", "output_dir": str(tmp_path / "run")},
     }
     for dotted, value in overrides.items():
-        node = tree
-        *head, last = dotted.split("__")
-        for part in head:
-            node = node.setdefault(part, {})
-        node[last] = value
+        set_key(tree, dotted.split("__"), value)
     return config_from_dict(tree)
 
 

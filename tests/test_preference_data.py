@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from rlcore.config import ConfigError, config_from_dict
+from rlcore.config import ConfigError, config_from_dict, set_key
 from rlcore.data import DataError, DataValidationError, write_rows
 from rlcore.data.preference import (
     PreferenceDataset,
@@ -122,8 +122,7 @@ def test_loader_resumes_the_same_order(tmp_path, tok):
 def _cfg(**algo_and_pref):
     tree = {"model": {"path": "m"}, "data": {"train_files": ["t"]}, "algorithm": {"name": "dpo"}}
     for k, v in algo_and_pref.items():
-        section, key = k.split("__")
-        tree.setdefault(section, {})[key] = v
+        set_key(tree, k.split("__"), v)
     return config_from_dict(tree)
 
 

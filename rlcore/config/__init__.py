@@ -36,6 +36,7 @@ from rlcore.config.load import (
     load_config,
     load_sft_config,
     parse_override,
+    set_key,
     sft_config_from_dict,
 )
 from rlcore.config.model import DataConfig, ModelConfig
@@ -86,5 +87,5 @@ __all__ = [
     "RewardModelConfig", "RolloutConfig", "SFTActorConfig", "SFTConfig", "SFTDataConfig", "SFTHealthConfig",
     "SFTOptimConfig", "SFTTrainerConfig", "TokenBudget", "TrackingConfig", "TrainerConfig", "VLLMEngineConfig",
     "as_spec", "check_registered", "config_from_dict", "dump_config", "estimator_inputs", "load_config", "load_sft_config",
-    "parse_override", "registered_names", "role_spec", "sft_config_from_dict", "sft_actor_spec",
+    "parse_override", "registered_names", "role_spec", "set_key", "sft_config_from_dict", "sft_actor_spec",
 ]

@@ -50,7 +50,9 @@ def _safe_yaml(text: str, where: str) -> Any:
         raise ConfigError(f"{where}: not a usable YAML value ({str(err).split(';')[0][:200]})") from None
 
 
-def _apply_override(tree: dict[str, Any], parts: list[str], value: Any) -> None:
+def set_key(tree: dict[str, Any], parts: Sequence[str], value: Any) -> None:
+    """`tree[a][b][c] = value` for `parts` ["a", "b", "c"], making sections on the way; a part
+    that is already a value, not a section, is a `ConfigError` naming the key."""
     node = tree
     for i, part in enumerate(parts[:-1]):
         child = node.setdefault(part, {})
@@ -103,7 +105,7 @@ def _config_tree(path: str | Path | None, overrides: Sequence[str], spellings: S
         parts, value = parse_override(text)
         current = legacy.renamed_key(parts, spellings)
         written_as[tuple(current)] = tuple(parts)
-        _apply_override(tree, current, value)
+        set_key(tree, current, value)
     return tree
 
 

@@ -7,10 +7,13 @@ candidate goes through the same champion/challenger gate on pairwise accuracy.""
 
 from __future__ import annotations
 
+import dataclasses
 import json
+from pathlib import Path
+from typing import Any
 
 import pytest
-from test_pipeline_run import pipeline_env, run_cli  # tests/ is on sys.path (pytest rootdir conftest)
+from pipeline_runs import module_prefect, pipeline_env, run_cli  # tests/ is on sys.path (pytest rootdir conftest)
 
 from rlcore.cli import CONFIG_DIR
 
@@ -22,14 +25,33 @@ RM = ["trainer.total_steps=30", "trainer.val_every=30", "trainer.save_every=30",
       "registry.promotion_margin=-1"]  # the first reward model becomes champion whatever 30 steps did
 
 
-def test_pipeline_trains_gates_and_uses_a_reward_model(tiny_example, tmp_path, prefect_api):
-    env = pipeline_env(prefect_api)
-    work = tmp_path / "work"
+@dataclasses.dataclass(frozen=True)
+class RMRun:
+    """The run's `--json` summary, its log, and its working directory (and MLflow store)."""
+
+    summary: dict[str, Any]
+    log: str
+    work: Path
+
+    @property
+    def uri(self) -> str:
+        return f"sqlite:///{self.work / 'mlflow.db'}"
+
+
+@pytest.fixture(scope="module")
+def rm_run(tiny_example, shared_prefect_server, tmp_path_factory) -> RMRun:
+    root = tmp_path_factory.mktemp("pipeline_rm")
+    work = root / "work"
     work.mkdir()
     args = ["pipeline", "run", "--json", "--algorithm", "ppo", "--reward", "model"]
     args += [a for o in RM for a in ("--reward-override", o)]
-    done = run_cli([*args, *POLICY], work, env, timeout=400)
-    summary = json.loads(done.stdout)
+    with module_prefect(shared_prefect_server, root / "prefect_client") as prefect:
+        done = run_cli([*args, *POLICY], work, pipeline_env(prefect), timeout=400)
+    return RMRun(json.loads(done.stdout), done.stderr, work)
+
+
+def test_the_pipeline_trains_a_reward_model_then_ppo_against_it(rm_run):
+    summary = rm_run.summary
     assert summary["reward_model"] == "models:/rlcore-tiny-rm/1"
     assert summary["reward_model_version"] == "1" and summary["reward_model_champion"] is True
     assert summary["reward_model_pairwise_accuracy"] > 0.5
@@ -39,16 +61,17 @@ def test_pipeline_trains_gates_and_uses_a_reward_model(tiny_example, tmp_path, p
     assert summary["warm_start"] is None and summary["baseline"] == "base" and summary["accuracy_start"] is None
     assert isinstance(summary["reward_model_score_start"], float) and isinstance(summary["reward_model_score_after"], float)
     assert summary["links"]["model_version"].endswith("/#/models/rlcore-tiny/versions/1?workflowType=machine_learning")
-    assert "rlcore: critic: a new value head (score, one value per token" in done.stderr
-    assert "MISSING" not in done.stderr and "\x1b[" not in done.stderr
+    assert "rlcore: critic: a new value head (score, one value per token" in rm_run.log
+    assert "MISSING" not in rm_run.log and "\x1b[" not in rm_run.log
 
+
+def test_the_reward_model_is_registered_as_a_model_that_loads_and_scores_pairs(rm_run, tiny_example, tmp_path):
     import mlflow
-    from mlflow.tracking import MlflowClient
     from transformers import AutoModelForSequenceClassification
 
     from rlcore.lifecycle.mlflow_store import MlflowStore, ModelRegistry
 
-    uri = f"sqlite:///{work / 'mlflow.db'}"
+    summary, uri = rm_run.summary, rm_run.uri
     rm_registry = ModelRegistry(MlflowStore(uri), "rlcore-tiny-rm")
     rm_v1 = rm_registry.by_alias("champion")
     assert rm_v1.version == "1" and rm_v1.tags["rlcore.algorithm"] == "rm" and rm_v1.tags["rlcore.decision"] == "promoted"
@@ -75,6 +98,13 @@ def test_pipeline_trains_gates_and_uses_a_reward_model(tiny_example, tmp_path, p
     scores = served.predict(pd.DataFrame({"prompt": ["57+68=", "57+68="], "response": ["#### 125", "#### 115"]}))
     assert len(scores) == 2 and all(isinstance(s, float) for s in scores)
 
+
+def test_the_policy_version_names_the_reward_model_it_was_trained_against(rm_run, tmp_path):
+    from mlflow.tracking import MlflowClient
+
+    from rlcore.lifecycle.mlflow_store import MlflowStore, ModelRegistry
+
+    summary, uri = rm_run.summary, rm_run.uri
     policy = ModelRegistry(MlflowStore(uri), "rlcore-tiny").get("1")
     assert policy.tags["rlcore.reward_model"] == "models:/rlcore-tiny-rm/1"  # the lineage names the reward model
     assert policy.tags["rlcore.reward"] == "models:/rlcore-tiny-rm/1"  # what it optimised (rule_weight 0: not the rule)
@@ -92,15 +122,21 @@ def test_pipeline_trains_gates_and_uses_a_reward_model(tiny_example, tmp_path, p
     assert stages == ["data_prep", "evaluate", "evaluate_reward_model", "promote", "promote_reward_model", "train",
                       "train_reward_model"]
 
-    # A second reward model: the same gate, against the champion's pairwise accuracy on the same pairs
+
+def test_a_second_reward_model_goes_through_the_same_gate_on_pairwise_accuracy(rm_run):
+    """Its stages in this process, on the run's working directory and store: judged against the
+    champion's pairwise accuracy on the same pairs."""
     from rlcore.config import load_config
     from rlcore.example.overrides import example_rm_overrides
     from rlcore.lifecycle import pipeline_run, promotion, rm_stages
     from rlcore.lifecycle import stages as lifecycle
+    from rlcore.lifecycle.mlflow_store import MlflowStore, ModelRegistry
 
+    summary, uri, work = rm_run.summary, rm_run.uri, rm_run.work
     rm_config = load_config(CONFIG_DIR / "tiny_rm.yaml", example_rm_overrides() + [
         "trainer.total_steps=2", "trainer.save_every=2", "trainer.val_every=2", "trainer.val_before_train=false",
         "registry.promotion_margin=0.5", f"tracking.mlflow_uri={uri}", "registry.warm_start=false"])
+    rm_registry = ModelRegistry(MlflowStore(uri), "rlcore-tiny-rm")
     ctx = pipeline_run.start_pipeline(rm_config, work, "second-rm")
     champion = lifecycle.champion_stage(rm_config, work)
     train = rm_stages.train_reward_model_stage(rm_config, work, ctx, champion)

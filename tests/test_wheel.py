@@ -94,7 +94,8 @@ def test_installed_wheel_runs_the_pipeline_outside_the_repository(installed, tin
     done = _run([str(rlcore_cmd), "pipeline", "run", "--json", *QUICK], timeout=600, cwd=empty, env=env)
     summary = json.loads(done.stdout)
     assert summary["steps"] == 2 and summary["version"] == "1" and summary["champion"] is True
-    assert summary["accuracy_before"] == pytest.approx(tiny_example.sft_greedy_accuracy)
+    # (What the run computed -- the base model's accuracy, the registry, MLflow's runs -- is
+    # test_pipeline_run's, on the same code; here: that the installed package runs it at all.)
     assert Path(summary["run_dir"]).resolve().is_relative_to(empty.resolve())
     assert (empty / "mlflow.db").is_file()
     # The flow run carries the pipeline run's name (Prefect, MLflow and notifications agree).

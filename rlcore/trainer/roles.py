@@ -7,7 +7,7 @@ With LoRA on the actor there is no reference worker: `ref` is the actor group it
 
 from __future__ import annotations
 
-from collections.abc import Callable, Collection, Mapping
+from collections.abc import Callable, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from functools import partial
@@ -84,10 +84,10 @@ def _size_key(config: Config, role: str) -> str:
     return section_size_key(role, getattr(config, role))
 
 
-def placement(config: Config, roles: Collection[str] | None = None) -> Placement:
-    """The RL run `config`'s `Placement`: the roles this run has (`Config.present_roles`, or those
-    of them in `roles`), each handed its `role_spec`, never the whole config; with LoRA on the
-    actor no reference worker: the actor serves that role."""
+def placement(config: Config) -> Placement:
+    """The RL run `config`'s `Placement`: the roles this run has (`Config.present_roles`), each
+    handed its `role_spec`, never the whole config; with LoRA on the actor no reference worker:
+    the actor serves that role."""
     workers: dict[str, tuple[Callable[..., Worker], int]] = {
         "actor": (ActorWorker, config.actor.world_size),
         "rollout": (RolloutWorker, config.rollout.world_size),
@@ -98,7 +98,7 @@ def placement(config: Config, roles: Collection[str] | None = None) -> Placement
     }
     present = [role for role in config.present_roles if not (role == "ref" and config.actor.lora.enabled)]
     groups = {role: RoleGroup(workers[role][0], role_spec(config, role), workers[role][1], _size_key(config, role))
-              for role in present if roles is None or role in roles}
+              for role in present}
     t = config.trainer
     overlap: Literal["none", "thread", "process"] = t.overlap_with if t.off_policy == "one_step" else "none"
     return Placement(groups, t.backend, config.ray, config.lora_sync, overlap,

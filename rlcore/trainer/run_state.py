@@ -26,7 +26,7 @@ from rlcore.checkpoint import (
     step_of,
     weights_only_reason,
 )
-from rlcore.config import Config, SFTConfig, dump_config
+from rlcore.config import Config, LoraConfig, SFTConfig, dump_config
 from rlcore.controller.errors import WorkerError
 from rlcore.tracking import truncate_jsonl
 from rlcore.trainer.groups import WorkerGroups
@@ -99,6 +99,11 @@ class TrainedModel:
     lora_rank: int = 0
     same_model: bool = False
 
+    @classmethod
+    def of(cls, start: str, lora: LoraConfig, same_model: bool = False) -> TrainedModel:
+        """A role started from `start`, with its `lora` section (its rank when enabled)."""
+        return cls(start, lora.rank if lora.enabled else 0, same_model)
+
 
 @dataclass(frozen=True)
 class CheckpointPolicy:
@@ -115,17 +120,13 @@ class CheckpointPolicy:
     trained: Mapping[str, TrainedModel]
 
 
-def _rank(lora: Any) -> int:
-    return int(lora.rank) if lora.enabled else 0
-
-
 def checkpoint_policy(config: Config) -> CheckpointPolicy:
     """The RL run `config`'s `CheckpointPolicy`."""
     t, path = config.trainer, config.model.path
     return CheckpointPolicy(t.keep_last, t.resume, path, config.health.enabled, {
-        "actor": TrainedModel(path, _rank(config.actor.lora), same_model=True),
-        "critic": TrainedModel(config.critic.model_path or path, _rank(config.critic.lora)),
-        "reward_model": TrainedModel(path, _rank(config.reward_model.lora))})
+        "actor": TrainedModel.of(path, config.actor.lora, same_model=True),
+        "critic": TrainedModel.of(config.critic.model_path or path, config.critic.lora),
+        "reward_model": TrainedModel.of(path, config.reward_model.lora)})
 
 
 class RunCheckpoints:

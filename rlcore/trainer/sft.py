@@ -170,9 +170,9 @@ def actor_placement(config: SFTConfig, total_steps: int) -> Placement:
 
 def actor_checkpoints(config: SFTConfig) -> CheckpointPolicy:
     """Checkpoints of the actor alone: its full model holds the start model's tensors, its adapter the LoRA rank."""
-    t, lora = config.trainer, config.actor.lora
+    t = config.trainer
     return CheckpointPolicy(t.keep_last, t.resume, config.model.path, config.health.enabled,
-                            {"actor": TrainedModel(config.model.path, lora.rank if lora.enabled else 0, same_model=True)})
+                            {"actor": TrainedModel.of(config.model.path, config.actor.lora, same_model=True)})
 
 
 def run_sft_config(config: SFTConfig) -> tuple[Path, list[dict[str, Any]]]:

@@ -58,7 +58,7 @@ class Placement:
     actor group also serves the reference (LoRA). `placement` makes one from an RL `Config`;
     `rlcore sft` makes its own from the actor's spec."""
 
-    roles: dict[str, RoleGroup]
+    roles: Mapping[str, RoleGroup]
     backend: str
     ray: RayConfig
     weight_sync: LoraSync = "full"
@@ -97,8 +97,8 @@ def placement(config: Config) -> Placement:
         "reward_model": (RewardModelWorker, config.reward_model.world_size),
     }
     present = [role for role in config.present_roles if not (role == "ref" and config.actor.lora.enabled)]
-    groups = {role: RoleGroup(workers[role][0], role_spec(config, role), workers[role][1], _size_key(config, role))
-              for role in present}
+    groups: dict[str, RoleGroup] = {
+        role: RoleGroup(workers[role][0], role_spec(config, role), workers[role][1], _size_key(config, role)) for role in present}
     t = config.trainer
     overlap: Literal["none", "thread", "process"] = t.overlap_with if t.off_policy == "one_step" else "none"
     return Placement(groups, t.backend, config.ray, config.lora_sync, overlap,
@@ -215,9 +215,9 @@ def build_ray_worker_groups(plan: Placement) -> WorkerGroups:
             pool_name = rc.pool_of(unit[0])
             ws = roles[unit[0]].world_size
             if len(unit) == 1:
-                factory = roles[unit[0]].factory
+                factory: Factory = roles[unit[0]].factory
             else:
-                parts = {r: roles[r].factory for r in unit}
+                parts: dict[str, Factory] = {r: roles[r].factory for r in unit}
                 factory = _colocated_factory(parts)
             return RayWorkerGroup(
                 factory, ws, "+".join(unit), pool=pools[pool_name], share=1.0 / len(pool_units[pool_name]),

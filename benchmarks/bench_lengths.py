@@ -34,7 +34,7 @@ import torch
 import transformers
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from rlcore.config import load_config
+from rlcore.config import load_config, role_spec
 from rlcore.data.preference import sequence_tensors
 from rlcore.protocol import Batch
 from rlcore.workers.actor import ActorWorker
@@ -79,7 +79,7 @@ def actor(model_dir: Path, packed: bool, max_tokens: int, rows: int) -> ActorWor
         f"actor.max_tokens_per_micro_batch={max_tokens}", f"model.use_remove_padding={str(packed).lower()}",
         "actor.optim.lr=1e-6",
     ])
-    worker = ActorWorker(cfg)
+    worker = ActorWorker(role_spec(cfg, "actor"))
     worker.setup()
     return worker
 

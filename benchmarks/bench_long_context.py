@@ -53,7 +53,7 @@ import torch
 import torch.multiprocessing as mp
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from rlcore.config import load_config
+from rlcore.config import load_config, role_spec
 from rlcore.controller.dispatch import Dispatch, plan_dispatch
 from rlcore.data.preference import sequence_tensors
 from rlcore.protocol import Batch
@@ -103,7 +103,7 @@ def rank_main(rank: int, sp: int, port: int, model: Path, tokens: int, checkpoin
     if sp > 1:
         dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=sp)
     try:
-        worker = ActorWorker(load_config(None, overrides(model, tokens, sp, checkpointing)), rank, sp)
+        worker = ActorWorker(role_spec(load_config(None, overrides(model, tokens, sp, checkpointing)), "actor"), rank, sp)
         worker.setup()
         before = {k: v.clone() for k, v in worker.weights_for_rollout()}
         mine = plan_dispatch(Dispatch.DP_BALANCED, sp, (batch(tokens),), {}, ranks_per_shard=sp).calls[rank][1][0]

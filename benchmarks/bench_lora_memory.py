@@ -42,7 +42,7 @@ def rss_bytes() -> int:
 
 
 def child(args: argparse.Namespace) -> None:
-    from rlcore.config import load_config
+    from rlcore.config import load_config, role_spec
     from rlcore.data.preference import sequence_tensors
     from rlcore.protocol import Batch
     from rlcore.workers.actor import ActorWorker
@@ -53,7 +53,7 @@ def child(args: argparse.Namespace) -> None:
     ]
     if args.variant == "lora":
         overrides += [f"actor.lora.rank={args.rank}", f"actor.lora.alpha={2 * args.rank}"]
-    worker = ActorWorker(load_config(None, overrides))
+    worker = ActorWorker(role_spec(load_config(None, overrides), "actor"))
     worker.setup()
     cuda = worker.device.type == "cuda"
     after_setup = rss_bytes()

@@ -40,7 +40,7 @@ from rlcore.config import load_config
 from rlcore.protocol import Batch
 from rlcore.rollout import SamplingParams
 from rlcore.trainer.groups import WorkerGroups
-from rlcore.trainer.roles import build_worker_groups
+from rlcore.trainer.roles import build_worker_groups, placement
 
 
 def cpu_seconds() -> float:
@@ -70,7 +70,7 @@ def groups_for(model: Path, tmp: Path, engine: str, variant: str, rank: int) -> 
     if sync is not None:
         overrides += [f"actor.lora.rank={rank}", f"actor.lora.alpha={2 * rank}", f"rollout.lora_sync={sync}",
                       f"actor.lora.target_modules={targets}"]
-    groups = build_worker_groups(load_config(None, overrides))
+    groups = build_worker_groups(placement(load_config(None, overrides)))
     actor = groups.actor.workers[0]
     if variant != "full":
         g = torch.Generator().manual_seed(1)

@@ -54,7 +54,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from rlcore.config import config_from_dict
+from rlcore.config import config_from_dict, role_spec
 from rlcore.controller.dispatch import plan_dispatch
 from rlcore.data.preference import sequence_tensors
 from rlcore.protocol import Batch
@@ -116,7 +116,7 @@ def reset_peak() -> None:
 
 def memory_rank(rank: int, world: int, model: Path) -> dict:
     base = status_mb("VmRSS")
-    worker = ActorWorker(config(model, {"tensor_parallel": world} if world > 1 else None), rank, world)
+    worker = ActorWorker(role_spec(config(model, {"tensor_parallel": world} if world > 1 else None), "actor"), rank, world)
     worker.setup()  # every rank reads the whole checkpoint, then keeps its shards
     held = status_mb("VmRSS") - base
     reset_peak()
@@ -128,7 +128,7 @@ def memory_rank(rank: int, world: int, model: Path) -> dict:
 
 
 def sync_rank(rank: int, world: int, model: Path, layout: dict | None) -> dict:
-    worker = ActorWorker(config(model, layout), rank, world)
+    worker = ActorWorker(role_spec(config(model, layout), "actor"), rank, world)
     worker.setup()
     worker.update_actor(_my_share(worker, rl_batch()), 2)
     model_bytes = sum(t.numel() * t.element_size() for t in worker.model.state_dict().values())

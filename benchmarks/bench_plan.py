@@ -142,6 +142,7 @@ def _rank_main(args: argparse.Namespace) -> None:
 
     import torch.distributed as dist
 
+    from rlcore.config import role_spec
     from rlcore.workers.actor import ActorWorker, ReferenceWorker
     from rlcore.workers.critic import CriticWorker
 
@@ -151,7 +152,7 @@ def _rank_main(args: argparse.Namespace) -> None:
     try:
         config = case_config(case, Path(args.model))
         role = case["role"]
-        worker = {"actor": ActorWorker, "critic": CriticWorker, "ref": ReferenceWorker}[role](config, args.rank, case["world"])
+        worker = {"actor": ActorWorker, "critic": CriticWorker, "ref": ReferenceWorker}[role](role_spec(config, role), args.rank, case["world"])
         worker.setup()
         shard = worker.ranks_per_shard
         dp = case["world"] // shard

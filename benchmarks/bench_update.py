@@ -60,7 +60,7 @@ import torch  # noqa: E402
 import transformers  # noqa: E402
 from transformers import LlamaConfig, LlamaForCausalLM  # noqa: E402
 
-from rlcore.config import load_config  # noqa: E402
+from rlcore.config import load_config, role_spec  # noqa: E402
 from rlcore.data.preference import sequence_tensors  # noqa: E402
 from rlcore.flops import ModelFlops, causal_pairs  # noqa: E402
 from rlcore.protocol import Batch  # noqa: E402
@@ -118,7 +118,7 @@ def actor(model_dir: Path, overrides: list[str], prompts: int, n: int, micro_tok
         f"data.train_batch_size={prompts}", f"actor.ppo_mini_batch_size={prompts}", f"rollout.n={n}", "actor.ppo_epochs=1",
         f"actor.max_tokens_per_micro_batch={micro_tokens}", "actor.optim.lr=1e-6", *overrides,
     ])
-    worker = ActorWorker(cfg)
+    worker = ActorWorker(role_spec(cfg, "actor"))
     worker.setup()
     return worker
 

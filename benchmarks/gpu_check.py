@@ -443,12 +443,13 @@ def _liger_missing(device) -> str | None:
 def _actor_worker(cfg, device, out: dict[str, Any]):
     """An ActorWorker set up under `cfg` on the current 1-rank group, FSDP2 bf16 (rlcore's own
     wrapping, else `fsdp2_bf16`'s); its settings recorded in `out`."""
+    from rlcore.config import role_spec
     from rlcore.workers.actor import ActorWorker
     from rlcore.workers.compile import compile_wanted
     from rlcore.workers.fsdp import is_sharded, keeps_compute_copies
     from rlcore.workers.optim import build_optimizer, build_scheduler
 
-    worker = ActorWorker(cfg)
+    worker = ActorWorker(role_spec(cfg, "actor"))
     worker.setup()
     if is_sharded(worker.model):
         out["fsdp_wrapped_by"] = "rlcore"
@@ -724,9 +725,10 @@ def _tp_actor_step(rank: int, world: int, model_dir: Path, root: Path, s: Shapes
     """One actor update on this rank (the whole batch: a tensor-parallel group shares its rows)."""
     import torch
 
+    from rlcore.config import role_spec
     from rlcore.workers.actor import ActorWorker
 
-    worker = ActorWorker(_tp_config(model_dir, root, s, device, {"tensor_parallel": world} if world > 1 else None), rank, world)
+    worker = ActorWorker(role_spec(_tp_config(model_dir, root, s, device, {"tensor_parallel": world} if world > 1 else None), "actor"), rank, world)
     worker.setup()
     batch = actor_batch(replace(s, actor_seqs=4), s.vocab)
     logp = worker.compute_log_prob(batch)["old_log_probs"]

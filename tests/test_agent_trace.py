@@ -27,7 +27,7 @@ from rlcore.rewards.tools import ToolPool
 from rlcore.rollout import SamplingParams
 from rlcore.rollout.agent import AgentLoop, AgentSettings, sample_key
 from rlcore.trainer.metrics import agent_metrics, answer_uses_tool_result
-from rlcore.trainer.step_log import StepLog
+from rlcore.trainer.step_log import StepLog, log_settings
 from rlcore.trainer.tracing import (
     format_trajectory,
     read_trace,
@@ -225,7 +225,7 @@ def test_validation_is_recorded_and_every_val_agent_number_recomputes_from_it(tm
         metrics = validator.run(groups, step=0, policy_version=0)
     run_dir = tmp_path / "run"
     run_dir.mkdir()
-    with StepLog(config, run_dir, "grpo", SimpleNamespace()) as steps:
+    with StepLog(log_settings(config), run_dir, "grpo", SimpleNamespace()) as steps:
         steps.validation(0, metrics, validator.samples)
     assert not (run_dir / "trace.jsonl").exists()  # training's file keeps training's records
     [line] = read_trace(run_dir, validation=True).lines

@@ -151,10 +151,10 @@ def test_a_forged_lora_adapter_of_another_rank_is_named_before_it_loads(tiny_exa
 
     from rlcore.cli import CONFIG_DIR, tiny_example_overrides
     from rlcore.config import load_config
-    from rlcore.trainer.run_state import RunCheckpoints
+    from rlcore.trainer.run_state import RunCheckpoints, checkpoint_policy
 
     config = load_config(CONFIG_DIR / "tiny_grpo_lora.yaml", tiny_example_overrides(tiny_example, str(tmp_path / "run")))
-    checks = RunCheckpoints(config, tmp_path / "run", groups=None, algorithm="grpo", state={})  # type: ignore[arg-type]
+    checks = RunCheckpoints(checkpoint_policy(config), tmp_path / "run", groups=None, algorithm="grpo", state={})  # type: ignore[arg-type]
     step = tmp_path / "run" / "checkpoints" / "step_00000002"
     (step / "actor_adapter").mkdir(parents=True)
     name = "base_model.model.model.layers.0.self_attn.q_proj.lora_{}.weight"

@@ -48,6 +48,7 @@ def _compare(tmp_path: Path, device: torch.device) -> None:
     from dataclasses import replace
 
     from rlcore.algos import get_policy_loss
+    from rlcore.config import role_spec
     from rlcore.workers.actor import ActorWorker
     from rlcore.workers.forward import response_log_probs
     from rlcore.workers.fsdp import is_sharded, to_full
@@ -94,7 +95,7 @@ def _compare(tmp_path: Path, device: torch.device) -> None:
 
     # --- FSDP2, one rank, bf16 mixed precision, through the actor worker
     with gc.one_rank_process_group(device):
-        worker = ActorWorker(cfg)
+        worker = ActorWorker(role_spec(cfg, "actor"))
         worker.setup()
         if not is_sharded(worker.model):
             worker.model = gc.fsdp2_bf16(worker.model, device)

@@ -46,11 +46,12 @@ def _setup(tmp_path: Path, **extra):
 
 
 def test_auto_is_sized_on_the_device_said_once_and_the_update_reports_its_peak(tmp_path, caplog):
+    from rlcore.config import role_spec
     from rlcore.workers.actor import ActorWorker
 
     gc, shapes, cfg = _setup(tmp_path)
     assert cfg.actor.max_tokens_per_micro_batch == "auto"
-    worker = ActorWorker(cfg)
+    worker = ActorWorker(role_spec(cfg, "actor"))
     worker.setup()
     with caplog.at_level(logging.INFO, logger="rlcore.workers.memory"):
         for _ in range(2):
@@ -66,11 +67,12 @@ def test_the_formula_covers_the_activations_the_allocator_holds_per_token(tmp_pa
     """Two updates of one micro-batch each, of N and N/2 tokens: the growth of the device-wide peak
     per token is what a micro-batch costs per token; the formula must cover it (the margin takes
     the rest) and not overshoot it by more than half."""
+    from rlcore.config import role_spec
     from rlcore.workers.actor import ActorWorker
     from rlcore.workers.memory import PeakMeter, role_cost
 
     gc, shapes, cfg = _setup(tmp_path, actor__max_tokens_per_micro_batch=1_000_000)
-    worker = ActorWorker(cfg)
+    worker = ActorWorker(role_spec(cfg, "actor"))
     worker.setup()
     full = gc.actor_batch(shapes, shapes.vocab)
     half = full.take(list(range(shapes.actor_seqs // 2)))
@@ -89,10 +91,11 @@ def test_the_formula_covers_the_activations_the_allocator_holds_per_token(tmp_pa
 
 
 def test_an_engine_on_the_gpu_reports_what_sleeping_released(tmp_path):
+    from rlcore.config import role_spec
     from rlcore.workers.rollout import RolloutWorker
 
     _, _, cfg = _setup(tmp_path)
-    worker = RolloutWorker(cfg)
+    worker = RolloutWorker(role_spec(cfg, "rollout"))
     worker.setup()
     weights = sum(p.numel() * p.element_size() for p in worker.engine.model.parameters())
     released = worker.sleep()

@@ -16,6 +16,7 @@ from gloo_ranks import call, launch  # tests/ is on sys.path
 from test_tensor_parallel import LR, SAMPLES_PER_PROMPT, rl_batch, role_config, save_models
 from transformers import AutoModelForCausalLM
 
+from rlcore.config import role_spec
 from rlcore.workers.actor import ActorWorker
 from rlcore.workers.fsdp import to_full
 
@@ -26,7 +27,7 @@ FSDP_TP, TP, DP = {"data_parallel": 2, "tensor_parallel": 2}, {"tensor_parallel"
 
 
 def _worker(root: Path, layout: dict | None, rank: int, world: int, checkpoint: Path | None = None) -> ActorWorker:
-    worker = ActorWorker(role_config(root, "actor", ARCH, layout), rank, world)
+    worker = ActorWorker(role_spec(role_config(root, "actor", ARCH, layout), "actor"), rank, world)
     if checkpoint is None:
         worker.setup()
     else:

@@ -14,7 +14,7 @@ import torch
 from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
 from rlcore.cli import CONFIG_DIR
-from rlcore.config import ConfigError, LoraConfig, load_config
+from rlcore.config import ConfigError, LoraConfig, load_config, role_spec
 from rlcore.protocol import Batch
 from rlcore.rollout import SamplingParams
 from rlcore.rollout.hf import HFRolloutEngine
@@ -146,7 +146,7 @@ def test_unknown_target_module_is_refused_naming_the_key():
 # ---------------------------------------------------------------------- reference = base, one copy
 def test_reference_is_the_actors_base_one_copy_equal_to_a_reference_model(tmp_path, monkeypatch):
     from rlcore.example.build import save_untrained_model
-    from rlcore.trainer.roles import build_worker_groups
+    from rlcore.trainer.roles import build_worker_groups, placement
 
     model_dir = save_untrained_model(tmp_path / "model", seed=0)  # with the example's tokenizer (rollout, reward)
     loads: list[str] = []
@@ -158,7 +158,7 @@ def test_reference_is_the_actors_base_one_copy_equal_to_a_reference_model(tmp_pa
 
     monkeypatch.setattr(AutoModelForCausalLM, "from_pretrained", classmethod(counting))
     cfg = _config(model_dir, tmp_path, "rollout.backend=hf", "algorithm.use_reference=true")
-    groups = build_worker_groups(cfg)
+    groups = build_worker_groups(placement(cfg))
     try:
         assert groups.ref is groups.actor  # no reference worker: the actor group serves the role
         assert len(loads) == 2  # the actor's base and the rollout engine's; no reference copy (3 without LoRA)
@@ -176,7 +176,7 @@ def test_reference_is_the_actors_base_one_copy_equal_to_a_reference_model(tmp_pa
     finally:
         groups.close()
     monkeypatch.undo()
-    reference = ReferenceWorker(cfg)  # a separate frozen copy, as a run without LoRA has
+    reference = ReferenceWorker(role_spec(cfg, "ref"))  # a separate frozen copy, as a run without LoRA has
     reference.setup()
     separate = reference.compute_ref_log_prob(batch)["ref_log_probs"]
     mask = batch["response_mask"]
@@ -190,7 +190,7 @@ def test_reference_is_the_actors_base_one_copy_equal_to_a_reference_model(tmp_pa
 def test_hf_live_sync_sends_only_the_adapted_modules_and_equals_the_merged_model(tmp_path, arch):
     model_dir = tmp_path / "model"
     ARCHS[arch]().save_pretrained(model_dir)
-    actor = ActorWorker(_config(model_dir, tmp_path, "rollout.backend=hf"))
+    actor = ActorWorker(role_spec(_config(model_dir, tmp_path, "rollout.backend=hf"), "actor"))
     actor.setup()
     _randomize_adapter(actor.model)
     plan = actor.weight_bucket_plan()
@@ -275,7 +275,7 @@ def test_lora_trains_under_bf16_compute(tmp_path, precision):
     takes its bf16 input as it comes (peft would cast it to the master's float32 first and fail),
     only the adapter moves, and the merged weights come from the masters."""
     _llama().save_pretrained(tmp_path / "model")
-    actor = ActorWorker(_config(tmp_path / "model", tmp_path, *precision))
+    actor = ActorWorker(role_spec(_config(tmp_path / "model", tmp_path, *precision), "actor"))
     actor.setup()
     batch = _batch()
     batch = batch.union(actor.compute_log_prob(batch).select("old_log_probs"))

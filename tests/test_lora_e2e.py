@@ -16,7 +16,7 @@ from safetensors.torch import load_file
 
 from rlcore.checkpoint import CheckpointManager
 from rlcore.cli import CONFIG_DIR, tiny_example_overrides
-from rlcore.config import load_config
+from rlcore.config import load_config, role_spec
 from rlcore.protocol import Batch
 from rlcore.rollout import SamplingParams
 from rlcore.tracking import read_jsonl
@@ -58,7 +58,7 @@ def test_vllm_live_sync_merged_and_adapter_equal_a_fresh_engine_on_the_merged_mo
     cfg = load_config(CONFIG_DIR / "tiny_grpo.yaml", [
         f"model.path={tmp_path / 'base'}", f"data.train_files=[{tmp_path / 'unused.parquet'}]", "trainer.device=cpu",
         "actor.weight_sync_bucket_mb=0.05", *LORA])  # several buckets per sync
-    actor = ActorWorker(cfg)
+    actor = ActorWorker(role_spec(cfg, "actor"))
     actor.setup()
     g = torch.Generator().manual_seed(1)
     with torch.no_grad():

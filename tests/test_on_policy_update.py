@@ -17,7 +17,7 @@ import torch
 from tiny_runs import SCORE_IN_PROCESS  # tests/ is on sys.path
 from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
-from rlcore.config import config_from_dict
+from rlcore.config import config_from_dict, role_spec
 from rlcore.protocol import Batch
 from rlcore.workers.actor import ActorWorker
 
@@ -78,7 +78,7 @@ def _batch(seed: int = 0) -> Batch:
 def test_the_on_policy_update_equals_the_update_after_the_recompute_pass(model_dir, tmp_path):
     cfg = _config(model_dir, tmp_path, entropy_coeff=0.01)
     assert cfg.old_log_probs_from_update
-    with_pass, without = ActorWorker(cfg), ActorWorker(cfg)
+    with_pass, without = ActorWorker(role_spec(cfg, "actor")), ActorWorker(role_spec(cfg, "actor"))
     with_pass.setup()
     without.setup()
     batch = _batch()
@@ -106,7 +106,7 @@ def test_the_on_policy_update_equals_the_update_after_the_recompute_pass(model_d
 
 
 def test_the_on_policy_update_refuses_a_second_epoch(model_dir, tmp_path):
-    worker = ActorWorker(_config(model_dir, tmp_path, ppo_epochs=2))
+    worker = ActorWorker(role_spec(_config(model_dir, tmp_path, ppo_epochs=2), "actor"))
     worker.setup()
     with pytest.raises(ValueError, match="ppo_epochs=2"):
         worker.update_actor_on_policy(_batch())

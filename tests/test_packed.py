@@ -18,7 +18,7 @@ from tiny_models import ARCHS, SIZES, VOCAB, assert_grads_close, random_rows, ti
 from transformers import Qwen2Config, Qwen2ForCausalLM
 
 from rlcore.algos import get_policy_loss
-from rlcore.config import ActorConfig, CriticConfig, PreferenceConfig, load_config
+from rlcore.config import ActorConfig, CriticConfig, PreferenceConfig, load_config, role_spec
 from rlcore.protocol import Batch
 from rlcore.workers.actor import ActorWorker, PolicyObjective
 from rlcore.workers.critic import CriticWorker, ValueObjective
@@ -199,7 +199,7 @@ def test_update_actor_reports_computed_against_real_tokens(tmp_path, packed):
     cfg = load_config(None, [f"model.path={tmp_path / 'policy'}", "data.train_files=[unused.parquet]", "trainer.device=cpu",
                              "data.train_batch_size=6", "actor.ppo_mini_batch_size=3", "rollout.n=4", "actor.ppo_epochs=2",
                              "actor.max_tokens_per_micro_batch=256", f"model.use_remove_padding={str(packed).lower()}"])
-    actor = ActorWorker(cfg)
+    actor = ActorWorker(role_spec(cfg, "actor"))
     actor.setup()
     batch = _long_tailed_batch()
     batch = batch.union(actor.compute_log_prob(batch))
@@ -219,7 +219,7 @@ def test_critic_reports_computed_against_real_tokens(tmp_path):
     cfg = load_config(None, [f"model.path={tmp_path / 'critic'}", "data.train_files=[unused.parquet]", "trainer.device=cpu",
                              "algorithm.name=ppo", "algorithm.adv_estimator=gae", "data.train_batch_size=6",
                              "actor.ppo_mini_batch_size=6", "rollout.n=4", "critic.max_tokens_per_micro_batch=200"])
-    critic = CriticWorker(cfg)
+    critic = CriticWorker(role_spec(cfg, "critic"))
     critic.setup()
     batch = _long_tailed_batch(seed=1)
     batch = batch.union(Batch(tensors={"returns": torch.randn(batch["responses"].shape)}))
@@ -260,7 +260,7 @@ def test_update_actor_with_shared_prompts_steps_as_without_and_computes_each_pro
         cfg = load_config(None, [f"model.path={tmp_path / 'policy'}", "data.train_files=[unused.parquet]", "trainer.device=cpu",
                                  "data.train_batch_size=6", "actor.ppo_mini_batch_size=3", "rollout.n=4",
                                  "actor.max_tokens_per_micro_batch=150", f"model.share_prompt_prefix={str(share).lower()}"])
-        actor = ActorWorker(cfg)
+        actor = ActorWorker(role_spec(cfg, "actor"))
         actor.setup()
         old = actor.compute_log_prob(batch)
         metrics = actor.update_actor(batch.union(old), 4)

@@ -22,7 +22,7 @@ import torch
 import torch.distributed as dist
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from rlcore.config import Config, ConfigError, config_from_dict, set_key
+from rlcore.config import Config, ConfigError, config_from_dict, role_spec, set_key
 from rlcore.protocol import Batch
 from rlcore.workers.actor import ActorWorker, ReferenceWorker
 from rlcore.workers.critic import CriticWorker
@@ -97,7 +97,7 @@ def _log_probs(model: torch.nn.Module, batch: Batch) -> torch.Tensor:
 
 def test_actor_mixed_precision_bf16_without_process_group(model_dir, tmp_path):
     assert not (dist.is_available() and dist.is_initialized())
-    worker = ActorWorker(_config(model_dir, tmp_path, actor__mixed_precision="bf16"))
+    worker = ActorWorker(role_spec(_config(model_dir, tmp_path, actor__mixed_precision="bf16"), "actor"))
     worker.setup()
     batch = _batch()
     master = _plain_copy(worker.model)  # float32 weights before the update
@@ -163,9 +163,9 @@ def test_model_dtype_bfloat16_masters_unless_pure_bf16(model_dir, tmp_path, pure
     """bf16 training keeps float32 masters (an lr-1e-5 step moves nearly every weight); pure bf16
     trains the bf16 weights, where most such steps are below bf16's resolution and are lost."""
     cfg = _config(model_dir, tmp_path, model__dtype="bfloat16", model__pure_bf16=pure, actor__optim__lr=1e-5)
-    worker = ActorWorker(cfg)
+    worker = ActorWorker(role_spec(cfg, "actor"))
     worker.setup()
-    ref = ReferenceWorker(cfg)
+    ref = ReferenceWorker(role_spec(cfg, "ref"))
     ref.setup()
     batch = _batch()
     start = {n: p.detach().clone() for n, p in worker.model.named_parameters()}
@@ -191,7 +191,7 @@ def test_model_dtype_bfloat16_masters_unless_pure_bf16(model_dir, tmp_path, pure
 
 def test_critic_follows_model_dtype(model_dir, tmp_path):
     cfg = _config(model_dir, tmp_path, model__dtype="bfloat16", algorithm__name="ppo", algorithm__adv_estimator="gae")
-    critic = CriticWorker(cfg)
+    critic = CriticWorker(role_spec(cfg, "critic"))
     critic.setup()
     batch = _batch()
     with torch.no_grad():
@@ -226,7 +226,7 @@ def test_cpu_offload_on_one_gpu_keeps_masters_on_host(model_dir, tmp_path):
     for offload in (False, True):
         cfg = _config(model_dir, tmp_path, trainer__device="cuda", actor__mixed_precision="bf16",
                       actor__cpu_offload=offload)
-        worker = ActorWorker(cfg)
+        worker = ActorWorker(role_spec(cfg, "actor"))
         worker.setup()
         worker.update_actor(_batch(), 2)
         params = list(worker.model.parameters())

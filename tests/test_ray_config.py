@@ -3,6 +3,8 @@ COLLECTIVE dispatch, `wg.method_async`, and futures passed as arguments (in-proc
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import pytest
 
 from rlcore.config import ConfigError, load_config
@@ -62,11 +64,11 @@ def test_pool_placement_keys_and_ray_address_from_the_environment(monkeypatch):
 
 def test_colocated_roles_become_one_unit_and_must_share_world_size():
     cfg = _load("trainer.backend=ray", "actor.world_size=2", "ray.colocate=[[actor, rollout]]")
-    roles = {"actor": (None, 2), "rollout": (None, 1), "reward": (None, 1)}
+    roles = {"actor": SimpleNamespace(world_size=2), "rollout": SimpleNamespace(world_size=1), "reward": SimpleNamespace(world_size=1)}
     with pytest.raises(ValueError, match="different world sizes"):
-        _units(cfg, roles)
-    roles["rollout"] = (None, 2)
-    assert _units(cfg, roles) == [["actor", "rollout"], ["reward"]]
+        _units(cfg.ray, roles)  # type: ignore[arg-type]
+    roles["rollout"] = SimpleNamespace(world_size=2)
+    assert _units(cfg.ray, roles) == [["actor", "rollout"], ["reward"]]  # type: ignore[arg-type]
 
 
 class Counter(Worker):
@@ -96,14 +98,14 @@ def _node(cpu: float, gpu: float = 0, alive: bool = True, labels: dict | None = 
 
 
 def _demands(*overrides: str) -> list:
-    from rlcore.trainer.roles import _factories, _units, pool_demands
+    from rlcore.trainer.roles import _units, placement, pool_demands
 
     cfg = _load("trainer.backend=ray", *overrides)
-    roles = _factories(cfg)
+    roles = placement(cfg).roles
     pools: dict[str, list[list[str]]] = {}
-    for unit in _units(cfg, roles):
+    for unit in _units(cfg.ray, roles):
         pools.setdefault(cfg.ray.pool_of(unit[0]), []).append(unit)
-    return pool_demands(cfg, roles, pools)
+    return pool_demands(cfg.ray, roles, pools)
 
 
 def test_each_pool_asks_for_a_bundle_per_rank_of_its_largest_group_naming_the_key():

@@ -215,7 +215,7 @@ def _adam_first_step(g: torch.Tensor, eps: float) -> torch.Tensor:
 @pytest.mark.distributed  # 2 FSDP2 ranks on gloo
 def test_fsdp2_two_ranks_update_equals_one_process(cluster, tmp_path):
     from rlcore.cli import CONFIG_DIR
-    from rlcore.config import load_config
+    from rlcore.config import load_config, role_spec
     from rlcore.controller import InProcessWorkerGroup
     from rlcore.example.build import save_untrained_model
     from rlcore.workers.optim import build_optimizer
@@ -236,8 +236,8 @@ def test_fsdp2_two_ranks_update_equals_one_process(cluster, tmp_path):
     two_cfg = load_config(CONFIG_DIR / "tiny_grpo.yaml", base + ["trainer.backend=ray", "actor.world_size=2"])
     lr = one_cfg.actor.optim.lr
     eps = build_optimizer(torch.nn.Linear(1, 1), one_cfg.actor.optim).defaults["eps"]
-    one = InProcessWorkerGroup(lambda r, ws: ActorWorker(one_cfg, r, ws), 1, "actor")
-    two = RayWorkerGroup(lambda r, ws: ActorWorker(two_cfg, r, ws), 2, "actor", call_timeout_s=scaled(120))
+    one = InProcessWorkerGroup(lambda r, ws: ActorWorker(role_spec(one_cfg, "actor"), r, ws), 1, "actor")
+    two = RayWorkerGroup(lambda r, ws: ActorWorker(role_spec(two_cfg, "actor"), r, ws), 2, "actor", call_timeout_s=scaled(120))
     try:
         start = {k: v.clone() for k, v in one.weights_for_rollout().result()}  # views otherwise
         vocab = start["lm_head.weight"].shape[0]
@@ -290,7 +290,7 @@ def test_fsdp2_lora_two_ranks_update_equals_one_process(cluster, tmp_path):
     adapter disabled and send the same merged weights; a sharded checkpoint (adapter + DCP of the
     trained parameters only) resumes in one process with the same adapter."""
     from rlcore.cli import CONFIG_DIR
-    from rlcore.config import load_config
+    from rlcore.config import load_config, role_spec
     from rlcore.controller import InProcessWorkerGroup
     from rlcore.example.build import save_untrained_model
     from rlcore.workers.optim import build_optimizer
@@ -307,8 +307,8 @@ def test_fsdp2_lora_two_ranks_update_equals_one_process(cluster, tmp_path):
     two_cfg = load_config(CONFIG_DIR / "tiny_grpo.yaml", base + ["trainer.backend=ray", "actor.world_size=2"])
     lr = one_cfg.actor.optim.lr
     eps = build_optimizer(torch.nn.Linear(1, 1), one_cfg.actor.optim).defaults["eps"]
-    one = InProcessWorkerGroup(lambda r, ws: ActorWorker(one_cfg, r, ws), 1, "actor")
-    two = RayWorkerGroup(lambda r, ws: ActorWorker(two_cfg, r, ws), 2, "actor", call_timeout_s=scaled(120))
+    one = InProcessWorkerGroup(lambda r, ws: ActorWorker(role_spec(one_cfg, "actor"), r, ws), 1, "actor")
+    two = RayWorkerGroup(lambda r, ws: ActorWorker(role_spec(two_cfg, "actor"), r, ws), 2, "actor", call_timeout_s=scaled(120))
     try:
         start = {k: v.clone() for k, v in one.adapter_for_rollout().result()[0].items()}
         batch = _update_batch(int(one.workers[0].model.get_output_embeddings().weight.shape[0]))
@@ -342,7 +342,7 @@ def test_fsdp2_lora_two_ranks_update_equals_one_process(cluster, tmp_path):
         assert sorted(p.name for p in ckpt.iterdir()) == ["actor_adapter", "actor_dcp", "actor_scheduler.pt"]
         dcp_bytes = sum(p.stat().st_size for p in (ckpt / "actor_dcp").iterdir())
         assert dcp_bytes < 0.5 * (model_dir / "model.safetensors").stat().st_size  # adapter + its Adam state only
-        back = InProcessWorkerGroup(lambda r, ws: ActorWorker(one_cfg, r, ws), 1, "actor")
+        back = InProcessWorkerGroup(lambda r, ws: ActorWorker(role_spec(one_cfg, "actor"), r, ws), 1, "actor")
         back.load_checkpoint(str(ckpt))
         restored = back.adapter_for_rollout().result()[0]
         assert all(torch.equal(restored[k], a2[k]) for k in a2)

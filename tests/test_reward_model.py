@@ -27,7 +27,7 @@ from transformers import (
 
 from rlcore.algos import RunningMoments, bradley_terry_loss, combine_reward_scores
 from rlcore.chat import prompt_ids
-from rlcore.config import ConfigError, config_from_dict
+from rlcore.config import ConfigError, config_from_dict, role_spec
 from rlcore.controller import InProcessWorkerGroup
 from rlcore.data.preference import sequence_tensors
 from rlcore.example.tokenizer import build_tokenizer
@@ -180,7 +180,7 @@ def test_scoring_rerenders_each_conversation_in_the_reward_models_own_template(t
     gen = _generated(policy_tok, ["12+34=", "12+35=", "2+3="], responses)
     assert enc("12+34=") != rm_tok("12+34=", add_special_tokens=False)["input_ids"]  # the vocabularies differ
 
-    group = InProcessWorkerGroup(lambda r, ws: RewardModelWorker(config, r, ws), role="reward_model")
+    group = InProcessWorkerGroup(lambda r, ws: RewardModelWorker(role_spec(config, "reward_model"), r, ws), role="reward_model")
     try:
         out = group.compute_rm_score(gen)
     finally:
@@ -216,7 +216,8 @@ def test_the_reward_is_the_models_score_and_nonfinite_scores_are_refused_or_skip
     gen = _generated(policy_tok, ["12+34=", "12+34=", "20+20="], [enc("#### 46") + [eos], enc("#### 47") + [eos], enc("#### 40") + [eos]])
     for mode in ("error", "skip"):
         config = rl_config(_policy_dir(tmp_path), rm_dir, on_nonfinite=mode, clip=None)
-        groups = WorkerGroups(reward_model=InProcessWorkerGroup(lambda r, ws, c=config: RewardModelWorker(c, r, ws), role="reward_model"))
+        spec = role_spec(config, "reward_model")
+        groups = WorkerGroups(reward_model=InProcessWorkerGroup(lambda r, ws, s=spec: RewardModelWorker(s, r, ws), role="reward_model"))
         scoring = RewardModelScoring(config, groups)
         try:
             pending = scoring.launch(gen, Timer())
@@ -251,7 +252,7 @@ def test_a_folder_that_is_not_a_reward_model_is_refused_naming_the_key(tmp_path)
     problems = [p for p in preflight_problems(config) if p.startswith("reward_model.path")]
     assert len(problems) == 1 and "is not a reward model" in problems[0] and "LlamaForCausalLM" in problems[0]
     with pytest.raises(NotASequenceClassifier, match=r"reward_model.path: .* is not a reward model"):
-        RewardModelWorker(config).setup()
+        RewardModelWorker(role_spec(config, "reward_model")).setup()
 
 
 def test_a_reward_model_tokenizer_without_a_chat_template_is_refused_naming_the_key(tmp_path):
@@ -260,7 +261,7 @@ def test_a_reward_model_tokenizer_without_a_chat_template_is_refused_naming_the_
     problems = [p for p in preflight_problems(config) if p.startswith("reward_model.path")]
     assert len(problems) == 1 and "no chat template" in problems[0]
     with pytest.raises(RewardModelInputError, match=r"reward_model.path: the tokenizer of .* has no chat template"):
-        RewardModelWorker(config).setup()
+        RewardModelWorker(role_spec(config, "reward_model")).setup()
 
 
 @pytest.mark.parametrize("overrides, message", [

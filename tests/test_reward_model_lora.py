@@ -14,7 +14,7 @@ import torch
 from test_reward_model import _policy_dir, other_tokenizer, rl_config  # tests/ is on sys.path (pytest rootdir conftest)
 from transformers import AutoModelForSequenceClassification, LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
-from rlcore.config import ConfigError, config_from_dict
+from rlcore.config import ConfigError, config_from_dict, role_spec
 from rlcore.protocol import Batch
 from rlcore.workers.reward_model import RewardModelWorker, merge_reward_model
 
@@ -58,7 +58,7 @@ def test_lora_reward_model_trains_resumes_exactly_and_merges_to_a_servable_class
     base = _backbone(tmp_path / "base", arch)
     config = _rm_config(base, tmp_path)
     batch = _pairs()
-    worker = RewardModelWorker(config)
+    worker = RewardModelWorker(role_spec(config, "reward_model"))
     worker.setup()
     trained = [n for n, p in worker.model.named_parameters() if p.requires_grad]
     assert trained and all(".lora_" in n or n.startswith("score.modules_to_save.") for n in trained)
@@ -72,7 +72,7 @@ def test_lora_reward_model_trains_resumes_exactly_and_merges_to_a_servable_class
     worker.save_checkpoint(str(ckpt))
     assert sorted(p.name for p in ckpt.iterdir()) == ["reward_model_adapter", "reward_model_optim.pt"]  # no model copy
     second = worker.update_reward_model(batch)
-    resumed = RewardModelWorker(config)
+    resumed = RewardModelWorker(role_spec(config, "reward_model"))
     resumed.load_checkpoint(str(ckpt))
     again = resumed.update_reward_model(batch)
     steady = lambda m: {k: v for k, v in m.items() if not k.startswith("perf/")}  # noqa: E731
@@ -93,7 +93,7 @@ def test_lora_reward_model_trains_resumes_exactly_and_merges_to_a_servable_class
     assert (own[:4] - own[4:]).abs().min() > 0  # not a constant head
 
     # an RL run scoring with it: the merged folder as reward_model.path (its trained head kept)
-    scorer = RewardModelWorker(rl_config(_policy_dir(tmp_path), merged))
+    scorer = RewardModelWorker(role_spec(rl_config(_policy_dir(tmp_path), merged), "reward_model"))
     scorer.setup()
     got = scorer.score_pairs(batch)
     for side in ("chosen_scores", "rejected_scores"):

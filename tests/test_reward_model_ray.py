@@ -9,6 +9,7 @@ import torch
 from test_reward_model import _generated, _policy_dir, other_tokenizer, rl_config, save_rm
 from timing import scaled  # tests/ is on sys.path (pytest rootdir conftest)
 
+from rlcore.config import role_spec
 from rlcore.controller import InProcessWorkerGroup
 from rlcore.example.tokenizer import build_tokenizer
 from rlcore.workers.reward_model import RewardModelWorker
@@ -30,7 +31,7 @@ def test_reward_model_pool_with_two_ranks_scores_as_one_process(tmp_path, ray_dr
                  for k, (a, b) in enumerate(((12, 34), (57, 68), (9, 9), (40, 41), (13, 77)))]
     gen = _generated(policy_tok, prompts, responses)
 
-    local = InProcessWorkerGroup(lambda r, ws: RewardModelWorker(config, r, ws), role="reward_model")
+    local = InProcessWorkerGroup(lambda r, ws: RewardModelWorker(role_spec(config, "reward_model"), r, ws), role="reward_model")
     try:
         want = local.compute_rm_score(gen)["rm_scores"]
     finally:
@@ -39,7 +40,7 @@ def test_reward_model_pool_with_two_ranks_scores_as_one_process(tmp_path, ray_dr
     pool = None
     try:
         pool = ResourcePool("rm", 2, cpus_per_bundle=1.0)
-        group = RayWorkerGroup(lambda r, ws: RewardModelWorker(config, r, ws), 2, "reward_model", pool=pool,
+        group = RayWorkerGroup(lambda r, ws: RewardModelWorker(role_spec(config, "reward_model"), r, ws), 2, "reward_model", pool=pool,
                                distributed=True, call_timeout_s=scaled(300), init_timeout_s=scaled(300))
         try:
             got = group.compute_rm_score(gen)

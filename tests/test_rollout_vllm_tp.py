@@ -19,7 +19,7 @@ import numpy as np  # noqa: E402
 import torch  # noqa: E402
 from test_rollout_vllm import prompt_batch, tiny_model  # noqa: E402  tests/ is on sys.path
 
-from rlcore.config import config_from_dict  # noqa: E402
+from rlcore.config import config_from_dict, role_spec  # noqa: E402
 from rlcore.rollout import SamplingParams  # noqa: E402
 from rlcore.rollout import vllm as vllm_backend  # noqa: E402
 from rlcore.workers.rollout import RolloutWorker  # noqa: E402
@@ -44,7 +44,7 @@ def _worker(folder, backend: str, layout: dict | None = None) -> RolloutWorker:
                         "vllm": {"kv_cache_gib": 0.125, "max_model_len": 128, "max_num_seqs": 16}}}
     if layout:
         tree["rollout"]["layout"] = layout
-    worker = RolloutWorker(config_from_dict(tree))
+    worker = RolloutWorker(role_spec(config_from_dict(tree), "rollout"))
     worker.setup()
     return worker
 

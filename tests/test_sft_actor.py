@@ -150,6 +150,9 @@ def test_the_bad_step_limit_is_the_actors_setting(own_model, tmp_path, capsys):
      "trainer.batch_size=5 is not a multiple of the actor's 2 data-parallel ranks"),
     (["trainer.backend=ray", "actor.world_size=2", "actor.ulysses_sequence_parallel_size=4"],
      "actor.ulysses_sequence_parallel_size=4 does not divide actor.world_size=2"),
+    (["trainer.backend=ray", "actor.layout={tensor_parallel: 2}", "actor.lora.rank=4"],
+     "actor.layout.tensor_parallel=2 with actor.lora: peft's adapter layers"),
+    (["actor.cpu_offload=true", "trainer.device=cpu"], "actor.cpu_offload=true needs a CUDA device"),
     (["trainer.backend=ray", "ray.roles={rollout: default}"], "ray.roles.rollout: rlcore sft runs the actor alone"),
     (["model.share_prompt_prefix=true"], "model.share_prompt_prefix=true: SFT rows are whole sequences"),
 ])

@@ -24,7 +24,7 @@ from gloo_ranks import call, launch  # tests/ is on sys.path
 from test_reward_model_lora import _backbone, _pairs
 from tiny_models import ARCHS, VOCAB, assert_grads_close
 
-from rlcore.config import Config, config_from_dict
+from rlcore.config import Config, config_from_dict, role_spec
 from rlcore.data.preference import sequence_tensors
 from rlcore.protocol import Batch
 from rlcore.workers.actor import ActorWorker
@@ -92,14 +92,14 @@ def run_role(root: Path, role: str, arch: str, layout: dict | None, rank: int = 
     """One training step of `role` and what it changed, as every rank collects it."""
     config = role_config(root, role, arch, layout, device)
     if role == "actor":
-        worker = ActorWorker(config, rank, world)
+        worker = ActorWorker(role_spec(config, "actor"), rank, world)
         worker.setup()
         batch = rl_batch()
         old = call(worker, "compute_log_prob", batch)
         metrics = call(worker, "update_actor", batch.union(old.select("old_log_probs")), SAMPLES_PER_PROMPT)[0]
         out = {"old_log_probs": old["old_log_probs"], "entropy": old["entropy"]}
     elif role == "critic":
-        worker = CriticWorker(config, rank, world)
+        worker = CriticWorker(role_spec(config, "critic"), rank, world)
         worker.setup()
         batch = rl_batch()
         out = {"values": call(worker, "compute_values", batch)["values"]}
@@ -107,7 +107,7 @@ def run_role(root: Path, role: str, arch: str, layout: dict | None, rank: int = 
         out["grads"], out["weights"] = _full(worker.model)  # before a root forward: FSDP2 then drops the root's gradients
         out["values_after"] = call(worker, "compute_values", batch)["values"]
     else:
-        worker = RewardModelWorker(config, rank, world)
+        worker = RewardModelWorker(role_spec(config, "reward_model"), rank, world)
         worker.setup()
         metrics = call(worker, "update_reward_model", _pairs())[0]
         out = dict(zip(("grads", "weights"), _full(worker.model)))

@@ -21,7 +21,7 @@ import pytest
 import torch
 from own_model import IM_END, build_mismatched_tokenizer_folder  # tests/ is on sys.path (pytest rootdir conftest)
 
-from rlcore.config import config_from_dict
+from rlcore.config import config_from_dict, role_spec
 from rlcore.data import RLDataset, collate_prompts, read_rows
 from rlcore.protocol import Batch
 from rlcore.rollout import HFRolloutEngine, SamplingParams
@@ -147,7 +147,7 @@ def expected_lengths(free: torch.Tensor, ends: list[int]) -> list[int]:
 def rollout(config_tree: dict, batch: Batch) -> Batch:
     from rlcore.workers.rollout import RolloutWorker
 
-    worker = RolloutWorker(config_from_dict(config_tree))
+    worker = RolloutWorker(role_spec(config_from_dict(config_tree), "rollout"))
     worker.setup()
     try:
         return worker.generate_sequences(batch, GREEDY)
@@ -181,7 +181,7 @@ def test_two_rollout_ranks_whose_longest_responses_differ_return_what_one_rank_d
     assert lengths[longest] > lengths[0] == first_stop  # the two ranks' widths will differ
     pair = batch.take([0, longest])
     config = config_from_dict(run_config(folder, own_model.train_file, tmp_path, rollout={"backend": "hf"}))
-    groups = [InProcessWorkerGroup(lambda rank, ws: RolloutWorker(config, rank, ws), ws, "rollout") for ws in (2, 1)]
+    groups = [InProcessWorkerGroup(lambda rank, ws: RolloutWorker(role_spec(config, "rollout"), rank, ws), ws, "rollout") for ws in (2, 1)]
     try:
         two, one = (g.call("generate_sequences", pair, GREEDY) for g in groups)
     finally:
@@ -201,7 +201,7 @@ def test_reward_sees_the_response_cut_at_the_first_end_token(two_end_model, own_
 
     folder, batch, free, ends, first_stop = two_end_model
     tok = load_tokenizer(str(folder))
-    worker = RewardWorker(config_from_dict(run_config(folder, own_model.train_file, tmp_path)))
+    worker = RewardWorker(role_spec(config_from_dict(run_config(folder, own_model.train_file, tmp_path)), "reward"))
     worker.setup()
     try:
         gen = Batch(tensors={"responses": free, "response_mask": torch.ones_like(free)}, meta={})

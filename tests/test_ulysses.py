@@ -25,7 +25,7 @@ from tiny_models import ARCHS, SIZES, VOCAB, assert_grads_close, tiny_model  # t
 from transformers import Qwen2Config
 
 from rlcore.algos import get_policy_loss
-from rlcore.config import ActorConfig, ConfigError, load_config
+from rlcore.config import ActorConfig, ConfigError, load_config, role_spec
 from rlcore.controller import Dispatch, Worker, register
 from rlcore.controller.dispatch import plan_dispatch
 from rlcore.data.preference import sequence_tensors
@@ -273,8 +273,8 @@ def _colocated(cfg):
             return {n: to_full(p.grad).clone() for n, p in self.model.named_parameters()}
 
     def factory(rank: int, world_size: int) -> ColocatedWorker:
-        workers = {"actor": GradActor(cfg, rank, world_size), "ref": ReferenceWorker(cfg, rank, world_size),
-                   "critic": CriticWorker(cfg, rank, world_size)}
+        workers = {"actor": GradActor(role_spec(cfg, "actor"), rank, world_size), "ref": ReferenceWorker(role_spec(cfg, "ref"), rank, world_size),
+                   "critic": CriticWorker(role_spec(cfg, "critic"), rank, world_size)}
         return ColocatedWorker(workers, rank, world_size)
 
     return factory

@@ -21,7 +21,7 @@ import torch
 import torch.distributed as dist
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from rlcore.config import Config, ConfigError, config_from_dict, set_key
+from rlcore.config import Config, ConfigError, config_from_dict, role_spec, set_key
 from rlcore.protocol import Batch
 from rlcore.workers.actor import ActorWorker
 from rlcore.workers.compile import _with_fallback, compile_wanted
@@ -100,7 +100,7 @@ def _compare_cast_once(model_dir: Path, tmp_path: Path) -> tuple[list[bool], lis
     when it started (without and with cast_once) and q_proj's compute weight with it."""
     runs = {}
     for once in (False, True):
-        worker = ActorWorker(_config(model_dir, tmp_path, actor__cast_once=once))
+        worker = ActorWorker(role_spec(_config(model_dir, tmp_path, actor__cast_once=once), "actor"))
         worker.setup()
         assert keeps_compute_copies(worker.model) is once
         runs[once] = _two_steps(worker)
@@ -121,7 +121,7 @@ def test_cast_once_in_one_process_gives_the_same_step(model_dir, tmp_path):
     assert not (dist.is_available() and dist.is_initialized())
     seen_once = _compare_cast_once(model_dir, tmp_path)[2]
     assert seen_once[0] is not seen_once[3]  # made anew after the step changed the masters
-    worker = ActorWorker(_config(model_dir, tmp_path, actor__cast_once=False))
+    worker = ActorWorker(role_spec(_config(model_dir, tmp_path, actor__cast_once=False), "actor"))
     worker.setup()
     seen = _two_steps(worker)[1]
     assert len({id(w) for w in seen}) == 6  # without it, a copy per micro-batch
@@ -135,7 +135,7 @@ def test_cast_once_under_fsdp2_gives_the_same_step(model_dir, tmp_path):
     try:
         from rlcore.workers.fsdp import is_sharded
 
-        worker = ActorWorker(_config(model_dir, tmp_path))
+        worker = ActorWorker(role_spec(_config(model_dir, tmp_path), "actor"))
         worker.setup()
         assert is_sharded(worker.model)
         sharded_each, sharded_once, _ = _compare_cast_once(model_dir, tmp_path)
@@ -173,7 +173,7 @@ def test_compile_selection(setting, device, tp, liger, want):
 
 
 def test_nothing_compiles_on_cpu_by_default(model_dir, tmp_path):
-    worker = ActorWorker(_config(model_dir, tmp_path))
+    worker = ActorWorker(role_spec(_config(model_dir, tmp_path), "actor"))
     assert worker.spec.section.compile == "auto"
     worker.setup()
     assert all("forward" not in vars(layer) for layer in worker.model.model.layers)  # the class's own forward
@@ -210,7 +210,7 @@ def test_liger_kernel_refused_on_cpu(model_dir, tmp_path):
 
 
 def _gpu_actor(model_dir: Path, tmp_path: Path, **overrides) -> ActorWorker:
-    worker = ActorWorker(_config(model_dir, tmp_path, **{"trainer__device": "cuda", "actor__compile": False, **overrides}))
+    worker = ActorWorker(role_spec(_config(model_dir, tmp_path, **{"trainer__device": "cuda", "actor__compile": False, **overrides}), "actor"))
     worker.setup()
     return worker
 

@@ -15,7 +15,7 @@ from net import free_port  # tests/ is on sys.path
 from transformers import LlamaConfig, LlamaForCausalLM, LlamaForTokenClassification
 
 from rlcore.algos import get_policy_loss
-from rlcore.config import ActorConfig, load_config
+from rlcore.config import ActorConfig, load_config, role_spec
 from rlcore.controller import Dispatch
 from rlcore.controller.dispatch import plan_dispatch
 from rlcore.protocol import Batch
@@ -176,7 +176,7 @@ def _run(world_size: int, rank: int, policy: Path, critic: Path, work: Path) -> 
     batch = batch.union(Batch(tensors={"old_log_probs": torch.load(work / "old.pt"), "ref_log_probs": torch.load(work / "ref.pt")}))
     mine = plan_dispatch(Dispatch.DP_BALANCED, world_size, (batch,), {}).calls[rank][1][0]
     out: dict = {}
-    actor, critic_w = ActorWorker(cfg, rank, world_size), CriticWorker(cfg, rank, world_size)
+    actor, critic_w = ActorWorker(role_spec(cfg, "actor"), rank, world_size), CriticWorker(role_spec(cfg, "critic"), rank, world_size)
     actor.setup(), critic_w.setup()
     out["log_probs"] = actor.compute_log_prob(mine)["old_log_probs"]
     out["values"] = critic_w.compute_values(mine)["values"]
@@ -228,7 +228,7 @@ def test_two_fsdp2_ranks_report_and_step_as_one_process(tmp_path):
     assert one["actor"]["actor/kl_loss"] > 0 and one["actor"]["actor/pg_loss"] != 0
     # 2 ranks resumed from the one-process checkpoint; one process resumes from the 2 ranks' (DCP)
     cfg = _config(policy, critic)
-    back = ActorWorker(cfg)
+    back = ActorWorker(role_spec(cfg, "actor"))
     back.load_checkpoint(str(tmp_path / "ckpt_2"))
     batch = _batch().union(Batch(tensors={"old_log_probs": torch.load(tmp_path / "old.pt"), "ref_log_probs": torch.load(tmp_path / "ref.pt")}))
     again = back.update_actor(batch, 2)

@@ -75,7 +75,7 @@ from rlcore.config.sft import (
     SFTTrainerConfig,
     sft_actor_spec,
 )
-from rlcore.config.spec import LoraSync, MicroSpec, RoleSpec, as_spec, role_spec
+from rlcore.config.spec import LoraSync, MicroSpec, RoleSpec, require_spec, role_spec
 from rlcore.config.tree import ConfigTree
 
 __all__ = [
@@ -86,6 +86,6 @@ __all__ = [
     "PreferenceConfig", "Ranks", "RayConfig", "RayPoolConfig", "RefConfig", "RegistryConfig", "RewardConfig",
     "RewardModelConfig", "RolloutConfig", "SFTActorConfig", "SFTConfig", "SFTDataConfig", "SFTHealthConfig",
     "SFTOptimConfig", "SFTTrainerConfig", "TokenBudget", "TrackingConfig", "TrainerConfig", "VLLMEngineConfig",
-    "as_spec", "check_registered", "config_from_dict", "dump_config", "estimator_inputs", "load_config", "load_sft_config",
-    "parse_override", "registered_names", "role_spec", "set_key", "sft_config_from_dict", "sft_actor_spec",
+    "check_registered", "config_from_dict", "dump_config", "estimator_inputs", "load_config", "load_sft_config",
+    "parse_override", "registered_names", "require_spec", "role_spec", "set_key", "sft_config_from_dict", "sft_actor_spec",
 ]

@@ -1,14 +1,19 @@
 """The rules that read more than one section, as plain functions of the whole config: each refuses
 a combination the run cannot honour with a `ValueError` naming the keys. `RULES` is their order;
-`rlcore.config.root.Config` runs them, in that order, after every section has validated."""
+`rlcore.config.root.Config` runs them, in that order, after every section has validated. The
+checks of one role's sections (`check_ranks_on_backend`, `check_mesh`, ...) take those sections
+alone: `rlcore sft`'s config runs them on its actor."""
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
+from typing import Any
 
 from rlcore.algorithms import names_where, traits_of
 from rlcore.config.base import differs_from_default, estimator_inputs
-from rlcore.config.roles import LoraConfig, RewardModelConfig
+from rlcore.config.model import ModelConfig
+from rlcore.config.roles import ActorConfig, LayoutConfig, LoraConfig, RewardModelConfig
+from rlcore.config.run import RayConfig
 from rlcore.config.tree import ConfigTree
 from rlcore.rollout_backends import support_problem
 
@@ -50,14 +55,22 @@ def check_consistency(config: ConfigTree) -> None:
     if traits.generates and not traits.critic and reads_values:
         raise ValueError(f"algorithm.adv_estimator {estimator!r} needs a critic: use algorithm.name="
                          f"{' or '.join(names_where(generates=True, critic=True))}")
-    if config.trainer.backend == "inprocess":
-        for key, ws in (("actor", config.actor.world_size), ("critic", config.critic.world_size), ("rollout", config.rollout.world_size),
-                        ("reward_model", config.reward_model.world_size)):
-            if ws > 1:
-                what = f"{key}.layout ({getattr(config, key).layout.describe()})" if getattr(config, key).layout else f"{key}.world_size={ws}"
-                raise ValueError(f"{what} needs trainer.backend=ray (the in-process backend runs one rank)")
-    if config.trainer.backend == "ray" and "default" not in config.ray.pools:
-        unmapped = [r for r in config.present_roles if r not in config.ray.roles]
+    for key in ("actor", "critic", "rollout", "reward_model"):
+        check_ranks_on_backend(key, getattr(config, key), config.trainer.backend)
+    check_default_pool(config.present_roles, config.ray, config.trainer.backend)
+
+
+def check_ranks_on_backend(role: str, section: Any, backend: str) -> None:
+    """Several ranks of a role section only on Ray."""
+    if backend == "inprocess" and section.world_size > 1:
+        what = f"{role}.layout ({section.layout.describe()})" if section.layout else f"{role}.world_size={section.world_size}"
+        raise ValueError(f"{what} needs trainer.backend=ray (the in-process backend runs one rank)")
+
+
+def check_default_pool(roles: Sequence[str], ray: RayConfig, backend: str) -> None:
+    """On Ray, a pool for every role of the run (`roles`): those `ray.roles` leaves out need pool 'default'."""
+    if backend == "ray" and "default" not in ray.pools:
+        unmapped = [r for r in roles if r not in ray.roles]
         if unmapped:
             raise ValueError(f"ray.pools: roles {unmapped} use pool 'default', which is not defined")
 
@@ -89,20 +102,30 @@ def check_validation_sampling(config: ConfigTree) -> None:
 
 def check_sequence_parallel(config: ConfigTree) -> None:
     """Sequence-parallel sizes that divide their role's ranks, on packed rows."""
-    roles = [("actor", config.actor.ulysses_sequence_parallel_size, config.actor.world_size)]
+    roles = [("actor", config.actor.ulysses_sequence_parallel_size)]
     if config.traits.critic:
-        roles.append(("critic", config.critic_sequence_parallel_size, config.critic.world_size))
-    for role, sp, ws in roles:
-        key = f"{role}.layout.sequence_parallel" if getattr(config, role).layout is not None else f"{role}.ulysses_sequence_parallel_size"
-        if ws % sp:
-            default = " (default: the actor's)" if role == "critic" and config.critic.ulysses_sequence_parallel_size is None else ""
-            raise ValueError(f"{key}={sp}{default} does not divide {role}.world_size={ws}: each sequence-parallel "
-                             f"group is {sp} of the {role}'s ranks")
+        roles.append(("critic", config.critic_sequence_parallel_size))
+    for role, sp in roles:
+        default = " (default: the actor's)" if role == "critic" and config.critic.ulysses_sequence_parallel_size is None else ""
+        check_sequence_parallel_size(role, getattr(config, role), sp, default)
     for role in config.trained_roles:
-        sp = config.layout_of(role).sequence_parallel
-        if sp > 1 and not config.model.use_remove_padding:
-            raise ValueError(f"{config.layout_key(role, 'sequence_parallel')}={sp} needs model.use_remove_padding=true: "
-                             "sequence parallelism splits the packed row of a micro-batch along its tokens")
+        check_packed_sequence_parallel(config.layout_key(role, "sequence_parallel"), config.layout_of(role).sequence_parallel,
+                                       config.model)
+
+
+def check_sequence_parallel_size(role: str, section: Any, sp: int, default: str = "") -> None:
+    """A role section's sequence-parallel size `sp` divides its ranks (`default`: a note on where `sp` came from)."""
+    key = f"{role}.layout.sequence_parallel" if section.layout is not None else f"{role}.ulysses_sequence_parallel_size"
+    if section.world_size % sp:
+        raise ValueError(f"{key}={sp}{default} does not divide {role}.world_size={section.world_size}: each sequence-parallel "
+                         f"group is {sp} of the {role}'s ranks")
+
+
+def check_packed_sequence_parallel(key: str, sp: int, model: ModelConfig) -> None:
+    """Sequence parallelism (`key`=`sp`) only on packed rows."""
+    if sp > 1 and not model.use_remove_padding:
+        raise ValueError(f"{key}={sp} needs model.use_remove_padding=true: "
+                         "sequence parallelism splits the packed row of a micro-batch along its tokens")
 
 
 def check_layouts(config: ConfigTree) -> None:
@@ -117,27 +140,42 @@ def check_layouts(config: ConfigTree) -> None:
         raise ValueError("ref.layout is set, but with actor.lora the reference is the actor's own base (its adapter "
                          "disabled), on the actor's ranks and layout")
     for role in config.trained_roles:
-        tp = config.layout_of(role).tensor_parallel
         lora = {"actor": config.actor.lora, "critic": config.critic.lora, "reward_model": config.reward_model.lora}.get(role)
-        if tp > 1 and lora is not None and lora.enabled:
-            raise ValueError(f"{config.layout_key(role, 'tensor_parallel')}={tp} with {role}.lora: peft's adapter "
-                             "layers wrap the very linear layers tensor parallelism splits, so rlcore does not "
-                             "combine them; train a LoRA adapter data-parallel (FSDP2 shards the frozen base)")
-        if config.trainer.backend == "inprocess" and config.layout_of(role).world_size > 1:
-            raise ValueError(f"{role}.layout: {config.layout_of(role).describe()} needs trainer.backend=ray (the "
-                             "in-process backend runs one rank)")
+        check_mesh(role, config.layout_of(role), config.layout_key(role, "tensor_parallel"), lora, config.trainer.backend)
+
+
+def check_mesh(role: str, layout: LayoutConfig, tp_key: str, lora: LoraConfig | None, backend: str) -> None:
+    """No tensor parallelism (`tp_key`) with the role's LoRA; a mesh of several ranks only on Ray."""
+    tp = layout.tensor_parallel
+    if tp > 1 and lora is not None and lora.enabled:
+        raise ValueError(f"{tp_key}={tp} with {role}.lora: peft's adapter "
+                         "layers wrap the very linear layers tensor parallelism splits, so rlcore does not "
+                         "combine them; train a LoRA adapter data-parallel (FSDP2 shards the frozen base)")
+    if backend == "inprocess" and layout.world_size > 1:
+        raise ValueError(f"{role}.layout: {layout.describe()} needs trainer.backend=ray (the "
+                         "in-process backend runs one rank)")
 
 
 def check_cpu_offload(config: ConfigTree) -> None:
     """CPU offload only with a CUDA device."""
-    if config.actor.cpu_offload and config.trainer.device == "cpu":
+    check_actor_offload(config.actor, config.trainer.device)
+
+
+def check_actor_offload(actor: ActorConfig, device: str) -> None:
+    """The actor's CPU offload only with a CUDA device."""
+    if actor.cpu_offload and device == "cpu":
         raise ValueError("actor.cpu_offload=true needs a CUDA device: with trainer.device=cpu the weights, gradients "
                          "and optimizer state already live in host memory, so there is nothing to offload")
 
 
 def check_liger_kernel(config: ConfigTree) -> None:
     """Liger's kernels only with a CUDA device."""
-    if config.actor.liger_kernel and config.trainer.device == "cpu":
+    check_actor_kernels(config.actor, config.trainer.device)
+
+
+def check_actor_kernels(actor: ActorConfig, device: str) -> None:
+    """The actor's Liger kernels only with a CUDA device."""
+    if actor.liger_kernel and device == "cpu":
         raise ValueError("actor.liger_kernel=true needs a CUDA device: Liger's kernels are Triton GPU kernels "
                          "(trainer.device=cpu)")
 

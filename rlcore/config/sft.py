@@ -1,19 +1,27 @@
 """`rlcore sft`'s config: SFT's data and trainer sections, the RL actor's section with SFT's
-defaults, the actor worker's `RoleSpec` built from them (`sft_actor_spec`), and
-`SFTConfig.worker_config`, the RL `Config` the shared run parts read (worker placement, checkpoints,
-step log)."""
+defaults, and the actor worker's `RoleSpec` built from them (`sft_actor_spec`). No RL `Config` is
+made of it: the run parts (worker placement, checkpoints, step log) take the spec and small typed
+values, and the RL rules that concern the actor run on its sections alone."""
 
 from __future__ import annotations
 
 from typing import ClassVar, Literal
 
-from pydantic import Field, ValidationError, model_validator
+from pydantic import Field, model_validator
 
-from rlcore.config.base import Section, differs_from_default, format_validation_error
-from rlcore.config.model import DataConfig, ModelConfig
+from rlcore.config.base import Section, differs_from_default
+from rlcore.config.model import ModelConfig
 from rlcore.config.roles import MICRO_BATCH_AUTO, ActorConfig, OptimConfig, TokenBudget, section_layout, section_layout_key
-from rlcore.config.root import Config
-from rlcore.config.run import ROLES, HealthConfig, RayConfig, TrackingConfig, TrainerConfig
+from rlcore.config.rules import (
+    check_actor_kernels,
+    check_actor_offload,
+    check_default_pool,
+    check_mesh,
+    check_packed_sequence_parallel,
+    check_ranks_on_backend,
+    check_sequence_parallel_size,
+)
+from rlcore.config.run import HealthConfig, RayConfig, TrackingConfig
 from rlcore.config.spec import MicroSpec, RoleSpec
 
 
@@ -101,10 +109,8 @@ class SFTConfig(Section):
     """`rlcore sft CONFIG`: supervised fine-tuning on the actor worker, whose output folder
     (`trainer.output_dir/model`) is a Hugging Face model that an RL config's `model.path` can start
     from. It reads the sections an RL run's actor reads (`model`, `actor`, `ray`, `health`,
-    `tracking`; the actor worker is handed `sft_actor_spec`, and `worker_config` is the RL `Config` the
-    shared run parts get: worker placement, checkpoints, the step log), so
-    what configures the actor's layout (world size, LoRA, precision, sequence parallelism) configures
-    SFT alike."""
+    `tracking`; the actor worker is handed `sft_actor_spec`), so what configures the actor's layout
+    (world size, LoRA, precision, sequence parallelism) configures SFT alike."""
 
     HEALTH_RL_ONLY: ClassVar[tuple[str, ...]] = ("max_kl", "min_entropy", "max_reward_jump", "reward_jump_sigmas",
                                                  "kl_jump_sigmas", "jump_window")
@@ -133,34 +139,27 @@ class SFTConfig(Section):
         if self.model.share_prompt_prefix:
             raise ValueError("model.share_prompt_prefix=true: SFT rows are whole sequences, with no prompt shared "
                              "between rows")
-        try:  # what the actor and the run parts would refuse (world size without Ray, sequence parallel sizes, ...)
-            worker = self.worker_config(self.trainer.total_steps or 1)
-        except ValidationError as err:
-            raise ValueError(format_validation_error(err).removeprefix("invalid config: ").removeprefix("<root>: ")) from None
-        shards = worker.layout_of("actor").data_parallel
+        self._check_actor_run()
+        shards = section_layout(self.actor, self.actor.ulysses_sequence_parallel_size).data_parallel
         if self.trainer.batch_size % shards:  # else the dispatch would pad the batch with repeated rows
             raise ValueError(f"trainer.batch_size={self.trainer.batch_size} is not a multiple of the actor's {shards} "
-                             f"data-parallel ranks ({worker.layout_key('actor', 'data_parallel')})")
+                             f"data-parallel ranks ({section_layout_key('actor', self.actor, 'data_parallel')})")
         return self
 
-    def worker_config(self, total_steps: int) -> Config:
-        """The RL `Config` the worker groups and the run parts (checkpoints, step log) read (the actor
-        worker itself gets `sft_actor_spec`): this config's model, actor, ray, health and tracking sections as they are, its
-        trainer's run settings with `total_steps` resolved. Rows share no prompt (packed alone)."""
-        t = self.trainer
-        return Config(
-            model=self.model.model_copy(update={"share_prompt_prefix": False}),
-            data=DataConfig(train_files=self.data.train_files, val_files=self.data.val_files,
-                            apply_chat_template=self.data.apply_chat_template, tokenizer_check_rows=0),
-            actor=self.actor,
-            trainer=TrainerConfig(total_steps=total_steps, seed=t.seed, output_dir=t.output_dir, save_every=t.save_every,
-                                  keep_last=t.keep_last, val_every=t.val_every, val_before_train=t.val_before_train,
-                                  resume=t.resume, loggers=t.loggers, device=t.device, backend=t.backend, trace=False),
-            health=self.health,
-            tracking=self.tracking,
-            # the actor is the only role that runs; the RL roles the Config knows of go to its pool
-            ray=self.ray.model_copy(update={"roles": {role: self.ray.pool_of("actor") for role in ROLES}}),
-        )
+    def _check_actor_run(self) -> None:
+        """What an RL config's rules refuse of the actor (`rlcore.config.rules`, in their order):
+        several ranks without Ray, its pool, sequence-parallel sizes, LoRA with tensor parallelism,
+        CPU offload and Liger's kernels without CUDA."""
+        actor, backend = self.actor, self.trainer.backend
+        layout = section_layout(actor, actor.ulysses_sequence_parallel_size)
+        check_ranks_on_backend("actor", actor, backend)
+        check_default_pool(["actor"], self.ray, backend)
+        check_sequence_parallel_size("actor", actor, actor.ulysses_sequence_parallel_size)
+        check_packed_sequence_parallel(section_layout_key("actor", actor, "sequence_parallel"), layout.sequence_parallel,
+                                       self.model)
+        check_mesh("actor", layout, section_layout_key("actor", actor, "tensor_parallel"), actor.lora, backend)
+        check_actor_offload(actor, self.trainer.device)
+        check_actor_kernels(actor, self.trainer.device)
 
 
 def sft_actor_spec(config: SFTConfig, total_steps: int) -> RoleSpec[ActorConfig]:

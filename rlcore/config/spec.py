@@ -108,10 +108,13 @@ def role_spec(config: ConfigTree, role: str) -> RoleSpec[Any]:
     return RoleSpec(**common)
 
 
-def as_spec(given: RoleSpec[Any] | ConfigTree, role: str) -> RoleSpec[Any]:
-    """A worker's spec: `given` itself, or `role`'s spec of a whole RL config (`role_spec`; a
-    worker built from a `Config`, as tests and tools do, keeps only its own role's spec)."""
-    return role_spec(given, role) if isinstance(given, ConfigTree) else given
+def require_spec(given: object, role: str) -> RoleSpec[Any]:
+    """`given`, a worker's `RoleSpec`; anything else (a whole config) is refused with a
+    `TypeError` naming what the worker takes and where it comes from (`role_spec`)."""
+    if not isinstance(given, RoleSpec):
+        raise TypeError(f"the {role} worker takes its RoleSpec (rlcore.config.role_spec(config, {role!r})), "
+                        f"not a {type(given).__name__}")
+    return given
 
 
-__all__ = ["LoraSync", "MicroSpec", "RoleSpec", "as_spec", "role_spec"]
+__all__ = ["LoraSync", "MicroSpec", "RoleSpec", "require_spec", "role_spec"]

@@ -20,7 +20,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from rlcore.config import AgentConfig
+from rlcore.config import AgentConfig, role_spec
 from rlcore.data import PromptLoader, RLDataset
 from rlcore.protocol import Batch
 from rlcore.rewards import RewardScorer, ScoreItem
@@ -170,7 +170,7 @@ def evaluate_reward_model(model_dir: str | Path, pair_files: list[str], config: 
     from rlcore.data.preference import PreferenceDataset, collate_rm_pairs
     from rlcore.workers.reward_model import held_out_pair_metrics, open_reward_model
 
-    reader = open_reward_model(model_dir, key="reward_model.path", config=config, device=torch.device("cpu"))
+    reader = open_reward_model(model_dir, key="reward_model.path", spec=role_spec(config, "reward_model"), device=torch.device("cpu"))
     limit = config.reward_model.max_length
     dataset = PreferenceDataset(pair_files, reader.tokenizer, kind="pairwise", max_prompt_length=limit,
                                 max_response_length=limit, apply_chat_template=config.data.apply_chat_template,

@@ -21,7 +21,7 @@ from functools import partial
 from pathlib import Path
 from typing import Any
 
-from rlcore.config import Config, LoraConfig, SFTConfig, config_from_dict, load_sft_config
+from rlcore.config import Config, LoraConfig, SFTConfig, config_from_dict, load_sft_config, role_spec
 from rlcore.lifecycle.data_prep import prepare_dataset
 from rlcore.lifecycle.evaluation import evaluate_model
 from rlcore.lifecycle.fingerprint import files_fingerprint
@@ -318,7 +318,8 @@ def evaluate_stage(config: Config, candidate_dir: str, baseline_dir: str, baseli
 
     from rlcore.workers.reward_model import open_reward_model
 
-    reader = (open_reward_model(reward_model_dir, key="reward_model.path", config=config, device=torch.device("cpu"))
+    reader = (open_reward_model(reward_model_dir, key="reward_model.path", spec=role_spec(config, "reward_model"),
+                                 device=torch.device("cpu"))
               if reward_model_dir else None)
     evaluate = partial(evaluate_model, val_file=val_file, reference_dir=reference_dir,
                        max_prompt_length=config.data.max_prompt_length, max_new_tokens=config.rollout.max_new_tokens,

@@ -35,7 +35,7 @@ from rlcore.trainer.loaders import prompt_loader
 from rlcore.trainer.metrics import Timer, mean_over_ranks, rl_batch_metrics
 from rlcore.trainer.rl_steps import old_and_ref_log_probs, rewards_with_kl, score, update_actor
 from rlcore.trainer.rm_scoring import RewardModelScoring
-from rlcore.trainer.roles import build_worker_groups
+from rlcore.trainer.roles import build_worker_groups, placement
 from rlcore.trainer.rollout_parts import (
     Prefetcher,
     RolloutSleep,
@@ -44,8 +44,8 @@ from rlcore.trainer.rollout_parts import (
     sync_weights,
     train_sampling,
 )
-from rlcore.trainer.run_state import BadStepGuard, RunCheckpoints, prepare_run_dir
-from rlcore.trainer.step_log import StepHook, StepLog
+from rlcore.trainer.run_state import BadStepGuard, RunCheckpoints, checkpoint_policy, prepare_run_dir
+from rlcore.trainer.step_log import StepHook, StepLog, log_settings
 from rlcore.trainer.throughput import StepThroughput
 from rlcore.trainer.tracing import sample_records
 from rlcore.trainer.validation import RLValidator
@@ -61,7 +61,7 @@ class OnPolicyTrainer:
         self.train_loader = prompt_loader(config, self.tokenizer, config.data.train_files, train=True)
         val_loader = prompt_loader(config, self.tokenizer, config.data.val_files, train=False) if config.data.val_files else None
         self.validator = RLValidator(config, val_loader) if val_loader is not None else None
-        self.groups = groups or build_worker_groups(config)
+        self.groups = groups or build_worker_groups(placement(config))
         self.critic = required(self.groups.critic, "critic") if config.traits.critic else None  # PPO's value model
         self.greedy_baseline = "reward_baselines" in advantage_estimator_inputs(config.algorithm.adv_estimator)  # ReMax
         kl = config.algorithm.kl_ctrl
@@ -69,13 +69,13 @@ class OnPolicyTrainer:
         self.guard = BadStepGuard(config.actor.max_consecutive_bad_steps, self.run_dir / "checkpoints")
         self.health = HealthGuard.from_config(config.health)
         self.reward_model = RewardModelScoring(config, self.groups)
-        self.checkpoints = RunCheckpoints(config, self.run_dir, self.groups, self.algorithm, {
+        self.checkpoints = RunCheckpoints(checkpoint_policy(config), self.run_dir, self.groups, self.algorithm, {
             "train_loader": self.train_loader, "kl_ctrl": self.kl_ctrl, "guard": self.guard, "health": self.health,
             **({"reward_model": self.reward_model} if self.reward_model.enabled else {})})  # its running statistics
         self.rollout_sleep = RolloutSleep(self.groups, *sleep_mode(config))
         self.prefetcher = Prefetcher(config, self.groups, self.train_loader) if config.trainer.off_policy == "one_step" else None
         self.throughput = StepThroughput.of(config)
-        self.log = StepLog(config, self.run_dir, self.algorithm, self.groups, [self.health, *step_hooks])
+        self.log = StepLog(log_settings(config), self.run_dir, self.algorithm, self.groups, [self.health, *step_hooks])
         self.step = 0
         self.rollout_version = 0  # the rollout engine holds the weights after this many actor updates
 

@@ -33,10 +33,10 @@ from rlcore.trainer.preference_parts import (
     preference_step_metrics,
     preference_validation,
 )
-from rlcore.trainer.roles import build_worker_groups
+from rlcore.trainer.roles import build_worker_groups, placement
 from rlcore.trainer.rollout_parts import RolloutSleep, sync_weights
-from rlcore.trainer.run_state import BadStepGuard, RunCheckpoints, prepare_run_dir
-from rlcore.trainer.step_log import StepHook, StepLog
+from rlcore.trainer.run_state import BadStepGuard, RunCheckpoints, checkpoint_policy, prepare_run_dir
+from rlcore.trainer.step_log import StepHook, StepLog, log_settings
 from rlcore.trainer.validation import RLValidator
 from rlcore.workers.tokenizer import load_tokenizer
 
@@ -56,16 +56,16 @@ class PreferenceTrainer:
         self.val_loader = preference_loader(config, self.tokenizer, data.val_files, None, train=False) if data.val_files else None
         task_files = config.preference.task_val_files
         self.task_validator = RLValidator(config, prompt_loader(config, self.tokenizer, task_files, train=False)) if task_files else None
-        self.groups = groups or build_worker_groups(config)
+        self.groups = groups or build_worker_groups(placement(config))
         self.actor = required(self.groups.actor, "actor")
         # IPO averages each sequence's log-probs over its tokens (a loss of pairs: DPO's)
         self.logps = SequenceLogProbs(self.groups, average=self.kind == "pairwise" and config.preference.loss_type == "ipo")
         self.reference = ReferenceLogProbs(config, self.run_dir, self.logps)
         self.guard = BadStepGuard(config.actor.max_consecutive_bad_steps, self.run_dir / "checkpoints")
         self.health = HealthGuard.from_config(config.health)
-        self.checkpoints = RunCheckpoints(config, self.run_dir, self.groups, self.algorithm,
+        self.checkpoints = RunCheckpoints(checkpoint_policy(config), self.run_dir, self.groups, self.algorithm,
                                           {"train_loader": self.train_loader, "guard": self.guard, "health": self.health})
-        self.log = StepLog(config, self.run_dir, self.algorithm, self.groups, [self.health, *step_hooks])
+        self.log = StepLog(log_settings(config), self.run_dir, self.algorithm, self.groups, [self.health, *step_hooks])
         self.step = 0
 
     def fit(self) -> list[dict[str, Any]]:

@@ -24,9 +24,9 @@ from rlcore.trainer.groups import WorkerGroups, required
 from rlcore.trainer.health import HealthGuard
 from rlcore.trainer.loaders import preference_loader
 from rlcore.trainer.metrics import Timer, mean_over_ranks
-from rlcore.trainer.roles import build_worker_groups
-from rlcore.trainer.run_state import BadStepGuard, RunCheckpoints, prepare_run_dir
-from rlcore.trainer.step_log import StepHook, StepLog
+from rlcore.trainer.roles import build_worker_groups, placement
+from rlcore.trainer.run_state import BadStepGuard, RunCheckpoints, checkpoint_policy, prepare_run_dir
+from rlcore.trainer.step_log import StepHook, StepLog, log_settings
 from rlcore.workers.reward_model import held_out_pair_metrics
 from rlcore.workers.tokenizer import load_tokenizer
 
@@ -42,13 +42,13 @@ class RewardModelTrainer:
         self.train_loader = preference_loader(config, tokenizer, data.train_files, "pairwise", train=True, collate=collate_rm_pairs)
         self.val_loader = (preference_loader(config, tokenizer, data.val_files, "pairwise", train=False, collate=collate_rm_pairs)
                            if data.val_files else None)
-        self.groups = groups or build_worker_groups(config)
+        self.groups = groups or build_worker_groups(placement(config))
         self.reward_model = required(self.groups.reward_model, "reward_model")  # the model this run trains
         self.guard = BadStepGuard(config.reward_model.max_consecutive_bad_steps, self.run_dir / "checkpoints", role="reward_model")
         self.health = HealthGuard.from_config(config.health, role="reward_model")
-        self.checkpoints = RunCheckpoints(config, self.run_dir, self.groups, self.algorithm,
+        self.checkpoints = RunCheckpoints(checkpoint_policy(config), self.run_dir, self.groups, self.algorithm,
                                           {"train_loader": self.train_loader, "guard": self.guard, "health": self.health})
-        self.log = StepLog(config, self.run_dir, self.algorithm, self.groups, [self.health, *step_hooks])
+        self.log = StepLog(log_settings(config), self.run_dir, self.algorithm, self.groups, [self.health, *step_hooks])
         self.step = 0
 
     def fit(self) -> list[dict[str, Any]]:

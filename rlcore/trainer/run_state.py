@@ -7,7 +7,8 @@ from __future__ import annotations
 import logging
 import math
 import sys
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -25,7 +26,7 @@ from rlcore.checkpoint import (
     step_of,
     weights_only_reason,
 )
-from rlcore.config import Config, SFTConfig, dump_config
+from rlcore.config import Config, LoraConfig, SFTConfig, dump_config
 from rlcore.controller.errors import WorkerError
 from rlcore.tracking import truncate_jsonl
 from rlcore.trainer.groups import WorkerGroups
@@ -88,6 +89,46 @@ class BadStepGuard:
         self.in_a_row, self.total = int(state["in_a_row"]), int(state["total"])
 
 
+@dataclass(frozen=True)
+class TrainedModel:
+    """A trained role's checkpoint as resuming checks it: the model folder it started from, its
+    LoRA rank (0: none), and whether its full model must hold every tensor of that folder (the
+    policy, the start model itself; a critic or reward model adds or drops a head)."""
+
+    start: str
+    lora_rank: int = 0
+    same_model: bool = False
+
+    @classmethod
+    def of(cls, start: str, lora: LoraConfig, same_model: bool = False) -> TrainedModel:
+        """A role started from `start`, with its `lora` section (its rank when enabled)."""
+        return cls(start, lora.rank if lora.enabled else 0, same_model)
+
+
+@dataclass(frozen=True)
+class CheckpointPolicy:
+    """What `RunCheckpoints` reads of a run's config: how many checkpoints to keep
+    (`trainer.keep_last`), where to resume (`trainer.resume`), the tokenizer folder saved with
+    each (`model.path`), whether a saved checkpoint passed the health guard (`health.enabled`),
+    and the trained roles' models. `checkpoint_policy` makes one from an RL `Config`; `rlcore sft`
+    makes its own (the actor alone)."""
+
+    keep_last: int
+    resume: str
+    tokenizer_dir: str
+    checked: bool
+    trained: Mapping[str, TrainedModel]
+
+
+def checkpoint_policy(config: Config) -> CheckpointPolicy:
+    """The RL run `config`'s `CheckpointPolicy`."""
+    t, path = config.trainer, config.model.path
+    return CheckpointPolicy(t.keep_last, t.resume, path, config.health.enabled, {
+        "actor": TrainedModel.of(path, config.actor.lora, same_model=True),
+        "critic": TrainedModel.of(config.critic.model_path or path, config.critic.lora),
+        "reward_model": TrainedModel.of(path, config.reward_model.lora)})
+
+
 class RunCheckpoints:
     """Save and resume a run: the worker groups' checkpoints and, beside them, the state of every
     controller-side object named in `state` (data loader, KL controller, guard...) and the RNG.
@@ -102,17 +143,18 @@ class RunCheckpoints:
 
     LOGS = ("metrics.jsonl", "trace.jsonl", "val_trace.jsonl")
 
-    def __init__(self, config: Config, run_dir: Path, groups: WorkerGroups, algorithm: str, state: dict[str, Stateful]) -> None:
-        self.config = config
+    def __init__(self, policy: CheckpointPolicy, run_dir: Path, groups: WorkerGroups, algorithm: str,
+                 state: dict[str, Stateful]) -> None:
+        self.policy = policy
         self.run_dir = run_dir
         self.groups = groups
         self.algorithm = algorithm
         self.state = state
-        self.manager = CheckpointManager(run_dir / "checkpoints", keep_last=config.trainer.keep_last, state_keys=tuple(state))
+        self.manager = CheckpointManager(run_dir / "checkpoints", keep_last=policy.keep_last, state_keys=tuple(state))
 
     def resume(self) -> int:
         """Restore the newest checkpoint (`trainer.resume`); returns its step (0: a fresh start)."""
-        mode = self.config.trainer.resume
+        mode = self.policy.resume
         refused = []
         for path in self._resume_points():
             try:
@@ -163,11 +205,8 @@ class RunCheckpoints:
         safetensors headers (before any worker loads it: transformers would re-initialise a missing
         tensor, and names a mismatched one only in a log): a trained role's full model must have
         the start model's tensors at their shapes, a LoRA adapter the run's rank."""
-        cfg = self.config
-        roles = {"actor": (cfg.model.path, cfg.actor.lora.rank if cfg.actor.lora.enabled else 0, True),
-                 "critic": (cfg.critic.model_path or cfg.model.path, cfg.critic.lora.rank if cfg.critic.lora.enabled else 0, False),
-                 "reward_model": (cfg.model.path, cfg.reward_model.lora.rank if cfg.reward_model.lora.enabled else 0, False)}
-        for role, (start, rank, same_model) in roles.items():
+        for role, model in self.policy.trained.items():
+            start, rank, same_model = model.start, model.lora_rank, model.same_model
             for folder in (path / role, path / adapter_folder(role)):
                 if not folder.is_dir():
                     continue
@@ -196,16 +235,16 @@ class RunCheckpoints:
 
     def save(self, step: int) -> Path:
         def write(folder: Path) -> None:
-            self.groups.save_checkpoint(str(folder), tokenizer_dir=self.config.model.path)
+            self.groups.save_checkpoint(str(folder), tokenizer_dir=self.policy.tokenizer_dir)
             state = {name: obj.state_dict() for name, obj in self.state.items()}
             save_trainer_state(folder, {"step": step, "rng": rng_state(), **state})
 
         # Saved only after the step passed the health guard; with `health.enabled: false` the
         # checkpoint is unchecked, and pruning keeps the newest checked one.
-        return self.manager.save(step, write, extra={"algorithm": self.algorithm}, healthy=self.config.health.enabled)
+        return self.manager.save(step, write, extra={"algorithm": self.algorithm}, healthy=self.policy.checked)
 
     def _resume_points(self) -> Iterator[Path]:
-        mode = self.config.trainer.resume
+        mode = self.policy.resume
         if mode == "disable":
             return
         if mode == "auto":
@@ -260,4 +299,5 @@ def announce(message: str) -> None:
         print(f"rlcore: {message}", file=sys.stderr, flush=True)
 
 
-__all__ = ["BadStepGuard", "RunCheckpoints", "Stateful", "TrainingStopped", "announce", "load_failure", "prepare_run_dir"]
+__all__ = ["BadStepGuard", "CheckpointPolicy", "RunCheckpoints", "Stateful", "TrainedModel", "TrainingStopped",
+           "checkpoint_policy", "announce", "load_failure", "prepare_run_dir"]

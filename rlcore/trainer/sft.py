@@ -35,9 +35,10 @@ from rlcore.rewards.tools import tool_schemas
 from rlcore.trainer.groups import WorkerGroups, required
 from rlcore.trainer.health import HealthGuard
 from rlcore.trainer.metrics import mean_over_ranks
-from rlcore.trainer.roles import build_worker_groups
-from rlcore.trainer.run_state import BadStepGuard, RunCheckpoints, prepare_run_dir
-from rlcore.trainer.step_log import StepHook, StepLog
+from rlcore.trainer.roles import Placement, RoleGroup, build_worker_groups, section_size_key
+from rlcore.trainer.run_state import BadStepGuard, CheckpointPolicy, RunCheckpoints, TrainedModel, prepare_run_dir
+from rlcore.trainer.step_log import LogSettings, StepHook, StepLog
+from rlcore.workers.actor import ActorWorker
 from rlcore.workers.checkpointing import adapter_folder
 from rlcore.workers.lora import merge_adapter
 from rlcore.workers.tokenizer import end_token_ids, load_tokenizer, pad_token_id
@@ -81,33 +82,28 @@ class SFTTrainer:
         if self.steps_per_epoch == 0:
             raise DatasetError(f"data.train_files: {len(self.train_set)} usable rows, fewer than one batch of "
                                f"trainer.batch_size={batch_size}")
-        total = config.trainer.total_steps or config.trainer.epochs * self.steps_per_epoch
-        # the actor worker is handed its RoleSpec built from this config; the run parts (worker
-        # placement, checkpoints, step log) read the RL config of its sections, the total resolved
-        self.run = config.worker_config(total)
-        self.groups = groups or build_worker_groups(self.run, roles=("actor",), specs={"actor": sft_actor_spec(config, total)})
+        self.total_steps = total = config.trainer.total_steps or config.trainer.epochs * self.steps_per_epoch
+        # the run parts get what they read of this config: no RL config is made of it
+        self.groups = groups or build_worker_groups(actor_placement(config, total))
         self.guard = BadStepGuard(config.actor.max_consecutive_bad_steps, self.run_dir / "checkpoints")
         self.health = HealthGuard.from_config(config.health)
-        self.checkpoints = RunCheckpoints(self.run, self.run_dir, self.groups, self.algorithm,
+        self.checkpoints = RunCheckpoints(actor_checkpoints(config), self.run_dir, self.groups, self.algorithm,
                                           {"guard": self.guard, "health": self.health})
-        self.log = StepLog(self.run, self.run_dir, self.algorithm, self.groups, [self.health, *step_hooks],
-                           params=config.model_dump(mode="json"))
+        t = config.trainer
+        self.log = StepLog(LogSettings(t.loggers, total, config.tracking, config.model_dump(mode="json")), self.run_dir,
+                           self.algorithm, self.groups, [self.health, *step_hooks])
         self.step = 0
 
-    @property
-    def total_steps(self) -> int:
-        return self.run.trainer.total_steps
-
     def fit(self) -> list[dict[str, Any]]:
-        cfg = self.run.trainer
+        cfg = self.config.trainer
         try:
             self.step = first = self.checkpoints.resume()
             with self.log:
                 if self.step == 0 and cfg.val_before_train and self.val_set is not None:
                     self.log.validation(0, self.validate())
-                while self.step < cfg.total_steps:
+                while self.step < self.total_steps:
                     self.step += 1
-                    last = self.step == cfg.total_steps
+                    last = self.step == self.total_steps
                     metrics = self.train_step(self.batch(self.step))
                     self.guard.check(metrics)
                     if self.val_set is not None and (self.step % cfg.val_every == 0 or last):
@@ -163,6 +159,20 @@ class SFTTrainer:
         tmp.rename(final)
         log.info("SFT model written to %s", final)
         return final
+
+
+def actor_placement(config: SFTConfig, total_steps: int) -> Placement:
+    """The actor group alone, its workers handed `sft_actor_spec` (in process, or Ray ranks on its pool)."""
+    spec = sft_actor_spec(config, total_steps)
+    group = RoleGroup(ActorWorker, spec, config.actor.world_size, section_size_key("actor", config.actor))
+    return Placement({"actor": group}, config.trainer.backend, config.ray)
+
+
+def actor_checkpoints(config: SFTConfig) -> CheckpointPolicy:
+    """Checkpoints of the actor alone: its full model holds the start model's tensors, its adapter the LoRA rank."""
+    t = config.trainer
+    return CheckpointPolicy(t.keep_last, t.resume, config.model.path, config.health.enabled,
+                            {"actor": TrainedModel.of(config.model.path, config.actor.lora, same_model=True)})
 
 
 def run_sft_config(config: SFTConfig) -> tuple[Path, list[dict[str, Any]]]:

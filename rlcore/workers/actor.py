@@ -19,7 +19,7 @@ from torch import nn
 from rlcore.algorithms import PreferenceObjective
 from rlcore.algos import agg_loss, get_policy_loss, kl_loss
 from rlcore.algos.policy_loss import PolicyLoss
-from rlcore.config import ActorConfig, Config, RefConfig, RoleSpec, as_spec
+from rlcore.config import ActorConfig, RefConfig, RoleSpec, require_spec
 from rlcore.controller import Dispatch, Worker, register
 from rlcore.protocol import Batch
 from rlcore.workers.checkpointing import adapter_folder, load_training_state, save_trained
@@ -110,9 +110,9 @@ class ActorWorker(Worker):
     it already holds (no second copy). The rollout engine then gets the merged weights of the
     adapted modules only, or the adapter itself (`rollout.lora_sync`)."""
 
-    def __init__(self, spec: RoleSpec[ActorConfig] | Config, rank: int = 0, world_size: int = 1) -> None:
+    def __init__(self, spec: RoleSpec[ActorConfig], rank: int = 0, world_size: int = 1) -> None:
         super().__init__(rank=rank, world_size=world_size, role="actor")
-        self.spec: RoleSpec[ActorConfig] = as_spec(spec, "actor")
+        self.spec: RoleSpec[ActorConfig] = require_spec(spec, "actor")
         self.ranks_per_shard = self.spec.layout.ranks_per_shard  # a sequence/tensor-parallel group shares its rows
         self.device = resolve_device(self.spec.device)
         self.model: nn.Module | None = None
@@ -303,9 +303,9 @@ class ReferenceWorker(Worker):
     """A frozen copy of the starting policy, for KL and the preference losses (not started with
     LoRA: the actor serves the reference role from its own base weights)."""
 
-    def __init__(self, spec: RoleSpec[RefConfig] | Config, rank: int = 0, world_size: int = 1) -> None:
+    def __init__(self, spec: RoleSpec[RefConfig], rank: int = 0, world_size: int = 1) -> None:
         super().__init__(rank=rank, world_size=world_size, role="ref")
-        self.spec: RoleSpec[RefConfig] = as_spec(spec, "ref")
+        self.spec: RoleSpec[RefConfig] = require_spec(spec, "ref")
         self.ranks_per_shard = self.spec.layout.ranks_per_shard  # `ref.layout`, else the actor's
         self.device = resolve_device(self.spec.device)
         self.model: nn.Module | None = None

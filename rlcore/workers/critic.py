@@ -14,7 +14,7 @@ import torch
 from torch import nn
 
 from rlcore.algos import compute_value_loss
-from rlcore.config import Config, CriticConfig, RoleSpec, as_spec
+from rlcore.config import CriticConfig, RoleSpec, require_spec
 from rlcore.controller import Dispatch, Worker, register
 from rlcore.protocol import Batch
 from rlcore.workers.checkpointing import adapter_folder, load_training_state, save_trained
@@ -77,9 +77,9 @@ class CriticWorker(Worker):
     """The value model (PPO): values for GAE, the clipped value update, checkpoints. FSDP2 when
     its group has a process group. With `critic.lora`, the backbone's adapter and the value head train."""
 
-    def __init__(self, spec: RoleSpec[CriticConfig] | Config, rank: int = 0, world_size: int = 1) -> None:
+    def __init__(self, spec: RoleSpec[CriticConfig], rank: int = 0, world_size: int = 1) -> None:
         super().__init__(rank=rank, world_size=world_size, role="critic")
-        self.spec: RoleSpec[CriticConfig] = as_spec(spec, "critic")
+        self.spec: RoleSpec[CriticConfig] = require_spec(spec, "critic")
         self.ranks_per_shard = self.spec.layout.ranks_per_shard  # a sequence/tensor-parallel group shares its rows
         self.device = resolve_device(self.spec.device)
         self.model: nn.Module | None = None

@@ -16,7 +16,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from rlcore.config import Config, RewardConfig, RoleSpec, as_spec
+from rlcore.config import RewardConfig, RoleSpec, require_spec
 from rlcore.controller import Dispatch, Worker, register
 from rlcore.protocol import Batch
 from rlcore.rewards import RewardScorer, ScoreItem, scores_to_token_rewards
@@ -24,9 +24,9 @@ from rlcore.workers.tokenizer import cut_at_end, end_token_ids, load_tokenizer
 
 
 class RewardWorker(Worker):
-    def __init__(self, spec: RoleSpec[RewardConfig] | Config, rank: int = 0, world_size: int = 1) -> None:
+    def __init__(self, spec: RoleSpec[RewardConfig], rank: int = 0, world_size: int = 1) -> None:
         super().__init__(rank=rank, world_size=world_size, role="reward")
-        self.spec: RoleSpec[RewardConfig] = as_spec(spec, "reward")
+        self.spec: RoleSpec[RewardConfig] = require_spec(spec, "reward")
 
     def setup(self) -> None:
         cfg = self.spec.section

@@ -30,7 +30,7 @@ from torch import nn
 
 from rlcore.algos import bradley_terry_loss
 from rlcore.chat import has_chat_template, render_conversation
-from rlcore.config import Config, RewardModelConfig, RoleSpec, as_spec
+from rlcore.config import RewardModelConfig, RoleSpec, require_spec
 from rlcore.controller import Dispatch, Worker, register
 from rlcore.errors import RLCoreError
 from rlcore.protocol import Batch
@@ -225,14 +225,14 @@ class RewardModelReader:
         return scores[:len(batch)], scores[len(batch):]
 
 
-def open_reward_model(path: str | Path, *, key: str, config: RoleSpec[RewardModelConfig] | Config, device: torch.device,
+def open_reward_model(path: str | Path, *, key: str, spec: RoleSpec[RewardModelConfig], device: torch.device,
                       training: bool = False, budget: MicroBudget | None = None) -> RewardModelReader:
     """The reward model at `path` (its tokenizer and chat template from the same folder), read
-    with the reward model's limits (its `RoleSpec`, or that of a whole `Config`). `training`: a backbone without a score head is allowed
+    with the reward model's limits (its `RoleSpec`). `training`: a backbone without a score head is allowed
     (a fresh head is made), in float32 master weights. Errors name `key`. An `auto` micro-batch
     budget (`budget`, else a new one) is sized for the model as loaded, before any sharding (an
     upper bound on what a sharded rank holds)."""
-    spec: RoleSpec[RewardModelConfig] = as_spec(config, ROLE)
+    require_spec(spec, ROLE)
     tokenizer = load_tokenizer(str(path))
     if not has_chat_template(tokenizer):
         raise RewardModelInputError(
@@ -263,9 +263,9 @@ class RewardModelWorker(Worker):
     checkpoints. FSDP2 when its group has a process group. With `reward_model.lora` (training),
     the backbone's adapter and the score head train."""
 
-    def __init__(self, spec: RoleSpec[RewardModelConfig] | Config, rank: int = 0, world_size: int = 1) -> None:
+    def __init__(self, spec: RoleSpec[RewardModelConfig], rank: int = 0, world_size: int = 1) -> None:
         super().__init__(rank=rank, world_size=world_size, role=ROLE)
-        self.spec: RoleSpec[RewardModelConfig] = as_spec(spec, ROLE)
+        self.spec: RoleSpec[RewardModelConfig] = require_spec(spec, ROLE)
         self.ranks_per_shard = self.spec.layout.ranks_per_shard  # a tensor-parallel group shares its rows
         self.device = resolve_device(self.spec.device)
         self.training = self.spec.trains
@@ -283,7 +283,7 @@ class RewardModelWorker(Worker):
         key = "model.path" if self.training else "reward_model.path"
         path = model_path or (spec.model.path if self.training else spec.section.path)
         assert path is not None
-        self.reader = open_reward_model(path, key=key, config=spec, device=self.device, training=self.training, budget=self.budget)
+        self.reader = open_reward_model(path, key=key, spec=spec, device=self.device, training=self.training, budget=self.budget)
         model = self.reader.model
         if self.training:
             precision = compute_precision(spec.model)

@@ -8,7 +8,7 @@ from collections.abc import Iterable
 
 import torch
 
-from rlcore.config import Config, RoleSpec, RolloutConfig, as_spec
+from rlcore.config import RoleSpec, RolloutConfig, require_spec
 from rlcore.controller import Dispatch, Worker, register
 from rlcore.protocol import RIGHT_PAD, Batch
 from rlcore.rewards.registry import load_function
@@ -23,9 +23,9 @@ from rlcore.workers.tokenizer import end_token_ids, load_tokenizer, pad_token_id
 
 
 class RolloutWorker(Worker):
-    def __init__(self, spec: RoleSpec[RolloutConfig] | Config, rank: int = 0, world_size: int = 1) -> None:
+    def __init__(self, spec: RoleSpec[RolloutConfig], rank: int = 0, world_size: int = 1) -> None:
         super().__init__(rank=rank, world_size=world_size, role="rollout")
-        self.spec: RoleSpec[RolloutConfig] = as_spec(spec, "rollout")
+        self.spec: RoleSpec[RolloutConfig] = require_spec(spec, "rollout")
         self.device = resolve_device(self.spec.device)
 
         self.engine = None

@@ -159,6 +159,24 @@ def test_rollout_picks_the_smallest_tensor_parallel_size_whose_weights_and_kv_ca
     assert plans[1].weights < weights_tp1 and plans[1].concurrent >= 1
 
 
+def test_under_tensor_parallelism_the_gradient_shard_is_one_per_device_and_the_transient_is_apart():
+    """The 70B actor (rlcore/configs/plan_llama3_70b_grpo.yaml, 3 of its layers) at FSDP 4 x TP 4: its
+    peak falls in the backward, while FSDP reduces the root's (embedding and head) gradients. The
+    'grad shard' column is the rank's 1/16 share (float32 master gradients: as large as the parameter
+    shard); the unsharded gradients being reduced are 'grads in flight', which FSDP does not divide
+    (so they are not scaled with the device count either)."""
+    from rlcore.plan.simulate import simulate_depth
+
+    config = load_config(ROOT / "rlcore" / "configs" / "plan_llama3_70b_grpo.yaml")
+    actor = role_plans(config)[0]
+    model_config = with_layers(read_config(ROOT / config.model.path, "model.path"), 3)
+    peak = simulate_depth(actor, model_config, Layout(4, 1, 4), 3)
+    parameters = ModelFacts.of(model_config, "lm", "model.path").parameters
+    assert abs(peak.kinds["params"] - parameters * 4 / 16) <= 0.01 * peak.kinds["params"], peak
+    assert abs(peak.kinds["grads"] - peak.kinds["params"]) <= 4096, peak  # the params also hold the rotary buffer
+    assert peak.kinds["grads in flight"] > 2**30, peak  # the root's gathered gradients: GiBs, not a 1/16 share
+    assert peak.sharded == peak.kinds["params"] + peak.kinds["grads"] + peak.kinds["optimizer"]
+
 def test_tensor_parallel_sizes_are_the_ones_the_workers_take(tmp_path, capsys):
     """Qwen2 with 4 query / 2 key-value heads on 8-device nodes: TP 1 and 2 (4 would split 2 key-value
     heads), Ulysses on top where a TP rank's heads allow; an architecture without a TP plan gets none;

@@ -23,7 +23,7 @@ from transformers import Qwen2Config
 from rlcore.cli import main as cli_main
 from rlcore.config import load_config
 from rlcore.flops import ModelFlops
-from rlcore.plan import Hardware, parse_fraction, parse_size, torch_api
+from rlcore.plan import Hardware, parse_fraction, parse_size, process, torch_api
 from rlcore.plan.models import ModelFacts, config_dict, read_config, with_layers
 from rlcore.plan.roles import role_plans
 from rlcore.plan.rollout import RolloutNeeds, plan_rollout
@@ -79,6 +79,18 @@ def test_plan_prints_each_roles_peaks_smallest_layout_and_flops(tmp_path, capsys
     assert {row[0] for row in actor_rows} == {"1 device", "FSDP 2", "FSDP 2 (DP 1 x SP 2)", "TP 2"}
     params = {row[0]: float(row[4].replace(",", "")) * (1024 if row[5] == "G" else 1) for row in actor_rows}
     assert params["TP 2"] < 0.6 * params["1 device"]  # each rank holds its half of every split matrix
+    # each column says what it is: the simulated tensor peak and its parts, and the modelled process RSS, whose
+    # value is the tensor peak through rlcore.plan.process's measured constants
+    header = next(line for line in out.splitlines() if line.lstrip().startswith("layout"))
+    assert all(name in header for name in ("tensor peak", "grad shard", "grads in flight", "process RSS"))
+    assert "process RSS: a CPU rank's resident memory, modelled (not simulated)" in out
+    row = next(line for line in out.split("ref (")[0].splitlines() if line.startswith("  1 device"))
+    sizes = [(float(v.replace(",", "")) * (1024 if u == "G" else 1), 0.05 * (1024 if u == "G" else 1))
+             for v, u in re.findall(r"([\d.,]+) ([MG])iB", row)]  # (MiB, the rounding of its printing)
+    (tensor_mib, tensor_error), (rss_mib, rss_error) = sizes[0], sizes[7]
+    facts = ModelFacts.of(read_config(model, "model.path"), "lm", "model.path")
+    fixed = process.BASELINE + process.STEP_FIXED + process.LOADING * facts.parameters * 4  # float32 master weights
+    assert abs(rss_mib - (fixed / MIB + process.RETENTION * tensor_mib)) <= rss_error + process.RETENTION * tensor_error, row
     assert "actor.layout.tensor_parallel=" in out  # the smallest layout as the config keys that give it
     # FLOPs per step per rank: rlcore.flops for the step's 16 sequences of 64 tokens, on the row's devices
     # (one epoch of one mini-batch, on-policy: the update's own forward gives the old log-probs, no extra pass)

@@ -246,7 +246,7 @@ def main() -> None:
         for name in args.cases:
             r = compare(name, model_dir)
             kinds = ", ".join(f"{k} {r['predicted_kinds'].get(k, 0) / MIB:.1f}/{r['tracked_kinds'].get(k, 0) / MIB:.1f}"
-                              for k in ("params", "grads", "optimizer", "activations", "gathered", "other")
+                              for k in ("params", "grads", "grads in flight", "optimizer", "activations", "gathered", "other")
                               if r["predicted_kinds"].get(k) or r["tracked_kinds"].get(k))
             print(f"{name:<24}{r['predicted'] / MIB:>10.1f}M{r['tracked'] / MIB:>10.1f}M{r['rss'] / MIB:>10.1f}M"
                   f"{r['vs_tracked']:>14.3f}{r['vs_rss']:>10.3f}  {kinds}", flush=True)

@@ -23,7 +23,7 @@ from transformers import Qwen2Config
 from rlcore.cli import main as cli_main
 from rlcore.config import load_config
 from rlcore.flops import ModelFlops
-from rlcore.plan import Hardware, parse_fraction, parse_size, torch_api
+from rlcore.plan import Hardware, parse_fraction, parse_size, process, torch_api
 from rlcore.plan.models import ModelFacts, config_dict, read_config, with_layers
 from rlcore.plan.roles import role_plans
 from rlcore.plan.rollout import RolloutNeeds, plan_rollout
@@ -79,6 +79,18 @@ def test_plan_prints_each_roles_peaks_smallest_layout_and_flops(tmp_path, capsys
     assert {row[0] for row in actor_rows} == {"1 device", "FSDP 2", "FSDP 2 (DP 1 x SP 2)", "TP 2"}
     params = {row[0]: float(row[4].replace(",", "")) * (1024 if row[5] == "G" else 1) for row in actor_rows}
     assert params["TP 2"] < 0.6 * params["1 device"]  # each rank holds its half of every split matrix
+    # each column says what it is: the simulated tensor peak and its parts, and the modelled process RSS, whose
+    # value is the tensor peak through rlcore.plan.process's measured constants
+    header = next(line for line in out.splitlines() if line.lstrip().startswith("layout"))
+    assert all(name in header for name in ("tensor peak", "grad shard", "grads in flight", "process RSS"))
+    assert "process RSS: a CPU rank's resident memory, modelled (not simulated)" in out
+    row = next(line for line in out.split("ref (")[0].splitlines() if line.startswith("  1 device"))
+    sizes = [(float(v.replace(",", "")) * (1024 if u == "G" else 1), 0.05 * (1024 if u == "G" else 1))
+             for v, u in re.findall(r"([\d.,]+) ([MG])iB", row)]  # (MiB, the rounding of its printing)
+    (tensor_mib, tensor_error), (rss_mib, rss_error) = sizes[0], sizes[7]
+    facts = ModelFacts.of(read_config(model, "model.path"), "lm", "model.path")
+    fixed = process.BASELINE + process.STEP_FIXED + process.LOADING * facts.parameters * 4  # float32 master weights
+    assert abs(rss_mib - (fixed / MIB + process.RETENTION * tensor_mib)) <= rss_error + process.RETENTION * tensor_error, row
     assert "actor.layout.tensor_parallel=" in out  # the smallest layout as the config keys that give it
     # FLOPs per step per rank: rlcore.flops for the step's 16 sequences of 64 tokens, on the row's devices
     # (one epoch of one mini-batch, on-policy: the update's own forward gives the old log-probs, no extra pass)
@@ -158,6 +170,27 @@ def test_rollout_picks_the_smallest_tensor_parallel_size_whose_weights_and_kv_ca
     assert [p.fits for p in plans] == [False, True]
     assert plans[1].weights < weights_tp1 and plans[1].concurrent >= 1
 
+
+def test_under_tensor_parallelism_the_gradient_shard_is_one_per_device_and_the_transient_is_apart():
+    """The 70B actor (rlcore/configs/plan_llama3_70b_grpo.yaml, 3 of its layers) at FSDP 4 x TP 4: its
+    peak falls in the backward, while FSDP reduces the root's (embedding and head) gradients. The
+    'grad shard' column is the rank's 1/16 share (float32 master gradients: as large as the parameter
+    shard); the unsharded gradients being reduced are 'grads in flight', which FSDP does not divide
+    (so the planner's prediction for fewer devices does not scale them either)."""
+    from rlcore.plan.simulate import simulate_depth
+
+    config = load_config(ROOT / "rlcore" / "configs" / "plan_llama3_70b_grpo.yaml")
+    actor = role_plans(config)[0]
+    model_config = with_layers(read_config(ROOT / config.model.path, "model.path"), 3)
+    peak = simulate_depth(actor, model_config, Layout(4, 1, 4), 3)
+    parameters = ModelFacts.of(model_config, "lm", "model.path").parameters
+    assert abs(peak.kinds["params"] - parameters * 4 / 16) <= 0.01 * peak.kinds["params"], peak
+    assert abs(peak.kinds["grads"] - peak.kinds["params"]) <= 4096, peak  # the params also hold the rotary buffer
+    assert peak.kinds["grads in flight"] > 2**30, peak  # the root's gathered gradients: GiBs, not a 1/16 share
+    # the planner predicts other device counts by scaling the shards alone: FSDP 2 x TP 4 (8 devices) from this
+    on_eight = simulate_depth(actor, model_config, Layout(2, 1, 4), 3)
+    predicted = peak.total - peak.sharded + peak.sharded * 16 / 8
+    assert abs(predicted - on_eight.total) <= 0.02 * on_eight.total, (predicted, on_eight)
 
 def test_tensor_parallel_sizes_are_the_ones_the_workers_take(tmp_path, capsys):
     """Qwen2 with 4 query / 2 key-value heads on 8-device nodes: TP 1 and 2 (4 would split 2 key-value

@@ -8,12 +8,21 @@ import torch
 from rlcore.flops import peak_flops_for
 from rlcore.plan.hardware import gib
 from rlcore.plan.planner import PlanReport, RoleResult, RolloutResult
+from rlcore.plan.process import BASELINE, LOADING, RETENTION, STEP_FIXED, process_rss
 from rlcore.plan.simulate import DEPTHS
 from rlcore.plan.torch_api import TESTED_TORCH
 from rlcore.rollout_backends import traits_of as backend_traits
 
-KIND_COLUMNS = (("params", "params"), ("grads", "grads"), ("optimizer", "AdamW"), ("activations", "activations"),
-                ("gathered", "gathered"))
+# The tensor peak's parts at its moment (`rlcore.plan.torch_api.KINDS`), as the table names them.
+KIND_COLUMNS = (("params", "params"), ("grads", "grad shard"), ("grads in flight", "grads in flight"), ("optimizer", "AdamW"),
+                ("activations", "activations"), ("gathered", "gathered"))
+LEGEND = ("  tensor peak: the per-rank peak of torch's tensors (simulated: fake tensors, see above); its parts at that moment: "
+          "params and grad shard (this rank's share, 1/devices), grads in flight (FSDP's gradients of the layers being "
+          "reduced, gathered over FSDP, split by TP only, and the reduce-scatter buffers), AdamW state, activations, gathered "
+          "(FSDP's unsharded layers)",
+          f"  process RSS: a CPU rank's resident memory, modelled (not simulated): the tensor peak x {RETENTION} + "
+          f"{BASELINE // 2**20} MiB interpreter and libraries + {STEP_FIXED // 2**20} MiB first-step overhead + {LOADING} x the "
+          "model's bytes left by loading; constants measured on 2 gloo ranks (rlcore/plan/process.py, benchmarks/bench_plan_rss.py)")
 
 
 def parameters(count: int) -> str:
@@ -44,15 +53,16 @@ def render_role(result: RoleResult, device: str | None) -> list[str]:
         lines.append(f"  note: {result.role.caveat}")
     if result.skipped:
         return [*lines, f"  not planned: {result.skipped}"]
-    head = f"  {'layout':<30}{'devices':>8}{'peak/rank':>12}" + "".join(f"{name:>13}" for _, name in KIND_COLUMNS)
-    lines += [head + f"{'fits':>6}  FLOPs/step/rank"]
+    head = f"  {'layout':<30}{'devices':>8}{'tensor peak':>13}" + "".join(f"{name:>16}" for _, name in KIND_COLUMNS)
+    lines += [head + f"{'process RSS':>13}{'fits':>6}  FLOPs/step/rank"]
     for t in sorted(result.tried, key=lambda t: (t.layout.devices, t.layout.tp, t.layout.sp)):
-        kinds = "".join(f"{gib(t.peak.kinds.get(k, 0)):>13}" for k, _ in KIND_COLUMNS)
-        lines.append(f"  {str(t.layout):<30}{t.layout.devices:>8}{gib(t.peak.total):>12}{kinds}{'yes' if t.fits else 'no':>6}  "
-                     f"{t.flops_per_rank:.3g}{_seconds(t.flops_per_rank, device)}")
+        kinds = "".join(f"{gib(t.peak.kinds.get(k, 0)):>16}" for k, _ in KIND_COLUMNS)
+        rss = process_rss(result.role, result.facts.parameters, t.peak).total
+        lines.append(f"  {str(t.layout):<30}{t.layout.devices:>8}{gib(t.peak.total):>13}{kinds}{gib(rss):>13}"
+                     f"{'yes' if t.fits else 'no':>6}  {t.flops_per_rank:.3g}{_seconds(t.flops_per_rank, device)}")
     if result.smallest is not None:
         s = result.smallest
-        lines.append(f"  smallest that fits: {s.layout}, {gib(s.peak.total)} per rank ({s.layout.keys(result.role.role)})")
+        lines.append(f"  smallest that fits: {s.layout}, {gib(s.peak.total)} tensor peak per rank ({s.layout.keys(result.role.role)})")
     if result.nowhere:
         lines.append(f"  {result.nowhere}")
     return lines
@@ -85,8 +95,9 @@ def render(report: PlanReport, config_path: str, device: str | None = None) -> s
     how = ("every layer simulated" if report.exact
            else f"uniform decoder stacks extrapolated from {DEPTHS[0]} and {DEPTHS[1]} simulated layers")
     lines = [f"rlcore plan {config_path}: {hw.describe()}",
-             f"per-rank peaks simulated with fake tensors on torch's fake process group (torch {torch.__version__}, "
-             f"checked with {TESTED_TORCH}; {how}); every sequence at its maximum length; not measured", ""]
+             f"per-rank tensor peaks simulated with fake tensors on torch's fake process group (torch {torch.__version__}, "
+             f"checked with {TESTED_TORCH}; {how}); every sequence at its maximum length; not measured; a layout fits when "
+             "its tensor peak does", *LEGEND, ""]
     for result in report.roles:
         lines += [*render_role(result, device), ""]
     if report.rollout is not None:
@@ -96,7 +107,7 @@ def render(report: PlanReport, config_path: str, device: str | None = None) -> s
         if result.skipped:
             lines.append(f"  {result.role.role}: not planned ({result.skipped})")
         elif result.smallest is not None:
-            lines.append(f"  {result.role.role}: fits, smallest {result.smallest.layout} ({gib(result.smallest.peak.total)} per rank)")
+            lines.append(f"  {result.role.role}: fits, smallest {result.smallest.layout} ({gib(result.smallest.peak.total)} tensor peak per rank)")
         else:
             lines.append(f"  {result.role.role}: DOES NOT FIT on this hardware (see above)")
     if report.rollout is not None:

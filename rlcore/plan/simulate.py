@@ -100,7 +100,9 @@ class Layout:
 @dataclass(frozen=True)
 class Peak:
     """A simulated per-rank peak: `total` bytes and what they were at that moment, by kind
-    (params, grads, optimizer, activations, gathered: FSDP's unsharded layers in flight, other)."""
+    (params, grads: the rank's gradient shard, grads in flight: FSDP's unsharded gradients and
+    reduce-scatter buffers of the layers being reduced, optimizer, activations, gathered: FSDP's
+    unsharded layers in flight, other)."""
 
     total: int
     kinds: dict[str, int] = field(default_factory=dict)
@@ -108,7 +110,8 @@ class Peak:
 
     @property
     def sharded(self) -> int:
-        """The part FSDP divides by the number of ranks: parameters, gradients, optimizer state."""
+        """The part FSDP divides by the number of ranks: parameters, the gradient shard, optimizer
+        state (not the gradients in flight: FSDP gathers those, only TP splits them)."""
         return sum(self.kinds.get(k, 0) for k in ("params", "grads", "optimizer"))
 
     def extrapolate(self, other: Peak, layers: int) -> Peak:

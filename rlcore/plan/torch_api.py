@@ -31,7 +31,10 @@ TESTED_TORCH = "2.13.0"  # requirements/lock.txt's torch: the version these APIs
 # The tracker's names for what it counts (`_FSDPRefType` / `_MemRefType` values) -> the planner's.
 KINDS: dict[str, str] = {
     "Sharded Param": "params", "Parameter": "params", "Buffer": "params",
-    "Sharded Grad": "grads", "Gradient": "grads", "Unsharded Grad": "grads", "Reduce Scatter": "grads",
+    "Sharded Grad": "grads", "Gradient": "grads",
+    # FSDP's gradients of the layer(s) being reduced: gathered over the FSDP ranks (only TP splits
+    # them) and the reduce-scatter's buffers; a transient of the backward, not the 1/devices shard
+    "Unsharded Grad": "grads in flight", "Reduce Scatter": "grads in flight",
     "OptState": "optimizer", "Optstate": "optimizer",
     "Activation": "activations", "Temp": "activations", "Inputs": "activations",
     "Unsharded Param": "gathered", "All Gather": "gathered",

@@ -81,7 +81,7 @@ def build_worker_groups(config: Config, roles: Collection[str] | None = None,
     if config.trainer.backend == "ray":
         use_cores(1)
         return build_ray_worker_groups(config, roles, specs)
-    overlap = config.trainer.off_policy == "one_step"
+    overlap = config.trainer.off_policy != "sync"  # one_step or async: the rollout generates beside the update
     train_cores, rollout_cores = split_cores(2) if overlap else (available_cpus(), 0.0)
     use_cores(train_cores)
     groups: dict[str, WorkerGroup | RoleView] = {}

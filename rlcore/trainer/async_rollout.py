@@ -1,0 +1,251 @@
+"""`trainer.off_policy=async`, in process: a rollout thread generates without stopping and hands
+finished prompt groups (all n samples of a prompt, as group advantages need them) to a bounded
+buffer; each step trains on the next `data.train_batch_size` groups no more than
+`trainer.max_staleness` actor updates old, dropping (and counting) older ones.
+
+Three small parts, each with one job:
+
+- `GroupBuffer`: the bounded FIFO of `PromptGroup`s (each with the policy version it was generated
+  with); `put` blocks while it is full, `take` while it lacks fresh groups; `close` wakes both.
+- `EngineGate`: generation and weight changes take turns on the engine (the hf engine takes new
+  weights between generate calls, never inside one; a weight sync is several buckets); a waiting
+  sync goes before the next generation, so the trainer is never starved by the producer.
+- `AsyncRollout`: the producer thread (prompts from the loader, generate, split, put), the
+  trainer's side (`next_batch`, `update_weights`, `exclusive` for validation) and the step's
+  metrics (`async/*`: staleness histogram, buffer depth, wait fractions, dropped groups).
+
+The loader runs ahead of training by what the buffer and the generation in flight hold; a
+checkpoint records the loader's position, so those prompts are not trained after a resume
+(none is trained twice). Issue 42 still asks for exact accounting across a checkpoint.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections import deque
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from rlcore.config import Config
+from rlcore.data import PromptLoader
+from rlcore.protocol import RIGHT_PAD, Batch
+from rlcore.trainer.groups import WorkerGroups, required
+from rlcore.trainer.metrics import Timer
+from rlcore.trainer.rollout_parts import stamp_policy_version, train_sampling
+
+__all__ = ["AsyncRollout", "BufferClosed", "EngineGate", "GroupBuffer", "PromptGroup", "join_generations"]
+
+
+@dataclass(frozen=True)
+class PromptGroup:
+    """All samples of one prompt, generated on the weights after `version` actor updates."""
+
+    samples: Batch
+    version: int
+
+
+class BufferClosed(RuntimeError):
+    """The buffer was closed (the run ends, or the producer failed: then `__cause__`)."""
+
+
+class GroupBuffer:
+    """A bounded FIFO of prompt groups shared by one producer and one consumer thread."""
+
+    def __init__(self, capacity: int) -> None:
+        if capacity < 1:
+            raise ValueError(f"capacity must be >= 1, got {capacity}")
+        self.capacity = capacity
+        self._groups: deque[PromptGroup] = deque()
+        self._cond = threading.Condition()
+        self._closed = False
+        self._error: BaseException | None = None
+        self.dropped = 0  # groups dropped as too stale, since the start
+        self.put_wait_s = 0.0  # the producer's time blocked on a full buffer, since the start
+
+    def __len__(self) -> int:
+        with self._cond:
+            return len(self._groups)
+
+    def put(self, group: PromptGroup) -> bool:
+        """Append, waiting while the buffer is full; False (nothing appended) once it is closed."""
+        with self._cond:
+            start = time.perf_counter()
+            self._cond.wait_for(lambda: self._closed or len(self._groups) < self.capacity)
+            self.put_wait_s += time.perf_counter() - start
+            if self._closed:
+                return False
+            self._groups.append(group)
+            self._cond.notify_all()
+            return True
+
+    def take(self, k: int, min_version: int) -> list[PromptGroup]:
+        """The next `k` groups generated on version `min_version` or later, oldest first, waiting
+        for them; older groups met on the way are dropped and counted. Raises `BufferClosed`."""
+        taken: list[PromptGroup] = []
+        with self._cond:
+            while len(taken) < k:
+                self._cond.wait_for(lambda: self._closed or bool(self._groups))
+                if not self._groups:  # closed and empty
+                    raise BufferClosed("the async rollout stopped") from self._error
+                group = self._groups.popleft()
+                if group.version < min_version:
+                    self.dropped += 1
+                else:
+                    taken.append(group)
+                self._cond.notify_all()
+        return taken
+
+    def close(self, error: BaseException | None = None) -> None:
+        """Wake every waiter: `put` returns False, `take` raises once the groups left run out."""
+        with self._cond:
+            self._closed = True
+            self._error = self._error or error
+            if error is not None:
+                self._groups.clear()  # the producer failed: the run stops, nothing more is trained
+            self._cond.notify_all()
+
+
+class EngineGate:
+    """Generation and weight changes take turns on the engine; a waiting change goes first."""
+
+    def __init__(self) -> None:
+        self._cond = threading.Condition()
+        self._generating = False
+        self._exclusive = False
+        self._waiting = 0  # exclusive users waiting for the generation in flight
+        self.wait_s = 0.0  # the generator's time waiting for exclusive users, since the start
+
+    @contextmanager
+    def generation(self) -> Iterator[None]:
+        with self._cond:
+            start = time.perf_counter()
+            self._cond.wait_for(lambda: not self._exclusive and self._waiting == 0)
+            self.wait_s += time.perf_counter() - start
+            self._generating = True
+        try:
+            yield
+        finally:
+            with self._cond:
+                self._generating = False
+                self._cond.notify_all()
+
+    @contextmanager
+    def exclusive(self) -> Iterator[None]:
+        """The engine alone (weight sync, validation): waits for the generation in flight."""
+        with self._cond:
+            self._waiting += 1
+            self._cond.wait_for(lambda: not self._generating and not self._exclusive)
+            self._waiting -= 1
+            self._exclusive = True
+        try:
+            yield
+        finally:
+            with self._cond:
+                self._exclusive = False
+                self._cond.notify_all()
+
+
+def join_generations(parts: list[Batch]) -> Batch:
+    """Rows of several generations in one batch. Their prompts are left-padded to different
+    widths (each loader batch to its longest): left-pad the prompt side to the widest first (pad
+    tokens, attention 0, position 0, as `collate_prompts` does), then `Batch.concat` right-pads
+    the response side."""
+    width = max(int(p.tensors["prompts"].shape[1]) for p in parts)
+    if all(p.tensors["prompts"].shape[1] == width for p in parts):
+        return Batch.concat(parts)
+    pad_id = (parts[0].info.get(RIGHT_PAD) or {}).get("responses", 0)
+    fills = {"prompts": pad_id, "input_ids": pad_id, "attention_mask": 0, "position_ids": 0}
+    padded = []
+    for p in parts:
+        extra = width - int(p.tensors["prompts"].shape[1])
+        tensors = dict(p.tensors)
+        for key, fill in fills.items():
+            t = tensors[key]
+            tensors[key] = torch.cat([t.new_full((t.shape[0], extra), fill), t], dim=1) if extra else t
+        padded.append(Batch(tensors=tensors, meta=p.meta, info=p.info))
+    return Batch.concat(padded)
+
+
+class AsyncRollout:
+    """The producer thread and the trainer's side of the buffer (see the module's docstring)."""
+
+    def __init__(self, config: Config, groups: WorkerGroups, loader: PromptLoader) -> None:
+        self.config = config
+        self.groups = groups
+        self.loader = loader
+        self.n = config.rollout.n
+        self.batch_groups = config.data.train_batch_size
+        self.max_staleness = config.trainer.max_staleness
+        self.buffer = GroupBuffer(capacity=self.batch_groups)  # one step's groups; one more batch is in flight
+        self.gate = EngineGate()
+        self.version = 0  # actor updates behind the engine's weights (changed under the gate)
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._calls = 0
+        self._mark = (time.perf_counter(), 0.0, 0)  # (time, producer wait, dropped) at the last step's metrics
+
+    def start(self, version: int) -> None:
+        """Start generating on the engine's weights (after `version` updates: a resumed run's step)."""
+        self.version = self._calls = version
+        self._mark = (time.perf_counter(), 0.0, 0)
+        self._thread = threading.Thread(target=self._produce, name="rlcore-async-rollout", daemon=True)
+        self._thread.start()
+
+    def _produce(self) -> None:
+        rollout = required(self.groups.rollout, "rollout")
+        try:
+            while not self._stop.is_set():
+                prompts = self.loader.next_batch()
+                self._calls += 1
+                with self.gate.generation():
+                    version = self.version
+                    gen = rollout.generate_sequences(prompts, train_sampling(self.config, self._calls))
+                for samples in stamp_policy_version(gen, version).split(self.n):
+                    if not self.buffer.put(PromptGroup(samples, version)):
+                        return
+        except BaseException as e:  # the trainer raises it from `next_batch`
+            self.buffer.close(e)
+
+    def next_batch(self, version: int, timer: Timer) -> tuple[Batch, dict[str, float]]:
+        """This step's samples: the next groups at most `max_staleness` updates behind `version`
+        (the weights the actor trains from); the wait is the step's `generate` phase."""
+        with timer.phase("generate"):
+            taken = self.buffer.take(self.batch_groups, min_version=version - self.max_staleness)
+        lags = [version - g.version for g in taken]
+        metrics = {f"async/staleness_{lag}": float(sum(self.n for x in lags if x == lag)) for lag in range(self.max_staleness + 1)}
+        metrics["async/buffer_depth"] = float(len(self.buffer))
+        return join_generations([g.samples for g in taken]), metrics
+
+    def step_metrics(self, timer: Timer) -> dict[str, float]:
+        """Since the last call: the share of wall time the trainer waited for samples and the
+        producer waited (buffer full, or the engine taken by a weight sync or validation), and the
+        groups dropped as too stale."""
+        now, waited, dropped = time.perf_counter(), self.buffer.put_wait_s + self.gate.wait_s, self.buffer.dropped
+        then, waited_then, dropped_then = self._mark
+        self._mark = (now, waited, dropped)
+        wall = max(now - then, 1e-9)
+        return {"async/trainer_wait_frac": min(timer.seconds.get("generate", 0.0) / wall, 1.0),
+                "async/rollout_wait_frac": min((waited - waited_then) / wall, 1.0),
+                "async/dropped_groups": float(dropped - dropped_then)}
+
+    def update_weights(self, sync: Callable[[], Any], version: int) -> None:
+        """Push the actor's weights between two generations; later groups carry `version`."""
+        with self.gate.exclusive():
+            sync()
+            self.version = version
+
+    def exclusive(self) -> Any:
+        """The engine alone (validation), between two generations."""
+        return self.gate.exclusive()
+
+    def close(self) -> None:
+        """Stop the producer (after the generation in flight) without hanging on a full buffer."""
+        self._stop.set()
+        self.buffer.close()
+        if self._thread is not None:
+            self._thread.join()

@@ -1,0 +1,236 @@
+"""`trainer.off_policy=async` (issue 42's in-process core): the bounded buffer of prompt groups,
+the gate between generation and weight syncs, the decoupled-PPO weights against a hand
+computation, the refusals at load, and a tiny GRPO run that writes the async metrics."""
+
+from __future__ import annotations
+
+import math
+import threading
+
+import numpy as np
+import pytest
+import torch
+from tiny_runs import SCORE_IN_PROCESS  # tests/ is on sys.path
+
+from rlcore.algos.policy_loss import behaviour_weights, vanilla_policy_loss
+from rlcore.cli import CONFIG_DIR, tiny_example_overrides
+from rlcore.config import config_from_dict, load_config
+from rlcore.protocol import RIGHT_PAD, Batch
+from rlcore.tracking import read_jsonl
+from rlcore.trainer.async_rollout import BufferClosed, EngineGate, GroupBuffer, PromptGroup, join_generations
+from rlcore.trainer.run import make_trainer
+
+WAIT = 60.0  # generous: a slow machine is not a failure
+
+
+def _group(tag: int, version: int) -> PromptGroup:
+    return PromptGroup(Batch(tensors={"x": torch.full((2, 1), tag)}), version)
+
+
+def _tags(groups: list[PromptGroup]) -> list[int]:
+    return [int(g.samples.tensors["x"][0, 0]) for g in groups]
+
+
+def _in_thread(fn) -> tuple[threading.Thread, dict]:
+    out: dict = {}
+
+    def run() -> None:
+        try:
+            out["value"] = fn()
+        except BaseException as e:  # noqa: BLE001 - handed to the test
+            out["error"] = e
+
+    t = threading.Thread(target=run, daemon=True)
+    t.start()
+    return t, out
+
+
+# ----- the buffer ---------------------------------------------------------------------------------
+
+def test_put_blocks_while_full_and_a_take_lets_it_in():
+    buf = GroupBuffer(capacity=2)
+    assert buf.put(_group(0, 0)) and buf.put(_group(1, 0))
+    t, out = _in_thread(lambda: buf.put(_group(2, 0)))
+    t.join(0.2)
+    assert t.is_alive() and len(buf) == 2  # the bound holds: the third waits
+    assert _tags(buf.take(1, min_version=0)) == [0]
+    t.join(WAIT)
+    assert out == {"value": True} and len(buf) == 2
+    assert _tags(buf.take(2, min_version=0)) == [1, 2]  # first in, first out
+
+
+def test_take_drops_and_counts_groups_older_than_the_bound_and_keeps_order():
+    buf = GroupBuffer(capacity=8)
+    for tag, version in enumerate([0, 0, 1, 2, 1, 2]):
+        buf.put(_group(tag, version))
+    assert _tags(buf.take(3, min_version=1)) == [2, 3, 4]
+    assert buf.dropped == 2 and len(buf) == 1
+    assert _tags(buf.take(1, min_version=2)) == [5]
+    assert buf.dropped == 2
+
+
+def test_take_waits_for_enough_fresh_groups():
+    buf = GroupBuffer(capacity=4)
+    buf.put(_group(0, 3))
+    t, out = _in_thread(lambda: buf.take(2, min_version=3))
+    buf.put(_group(1, 2))  # too old: dropped, the take keeps waiting
+    t.join(0.2)
+    assert t.is_alive()
+    buf.put(_group(2, 3))
+    t.join(WAIT)
+    assert _tags(out["value"]) == [0, 2] and buf.dropped == 1
+
+
+def test_close_wakes_a_blocked_put_and_a_blocked_take_without_hanging():
+    full = GroupBuffer(capacity=1)
+    full.put(_group(0, 0))
+    putter, put_out = _in_thread(lambda: full.put(_group(1, 0)))
+    empty = GroupBuffer(capacity=1)
+    taker, take_out = _in_thread(lambda: empty.take(1, min_version=0))
+    full.close()
+    empty.close()
+    putter.join(WAIT)
+    taker.join(WAIT)
+    assert put_out == {"value": False}
+    assert isinstance(take_out["error"], BufferClosed)
+
+
+def test_a_producer_failure_reaches_the_trainer_as_the_cause():
+    buf = GroupBuffer(capacity=2)
+    buf.put(_group(0, 0))
+    boom = RuntimeError("engine fell over")
+    buf.close(boom)
+    with pytest.raises(BufferClosed) as caught:
+        buf.take(1, min_version=0)
+    assert caught.value.__cause__ is boom  # and nothing left is trained after a failure
+
+
+def test_a_waiting_weight_sync_goes_before_the_next_generation():
+    gate, order = EngineGate(), []
+    generating, release = threading.Event(), threading.Event()
+
+    def generate(tag: str, hold: threading.Event | None = None) -> None:
+        with gate.generation():
+            order.append(tag)
+            generating.set()
+            if hold is not None:
+                hold.wait(WAIT)
+
+    first, _ = _in_thread(lambda: generate("gen1", release))
+    assert generating.wait(WAIT)
+
+    def sync() -> None:
+        with gate.exclusive():
+            order.append("sync")
+
+    syncer, _ = _in_thread(sync)
+    while gate._waiting == 0:  # the sync is queued behind gen1 (waits on state, not on time)
+        syncer.join(0.01)
+    second, _ = _in_thread(lambda: generate("gen2"))
+    second.join(0.2)
+    assert order == ["gen1"]  # neither runs inside gen1; gen2 does not overtake the waiting sync
+    release.set()
+    for t in (first, syncer, second):
+        t.join(WAIT)
+    assert order == ["gen1", "sync", "gen2"]
+
+
+def test_generations_with_different_prompt_widths_join_left_padded():
+    pad = 9
+
+    def gen(prompt: list[list[int]], response: list[list[int]]) -> Batch:
+        p, r = torch.tensor(prompt), torch.tensor(response)
+        mask = torch.cat([(p != pad).long(), torch.ones_like(r)], dim=1)
+        return Batch(tensors={"prompts": p, "responses": r, "input_ids": torch.cat([p, r], 1), "attention_mask": mask,
+                              "position_ids": (mask.cumsum(1) - 1).clamp(min=0), "response_mask": torch.ones_like(r)},
+                     meta={"uid": np.array(["a"] * len(p), dtype=object)},
+                     info={RIGHT_PAD: {"responses": pad, "input_ids": pad, "response_mask": 0, "attention_mask": 0,
+                                       "position_ids": "edge"}})
+
+    joined = join_generations([gen([[5, 6]], [[7]]), gen([[9, 1, 2, 3]], [[4, 4]])])
+    assert joined.tensors["input_ids"].tolist() == [[9, 9, 5, 6, 7, 9], [9, 1, 2, 3, 4, 4]]
+    assert joined.tensors["attention_mask"].tolist() == [[0, 0, 1, 1, 1, 0], [0, 1, 1, 1, 1, 1]]
+    assert joined.tensors["position_ids"].tolist() == [[0, 0, 0, 1, 2, 2], [0, 0, 1, 2, 3, 4]]
+    assert joined.tensors["response_mask"].tolist() == [[1, 0], [1, 1]]
+
+
+# ----- the loss correction ------------------------------------------------------------------------
+
+def test_behaviour_weights_by_hand():
+    prox = torch.tensor([[math.log(0.5), math.log(0.2), math.log(0.9)]])
+    behav = torch.tensor([[math.log(0.25), math.log(0.4), math.log(0.3)]])  # w = 2, 0.5, 3
+    assert torch.allclose(behaviour_weights(prox, behav, "decoupled", None), torch.tensor([[2.0, 0.5, 3.0]]))
+    assert torch.allclose(behaviour_weights(prox, behav, "decoupled", 2.5), torch.tensor([[2.0, 0.5, 0.0]]))  # dropped
+    assert torch.allclose(behaviour_weights(prox, behav, "truncate", 2.5), torch.tensor([[2.0, 0.5, 2.5]]))  # bounded
+    assert behaviour_weights(prox, behav, "truncate", None) is None  # as before: no tis_cap, no weights
+
+
+def test_decoupled_objective_matches_a_hand_computation():
+    """AReaL's decoupled PPO on three tokens: -w * min(r A, clip(r) A), r = pi / pi_prox, w = pi_prox / pi_behav."""
+    prox = torch.log(torch.tensor([[0.5, 0.2, 0.9]]))
+    behav = torch.log(torch.tensor([[0.25, 0.4, 0.3]]))  # w = 2, 0.5, 3 -> capped at 2.5: 2, 0.5, 0
+    pi = torch.log(torch.tensor([[0.6, 0.2, 0.45]]))  # r = 1.2, 1.0, 0.5
+    adv = torch.tensor([[1.0, -1.0, 1.0]])
+    w = behaviour_weights(prox, behav, "decoupled", 2.5)
+    loss, _ = vanilla_policy_loss(prox, pi, adv, torch.ones(1, 3), clip_ratio_low=0.2, clip_ratio_high=0.1,
+                                  rollout_is_weights=w, loss_agg_mode="token-mean")
+    # token 1: A=1, r=1.2 clipped to 1.1 -> -1.1 * w 2 = -2.2; token 2: A=-1, r=1 -> 1 * 0.5 = 0.5;
+    # token 3: weight 0 -> 0; token-mean over 3 tokens
+    assert loss.item() == pytest.approx((-2.2 + 0.5 + 0.0) / 3, abs=1e-5)
+
+
+# ----- refused at load ----------------------------------------------------------------------------
+
+BASE = {"model": {"path": "m"}, "data": {"train_files": ["t"]}}
+
+
+def _load(**sections) -> None:
+    tree = {**BASE, **sections}
+    tree["trainer"] = {"off_policy": "async", **sections.get("trainer", {})}
+    config_from_dict(tree)
+
+
+@pytest.mark.parametrize(("sections", "message"), [
+    ({"algorithm": {"name": "dpo"}}, r"trainer\.off_policy='async' is not supported by the 'dpo'"),
+    ({"rollout": {"sleep": "always"}}, r"rollout\.sleep=always with trainer\.off_policy=async"),
+    ({"rollout": {"free_memory_when_idle": True}}, r"rollout\.sleep=always with trainer\.off_policy=async"),
+    ({"algorithm": {"adv_estimator": "remax"}}, r"algorithm\.adv_estimator='remax' with trainer\.off_policy=async"),
+    ({"trainer": {"backend": "ray"}}, r"trainer\.off_policy=async with trainer\.backend=ray"),
+    ({"trainer": {"overlap_with": "process"}}, r"trainer\.overlap_with=process with trainer\.off_policy=async"),
+    ({"trainer": {"max_staleness": -1}}, r"max_staleness"),
+])
+def test_async_is_refused_at_load_naming_the_key(sections, message):
+    with pytest.raises(ValueError, match=message):
+        _load(**sections)
+
+
+def test_max_staleness_without_async_is_refused():
+    with pytest.raises(ValueError, match=r"max_staleness is set, but trainer\.off_policy='one_step' does not read it"):
+        config_from_dict({**BASE, "trainer": {"off_policy": "one_step", "max_staleness": 2}})
+
+
+# ----- a tiny run ---------------------------------------------------------------------------------
+
+@pytest.mark.slow
+def test_a_tiny_async_grpo_run_trains_within_the_staleness_bound_and_logs_it(tiny_example, tmp_path):
+    out = tmp_path / "run"
+    steps, prompts, n = 4, 4, 4
+    cfg = load_config(CONFIG_DIR / "tiny_grpo.yaml", tiny_example_overrides(tiny_example, str(out)) + [
+        f"data.train_batch_size={prompts}", "actor.ppo_mini_batch_size=4", f"rollout.n={n}", "data.val_batch_size=64",
+        f"trainer.total_steps={steps}", "trainer.save_every=100", "trainer.val_every=100", "trainer.loggers=[jsonl]",
+        "trainer.val_before_train=false", "trainer.off_policy=async", "trainer.max_staleness=1",
+        "actor.behaviour_correction=decoupled", "actor.tis_cap=5", SCORE_IN_PROCESS])
+    make_trainer(cfg).fit()
+    records = [r for r in read_jsonl(out / "metrics.jsonl") if r["step"] > 0]
+    assert [r["step"] for r in records] == list(range(1, steps + 1))
+    for r in records:
+        assert r["async/staleness_0"] + r["async/staleness_1"] == prompts * n  # every sample within the bound
+        assert 0 <= r["rollout/staleness_max"] <= 1
+        assert 0 <= r["async/trainer_wait_frac"] <= 1 and 0 <= r["async/rollout_wait_frac"] <= 1
+        assert r["async/buffer_depth"] >= 0 and r["async/dropped_groups"] >= 0
+        assert math.isfinite(r["actor/pg_loss"])
+    assert records[0]["async/staleness_0"] == prompts * n  # nothing is older than the first weights
+    assert any(r["async/staleness_1"] > 0 for r in records[1:])  # the rollout ran ahead of the update
+    per_step = [{s["uid"] for s in rec["samples"]} for rec in read_jsonl(out / "trace.jsonl")]
+    assert [len(u) for u in per_step] == [prompts] * steps  # whole groups: n samples of each prompt
+    assert len(set().union(*per_step)) == steps * prompts  # no prompt trained twice

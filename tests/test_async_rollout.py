@@ -135,6 +135,27 @@ def test_a_waiting_weight_sync_goes_before_the_next_generation():
     assert order == ["gen1", "sync", "gen2"]
 
 
+def test_a_generation_waits_until_it_may_start_and_wake_releases_it():
+    gate, allowed = EngineGate(), threading.Event()
+
+    def attempt() -> bool:
+        with gate.generation(allowed.is_set) as go:
+            return go
+
+    waiting, out = _in_thread(attempt)
+    waiting.join(0.2)
+    assert waiting.is_alive()  # not ready: the producer is max_staleness steps ahead
+    with gate.exclusive():  # a weight sync makes it ready; it re-checks when the sync is done
+        allowed.set()
+    waiting.join(WAIT)
+    assert out == {"value": True}
+    allowed.clear()
+    stopped, out = _in_thread(attempt)
+    gate.wake()  # the run ends
+    stopped.join(WAIT)
+    assert out == {"value": False}
+
+
 def test_generations_with_different_prompt_widths_join_left_padded():
     pad = 9
 
@@ -230,6 +251,7 @@ def test_a_tiny_async_grpo_run_trains_within_the_staleness_bound_and_logs_it(tin
         assert r["async/buffer_depth"] >= 0 and r["async/dropped_groups"] >= 0
         assert math.isfinite(r["actor/pg_loss"])
     assert records[0]["async/staleness_0"] == prompts * n  # nothing is older than the first weights
+    assert sum(r["async/dropped_groups"] for r in records) == 0  # the producer never runs further ahead than the bound
     assert any(r["async/staleness_1"] > 0 for r in records[1:])  # the rollout ran ahead of the update
     per_step = [{s["uid"] for s in rec["samples"]} for rec in read_jsonl(out / "trace.jsonl")]
     assert [len(u) for u in per_step] == [prompts] * steps  # whole groups: n samples of each prompt

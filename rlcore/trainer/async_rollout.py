@@ -9,7 +9,10 @@ Three small parts, each with one job:
   with); `put` blocks while it is full, `take` while it lacks fresh groups; `close` wakes both.
 - `EngineGate`: generation and weight changes take turns on the engine (the hf engine takes new
   weights between generate calls, never inside one; a weight sync is several buckets); a waiting
-  sync goes before the next generation, so the trainer is never starved by the producer.
+  sync goes before the next generation, so the trainer is never starved by the producer. A
+  generation also waits until it may start (`ready`): as AReaL's rollout controller, the producer
+  runs at most `max_staleness` steps ahead of the updates, so in steady state nothing it makes is
+  too old to train on (dropping stays as the bound's guard).
 - `AsyncRollout`: the producer thread (prompts from the loader, generate, split, put), the
   trainer's side (`next_batch`, `update_weights`, `exclusive` for validation) and the step's
   metrics (`async/*`: staleness histogram, buffer depth, wait fractions, dropped groups).
@@ -38,7 +41,7 @@ from rlcore.trainer.groups import WorkerGroups, required
 from rlcore.trainer.metrics import Timer
 from rlcore.trainer.rollout_parts import stamp_policy_version, train_sampling
 
-__all__ = ["AsyncRollout", "BufferClosed", "EngineGate", "GroupBuffer", "PromptGroup", "join_generations"]
+__all__ = ["AsyncRollout", "BufferClosed", "EngineGate", "GroupBuffer", "PromptGroup", "WaitClock", "join_generations"]
 
 
 @dataclass(frozen=True)
@@ -47,6 +50,31 @@ class PromptGroup:
 
     samples: Batch
     version: int
+
+
+class WaitClock:
+    """Seconds a thread spent waiting, counting a wait still in progress (so a share of wall time
+    measured between two readings never exceeds that wall time)."""
+
+    def __init__(self) -> None:
+        self._done = 0.0
+        self._since: float | None = None
+        self._lock = threading.Lock()
+
+    @contextmanager
+    def waiting(self) -> Iterator[None]:
+        with self._lock:
+            self._since = time.perf_counter()
+        try:
+            yield
+        finally:
+            with self._lock:
+                self._done += time.perf_counter() - (self._since or 0.0)
+                self._since = None
+
+    def total(self, now: float) -> float:
+        with self._lock:
+            return self._done + (now - self._since if self._since is not None else 0.0)
 
 
 class BufferClosed(RuntimeError):
@@ -65,7 +93,7 @@ class GroupBuffer:
         self._closed = False
         self._error: BaseException | None = None
         self.dropped = 0  # groups dropped as too stale, since the start
-        self.put_wait_s = 0.0  # the producer's time blocked on a full buffer, since the start
+        self.put_wait = WaitClock()  # the producer blocked on a full buffer
 
     def __len__(self) -> int:
         with self._cond:
@@ -74,9 +102,8 @@ class GroupBuffer:
     def put(self, group: PromptGroup) -> bool:
         """Append, waiting while the buffer is full; False (nothing appended) once it is closed."""
         with self._cond:
-            start = time.perf_counter()
-            self._cond.wait_for(lambda: self._closed or len(self._groups) < self.capacity)
-            self.put_wait_s += time.perf_counter() - start
+            with self.put_wait.waiting():
+                self._cond.wait_for(lambda: self._closed or len(self._groups) < self.capacity)
             if self._closed:
                 return False
             self._groups.append(group)
@@ -117,22 +144,32 @@ class EngineGate:
         self._cond = threading.Condition()
         self._generating = False
         self._exclusive = False
+        self._woken = False
         self._waiting = 0  # exclusive users waiting for the generation in flight
-        self.wait_s = 0.0  # the generator's time waiting for exclusive users, since the start
+        self.wait = WaitClock()  # the generator waiting for exclusive users, or until `ready`
 
     @contextmanager
-    def generation(self) -> Iterator[None]:
+    def generation(self, ready: Callable[[], bool] = lambda: True) -> Iterator[bool]:
+        """Generate once no exclusive user holds or waits for the engine and `ready()` (read under
+        the gate, which `exclusive` users and `wake` re-check); yields `ready()`: False when woken
+        by `wake` without it (the caller stops)."""
         with self._cond:
-            start = time.perf_counter()
-            self._cond.wait_for(lambda: not self._exclusive and self._waiting == 0)
-            self.wait_s += time.perf_counter() - start
-            self._generating = True
+            with self.wait.waiting():
+                self._cond.wait_for(lambda: (not self._exclusive and self._waiting == 0 and ready()) or self._woken)
+            go = ready() and not self._exclusive and self._waiting == 0
+            self._generating = go
         try:
-            yield
+            yield go
         finally:
             with self._cond:
                 self._generating = False
                 self._cond.notify_all()
+
+    def wake(self) -> None:
+        """Let a waiting generation return (yielding False): the run ends."""
+        with self._cond:
+            self._woken = True
+            self._cond.notify_all()
 
     @contextmanager
     def exclusive(self) -> Iterator[None]:
@@ -186,7 +223,7 @@ class AsyncRollout:
         self.version = 0  # actor updates behind the engine's weights (changed under the gate)
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
-        self._calls = 0
+        self._calls = 0  # generate calls started, one step's prompts each
         self._mark = (time.perf_counter(), 0.0, 0)  # (time, producer wait, dropped) at the last step's metrics
 
     def start(self, version: int) -> None:
@@ -200,16 +237,25 @@ class AsyncRollout:
         rollout = required(self.groups.rollout, "rollout")
         try:
             while not self._stop.is_set():
-                prompts = self.loader.next_batch()
-                self._calls += 1
-                with self.gate.generation():
+                with self.gate.generation(self._may_start) as go:
+                    if not go:
+                        return
                     version = self.version
+                    prompts = self.loader.next_batch()
+                    self._calls += 1
                     gen = rollout.generate_sequences(prompts, train_sampling(self.config, self._calls))
                 for samples in stamp_policy_version(gen, version).split(self.n):
                     if not self.buffer.put(PromptGroup(samples, version)):
                         return
         except BaseException as e:  # the trainer raises it from `next_batch`
             self.buffer.close(e)
+
+    def _may_start(self) -> bool:
+        """Whether the next generation, trained after the ones before it, would be at most
+        `max_staleness` updates old: call c (one step's groups each, less those dropped) trains
+        at step c, on the weights after c - 1 updates, and starts on `self.version`'s."""
+        due = self._calls + 1 - self.buffer.dropped // self.batch_groups
+        return not self._stop.is_set() and due - 1 - self.version <= self.max_staleness
 
     def next_batch(self, version: int, timer: Timer) -> tuple[Batch, dict[str, float]]:
         """This step's samples: the next groups at most `max_staleness` updates behind `version`
@@ -225,7 +271,8 @@ class AsyncRollout:
         """Since the last call: the share of wall time the trainer waited for samples and the
         producer waited (buffer full, or the engine taken by a weight sync or validation), and the
         groups dropped as too stale."""
-        now, waited, dropped = time.perf_counter(), self.buffer.put_wait_s + self.gate.wait_s, self.buffer.dropped
+        now = time.perf_counter()
+        waited, dropped = self.buffer.put_wait.total(now) + self.gate.wait.total(now), self.buffer.dropped
         then, waited_then, dropped_then = self._mark
         self._mark = (now, waited, dropped)
         wall = max(now - then, 1e-9)
@@ -247,5 +294,6 @@ class AsyncRollout:
         """Stop the producer (after the generation in flight) without hanging on a full buffer."""
         self._stop.set()
         self.buffer.close()
+        self.gate.wake()
         if self._thread is not None:
             self._thread.join()

@@ -17,9 +17,11 @@ Three small parts, each with one job:
   trainer's side (`next_batch`, `update_weights`, `exclusive` for validation) and the step's
   metrics (`async/*`: staleness histogram, buffer depth, wait fractions, dropped groups).
 
-The loader runs ahead of training by what the buffer and the generation in flight hold; a
-checkpoint records the loader's position, so those prompts are not trained after a resume
-(none is trained twice). Issue 42 still asks for exact accounting across a checkpoint.
+Checkpoints stay exact by draining, as the one-step `Prefetcher` does: the producer draws no
+prompts for a step after the next checkpoint (or the last step) until that checkpoint is saved
+(`checkpoint_saved`), so the saved loader position is exactly the prompts trained on, and a
+resumed run draws the same prompts for the same steps as the uninterrupted one (the step after a
+checkpoint waits for its generation, on the checkpoint's weights, in both).
 """
 
 from __future__ import annotations
@@ -224,11 +226,13 @@ class AsyncRollout:
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._calls = 0  # generate calls started, one step's prompts each
+        self._open_until = 0  # the last step whose prompts may be drawn before the next checkpoint is saved
         self._mark = (time.perf_counter(), 0.0, 0)  # (time, producer wait, dropped) at the last step's metrics
 
     def start(self, version: int) -> None:
         """Start generating on the engine's weights (after `version` updates: a resumed run's step)."""
         self.version = self._calls = version
+        self._open_until = self._next_checkpoint(version)
         self._mark = (time.perf_counter(), 0.0, 0)
         self._thread = threading.Thread(target=self._produce, name="rlcore-async-rollout", daemon=True)
         self._thread.start()
@@ -255,7 +259,17 @@ class AsyncRollout:
         `max_staleness` updates old: call c (one step's groups each, less those dropped) trains
         at step c, on the weights after c - 1 updates, and starts on `self.version`'s."""
         due = self._calls + 1 - self.buffer.dropped // self.batch_groups
-        return not self._stop.is_set() and due - 1 - self.version <= self.max_staleness
+        return not self._stop.is_set() and due - 1 - self.version <= self.max_staleness and due <= self._open_until
+
+    def _next_checkpoint(self, step: int) -> int:
+        """The first step after `step` that saves a checkpoint (`trainer.save_every`, and the last step)."""
+        cfg = self.config.trainer
+        return min((step // cfg.save_every + 1) * cfg.save_every, cfg.total_steps)
+
+    def checkpoint_saved(self, step: int) -> None:
+        """Step `step`'s checkpoint holds the loader's position: draw prompts up to the next one."""
+        with self.gate.exclusive():  # leaving it wakes the producer to re-check `_may_start`
+            self._open_until = self._next_checkpoint(step)
 
     def next_batch(self, version: int, timer: Timer) -> tuple[Batch, dict[str, float]]:
         """This step's samples: the next groups at most `max_staleness` updates behind `version`

@@ -109,6 +109,8 @@ class OnPolicyTrainer:
                     self.log.step(self.step, metrics, trace, validation)
                     if self.step % cfg.save_every == 0 or last:
                         self.checkpoints.save(self.step)
+                        if self.async_rollout is not None:
+                            self.async_rollout.checkpoint_saved(self.step)
         finally:
             try:
                 if self.async_rollout is not None:

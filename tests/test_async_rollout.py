@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import math
 import threading
+import time
 from pathlib import Path
 
 import numpy as np
@@ -174,6 +175,82 @@ def test_generations_with_different_prompt_widths_join_left_padded():
     assert joined.tensors["attention_mask"].tolist() == [[0, 0, 1, 1, 1, 0], [0, 1, 1, 1, 1, 1]]
     assert joined.tensors["position_ids"].tolist() == [[0, 0, 0, 1, 2, 2], [0, 0, 1, 2, 3, 4]]
     assert joined.tensors["response_mask"].tolist() == [[1, 0], [1, 1]]
+
+
+# ----- the producer, with a stand-in engine (instant, or failing) -------------------------------
+
+class _Engine:
+    """Stands in for the rollout group: n one-token samples per prompt, instantly; counts calls."""
+
+    def __init__(self, n: int, error: Exception | None = None) -> None:
+        self.n, self.error, self.calls = n, error, 0
+
+    def generate_sequences(self, prompts: Batch, sampling) -> Batch:
+        if self.error is not None:
+            raise self.error
+        self.calls += 1
+        rows = len(prompts) * self.n
+        return Batch(tensors={"prompts": torch.zeros(rows, 2, dtype=torch.long), "responses": torch.ones(rows, 1, dtype=torch.long)},
+                     meta={"uid": np.repeat(prompts.meta["uid"], self.n)})
+
+
+class _Loader:
+    def __init__(self) -> None:
+        self.drawn = 0
+
+    def next_batch(self) -> Batch:
+        self.drawn += 1
+        return Batch(tensors={"x": torch.zeros(2, 1)}, meta={"uid": np.array([f"{self.drawn}-a", f"{self.drawn}-b"], dtype=object)})
+
+
+def _producer(engine: _Engine, loader: _Loader, **trainer):
+    from types import SimpleNamespace
+
+    from rlcore.trainer.async_rollout import AsyncRollout
+
+    config = config_from_dict({**BASE, "data": {"train_files": ["t"], "train_batch_size": 2}, "rollout": {"n": engine.n},
+                               "actor": {"ppo_mini_batch_size": 2},
+                               "trainer": {"off_policy": "async", "total_steps": 10, "save_every": 10, **trainer}})
+    return AsyncRollout(config, SimpleNamespace(rollout=engine), loader)
+
+
+def _wait_until(condition, what: str) -> None:
+    deadline = time.monotonic() + WAIT
+    while not condition():
+        assert time.monotonic() < deadline, what
+        time.sleep(0.01)
+
+
+def test_the_producer_runs_max_staleness_steps_ahead_and_no_further():
+    from rlcore.trainer.metrics import Timer
+
+    engine, loader = _Engine(n=2), _Loader()
+    rollout = _producer(engine, loader, max_staleness=1)
+    rollout.start(0)
+    try:
+        batch, metrics = rollout.next_batch(0, Timer())
+        assert list(batch.meta["uid"]) == ["1-a", "1-a", "1-b", "1-b"] and metrics["async/staleness_0"] == 4
+        _wait_until(lambda: len(rollout.buffer) == 2, "the second generation in the buffer")
+        time.sleep(0.2)  # the buffer has room, but a third generation would be two updates old when trained
+        assert engine.calls == loader.drawn == 2
+        rollout.update_weights(lambda: None, 1)  # step 1's update reaches the engine
+        _wait_until(lambda: engine.calls == 3, "the third generation once the weights moved")
+        batch, metrics = rollout.next_batch(1, Timer())
+        assert list(batch.meta["uid"]) == ["2-a", "2-a", "2-b", "2-b"] and metrics["async/staleness_1"] == 4
+    finally:
+        rollout.close()  # returns although the producer waits for the gate: no hang
+
+
+def test_a_failing_engine_stops_the_step_with_its_own_error():
+    from rlcore.trainer.metrics import Timer
+
+    rollout = _producer(_Engine(n=2, error=ValueError("engine fell over")), _Loader())
+    rollout.start(0)
+    try:
+        with pytest.raises(ValueError, match="engine fell over"):
+            rollout.next_batch(0, Timer())
+    finally:
+        rollout.close()
 
 
 # ----- the loss correction ------------------------------------------------------------------------

@@ -275,7 +275,12 @@ class AsyncRollout:
         """This step's samples: the next groups at most `max_staleness` updates behind `version`
         (the weights the actor trains from); the wait is the step's `generate` phase."""
         with timer.phase("generate"):
-            taken = self.buffer.take(self.batch_groups, min_version=version - self.max_staleness)
+            try:
+                taken = self.buffer.take(self.batch_groups, min_version=version - self.max_staleness)
+            except BufferClosed as closed:  # the producer's own error, as a sync run would raise it
+                if closed.__cause__ is not None:
+                    raise closed.__cause__ from None
+                raise
         lags = [version - g.version for g in taken]
         metrics = {f"async/staleness_{lag}": float(sum(self.n for x in lags if x == lag)) for lag in range(self.max_staleness + 1)}
         metrics["async/buffer_depth"] = float(len(self.buffer))

@@ -182,13 +182,17 @@ def test_generations_with_different_prompt_widths_join_left_padded():
 class _Engine:
     """Stands in for the rollout group: n one-token samples per prompt, instantly; counts calls."""
 
-    def __init__(self, n: int, error: Exception | None = None) -> None:
-        self.n, self.error, self.calls = n, error, 0
+    def __init__(self, n: int, error: Exception | None = None, hold: threading.Semaphore | None = None) -> None:
+        self.n, self.error, self.calls, self.hold, self.entered, self.seeds = n, error, 0, hold, 0, []
 
     def generate_sequences(self, prompts: Batch, sampling) -> Batch:
+        self.entered += 1
+        if self.hold is not None:  # a generation in flight until the test lets it finish
+            assert self.hold.acquire(timeout=WAIT)
         if self.error is not None:
             raise self.error
         self.calls += 1
+        self.seeds.append(sampling.seed)
         rows = len(prompts) * self.n
         return Batch(tensors={"prompts": torch.zeros(rows, 2, dtype=torch.long), "responses": torch.ones(rows, 1, dtype=torch.long)},
                      meta={"uid": np.repeat(prompts.meta["uid"], self.n)})
@@ -233,12 +237,36 @@ def test_the_producer_runs_max_staleness_steps_ahead_and_no_further():
         _wait_until(lambda: len(rollout.buffer) == 2, "the second generation in the buffer")
         time.sleep(0.2)  # the buffer has room, but a third generation would be two updates old when trained
         assert engine.calls == loader.drawn == 2
-        rollout.update_weights(lambda: None, 1)  # step 1's update reaches the engine
+        rollout.update_weights(lambda: None, 1, Timer())  # step 1's update reaches the engine
         _wait_until(lambda: engine.calls == 3, "the third generation once the weights moved")
         batch, metrics = rollout.next_batch(1, Timer())
         assert list(batch.meta["uid"]) == ["2-a", "2-a", "2-b", "2-b"] and metrics["async/staleness_1"] == 4
     finally:
         rollout.close()  # returns although the producer waits for the gate: no hang
+
+
+def test_chunks_of_a_step_take_the_weights_pushed_between_them():
+    """async_chunk_prompts=1: the sync waits for one prompt's generation, not the step's, and the
+    step's second group comes from the new weights."""
+    from rlcore.trainer.metrics import Timer
+
+    hold = threading.Semaphore(0)
+    engine = _Engine(n=2, hold=hold)
+    rollout = _producer(engine, _Loader(), async_chunk_prompts=1)
+    rollout.start(0)
+    try:
+        _wait_until(lambda: engine.entered == 1, "the first chunk in flight")
+        syncer, _ = _in_thread(lambda: rollout.update_weights(lambda: None, 1, Timer()))
+        _wait_until(lambda: rollout.gate._waiting == 1, "the sync queued behind the chunk")
+        hold.release(2)  # the first chunk finishes; the sync goes before the second
+        syncer.join(WAIT)
+        batch, metrics = rollout.next_batch(1, Timer())
+        assert list(batch.meta["policy_version"]) == [0, 0, 1, 1]
+        assert metrics["async/staleness_1"] == metrics["async/staleness_0"] == 2
+        assert engine.seeds[0] != engine.seeds[1]  # each chunk draws its own stream
+    finally:
+        hold.release(100)
+        rollout.close()
 
 
 def test_a_failing_engine_stops_the_step_with_its_own_error():
@@ -306,6 +334,8 @@ def test_async_is_refused_at_load_naming_the_key(sections, message):
 def test_max_staleness_without_async_is_refused():
     with pytest.raises(ValueError, match=r"max_staleness is set, but trainer\.off_policy='one_step' does not read it"):
         config_from_dict({**BASE, "trainer": {"off_policy": "one_step", "max_staleness": 2}})
+    with pytest.raises(ValueError, match=r"async_chunk_prompts is set, but trainer\.off_policy='sync' does not read it"):
+        config_from_dict({**BASE, "trainer": {"async_chunk_prompts": 2}})
 
 
 # ----- a tiny run ---------------------------------------------------------------------------------
@@ -317,7 +347,7 @@ def _async_config(example, out: Path, steps: int):
     return load_config(CONFIG_DIR / "tiny_grpo.yaml", tiny_example_overrides(example, str(out)) + [
         f"data.train_batch_size={PROMPTS}", "actor.ppo_mini_batch_size=4", f"rollout.n={N}", "data.val_batch_size=64",
         f"trainer.total_steps={steps}", "trainer.save_every=2", "trainer.val_every=100", "trainer.loggers=[jsonl]",
-        "trainer.val_before_train=false", "trainer.off_policy=async", "trainer.max_staleness=1",
+        "trainer.val_before_train=false", "trainer.off_policy=async", "trainer.max_staleness=1", "trainer.async_chunk_prompts=2",
         "actor.behaviour_correction=decoupled", "actor.tis_cap=5", SCORE_IN_PROCESS])
 
 

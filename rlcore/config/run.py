@@ -35,6 +35,10 @@ class TrainerConfig(Section):
     max_staleness: int = Field(
         1, ge=0, description="trainer.off_policy=async: actor updates a sample's generating weights may lag the "
         "weights it trains on (0: on-policy); older prompt groups are dropped and counted (async/dropped_groups)")
+    async_chunk_prompts: int | None = Field(
+        None, ge=1, description="trainer.off_policy=async: prompts per generate call (a step's batch is generated in "
+        "chunks of this many); new weights reach the engine between two calls, so a weight sync waits for one "
+        "chunk, not a whole batch. Default: the step's whole batch in one call")
     device_peak_tflops: float | None = Field(
         None, gt=0, description="dense peak TFLOP/s of one device at the compute dtype, for throughput/<phase>_mfu; "
         "default: detected for known NVIDIA GPUs (bf16 tensor-core peak, rlcore.flops), none on CPU (no MFU reported)")
@@ -55,9 +59,10 @@ class TrainerConfig(Section):
     @model_validator(mode="after")
     def _check_max_staleness(self) -> TrainerConfig:
         """Read only by the async mode: set with another it would change nothing."""
-        if self.off_policy != "async" and differs_from_default(self, "max_staleness"):
-            raise ValueError(f"max_staleness is set, but trainer.off_policy={self.off_policy!r} does not read it "
-                             "(only trainer.off_policy=async)")
+        for key in ("max_staleness", "async_chunk_prompts"):
+            if self.off_policy != "async" and differs_from_default(self, key):
+                raise ValueError(f"{key} is set, but trainer.off_policy={self.off_policy!r} does not read it "
+                                 "(only trainer.off_policy=async)")
         return self
 
     @model_validator(mode="after")

@@ -30,8 +30,8 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager
-from dataclasses import dataclass
+from contextlib import ExitStack, contextmanager
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
@@ -39,11 +39,13 @@ import torch
 from rlcore.config import Config
 from rlcore.data import PromptLoader
 from rlcore.protocol import RIGHT_PAD, Batch
+from rlcore.rollout import SamplingParams
 from rlcore.trainer.groups import WorkerGroups, required
 from rlcore.trainer.metrics import Timer
 from rlcore.trainer.rollout_parts import stamp_policy_version, train_sampling
 
-__all__ = ["AsyncRollout", "BufferClosed", "EngineGate", "GroupBuffer", "PromptGroup", "WaitClock", "join_generations"]
+__all__ = ["AsyncRollout", "BufferClosed", "EngineGate", "GroupBuffer", "PromptGroup", "WaitClock", "chunk_sampling",
+           "join_generations"]
 
 
 @dataclass(frozen=True)
@@ -210,6 +212,15 @@ def join_generations(parts: list[Batch]) -> Batch:
     return Batch.concat(padded)
 
 
+def chunk_sampling(sampling: SamplingParams, chunk: int) -> SamplingParams:
+    """The sampling parameters of a step's `chunk`-th generate call: the step's own for the first,
+    a seed of its own for each further one (one seeded stream per call: chunks sharing a seed
+    would draw alike)."""
+    if chunk == 0 or sampling.seed is None:
+        return sampling
+    return replace(sampling, seed=(sampling.seed + chunk * 104_729) % (2**31 - 1))
+
+
 class AsyncRollout:
     """The producer thread and the trainer's side of the buffer (see the module's docstring)."""
 
@@ -220,6 +231,7 @@ class AsyncRollout:
         self.n = config.rollout.n
         self.batch_groups = config.data.train_batch_size
         self.max_staleness = config.trainer.max_staleness
+        self.chunk = config.trainer.async_chunk_prompts or self.batch_groups  # prompts per generate call
         self.buffer = GroupBuffer(capacity=self.batch_groups)  # one step's groups; one more batch is in flight
         self.gate = EngineGate()
         self.version = 0  # actor updates behind the engine's weights (changed under the gate)
@@ -238,21 +250,32 @@ class AsyncRollout:
         self._thread.start()
 
     def _produce(self) -> None:
-        rollout = required(self.groups.rollout, "rollout")
         try:
-            while not self._stop.is_set():
-                with self.gate.generation(self._may_start) as go:
-                    if not go:
-                        return
-                    version = self.version
-                    prompts = self.loader.next_batch()
-                    self._calls += 1
-                    gen = rollout.generate_sequences(prompts, train_sampling(self.config, self._calls))
-                for samples in stamp_policy_version(gen, version).split(self.n):
-                    if not self.buffer.put(PromptGroup(samples, version)):
-                        return
+            while self._produce_step():
+                pass
         except BaseException as e:  # the trainer raises it from `next_batch`
             self.buffer.close(e)
+
+    def _produce_step(self) -> bool:
+        """One step's prompts, drawn once `_may_start`, generated chunk by chunk (`trainer.async_chunk_prompts`),
+        each chunk on the engine's weights when it starts; False once the run ends."""
+        rollout = required(self.groups.rollout, "rollout")
+        with self.gate.generation(self._may_start) as go:
+            if not go:
+                return False
+            prompts = self.loader.next_batch()
+            self._calls += 1
+        sampling = train_sampling(self.config, self._calls)
+        for i, chunk in enumerate(prompts.split(self.chunk)):
+            with self.gate.generation(lambda: not self._stop.is_set()) as go:
+                if not go:
+                    return False
+                version = self.version
+                gen = rollout.generate_sequences(chunk, chunk_sampling(sampling, i))
+            for samples in stamp_policy_version(gen, version).split(self.n):
+                if not self.buffer.put(PromptGroup(samples, version)):
+                    return False
+        return True
 
     def _may_start(self) -> bool:
         """Whether the next generation, trained after the ones before it, would be at most
@@ -299,9 +322,12 @@ class AsyncRollout:
                 "async/rollout_wait_frac": min((waited - waited_then) / wall, 1.0),
                 "async/dropped_groups": float(dropped - dropped_then)}
 
-    def update_weights(self, sync: Callable[[], Any], version: int) -> None:
-        """Push the actor's weights between two generations; later groups carry `version`."""
-        with self.gate.exclusive():
+    def update_weights(self, sync: Callable[[], Any], version: int, timer: Timer) -> None:
+        """Push the actor's weights between two generate calls (the wait for the one in flight is
+        the step's `weight_sync_wait` phase); later groups carry `version`."""
+        with ExitStack() as engine:
+            with timer.phase("weight_sync_wait"):
+                engine.enter_context(self.gate.exclusive())
             sync()
             self.version = version
 

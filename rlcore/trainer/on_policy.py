@@ -172,7 +172,7 @@ class OnPolicyTrainer:
                 critic_metrics = mean_over_ranks(self.critic.update_critic(gen, sampling.n))
         gen, actor_metrics = update_actor(self.groups, gen, timer, samples_per_prompt=sampling.n, on_policy=on_policy)
         if self.async_rollout is not None:
-            self.async_rollout.update_weights(lambda: sync_weights(self.groups, self.rollout_sleep, timer), self.step)
+            self.async_rollout.update_weights(lambda: sync_weights(self.groups, self.rollout_sleep, timer), self.step, timer)
         else:
             sync_weights(self.groups, self.rollout_sleep, timer)
         self.rollout_sleep.after_update({**critic_metrics, **actor_metrics})  # rollout.sleep=auto decides after step 1

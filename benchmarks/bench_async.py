@@ -18,7 +18,8 @@ share of the step, as on real models. `--model 5m` swaps the tiny example's poli
 parameter Llama of the same vocabulary (random weights: its answers are noise, the work is real).
 The sync run skips the old-log-prob pass by default (one mini-batch: exactly on-policy); the
 one-step run cannot; `--recompute always` makes both run it. In process, `async:S` runs
-`trainer.off_policy=async trainer.max_staleness=S actor.behaviour_correction=decoupled` (S = 1, 2).
+`trainer.off_policy=async trainer.max_staleness=S actor.behaviour_correction=decoupled` (S = 1, 2),
+`async:S:C` with `trainer.async_chunk_prompts=C` (a weight sync waits for C prompts' generation).
 "wait" is the share of step time the trainer spent in `time/generate` (sync: generating; one_step
 and async: waiting for samples).
 """
@@ -41,14 +42,17 @@ from rlcore.example import build_tiny_example
 
 # in process, one_step runs the rollout worker on a thread (the default) or in a child process
 # and async:S at trainer.max_staleness=S (in process only, for now)
-MODES = {"inprocess": ("sync", "one_step:thread", "one_step:process", "async:1", "async:2"), "ray": ("sync", "one_step")}
+MODES = {"inprocess": ("sync", "one_step:thread", "one_step:process", "async:1", "async:2", "async:2:4"),
+         "ray": ("sync", "one_step")}
 
 
 def mode_overrides(mode: str) -> list[str]:
     """The config overrides of a MODES entry."""
     off_policy, _, variant = mode.partition(":")
     if off_policy == "async":
-        return ["trainer.off_policy=async", f"trainer.max_staleness={variant}", "actor.behaviour_correction=decoupled"]
+        staleness, _, chunk = variant.partition(":")
+        return ["trainer.off_policy=async", f"trainer.max_staleness={staleness}", "actor.behaviour_correction=decoupled",
+                *([f"trainer.async_chunk_prompts={chunk}"] if chunk else [])]
     return [f"trainer.off_policy={off_policy}", f"trainer.overlap_with={variant or 'thread'}"]
 
 

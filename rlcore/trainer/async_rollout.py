@@ -232,7 +232,8 @@ class AsyncRollout:
         self.batch_groups = config.data.train_batch_size
         self.max_staleness = config.trainer.max_staleness
         self.chunk = config.trainer.async_chunk_prompts or self.batch_groups  # prompts per generate call
-        self.buffer = GroupBuffer(capacity=self.batch_groups)  # one step's groups; one more batch is in flight
+        # room for the steps the producer may run ahead (`_may_start` bounds it); one more call is in flight
+        self.buffer = GroupBuffer(capacity=self.batch_groups * max(1, self.max_staleness))
         self.gate = EngineGate()
         self.version = 0  # actor updates behind the engine's weights (changed under the gate)
         self._stop = threading.Event()

@@ -1,5 +1,5 @@
-"""Step throughput of GRPO, synchronous vs one-step off-policy (`trainer.off_policy`), in process
-and on Ray, with CPU seconds beside wall time.
+"""Step throughput of GRPO, synchronous vs one-step off-policy vs async (`trainer.off_policy`), in
+process and on Ray, with CPU seconds beside wall time.
 
     ./dev python benchmarks/bench_async.py [--backend inprocess|ray|both] [--rounds 2] [--steps 6]
         [--prompts 32] [--n 8] [--max-new-tokens 48] [--temperature 8] [--recompute auto|always]
@@ -17,7 +17,11 @@ heavier than the tiny recipe's (temperature 8, 48 new tokens: long responses) so
 share of the step, as on real models. `--model 5m` swaps the tiny example's policy for a ~5M
 parameter Llama of the same vocabulary (random weights: its answers are noise, the work is real).
 The sync run skips the old-log-prob pass by default (one mini-batch: exactly on-policy); the
-one-step run cannot; `--recompute always` makes both run it.
+one-step run cannot; `--recompute always` makes both run it. In process, `async:S` runs
+`trainer.off_policy=async trainer.max_staleness=S actor.behaviour_correction=decoupled` (S = 1, 2),
+`async:S:C` with `trainer.async_chunk_prompts=C` (a weight sync waits for C prompts' generation).
+"wait" is the share of step time the trainer spent in `time/generate` (sync: generating; one_step
+and async: waiting for samples).
 """
 
 from __future__ import annotations
@@ -37,7 +41,19 @@ from rlcore.config import load_config
 from rlcore.example import build_tiny_example
 
 # in process, one_step runs the rollout worker on a thread (the default) or in a child process
-MODES = {"inprocess": ("sync", "one_step:thread", "one_step:process"), "ray": ("sync", "one_step")}
+# and async:S at trainer.max_staleness=S (in process only, for now)
+MODES = {"inprocess": ("sync", "one_step:thread", "one_step:process", "async:1", "async:2", "async:2:4"),
+         "ray": ("sync", "one_step")}
+
+
+def mode_overrides(mode: str) -> list[str]:
+    """The config overrides of a MODES entry."""
+    off_policy, _, variant = mode.partition(":")
+    if off_policy == "async":
+        staleness, _, chunk = variant.partition(":")
+        return ["trainer.off_policy=async", f"trainer.max_staleness={staleness}", "actor.behaviour_correction=decoupled",
+                *([f"trainer.async_chunk_prompts={chunk}"] if chunk else [])]
+    return [f"trainer.off_policy={off_policy}", f"trainer.overlap_with={variant or 'thread'}"]
 
 
 def tree_cpu_s() -> float:
@@ -86,8 +102,7 @@ def run_one(backend: str, mode: str, args: argparse.Namespace) -> dict:
             f"rollout.max_new_tokens={args.max_new_tokens}", f"rollout.temperature={args.temperature}",
             "rollout.backend=hf", "trainer.val_before_train=false", "trainer.val_every=1000000",
             f"trainer.save_every={args.steps}", "trainer.loggers=[jsonl]", "trainer.device=cpu",
-            f"trainer.backend={backend}", f"trainer.off_policy={mode.split(':')[0]}",
-            f"trainer.overlap_with={mode.split(':')[1] if ':' in mode else 'thread'}",
+            f"trainer.backend={backend}", *mode_overrides(mode),
             f"actor.recompute_old_log_prob={args.recompute}",
             "health.enabled=false",  # random 5M weights: their entropy and KL mean nothing
         ]
@@ -111,6 +126,7 @@ def run_one(backend: str, mode: str, args: argparse.Namespace) -> dict:
         "phases": {k[5:-2]: statistics.mean(m.get(k, 0.0) for m in steady) for k in phases},
         "staleness_max": [m["rollout/staleness_max"] for m in history],
         "response_length": statistics.mean(m["response_length/mean"] for m in history),
+        "wait": statistics.mean(m.get("time/generate_s", 0.0) / m["time/step_s"] for m in steady),
     }
 
 
@@ -155,6 +171,7 @@ def main() -> None:
                 acc["staleness"] = r["staleness_max"]
                 acc.setdefault("phases", []).append(r["phases"])  # type: ignore[arg-type]
                 acc.setdefault("resp", []).append(r["response_length"])
+                acc.setdefault("wait", []).append(r["wait"])
 
     print(f"GRPO, {args.model} model: {args.prompts} prompts x {args.n} samples, max_new_tokens={args.max_new_tokens}, "
           f"temperature {args.temperature}, {args.steps} steps per run (first excluded), {args.rounds} interleaved rounds, "
@@ -170,13 +187,14 @@ def main() -> None:
             phases = {k: statistics.mean(p.get(k, 0.0) for p in r["phases"]) for k in r["phases"][0]}  # type: ignore[union-attr]
             shown = "  ".join(f"{k}={v:.2f}" for k, v in sorted(phases.items()) if v >= 0.005)
             print(f"  {mode:16s} median {wall:.3f} s wall, {cpu:.3f} CPU s per step (CPU/wall {cpu / wall:.2f}); staleness "
-                  f"{[int(s) for s in r['staleness']]}; mean response {statistics.mean(r['resp']):.1f} tokens")  # type: ignore[arg-type]
+                  f"{[int(s) for s in r['staleness']]}; mean response {statistics.mean(r['resp']):.1f} tokens; "  # type: ignore[arg-type]
+                  f"wait {statistics.mean(r['wait']):.2f}")  # type: ignore[arg-type]
             print(f"                   phases (s): {shown}")
         ws, cs = per["sync"]
         for mode in MODES[backend][1:]:
             wo, co = per[mode]
             print(f"  {mode} vs sync: {ws / wo:.2f}x steps/s (wall), {co / cs:.2f}x CPU s per step")
-    print("  (in one_step mode time/generate is only the wait the overlap did not hide)")
+    print("  (in one_step and async modes time/generate is only the wait the overlap did not hide)")
 
 
 if __name__ == "__main__":

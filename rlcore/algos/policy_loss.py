@@ -17,6 +17,7 @@ the trainer's old policy) multiply the per-token loss when given; they are treat
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Literal
 
 import torch
 
@@ -30,6 +31,8 @@ __all__ = [
     "policy_loss_names",
     "vanilla_policy_loss",
     "gspo_policy_loss",
+    "BehaviourCorrection",
+    "behaviour_weights",
 ]
 
 PolicyLoss = Callable[..., tuple[torch.Tensor, dict[str, torch.Tensor]]]
@@ -57,6 +60,27 @@ def get_policy_loss(name: str) -> PolicyLoss:
         return _LOSSES[name]
     except KeyError:
         raise ValueError(f"unknown policy loss {name!r}; known: {policy_loss_names()}") from None
+
+
+BehaviourCorrection = Literal["truncate", "decoupled"]
+
+
+def behaviour_weights(proximal_log_prob: torch.Tensor, behaviour_log_prob: torch.Tensor, mode: BehaviourCorrection,
+                      cap: float | None) -> torch.Tensor | None:
+    """Per-token importance weights w = pi_prox / pi_behav between the policy the clipped ratio is
+    taken against (``old_log_prob``: the current weights before the update) and the one that
+    generated the tokens (the rollout engine's log-probs, possibly several updates old), detached.
+
+    ``truncate`` (truncated importance sampling): ``min(w, cap)``; no weights (None) without a cap.
+    ``decoupled`` (AReaL's decoupled PPO, Fu et al. 2025, arXiv:2505.24298): ``w``, and 0 where
+    ``w > cap`` (such tokens are masked out of the loss rather than bounded); no cap: ``w`` as is.
+    Either multiplies the clipped surrogate of ratio pi / pi_prox token by token (``_finish``)."""
+    if mode == "truncate" and cap is None:
+        return None
+    w = torch.exp(torch.clamp(proximal_log_prob - behaviour_log_prob, max=20.0)).detach()
+    if cap is None:
+        return w
+    return w.clamp(max=cap) if mode == "truncate" else torch.where(w > cap, torch.zeros_like(w), w)
 
 
 def _finish(

@@ -87,10 +87,27 @@ def check_off_policy(config: ConfigTree) -> None:
     if config.trainer.off_policy != "sync" and not config.traits.generates:
         raise ValueError(f"trainer.off_policy={config.trainer.off_policy!r} is not supported by the "
                          f"{config.algorithm.name!r} control flow (no generation to overlap); use trainer.off_policy=sync")
-    if config.trainer.off_policy == "one_step" and config.rollout.sleep == "always":
-        raise ValueError("rollout.sleep=always with trainer.off_policy=one_step: the engine generates the "
+    mode = config.trainer.off_policy
+    if mode != "sync" and config.rollout.sleep == "always":
+        raise ValueError(f"rollout.sleep=always with trainer.off_policy={mode}: the engine generates the "
                          "next batch while the actor trains, so it cannot sleep then (each sleep would wait for that "
                          "generation and undo the overlap); unset one of them")
+    if mode == "async":
+        check_async(config)
+
+
+def check_async(config: ConfigTree) -> None:
+    """What the first, in-process async core does not run yet, refused rather than run wrongly."""
+    if config.trainer.backend != "inprocess":
+        raise ValueError(f"trainer.off_policy=async with trainer.backend={config.trainer.backend}: the async rollout "
+                         "runs in process only for now; use trainer.backend=inprocess or trainer.off_policy=one_step")
+    if config.trainer.overlap_with != "thread":
+        raise ValueError("trainer.overlap_with=process with trainer.off_policy=async: the async rollout generates on "
+                         "a thread of this process; use trainer.overlap_with=thread")
+    if "reward_baselines" in estimator_inputs(config.algorithm.adv_estimator):
+        raise ValueError(f"algorithm.adv_estimator={config.algorithm.adv_estimator!r} with trainer.off_policy=async: "
+                         "its greedy baseline is generated for the step's own prompts, which the async rollout "
+                         "chose earlier; use trainer.off_policy=sync or one_step")
 
 
 def check_validation_sampling(config: ConfigTree) -> None:

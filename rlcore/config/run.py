@@ -25,11 +25,20 @@ class TrainerConfig(Section):
     )
     device: Literal["auto", "cpu", "cuda"] = "auto"
     backend: Literal["inprocess", "ray"] = Field("inprocess", description="where workers run: this process, or Ray actors")
-    off_policy: Literal["sync", "one_step"] = Field(
+    off_policy: Literal["sync", "one_step", "async"] = Field(
         "sync",
         description="one_step: generate step k+1's samples (with the weights before step k's update, staleness 1) "
-        "while step k's update runs; GRPO and PPO (not DPO/KTO: nothing to overlap)",
+        "while step k's update runs; async: a rollout thread generates without stopping into a bounded buffer of "
+        "prompt groups, each step trains on the next groups at most trainer.max_staleness updates old (in process, "
+        "rlcore.trainer.async_rollout); GRPO and PPO (not DPO/KTO: nothing to overlap)",
     )
+    max_staleness: int = Field(
+        1, ge=0, description="trainer.off_policy=async: actor updates a sample's generating weights may lag the "
+        "weights it trains on (0: on-policy); older prompt groups are dropped and counted (async/dropped_groups)")
+    async_chunk_prompts: int | None = Field(
+        None, ge=1, description="trainer.off_policy=async: prompts per generate call (a step's batch is generated in "
+        "chunks of this many); new weights reach the engine between two calls, so a weight sync waits for one "
+        "chunk, not a whole batch. Default: the step's whole batch in one call")
     device_peak_tflops: float | None = Field(
         None, gt=0, description="dense peak TFLOP/s of one device at the compute dtype, for throughput/<phase>_mfu; "
         "default: detected for known NVIDIA GPUs (bf16 tensor-core peak, rlcore.flops), none on CPU (no MFU reported)")
@@ -46,6 +55,15 @@ class TrainerConfig(Section):
                                "RUN_DIR [--validation]` prints one. 0: none")
     trace_max_chars: int = Field(2000, ge=16, description="each text of a recorded conversation is cut to this many "
                                  "characters, after the secrets in it are redacted (rlcore.redact)")
+
+    @model_validator(mode="after")
+    def _check_max_staleness(self) -> TrainerConfig:
+        """Read only by the async mode: set with another it would change nothing."""
+        for key in ("max_staleness", "async_chunk_prompts"):
+            if self.off_policy != "async" and differs_from_default(self, key):
+                raise ValueError(f"{key} is set, but trainer.off_policy={self.off_policy!r} does not read it "
+                                 "(only trainer.off_policy=async)")
+        return self
 
     @model_validator(mode="after")
     def _check_trace(self) -> TrainerConfig:

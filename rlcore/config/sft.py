@@ -67,7 +67,7 @@ class SFTActorConfig(ActorConfig):
 
     RL_ONLY: ClassVar[tuple[str, ...]] = (
         "ppo_epochs", "ppo_mini_batch_size", "policy_loss", "clip_ratio_low", "clip_ratio_high", "clip_ratio_c",
-        "loss_agg_mode", "entropy_coeff", "use_kl_loss", "kl_loss_coef", "kl_loss_type", "tis_cap",
+        "loss_agg_mode", "entropy_coeff", "use_kl_loss", "kl_loss_coef", "kl_loss_type", "tis_cap", "behaviour_correction",
         "weight_sync_bucket_mb", "recompute_old_log_prob")
 
     optim: SFTOptimConfig = SFTOptimConfig()

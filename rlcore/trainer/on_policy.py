@@ -14,13 +14,16 @@ generation is launched as soon as step k's samples are in, so it runs while step
 recomputes log-probs and values and updates (see `Prefetcher`): in process on the rollout
 group's own thread, on Ray in the rollout worker's own process; the weight sync waits for it.
 Those samples are one update old; old log-probs and values come from the current actor and
-critic, so the clipped ratio and GAE see this step's models.
+critic, so the clipped ratio and GAE see this step's models. `trainer.off_policy=async`: a
+rollout thread generates without stopping into a bounded buffer of prompt groups and each step
+takes the next ones at most `trainer.max_staleness` updates old (see `AsyncRollout`).
 """
 
 from __future__ import annotations
 
 import time
 from collections.abc import Sequence
+from contextlib import AbstractContextManager, nullcontext
 from typing import Any
 
 import torch
@@ -28,6 +31,7 @@ import torch
 from rlcore.algos import advantage_estimator_inputs, compute_advantage, group_ids_from_uids, make_kl_controller
 from rlcore.config import Config
 from rlcore.protocol import Batch
+from rlcore.trainer.async_rollout import AsyncRollout
 from rlcore.trainer.baselines import greedy_reward_baselines
 from rlcore.trainer.groups import WorkerGroups, required
 from rlcore.trainer.health import HealthGuard
@@ -74,6 +78,7 @@ class OnPolicyTrainer:
             **({"reward_model": self.reward_model} if self.reward_model.enabled else {})})  # its running statistics
         self.rollout_sleep = RolloutSleep(self.groups, *sleep_mode(config))
         self.prefetcher = Prefetcher(config, self.groups, self.train_loader) if config.trainer.off_policy == "one_step" else None
+        self.async_rollout = AsyncRollout(config, self.groups, self.train_loader) if config.trainer.off_policy == "async" else None
         self.throughput = StepThroughput.of(config)
         self.log = StepLog(log_settings(config), self.run_dir, self.algorithm, self.groups, [self.health, *step_hooks])
         self.step = 0
@@ -83,9 +88,12 @@ class OnPolicyTrainer:
         cfg = self.config.trainer
         try:
             self.step = self.rollout_version = self.checkpoints.resume()
+            if self.async_rollout is not None:
+                self.async_rollout.start(self.rollout_version)
             with self.log:
                 if self.step == 0 and cfg.val_before_train and self.validator is not None:
-                    self.log.validation(0, self.validator.run(self.groups, 0, self.rollout_version), self.validator.samples)
+                    with self.engine_alone():
+                        self.log.validation(0, self.validator.run(self.groups, 0, self.rollout_version), self.validator.samples)
                 while self.step < cfg.total_steps:
                     self.step += 1
                     last = self.step == cfg.total_steps
@@ -95,24 +103,40 @@ class OnPolicyTrainer:
                     self.guard.check(metrics)
                     validation = None  # its per-sample records, for val_trace.jsonl
                     if self.validator is not None and (self.step % cfg.val_every == 0 or last):
-                        metrics.update(self.validator.run(self.groups, self.step, self.rollout_version))
+                        with self.engine_alone():
+                            metrics.update(self.validator.run(self.groups, self.step, self.rollout_version))
                         validation = self.validator.samples
                     self.log.step(self.step, metrics, trace, validation)
                     if self.step % cfg.save_every == 0 or last:
                         self.checkpoints.save(self.step)
+                        if self.async_rollout is not None:
+                            self.async_rollout.checkpoint_saved(self.step)
         finally:
-            self.groups.close()
+            try:
+                if self.async_rollout is not None:
+                    self.async_rollout.close()
+            finally:
+                self.groups.close()
         return self.log.history
 
-    def train_step(self, prompts: Batch) -> tuple[dict[str, Any], dict[str, Any]]:
+    def engine_alone(self) -> AbstractContextManager[Any]:
+        """The rollout engine to this thread alone (async: between two of the producer's generations)."""
+        return self.async_rollout.exclusive() if self.async_rollout is not None else nullcontext()
+
+    def train_step(self, prompts: Batch | None) -> tuple[dict[str, Any], dict[str, Any]]:
         """One step; returns its metrics and its trace (phase times, per-sample records)."""
         algo = self.config.algorithm
         timer = Timer()
         sampling = train_sampling(self.config, self.step)  # n: samples per prompt, for the generation and the updates
         # ReMax: each prompt's greedy-response score is its samples' baseline (engine still awake here)
-        baselines = greedy_reward_baselines(self.groups, prompts, sampling, timer) if self.greedy_baseline else None
+        baselines = greedy_reward_baselines(self.groups, prompts, sampling, timer) if self.greedy_baseline and prompts is not None else None
 
-        if self.prefetcher is not None:  # launched with this step's `train_sampling` too
+        async_metrics: dict[str, float] = {}
+        if self.async_rollout is not None:  # its own prompts, from the buffer
+            gen, async_metrics = self.async_rollout.next_batch(self.rollout_version, timer)
+        elif prompts is None:
+            raise RuntimeError("train_step needs prompts outside trainer.off_policy=async")
+        elif self.prefetcher is not None:  # launched with this step's `train_sampling` too
             gen = self.prefetcher.collect(prompts, self.step, self.rollout_version, timer)
             self.prefetcher.launch_next(self.step, self.rollout_version)
         else:
@@ -147,18 +171,26 @@ class OnPolicyTrainer:
             with timer.phase("update_critic"):
                 critic_metrics = mean_over_ranks(self.critic.update_critic(gen, sampling.n))
         gen, actor_metrics = update_actor(self.groups, gen, timer, samples_per_prompt=sampling.n, on_policy=on_policy)
-        sync_weights(self.groups, self.rollout_sleep, timer)
+        if self.async_rollout is not None:
+            self.async_rollout.update_weights(lambda: sync_weights(self.groups, self.rollout_sleep, timer), self.step, timer)
+        else:
+            sync_weights(self.groups, self.rollout_sleep, timer)
         self.rollout_sleep.after_update({**critic_metrics, **actor_metrics})  # rollout.sleep=auto decides after step 1
         self.rollout_version = self.step
 
         metrics = {**rl_batch_metrics(gen, timer, step=self.step, max_new_tokens=self.config.rollout.max_new_tokens),
                    **self.throughput.metrics(gen, timer, sampling.n),
                    **reward_metrics, **rm_metrics, **kl_metrics, **critic_metrics, **actor_metrics,
-                   **(baselines.metrics() if baselines is not None else {})}
+                   **(baselines.metrics() if baselines is not None else {}), **async_metrics}
+        if self.async_rollout is not None:
+            metrics.update(self.async_rollout.step_metrics(timer))
         return metrics, self.trace(gen, timer, sampling.n)
 
-    def next_prompts(self) -> Batch:
-        """This step's prompts: those a one-step prefetch already launched, else the loader's next batch."""
+    def next_prompts(self) -> Batch | None:
+        """This step's prompts: those a one-step prefetch already launched, else the loader's next
+        batch; None with `trainer.off_policy=async` (the rollout thread draws them)."""
+        if self.async_rollout is not None:
+            return None
         prefetched = self.prefetcher.prompts_for(self.step) if self.prefetcher is not None else None
         return prefetched if prefetched is not None else self.train_loader.next_batch()
 

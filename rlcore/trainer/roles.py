@@ -100,7 +100,8 @@ def placement(config: Config) -> Placement:
     groups: dict[str, RoleGroup] = {
         role: RoleGroup(workers[role][0], role_spec(config, role), workers[role][1], _size_key(config, role)) for role in present}
     t = config.trainer
-    overlap: Literal["none", "thread", "process"] = t.overlap_with if t.off_policy == "one_step" else "none"
+    # one_step or async: the rollout generates beside the update
+    overlap: Literal["none", "thread", "process"] = t.overlap_with if t.off_policy != "sync" else "none"
     return Placement(groups, t.backend, config.ray, config.lora_sync, overlap,
                      actor_is_reference=config.needs_reference and config.actor.lora.enabled)
 

@@ -62,8 +62,8 @@ def generate(groups: WorkerGroups, prompts: Batch, sampling: SamplingParams, pol
 def rollout_shares_gpu(config: Config) -> bool:
     """Whether the rollout engine shares a GPU with the actor while the actor trains: in-process on
     CUDA; on Ray, placed on one GPU pool, which includes colocating them in one process. Never in
-    one-step mode: the engine generates the next batch while the actor trains."""
-    if config.trainer.off_policy == "one_step":
+    one-step or async mode: the engine generates the next batch while the actor trains."""
+    if config.trainer.off_policy != "sync":
         return False
     if config.trainer.backend == "inprocess":
         return config.trainer.device == "cuda" or (config.trainer.device == "auto" and torch.cuda.is_available())
@@ -81,7 +81,8 @@ def sleep_mode(config: Config) -> tuple[SleepMode, str]:
     if mode != "auto":
         return mode, f"rollout.sleep={mode}" + (" (a no-op on a CPU: the engine's memory is host memory)" if rollout_on_cpu(config) else "")
     if not rollout_shares_gpu(config):
-        where = ("trainer.off_policy=one_step: it generates while the actor trains" if config.trainer.off_policy == "one_step"
+        where = (f"trainer.off_policy={config.trainer.off_policy}: it generates while the actor trains"
+                 if config.trainer.off_policy != "sync"
                  else "it runs on a CPU, where sleeping is a no-op" if rollout_on_cpu(config) else "it shares no GPU with the actor")
         return "never", f"rollout.sleep=auto: the engine stays awake: {where}"
     return "auto", "rollout.sleep=auto: step 1 sleeps the engine through the update and measures the update's peak"

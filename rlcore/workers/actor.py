@@ -18,7 +18,7 @@ from torch import nn
 
 from rlcore.algorithms import PreferenceObjective
 from rlcore.algos import agg_loss, get_policy_loss, kl_loss
-from rlcore.algos.policy_loss import PolicyLoss
+from rlcore.algos.policy_loss import PolicyLoss, behaviour_weights
 from rlcore.config import ActorConfig, RefConfig, RoleSpec, require_spec
 from rlcore.controller import Dispatch, Worker, register
 from rlcore.protocol import Batch
@@ -76,8 +76,8 @@ class PolicyObjective:
         logp, entropy = self.log_probs(self.model, mb, compute_entropy=cfg.entropy_coeff != 0 or self.old_from_current)
         old = logp.detach() if self.old_from_current else mb["old_log_probs"]
         is_weights = None
-        if cfg.tis_cap is not None and "rollout_log_probs" in mb:
-            is_weights = torch.exp(old - mb["rollout_log_probs"]).clamp(max=cfg.tis_cap).detach()
+        if "rollout_log_probs" in mb:
+            is_weights = behaviour_weights(old, mb["rollout_log_probs"], cfg.behaviour_correction, cfg.tis_cap)
         loss, pg_metrics = self.policy_loss(
             old,
             logp,

@@ -1,0 +1,382 @@
+"""`trainer.off_policy=async` (issue 42's in-process core): the bounded buffer of prompt groups,
+the gate between generation and weight syncs, the decoupled-PPO weights against a hand
+computation, the refusals at load, and a tiny GRPO run that writes the async metrics."""
+
+from __future__ import annotations
+
+import math
+import threading
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from tiny_runs import SCORE_IN_PROCESS  # tests/ is on sys.path
+
+from rlcore.algos.policy_loss import behaviour_weights, vanilla_policy_loss
+from rlcore.cli import CONFIG_DIR, tiny_example_overrides
+from rlcore.config import config_from_dict, load_config
+from rlcore.protocol import RIGHT_PAD, Batch
+from rlcore.tracking import read_jsonl
+from rlcore.trainer.async_rollout import BufferClosed, EngineGate, GroupBuffer, PromptGroup, join_generations
+from rlcore.trainer.run import make_trainer
+
+WAIT = 60.0  # generous: a slow machine is not a failure
+
+
+def _group(tag: int, version: int) -> PromptGroup:
+    return PromptGroup(Batch(tensors={"x": torch.full((2, 1), tag)}), version)
+
+
+def _tags(groups: list[PromptGroup]) -> list[int]:
+    return [int(g.samples.tensors["x"][0, 0]) for g in groups]
+
+
+def _in_thread(fn) -> tuple[threading.Thread, dict]:
+    out: dict = {}
+
+    def run() -> None:
+        try:
+            out["value"] = fn()
+        except BaseException as e:  # noqa: BLE001 - handed to the test
+            out["error"] = e
+
+    t = threading.Thread(target=run, daemon=True)
+    t.start()
+    return t, out
+
+
+# ----- the buffer ---------------------------------------------------------------------------------
+
+def test_put_blocks_while_full_and_a_take_lets_it_in():
+    buf = GroupBuffer(capacity=2)
+    assert buf.put(_group(0, 0)) and buf.put(_group(1, 0))
+    t, out = _in_thread(lambda: buf.put(_group(2, 0)))
+    t.join(0.2)
+    assert t.is_alive() and len(buf) == 2  # the bound holds: the third waits
+    assert _tags(buf.take(1, min_version=0)) == [0]
+    t.join(WAIT)
+    assert out == {"value": True} and len(buf) == 2
+    assert _tags(buf.take(2, min_version=0)) == [1, 2]  # first in, first out
+
+
+def test_take_drops_and_counts_groups_older_than_the_bound_and_keeps_order():
+    buf = GroupBuffer(capacity=8)
+    for tag, version in enumerate([0, 0, 1, 2, 1, 2]):
+        buf.put(_group(tag, version))
+    assert _tags(buf.take(3, min_version=1)) == [2, 3, 4]
+    assert buf.dropped == 2 and len(buf) == 1
+    assert _tags(buf.take(1, min_version=2)) == [5]
+    assert buf.dropped == 2
+
+
+def test_take_waits_for_enough_fresh_groups():
+    buf = GroupBuffer(capacity=4)
+    buf.put(_group(0, 3))
+    t, out = _in_thread(lambda: buf.take(2, min_version=3))
+    buf.put(_group(1, 2))  # too old: dropped, the take keeps waiting
+    t.join(0.2)
+    assert t.is_alive()
+    buf.put(_group(2, 3))
+    t.join(WAIT)
+    assert _tags(out["value"]) == [0, 2] and buf.dropped == 1
+
+
+def test_close_wakes_a_blocked_put_and_a_blocked_take_without_hanging():
+    full = GroupBuffer(capacity=1)
+    full.put(_group(0, 0))
+    putter, put_out = _in_thread(lambda: full.put(_group(1, 0)))
+    empty = GroupBuffer(capacity=1)
+    taker, take_out = _in_thread(lambda: empty.take(1, min_version=0))
+    full.close()
+    empty.close()
+    putter.join(WAIT)
+    taker.join(WAIT)
+    assert put_out == {"value": False}
+    assert isinstance(take_out["error"], BufferClosed)
+
+
+def test_a_producer_failure_reaches_the_trainer_as_the_cause():
+    buf = GroupBuffer(capacity=2)
+    buf.put(_group(0, 0))
+    boom = RuntimeError("engine fell over")
+    buf.close(boom)
+    with pytest.raises(BufferClosed) as caught:
+        buf.take(1, min_version=0)
+    assert caught.value.__cause__ is boom  # and nothing left is trained after a failure
+
+
+def test_a_waiting_weight_sync_goes_before_the_next_generation():
+    gate, order = EngineGate(), []
+    generating, release = threading.Event(), threading.Event()
+
+    def generate(tag: str, hold: threading.Event | None = None) -> None:
+        with gate.generation():
+            order.append(tag)
+            generating.set()
+            if hold is not None:
+                hold.wait(WAIT)
+
+    first, _ = _in_thread(lambda: generate("gen1", release))
+    assert generating.wait(WAIT)
+
+    def sync() -> None:
+        with gate.exclusive():
+            order.append("sync")
+
+    syncer, _ = _in_thread(sync)
+    while gate._waiting == 0:  # the sync is queued behind gen1 (waits on state, not on time)
+        syncer.join(0.01)
+    second, _ = _in_thread(lambda: generate("gen2"))
+    second.join(0.2)
+    assert order == ["gen1"]  # neither runs inside gen1; gen2 does not overtake the waiting sync
+    release.set()
+    for t in (first, syncer, second):
+        t.join(WAIT)
+    assert order == ["gen1", "sync", "gen2"]
+
+
+def test_a_generation_waits_until_it_may_start_and_wake_releases_it():
+    gate, allowed = EngineGate(), threading.Event()
+
+    def attempt() -> bool:
+        with gate.generation(allowed.is_set) as go:
+            return go
+
+    waiting, out = _in_thread(attempt)
+    waiting.join(0.2)
+    assert waiting.is_alive()  # not ready: the producer is max_staleness steps ahead
+    with gate.exclusive():  # a weight sync makes it ready; it re-checks when the sync is done
+        allowed.set()
+    waiting.join(WAIT)
+    assert out == {"value": True}
+    allowed.clear()
+    stopped, out = _in_thread(attempt)
+    gate.wake()  # the run ends
+    stopped.join(WAIT)
+    assert out == {"value": False}
+
+
+def test_generations_with_different_prompt_widths_join_left_padded():
+    pad = 9
+
+    def gen(prompt: list[list[int]], response: list[list[int]]) -> Batch:
+        p, r = torch.tensor(prompt), torch.tensor(response)
+        mask = torch.cat([(p != pad).long(), torch.ones_like(r)], dim=1)
+        return Batch(tensors={"prompts": p, "responses": r, "input_ids": torch.cat([p, r], 1), "attention_mask": mask,
+                              "position_ids": (mask.cumsum(1) - 1).clamp(min=0), "response_mask": torch.ones_like(r)},
+                     meta={"uid": np.array(["a"] * len(p), dtype=object)},
+                     info={RIGHT_PAD: {"responses": pad, "input_ids": pad, "response_mask": 0, "attention_mask": 0,
+                                       "position_ids": "edge"}})
+
+    joined = join_generations([gen([[5, 6]], [[7]]), gen([[9, 1, 2, 3]], [[4, 4]])])
+    assert joined.tensors["input_ids"].tolist() == [[9, 9, 5, 6, 7, 9], [9, 1, 2, 3, 4, 4]]
+    assert joined.tensors["attention_mask"].tolist() == [[0, 0, 1, 1, 1, 0], [0, 1, 1, 1, 1, 1]]
+    assert joined.tensors["position_ids"].tolist() == [[0, 0, 0, 1, 2, 2], [0, 0, 1, 2, 3, 4]]
+    assert joined.tensors["response_mask"].tolist() == [[1, 0], [1, 1]]
+
+
+# ----- the producer, with a stand-in engine (instant, or failing) -------------------------------
+
+class _Engine:
+    """Stands in for the rollout group: n one-token samples per prompt, instantly; counts calls."""
+
+    def __init__(self, n: int, error: Exception | None = None, hold: threading.Semaphore | None = None) -> None:
+        self.n, self.error, self.calls, self.hold, self.entered, self.seeds = n, error, 0, hold, 0, []
+
+    def generate_sequences(self, prompts: Batch, sampling) -> Batch:
+        self.entered += 1
+        if self.hold is not None:  # a generation in flight until the test lets it finish
+            assert self.hold.acquire(timeout=WAIT)
+        if self.error is not None:
+            raise self.error
+        self.calls += 1
+        self.seeds.append(sampling.seed)
+        rows = len(prompts) * self.n
+        return Batch(tensors={"prompts": torch.zeros(rows, 2, dtype=torch.long), "responses": torch.ones(rows, 1, dtype=torch.long)},
+                     meta={"uid": np.repeat(prompts.meta["uid"], self.n)})
+
+
+class _Loader:
+    def __init__(self) -> None:
+        self.drawn = 0
+
+    def next_batch(self) -> Batch:
+        self.drawn += 1
+        return Batch(tensors={"x": torch.zeros(2, 1)}, meta={"uid": np.array([f"{self.drawn}-a", f"{self.drawn}-b"], dtype=object)})
+
+
+def _producer(engine: _Engine, loader: _Loader, **trainer):
+    from types import SimpleNamespace
+
+    from rlcore.trainer.async_rollout import AsyncRollout
+
+    config = config_from_dict({**BASE, "data": {"train_files": ["t"], "train_batch_size": 2}, "rollout": {"n": engine.n},
+                               "actor": {"ppo_mini_batch_size": 2},
+                               "trainer": {"off_policy": "async", "total_steps": 10, "save_every": 10, **trainer}})
+    return AsyncRollout(config, SimpleNamespace(rollout=engine), loader)
+
+
+def _wait_until(condition, what: str) -> None:
+    deadline = time.monotonic() + WAIT
+    while not condition():
+        assert time.monotonic() < deadline, what
+        time.sleep(0.01)
+
+
+def test_the_producer_runs_max_staleness_steps_ahead_and_no_further():
+    from rlcore.trainer.metrics import Timer
+
+    engine, loader = _Engine(n=2), _Loader()
+    rollout = _producer(engine, loader, max_staleness=1)
+    rollout.start(0)
+    try:
+        batch, metrics = rollout.next_batch(0, Timer())
+        assert list(batch.meta["uid"]) == ["1-a", "1-a", "1-b", "1-b"] and metrics["async/staleness_0"] == 4
+        _wait_until(lambda: len(rollout.buffer) == 2, "the second generation in the buffer")
+        time.sleep(0.2)  # the buffer has room, but a third generation would be two updates old when trained
+        assert engine.calls == loader.drawn == 2
+        rollout.update_weights(lambda: None, 1, Timer())  # step 1's update reaches the engine
+        _wait_until(lambda: engine.calls == 3, "the third generation once the weights moved")
+        batch, metrics = rollout.next_batch(1, Timer())
+        assert list(batch.meta["uid"]) == ["2-a", "2-a", "2-b", "2-b"] and metrics["async/staleness_1"] == 4
+    finally:
+        rollout.close()  # returns although the producer waits for the gate: no hang
+
+
+def test_chunks_of_a_step_take_the_weights_pushed_between_them():
+    """async_chunk_prompts=1: the sync waits for one prompt's generation, not the step's, and the
+    step's second group comes from the new weights."""
+    from rlcore.trainer.metrics import Timer
+
+    hold = threading.Semaphore(0)
+    engine = _Engine(n=2, hold=hold)
+    rollout = _producer(engine, _Loader(), async_chunk_prompts=1)
+    rollout.start(0)
+    try:
+        _wait_until(lambda: engine.entered == 1, "the first chunk in flight")
+        syncer, _ = _in_thread(lambda: rollout.update_weights(lambda: None, 1, Timer()))
+        _wait_until(lambda: rollout.gate._waiting == 1, "the sync queued behind the chunk")
+        hold.release(2)  # the first chunk finishes; the sync goes before the second
+        syncer.join(WAIT)
+        batch, metrics = rollout.next_batch(1, Timer())
+        assert list(batch.meta["policy_version"]) == [0, 0, 1, 1]
+        assert metrics["async/staleness_1"] == metrics["async/staleness_0"] == 2
+        assert engine.seeds[0] != engine.seeds[1]  # each chunk draws its own stream
+    finally:
+        hold.release(100)
+        rollout.close()
+
+
+def test_a_failing_engine_stops_the_step_with_its_own_error():
+    from rlcore.trainer.metrics import Timer
+
+    rollout = _producer(_Engine(n=2, error=ValueError("engine fell over")), _Loader())
+    rollout.start(0)
+    try:
+        with pytest.raises(ValueError, match="engine fell over"):
+            rollout.next_batch(0, Timer())
+    finally:
+        rollout.close()
+
+
+# ----- the loss correction ------------------------------------------------------------------------
+
+def test_behaviour_weights_by_hand():
+    prox = torch.tensor([[math.log(0.5), math.log(0.2), math.log(0.9)]])
+    behav = torch.tensor([[math.log(0.25), math.log(0.4), math.log(0.3)]])  # w = 2, 0.5, 3
+    assert torch.allclose(behaviour_weights(prox, behav, "decoupled", None), torch.tensor([[2.0, 0.5, 3.0]]))
+    assert torch.allclose(behaviour_weights(prox, behav, "decoupled", 2.5), torch.tensor([[2.0, 0.5, 0.0]]))  # dropped
+    assert torch.allclose(behaviour_weights(prox, behav, "truncate", 2.5), torch.tensor([[2.0, 0.5, 2.5]]))  # bounded
+    assert behaviour_weights(prox, behav, "truncate", None) is None  # as before: no tis_cap, no weights
+
+
+def test_decoupled_objective_matches_a_hand_computation():
+    """AReaL's decoupled PPO on three tokens: -w * min(r A, clip(r) A), r = pi / pi_prox, w = pi_prox / pi_behav."""
+    prox = torch.log(torch.tensor([[0.5, 0.2, 0.9]]))
+    behav = torch.log(torch.tensor([[0.25, 0.4, 0.3]]))  # w = 2, 0.5, 3 -> capped at 2.5: 2, 0.5, 0
+    pi = torch.log(torch.tensor([[0.6, 0.2, 0.45]]))  # r = 1.2, 1.0, 0.5
+    adv = torch.tensor([[1.0, -1.0, 1.0]])
+    w = behaviour_weights(prox, behav, "decoupled", 2.5)
+    loss, _ = vanilla_policy_loss(prox, pi, adv, torch.ones(1, 3), clip_ratio_low=0.2, clip_ratio_high=0.1,
+                                  rollout_is_weights=w, loss_agg_mode="token-mean")
+    # token 1: A=1, r=1.2 clipped to 1.1 -> -1.1 * w 2 = -2.2; token 2: A=-1, r=1 -> 1 * 0.5 = 0.5;
+    # token 3: weight 0 -> 0; token-mean over 3 tokens
+    assert loss.item() == pytest.approx((-2.2 + 0.5 + 0.0) / 3, abs=1e-5)
+
+
+# ----- refused at load ----------------------------------------------------------------------------
+
+BASE = {"model": {"path": "m"}, "data": {"train_files": ["t"]}}
+
+
+def _load(**sections) -> None:
+    tree = {**BASE, **sections}
+    tree["trainer"] = {"off_policy": "async", **sections.get("trainer", {})}
+    config_from_dict(tree)
+
+
+@pytest.mark.parametrize(("sections", "message"), [
+    ({"algorithm": {"name": "dpo"}}, r"trainer\.off_policy='async' is not supported by the 'dpo'"),
+    ({"rollout": {"sleep": "always"}}, r"rollout\.sleep=always with trainer\.off_policy=async"),
+    ({"rollout": {"free_memory_when_idle": True}}, r"rollout\.sleep=always with trainer\.off_policy=async"),
+    ({"algorithm": {"adv_estimator": "remax"}}, r"algorithm\.adv_estimator='remax' with trainer\.off_policy=async"),
+    ({"trainer": {"backend": "ray"}}, r"trainer\.off_policy=async with trainer\.backend=ray"),
+    ({"trainer": {"overlap_with": "process"}}, r"trainer\.overlap_with=process with trainer\.off_policy=async"),
+    ({"trainer": {"max_staleness": -1}}, r"max_staleness"),
+])
+def test_async_is_refused_at_load_naming_the_key(sections, message):
+    with pytest.raises(ValueError, match=message):
+        _load(**sections)
+
+
+def test_max_staleness_without_async_is_refused():
+    with pytest.raises(ValueError, match=r"max_staleness is set, but trainer\.off_policy='one_step' does not read it"):
+        config_from_dict({**BASE, "trainer": {"off_policy": "one_step", "max_staleness": 2}})
+    with pytest.raises(ValueError, match=r"async_chunk_prompts is set, but trainer\.off_policy='sync' does not read it"):
+        config_from_dict({**BASE, "trainer": {"async_chunk_prompts": 2}})
+
+
+# ----- a tiny run ---------------------------------------------------------------------------------
+
+PROMPTS, N = 4, 4
+
+
+def _async_config(example, out: Path, steps: int):
+    return load_config(CONFIG_DIR / "tiny_grpo.yaml", tiny_example_overrides(example, str(out)) + [
+        f"data.train_batch_size={PROMPTS}", "actor.ppo_mini_batch_size=4", f"rollout.n={N}", "data.val_batch_size=64",
+        f"trainer.total_steps={steps}", "trainer.save_every=2", "trainer.val_every=100", "trainer.loggers=[jsonl]",
+        "trainer.val_before_train=false", "trainer.off_policy=async", "trainer.max_staleness=1", "trainer.async_chunk_prompts=2",
+        "actor.behaviour_correction=decoupled", "actor.tis_cap=5", SCORE_IN_PROCESS])
+
+
+def _prompts_per_step(run: Path) -> list[set[str]]:
+    return [{s["uid"] for s in rec["samples"]} for rec in read_jsonl(run / "trace.jsonl")]
+
+
+@pytest.mark.slow
+def test_a_tiny_async_grpo_run_trains_within_the_staleness_bound_logs_it_and_resumes_exactly(tiny_example, tmp_path):
+    steps = 4
+    make_trainer(_async_config(tiny_example, tmp_path / "straight", steps)).fit()
+    records = [r for r in read_jsonl(tmp_path / "straight" / "metrics.jsonl") if r["step"] > 0]
+    assert [r["step"] for r in records] == list(range(1, steps + 1))
+    for r in records:
+        assert r["async/staleness_0"] + r["async/staleness_1"] == PROMPTS * N  # every sample within the bound
+        assert 0 <= r["rollout/staleness_max"] <= 1
+        assert 0 <= r["async/trainer_wait_frac"] <= 1 and 0 <= r["async/rollout_wait_frac"] <= 1
+        assert r["async/buffer_depth"] >= 0
+        assert math.isfinite(r["actor/pg_loss"])
+    assert sum(r["async/dropped_groups"] for r in records) == 0  # the producer never runs further ahead than the bound
+    # step 1 and the step after the checkpoint at 2 generate on the weights they train from
+    assert [r["async/staleness_0"] for r in records[::2]] == [PROMPTS * N] * 2
+    # steps 2 and 4 were generated while the step before trained (unless the thread lost that race twice)
+    assert records[1]["async/staleness_1"] + records[3]["async/staleness_1"] > 0
+    straight = _prompts_per_step(tmp_path / "straight")
+    assert [len(u) for u in straight] == [PROMPTS] * steps  # whole groups: n samples of each prompt
+    assert len(set().union(*straight)) == steps * PROMPTS  # no prompt trained twice
+
+    # stopped after the checkpoint at step 2 and resumed: the same prompts for the same steps
+    make_trainer(_async_config(tiny_example, tmp_path / "resumed", 2)).fit()
+    make_trainer(_async_config(tiny_example, tmp_path / "resumed", steps)).fit()
+    assert _prompts_per_step(tmp_path / "resumed") == straight

@@ -78,15 +78,28 @@ class Postgres:
         return f"postgresql+{driver}://{ROLE}@127.0.0.1:{self.port}/{database}"
 
 
-def _as_postgres_user() -> dict[str, object]:
-    """Popen's arguments that drop root to the `postgres` user (nothing when not root)."""
-    if os.geteuid() != 0:
-        return {}
-    try:
-        user = pwd.getpwnam("postgres")
-    except KeyError as exc:
-        raise RuntimeError(f"running as root and there is no `postgres` system user: {INSTALL_HINT}") from exc
-    return {"user": user.pw_uid, "group": user.pw_gid, "extra_groups": []}
+@dataclasses.dataclass(frozen=True)
+class RunAs:
+    """Who PostgreSQL's programs run as: the `postgres` user when this process is root (PostgreSQL
+    refuses root), else this process's own user (all None: Popen changes nothing)."""
+
+    user: int | None = None
+    group: int | None = None
+    extra_groups: list[int] | None = None
+
+    @staticmethod
+    def for_postgres() -> RunAs:
+        if os.geteuid() != 0:
+            return RunAs()
+        try:
+            user = pwd.getpwnam("postgres")
+        except KeyError as exc:
+            raise RuntimeError(f"running as root and there is no `postgres` system user: {INSTALL_HINT}") from exc
+        return RunAs(user.pw_uid, user.pw_gid, [])
+
+    def own(self, path: Path) -> None:
+        if self.user is not None and self.group is not None:
+            os.chown(path, self.user, self.group)
 
 
 @contextlib.contextmanager
@@ -94,27 +107,26 @@ def postgres_cluster(databases: tuple[str, ...] = ("prefect", "mlflow"), log_dir
     """initdb + postgres on 127.0.0.1 (a free port) with `databases` created; everything removed on
     exit. The server's log is copied to `log_dir` (when given) on exit, for a test to read."""
     bin_dir = pg_bin_dir()
-    drop = _as_postgres_user()
+    who = RunAs.for_postgres()
     root = Path(tempfile.mkdtemp(prefix="rlcore-pg-", dir="/tmp"))  # short: a unix socket path fits 107 bytes
-    if drop:
-        os.chown(root, drop["user"], drop["group"])  # type: ignore[arg-type]
+    who.own(root)
     data, log = root / "data", root / "server.log"
     env = dict(os.environ, LC_ALL="C.UTF-8", TZ="UTC")
     proc: subprocess.Popen | None = None
     try:
         done = subprocess.run([str(bin_dir / "initdb"), "-D", str(data), "-U", ROLE, "--auth=trust", "-E", "UTF8",
                                "--no-sync", "--no-instructions"], env=env, capture_output=True, text=True,
-                              timeout=scaled(120), **drop)  # type: ignore[call-overload]
+                              timeout=scaled(120), user=who.user, group=who.group, extra_groups=who.extra_groups)
         if done.returncode != 0:
             raise RuntimeError(f"initdb failed ({done.returncode}): {done.stderr.strip()[-2000:]}")
         port = free_port()
         with open(log, "w") as out:
-            if drop:
-                os.chown(log, drop["user"], drop["group"])  # type: ignore[arg-type]
+            who.own(log)
             proc = subprocess.Popen([str(bin_dir / "postgres"), "-D", str(data), "-p", str(port), "-k", str(root),
                                      "-c", "listen_addresses=127.0.0.1", "-c", "fsync=off", "-c", "max_connections=200",
                                      "-c", "log_min_messages=warning"],
-                                    env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True, **drop)  # type: ignore[call-overload]
+                                    env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True,
+                                    user=who.user, group=who.group, extra_groups=who.extra_groups)
         cluster = Postgres(port, root, log)
         _wait_ready(bin_dir, cluster, proc)
         for name in databases:
@@ -135,8 +147,9 @@ def postgres_cluster(databases: tuple[str, ...] = ("prefect", "mlflow"), log_dir
 
 
 def _psql(bin_dir: Path, cluster: Postgres, sql: str, database: str = "postgres") -> str:
-    done = subprocess.run([str(bin_dir / "psql"), "-h", str(cluster.socket_dir), "-p", str(cluster.port), "-U", ROLE, "-d", database,
-                           "-v", "ON_ERROR_STOP=1", "-Atc", sql], capture_output=True, text=True, timeout=scaled(60))
+    done = subprocess.run([str(bin_dir / "psql"), "-h", str(cluster.socket_dir), "-p", str(cluster.port), "-U", ROLE,
+                           "-d", database, "-v", "ON_ERROR_STOP=1", "-Atc", sql],
+                          capture_output=True, text=True, timeout=scaled(60))
     if done.returncode != 0:
         raise RuntimeError(f"psql {sql!r}: {done.stderr.strip()}")
     return done.stdout

@@ -108,4 +108,4 @@ def test_a_served_run_completes_with_both_stores_in_postgresql(servers: Servers,
         stages = {r.data.tags.get("rlcore.stage"): r.info.status for r in runs}
         assert stages.get("pipeline") == "FINISHED" and stages.get("train") == "FINISHED", stages
         version = client.get_model_version_by_alias("rlcore-tiny", "champion")
-        assert version.version == "1" and version.run_id in {r.info.run_id for r in runs}
+        assert str(version.version) == "1" and version.run_id in {r.info.run_id for r in runs}

@@ -174,10 +174,13 @@ def _wait_ready(bin_dir: Path, cluster: Postgres, proc: subprocess.Popen) -> Non
 def pg_cluster_fixture(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Postgres]:
     """A PostgreSQL cluster for a test file, with databases `prefect` and `mlflow`. Fails (not
     skips) where the binaries are missing, naming the package to install."""
+    missing = None
     try:
         pg_bin_dir()
     except RuntimeError as err:
-        pytest.fail(str(err), pytrace=False)
+        missing = str(err)
+    if missing:  # outside the except: the one line, not a chained traceback
+        pytest.fail(missing, pytrace=False)
     with postgres_cluster(log_dir=tmp_path_factory.mktemp("postgres")) as cluster:
         yield cluster
 

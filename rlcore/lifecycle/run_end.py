@@ -1,15 +1,17 @@
 """A pipeline run that did not complete, recorded once, by whoever outlives it: every MLflow run it
-left open ends FAILED (the run raised) or KILLED (it crashed: its process was killed or died) with
-the reason, and the webhook gets one `failed` or `crashed` notification whose `id` is
+left open ends FAILED (the run raised) or KILLED (it crashed or was cancelled: its process was
+killed, died or was stopped) with the reason, and the webhook gets one `failed`, `crashed` or
+`cancelled` notification (the event names the run's final Prefect state) whose `id` is
 "<flow run id>:<event>".
 
 `rl_pipeline` calls `run_ended` from its Prefect hooks: `on_failure` in the flow-run process,
 `on_crashed` in the serving process (Prefect's runner, when the run's process exited without a
-final state) or in the run's own process (interrupted: SIGTERM, Ctrl-C); `on_cancellation` ends
-the MLflow runs of a cancelled run (KILLED) without a notification. A run whose serving
-process died with it is marked crashed and notified by the Prefect server
-(`rlcore.lifecycle.automations`); its MLflow runs are ended by the next `pipeline serve`
-(`end_runs_of_finished_flow_runs`).
+final state) or in the run's own process (interrupted: SIGTERM, Ctrl-C; or orphaned: its serving
+process died, `rlcore.lifecycle.automations.ServeWatch`); `on_cancellation` in the serving process
+(a cancel from the UI/API, or `pipeline serve` stopped by SIGINT/SIGTERM: Prefect's runner cancels
+the runs it has). A run whose serving process died with it (the whole machine) is marked crashed
+and notified by the Prefect server (`rlcore.lifecycle.automations`); its MLflow runs are ended by
+the next `pipeline serve` (`end_runs_of_finished_flow_runs`).
 """
 
 from __future__ import annotations
@@ -24,7 +26,14 @@ log = logging.getLogger(__name__)
 
 RunEnd = Literal["failed", "crashed", "cancelled"]
 MLFLOW_STATUS: dict[RunEnd, str] = {"failed": "FAILED", "crashed": "KILLED", "cancelled": "KILLED"}
-NOTIFIED: tuple[RunEnd, ...] = ("failed", "crashed")  # a cancelled run was stopped on purpose: no alert
+NOTIFIED: tuple[RunEnd, ...] = ("failed", "crashed", "cancelled")  # one notification per run that did not complete
+_why_crashed: list[str] = []  # set in a run's own process by `orphaned`: what Prefect's crash message leaves out
+
+
+def orphaned(why: str) -> None:
+    """This flow-run process is about to crash itself because `why` (its serving process died):
+    said in the reason its MLflow runs and the notification carry."""
+    _why_crashed.append(why)
 
 
 def notification_id(flow_run_id: str, event: str) -> str:
@@ -68,7 +77,7 @@ def run_ended(flow_run: Any, state: Any, event: RunEnd, detected_by: str) -> Non
                 name = client.read_flow_run(flow_run.id).name
         except Exception:  # noqa: BLE001
             name = flow_run.name
-        reason = state.message or state.name
+        reason = " ".join([state.message or state.name or event, *(_why_crashed if event == "crashed" else [])])
         config = config_of(dict(flow_run.parameters or {}))
         if config is None:
             return

@@ -23,9 +23,9 @@ reach the automation after the countdown (the automation then failed: "already i
 state COMPLETED"); our own event follows nothing and is evaluated on arrival.
 
 A served run also watches its serving process (`ServeWatch`): when that dies (SIGKILL, the OOM
-killer), the run ends itself at once, Crashed, and reports that itself (one `crashed`, its MLflow
-runs KILLED), instead of running on as an orphan until a write to the dead process's pipe kills
-it. It ignores SIGINT: a Ctrl-C in `serve`'s terminal reaches the whole process group, and it is
+killer), the run ends itself within a second, Crashed, and reports that itself (one `crashed`, its
+MLflow runs KILLED), instead of running on as an orphan until a write to the dead process's pipe
+kills it. It ignores SIGINT: a Ctrl-C in `serve`'s terminal reaches the whole process group, and it is
 `serve`'s to stop its runs (Cancelled, through Prefect's runner), not each run's to crash.
 Prefect's own flow-run heartbeats are not used for this: its engine may deliver one after the
 run's final state (PrefectHQ/prefect#20887, #21932), which restarts the countdown and has the
@@ -99,6 +99,16 @@ def heartbeat_interval() -> float | None:
     return float(value) if value else None
 
 
+def pipeline_event(name: str, flow_run_id: str, deployment_id: str) -> dict[str, object]:
+    """An rlcore event about one flow run of a deployment, as the server's `/events` takes it."""
+    from prefect.events import Event, RelatedResource
+
+    deployment = RelatedResource({"prefect.resource.id": f"prefect.deployment.{deployment_id}",
+                                  "prefect.resource.role": "deployment"})
+    return Event(event=name, resource={"prefect.resource.id": f"prefect.flow-run.{flow_run_id}"},
+                 related=[deployment]).model_dump(mode="json")
+
+
 class Heartbeat:
     """`rlcore.pipeline.heartbeat` events for one flow run of a deployment, from a daemon thread,
     every `interval_s` seconds while the context is open. Each event is a POST to the server's
@@ -115,12 +125,7 @@ class Heartbeat:
         self._thread = threading.Thread(target=self._run, name="rlcore-heartbeat", daemon=True)
 
     def event(self, name: str = HEARTBEAT_EVENT) -> dict[str, object]:
-        from prefect.events import Event, RelatedResource
-
-        deployment = RelatedResource({"prefect.resource.id": f"prefect.deployment.{self.deployment_id}",
-                                      "prefect.resource.role": "deployment"})
-        return Event(event=name, resource={"prefect.resource.id": f"prefect.flow-run.{self.flow_run_id}"},
-                     related=[deployment]).model_dump(mode="json")
+        return pipeline_event(name, self.flow_run_id, self.deployment_id)
 
     def beat(self, client: SyncPrefectClient) -> None:
         try:
@@ -156,16 +161,20 @@ class Heartbeat:
 
 class ServeWatch:
     """While open, a daemon thread checks every `interval_s` that this flow-run process's parent
-    (the `pipeline serve` that started it) lives. When it has died, this process ends itself as
-    crashed and reports it: Prefect's runner, which would have, died with the parent. Its output
-    goes to /dev/null first (it was a pipe to the dead process: the next write would kill the run
-    with a BrokenPipeError), crash handling is handed back to this process's engine
-    (`PREFECT__ENABLE_CANCELLATION_AND_CRASHED_HOOKS`, which the runner had turned off for its
-    children), and a SIGTERM to itself makes the engine mark the run Crashed and run `on_crashed`
-    here (`rlcore.lifecycle.run_end`). Also ignores SIGINT while open (see the module's doc)."""
+    (the `pipeline serve` that started it) lives. When it has died, this process ends its run
+    itself, from that thread, and exits: Prefect's runner, which would have reported the run, died
+    with the parent (and had turned off crash handling in this process). In order: its output goes
+    to `orphaned-run-<flow run id>.log` in the working folder (it was a pipe to the dead process:
+    the next write would kill the run with a BrokenPipeError), the run is set Crashed with the
+    reason, `rlcore.pipeline.ended` closes its liveness countdown, `run_end` ends its MLflow runs
+    KILLED and notifies `crashed` once, then its child processes are killed and it exits. Done
+    from the thread, not by a signal to the main thread, so a run blocked in native code ends as
+    promptly. Also ignores SIGINT while open (see the module's doc)."""
 
-    def __init__(self, serve_pid: int, interval_s: float = 0.5) -> None:
+    def __init__(self, serve_pid: int, flow_run_id: str, deployment_id: str, interval_s: float = 0.5) -> None:
         self.serve_pid = serve_pid
+        self.flow_run_id = flow_run_id
+        self.deployment_id = deployment_id
         self.interval_s = interval_s
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="rlcore-serve-watch", daemon=True)
@@ -181,25 +190,42 @@ class ServeWatch:
                 return
 
     def _end_orphaned_run(self) -> None:
-        import signal
+        out = os.open(f"orphaned-run-{self.flow_run_id}.log", os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+        for fd in (1, 2):
+            os.dup2(out, fd)
+        os.close(out)
+        try:
+            self._report_crash()
+        finally:
+            _kill_children()
+            os._exit(1)
+
+    def _report_crash(self) -> None:
+        from uuid import UUID
+
+        from prefect.client.orchestration import get_client
+        from prefect.states import Crashed
 
         from rlcore.lifecycle import run_end
 
-        devnull = os.open(os.devnull, os.O_WRONLY)
-        for fd in (1, 2):
-            os.dup2(devnull, fd)
-        os.close(devnull)
-        run_end.orphaned(f"its serving process (pid {self.serve_pid}) died")
-        os.environ["PREFECT__ENABLE_CANCELLATION_AND_CRASHED_HOOKS"] = "true"
-        os.kill(os.getpid(), signal.SIGTERM)
+        message = (f"rlcore: the serving process (pid {self.serve_pid}) died; the run's process (pid {os.getpid()}) "
+                   "ended itself")
+        log.error("%s", message)
+        state = Crashed(message=message)
+        with get_client(sync_client=True) as client:
+            flow_run = client.read_flow_run(UUID(self.flow_run_id))
+            client.set_flow_run_state(flow_run.id, state, force=True)
+            try:
+                client.request("POST", "/events", json=[pipeline_event(ENDED_EVENT, self.flow_run_id, self.deployment_id)])
+            except Exception as err:  # noqa: BLE001 - the Crashed state closes it too, later
+                log.warning("rlcore: end of flow run %s not sent: %s", self.flow_run_id, err)
+        run_end.run_ended(flow_run, state, "crashed", "flow")
 
     def __enter__(self) -> ServeWatch:
         import signal
 
         if threading.current_thread() is threading.main_thread():
             self._sigint = signal.signal(signal.SIGINT, signal.SIG_IGN)
-        if not self.serve_alive():  # it died before this run got here
-            self._end_orphaned_run()
         self._thread.start()
         return self
 
@@ -209,6 +235,15 @@ class ServeWatch:
         self._stop.set()
         if self._sigint is not None:
             signal.signal(signal.SIGINT, self._sigint)  # type: ignore[arg-type]
+
+
+def _kill_children() -> None:
+    """SIGKILL every process this one started (and theirs): none outlives the run."""
+    import psutil
+
+    for child in psutil.Process().children(recursive=True):
+        with contextlib.suppress(psutil.Error):
+            child.kill()
 
 
 def served_heartbeat() -> contextlib.AbstractContextManager[object]:
@@ -223,7 +258,7 @@ def served_heartbeat() -> contextlib.AbstractContextManager[object]:
     if not flow_run.id or not deployment.id:
         return stack
     if serve_pid:
-        stack.enter_context(ServeWatch(int(serve_pid)))
+        stack.enter_context(ServeWatch(int(serve_pid), str(flow_run.id), str(deployment.id)))
     if interval is not None:
         stack.enter_context(Heartbeat(str(flow_run.id), str(deployment.id), interval))
     return stack

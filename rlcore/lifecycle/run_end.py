@@ -27,13 +27,6 @@ log = logging.getLogger(__name__)
 RunEnd = Literal["failed", "crashed", "cancelled"]
 MLFLOW_STATUS: dict[RunEnd, str] = {"failed": "FAILED", "crashed": "KILLED", "cancelled": "KILLED"}
 NOTIFIED: tuple[RunEnd, ...] = ("failed", "crashed", "cancelled")  # one notification per run that did not complete
-_why_crashed: list[str] = []  # set in a run's own process by `orphaned`: what Prefect's crash message leaves out
-
-
-def orphaned(why: str) -> None:
-    """This flow-run process is about to crash itself because `why` (its serving process died):
-    said in the reason its MLflow runs and the notification carry."""
-    _why_crashed.append(why)
 
 
 def notification_id(flow_run_id: str, event: str) -> str:
@@ -77,7 +70,7 @@ def run_ended(flow_run: Any, state: Any, event: RunEnd, detected_by: str) -> Non
                 name = client.read_flow_run(flow_run.id).name
         except Exception:  # noqa: BLE001
             name = flow_run.name
-        reason = " ".join([state.message or state.name or event, *(_why_crashed if event == "crashed" else [])])
+        reason = state.message or state.name or event
         config = config_of(dict(flow_run.parameters or {}))
         if config is None:
             return

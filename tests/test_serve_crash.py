@@ -111,6 +111,11 @@ def oom_victim(root: psutil.Process) -> psutil.Process:
     return max(root.children(recursive=True), key=score)
 
 
+def ends(receiver: Receiver, run_id: str) -> list[dict]:
+    """The notifications about how a run ended (not its `promoted` and the like)."""
+    return [n for n in receiver.about(run_id) if n["event"] in EVENT_OF.values()]
+
+
 def closed_once(kind: str, api: str, receiver: Receiver, run_id: str, since: float, procs: list[psutil.Process],
                 work: Path, expect_state: str | None = None) -> dict:
     """The run ended badly exactly once: its final state, one notification naming it, its MLflow
@@ -118,7 +123,7 @@ def closed_once(kind: str, api: str, receiver: Receiver, run_id: str, since: flo
     reason, all within CLOSE_BOUND_S of `since`; and none of `procs` (the run's process tree) left."""
     def closed():
         state = (flow_run(api, run_id).get("state") or {}).get("type")
-        if state not in EVENT_OF or not receiver.about(run_id):
+        if state not in EVENT_OF or not ends(receiver, run_id):
             return None
         runs = [r for r in mlflow_runs(work, run_id) if r.data.tags.get("rlcore.stage") != "data_prep"]
         return state if runs and all(r.info.status != "RUNNING" for r in runs) else None
@@ -134,7 +139,7 @@ def closed_once(kind: str, api: str, receiver: Receiver, run_id: str, since: flo
     wait_for(f"{kind}: the run's processes to exit", lambda: not alive(procs), 60, interval=1)
     left = [p.pid for p in alive(procs)]
     time.sleep(SETTLE_S)  # a repeat notification would have arrived by now (seen: within 2 s)
-    notes = receiver.about(run_id)
+    notes = ends(receiver, run_id)
     runs = [r for r in mlflow_runs(work, run_id) if r.data.tags.get("rlcore.stage") != "data_prep"]
     report = {"kind": kind, "notifications": [(n["event"], n["detected_by"]) for n in notes], "state": state,
               "mlflow": [(r.data.tags["rlcore.stage"], r.info.status, r.data.tags.get("failure")) for r in runs],
@@ -222,7 +227,7 @@ def test_a_ctrl_c_or_sigterm_of_serve_cancels_its_runs_once_and_completed_cron_r
 
         cron = wait_for("a cron run to complete", cron_completed, 400, procs=[serve], interval=2,
                         progress=tree_progress(work, log))
-        assert receiver.about(cron["id"]) == []
+        assert ends(receiver, cron["id"]) == []
 
         # Ctrl-C in serve's terminal: SIGINT to its whole process group, its runs included.
         first = start_long_run(api, dep)
@@ -235,7 +240,7 @@ def test_a_ctrl_c_or_sigterm_of_serve_cancels_its_runs_once_and_completed_cron_r
             state = (run.get("state") or {}).get("type")
             assert state != "CRASHED", run
             if state in ("COMPLETED", "CANCELLED"):
-                assert [n["event"] for n in receiver.about(run["id"])] == (["cancelled"] if state == "CANCELLED" else [])
+                assert [n["event"] for n in ends(receiver, run["id"])] == (["cancelled"] if state == "CANCELLED" else [])
 
         # The liveness window has passed since the completed cron run(s): no automation error.
         assert events(api, ["prefect.automation.action.failed"], since=began) == []

@@ -40,6 +40,7 @@ from rlcore.lifecycle.automations import (
 )
 from rlcore.lifecycle.events import DATA_EVENT, RESOURCE_PREFIX
 from rlcore.lifecycle.flow_secrets import sealed
+from rlcore.lifecycle.run_end import serve_stopping
 
 log = logging.getLogger(__name__)
 
@@ -93,11 +94,17 @@ async def serve_until_signal(runner: Runner) -> None:
     traceback, and a paused deployment; a first Ctrl-C only starts its shutdown.)"""
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
+    serve_stopping.clear()
+
+    def stop_now() -> None:
+        serve_stopping.set()  # a run that crashes from here on was stopped with it: Cancelled (run_end.on_crashed)
+        stop.set()
+
     for sig in (signal.SIGINT, signal.SIGTERM):
-        loop.add_signal_handler(sig, stop.set)
+        loop.add_signal_handler(sig, stop_now)
     started = asyncio.create_task(runner.start())
     await asyncio.sleep(0)  # runner.start() installs its own SIGTERM handler first thing: ours again
-    loop.add_signal_handler(signal.SIGTERM, stop.set)
+    loop.add_signal_handler(signal.SIGTERM, stop_now)
     stopping = asyncio.create_task(stop.wait())
     try:
         done, _ = await asyncio.wait({started, stopping}, return_when=asyncio.FIRST_COMPLETED)

@@ -157,6 +157,11 @@ def closed_once(kind: str, api: str, receiver: Receiver, run_id: str, since: flo
 
 
 def wait_training(api: str, work: Path, log: Path, run_id: str, serve: subprocess.Popen) -> list[psutil.Process]:
+    """The run's process tree once its train stage runs. The MLflow store is read only after a
+    data_prep stage finished (the store's tables exist then): a reader opening a SQLite store while
+    the run creates it can race its migration ("table _alembic_tmp_metrics already exists")."""
+    wait_for("a data_prep stage", lambda: "Task run 'data_prep" in log.read_text(errors="replace"), 400, procs=[serve],
+             interval=2, progress=tree_progress(work, log))
     wait_for("the run's train stage", lambda: training(work, run_id), 400, procs=[serve], interval=2,
              progress=tree_progress(work, log))
     return tree(run_process(serve, run_id))

@@ -42,7 +42,7 @@ import os
 import threading
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import TYPE_CHECKING, cast
+from typing import TYPE_CHECKING, Any, cast
 from uuid import UUID
 
 from rlcore.lifecycle.notify import request_target
@@ -211,7 +211,7 @@ class ServeWatch:
         message = (f"rlcore: the serving process (pid {self.serve_pid}) died; the run's process (pid {os.getpid()}) "
                    "ended itself")
         log.error("%s", message)
-        state = Crashed(message=message)
+        state: Any = Crashed(message=message)
         with get_client(sync_client=True) as client:
             flow_run = client.read_flow_run(UUID(self.flow_run_id))
             client.set_flow_run_state(flow_run.id, state, force=True)
@@ -239,7 +239,7 @@ class ServeWatch:
 
 def _kill_children() -> None:
     """SIGKILL every process this one started (and theirs): none outlives the run."""
-    import psutil
+    import psutil  # type: ignore[import-untyped]  # no stubs in the lock
 
     for child in psutil.Process().children(recursive=True):
         with contextlib.suppress(psutil.Error):

@@ -140,7 +140,7 @@ def _cancel(flow_run: Any) -> Any:
     from prefect.client.orchestration import get_client
     from prefect.states import Cancelled
 
-    state = Cancelled(message=STOPPED_MESSAGE)
+    state: Any = Cancelled(message=STOPPED_MESSAGE)
     try:
         with get_client(sync_client=True) as client:
             client.set_flow_run_state(flow_run.id, state, force=True)

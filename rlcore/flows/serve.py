@@ -10,7 +10,10 @@ values for the flow runs it starts (`rlcore.lifecycle.flow_secrets`); the server
 notification reads the webhook from a Prefect Webhook block, whose URL is stored as a secret.
 
 One SIGINT or SIGTERM stops serving cleanly: runs in progress are cancelled (Prefect's runner
-does that), and the deployment stays active (not paused), so the next `serve` picks it up as is."""
+does that; each is notified `cancelled` once, its MLflow runs KILLED), and the deployment stays
+active (not paused), so the next `serve` picks it up as is. When this process is killed
+(SIGKILL, the OOM killer), the runs it started end themselves as crashed and report it
+(`rlcore.lifecycle.automations.ServeWatch`)."""
 
 from __future__ import annotations
 
@@ -32,10 +35,12 @@ from rlcore.lifecycle.automations import (
     DEFAULT_HEARTBEAT_S,
     DEFAULT_UNRESPONSIVE_AFTER_S,
     HEARTBEAT_ENV,
+    SERVE_PID_ENV,
     install_failure_notifications,
 )
 from rlcore.lifecycle.events import DATA_EVENT, RESOURCE_PREFIX
 from rlcore.lifecycle.flow_secrets import sealed
+from rlcore.lifecycle.run_end import serve_stopping
 
 log = logging.getLogger(__name__)
 
@@ -80,6 +85,7 @@ def setup_liveness(deployment_id: UUID, flow_name: str, deployment_name: str, we
     install_failure_notifications(webhook_url, deployment_id, flow_name, deployment_name,
                                   unresponsive_after_s=unresponsive_after_s, heartbeat_s=heartbeat_s)
     os.environ[HEARTBEAT_ENV] = f"{heartbeat_s:g}"  # inherited by the flow-run processes this one starts
+    os.environ[SERVE_PID_ENV] = str(os.getpid())  # they end themselves when this process dies (ServeWatch)
 
 
 async def serve_until_signal(runner: Runner) -> None:
@@ -88,11 +94,17 @@ async def serve_until_signal(runner: Runner) -> None:
     traceback, and a paused deployment; a first Ctrl-C only starts its shutdown.)"""
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
+    serve_stopping.clear()
+
+    def stop_now() -> None:
+        serve_stopping.set()  # a run that crashes from here on was stopped with it: Cancelled (run_end.on_crashed)
+        stop.set()
+
     for sig in (signal.SIGINT, signal.SIGTERM):
-        loop.add_signal_handler(sig, stop.set)
+        loop.add_signal_handler(sig, stop_now)
     started = asyncio.create_task(runner.start())
     await asyncio.sleep(0)  # runner.start() installs its own SIGTERM handler first thing: ours again
-    loop.add_signal_handler(signal.SIGTERM, stop.set)
+    loop.add_signal_handler(signal.SIGTERM, stop_now)
     stopping = asyncio.create_task(stop.wait())
     try:
         done, _ = await asyncio.wait({started, stopping}, return_when=asyncio.FIRST_COMPLETED)

@@ -14,8 +14,19 @@ first two, in the same shape as the server's; each notification's `id` is
 Liveness: while a served run runs, it sends an `rlcore.pipeline.heartbeat` event every
 `heartbeat_s` (`Heartbeat`), each one a plain POST that returns once the server has it, and the
 last one before the run reports its final state (the heartbeat stops when the flow function
-returns or raises). The `... unresponsive -> crashed` automation marks a run Crashed when
-`unresponsive_after_s` pass after a heartbeat with neither another heartbeat nor a final state.
+returns or raises, and sends `rlcore.pipeline.ended`). The `... unresponsive -> crashed` automation
+marks a run Crashed when `unresponsive_after_s` pass after a heartbeat with neither another
+heartbeat, nor `rlcore.pipeline.ended`, nor a final state. The ended event is what closes the
+countdown in practice: the server orders a flow run's state events causally, and those of a
+cron-scheduled run follow a Scheduled event that was never emitted, so its Completed event can
+reach the automation after the countdown (the automation then failed: "already in terminal
+state COMPLETED"); our own event follows nothing and is evaluated on arrival.
+
+A served run also watches its serving process (`ServeWatch`): when that dies (SIGKILL, the OOM
+killer), the run ends itself within a second, Crashed, and reports that itself (one `crashed`, its
+MLflow runs KILLED), instead of running on as an orphan until a write to the dead process's pipe
+kills it. It ignores SIGINT: a Ctrl-C in `serve`'s terminal reaches the whole process group, and it is
+`serve`'s to stop its runs (Cancelled, through Prefect's runner), not each run's to crash.
 Prefect's own flow-run heartbeats are not used for this: its engine may deliver one after the
 run's final state (PrefectHQ/prefect#20887, #21932), which restarts the countdown and has the
 automation try to crash a finished run. The `... crashed (unresponsive) -> webhook` automation
@@ -31,7 +42,7 @@ import os
 import threading
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import TYPE_CHECKING, cast
+from typing import TYPE_CHECKING, Any, cast
 from uuid import UUID
 
 from rlcore.lifecycle.notify import request_target
@@ -43,7 +54,9 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 HEARTBEAT_ENV = "RLCORE_HEARTBEAT_S"  # set by `pipeline serve` for the flow-run processes it starts
+SERVE_PID_ENV = "RLCORE_SERVE_PID"  # likewise: the serving process, which its runs watch (`ServeWatch`)
 HEARTBEAT_EVENT = "rlcore.pipeline.heartbeat"
+ENDED_EVENT = "rlcore.pipeline.ended"  # the last heartbeat: the flow function returned or raised
 DEFAULT_HEARTBEAT_S = 30.0
 DEFAULT_UNRESPONSIVE_AFTER_S = 90.0  # three missed heartbeats, as Prefect's zombie-detection guide has it
 TERMINAL_EVENTS = ("prefect.flow-run.Completed", "prefect.flow-run.Failed", "prefect.flow-run.Cancelled",
@@ -86,6 +99,16 @@ def heartbeat_interval() -> float | None:
     return float(value) if value else None
 
 
+def pipeline_event(name: str, flow_run_id: str, deployment_id: str) -> dict[str, object]:
+    """An rlcore event about one flow run of a deployment, as the server's `/events` takes it."""
+    from prefect.events import Event, RelatedResource
+
+    deployment = RelatedResource({"prefect.resource.id": f"prefect.deployment.{deployment_id}",
+                                  "prefect.resource.role": "deployment"})
+    return Event(event=name, resource={"prefect.resource.id": f"prefect.flow-run.{flow_run_id}"},
+                 related=[deployment]).model_dump(mode="json")
+
+
 class Heartbeat:
     """`rlcore.pipeline.heartbeat` events for one flow run of a deployment, from a daemon thread,
     every `interval_s` seconds while the context is open. Each event is a POST to the server's
@@ -101,13 +124,8 @@ class Heartbeat:
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="rlcore-heartbeat", daemon=True)
 
-    def event(self) -> dict[str, object]:
-        from prefect.events import Event, RelatedResource
-
-        deployment = RelatedResource({"prefect.resource.id": f"prefect.deployment.{self.deployment_id}",
-                                      "prefect.resource.role": "deployment"})
-        return Event(event=HEARTBEAT_EVENT, resource={"prefect.resource.id": f"prefect.flow-run.{self.flow_run_id}"},
-                     related=[deployment]).model_dump(mode="json")
+    def event(self, name: str = HEARTBEAT_EVENT) -> dict[str, object]:
+        return pipeline_event(name, self.flow_run_id, self.deployment_id)
 
     def beat(self, client: SyncPrefectClient) -> None:
         try:
@@ -132,19 +150,118 @@ class Heartbeat:
     def __exit__(self, *exc: object) -> None:
         self._stop.set()
         self._thread.join()
+        from prefect.client.orchestration import get_client
+
+        try:  # closes the liveness countdown now, whenever the run's state events are evaluated
+            with get_client(sync_client=True) as client:
+                client.request("POST", "/events", json=[self.event(ENDED_EVENT)]).raise_for_status()
+        except Exception as err:  # noqa: BLE001 - the final state closes it too, later
+            log.warning("rlcore: end of flow run %s not sent: %s", self.flow_run_id, err)
 
 
-def served_heartbeat() -> Heartbeat | contextlib.nullcontext[None]:
-    """The heartbeat of this flow run when `pipeline serve` asked for one (a deployment's run on a
-    server), else nothing."""
+class ServeWatch:
+    """While open, a daemon thread checks every `interval_s` that this flow-run process's parent
+    (the `pipeline serve` that started it) lives. When it has died, this process ends its run
+    itself, from that thread, and exits: Prefect's runner, which would have reported the run, died
+    with the parent (and had turned off crash handling in this process). In order: its output goes
+    to `orphaned-run-<flow run id>.log` in the working folder (it was a pipe to the dead process:
+    the next write would kill the run with a BrokenPipeError), the run is set Crashed with the
+    reason, `rlcore.pipeline.ended` closes its liveness countdown, `run_end` ends its MLflow runs
+    KILLED and notifies `crashed` once, then its child processes are killed and it exits. Done
+    from the thread, not by a signal to the main thread, so a run blocked in native code ends as
+    promptly. Also ignores SIGINT while open (see the module's doc)."""
+
+    def __init__(self, serve_pid: int, flow_run_id: str, deployment_id: str, interval_s: float = 0.5) -> None:
+        self.serve_pid = serve_pid
+        self.flow_run_id = flow_run_id
+        self.deployment_id = deployment_id
+        self.interval_s = interval_s
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="rlcore-serve-watch", daemon=True)
+        self._sigint: object = None
+
+    def serve_alive(self) -> bool:
+        return os.getppid() == self.serve_pid
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.interval_s):
+            if not self.serve_alive():
+                self._end_orphaned_run()
+                return
+
+    def _end_orphaned_run(self) -> None:
+        out = os.open(f"orphaned-run-{self.flow_run_id}.log", os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+        for fd in (1, 2):
+            os.dup2(out, fd)
+        os.close(out)
+        try:
+            self._report_crash()
+        finally:
+            _kill_children()
+            os._exit(1)
+
+    def _report_crash(self) -> None:
+        from uuid import UUID
+
+        from prefect.client.orchestration import get_client
+        from prefect.states import Crashed
+
+        from rlcore.lifecycle import run_end
+
+        message = (f"rlcore: the serving process (pid {self.serve_pid}) died; the run's process (pid {os.getpid()}) "
+                   "ended itself")
+        log.error("%s", message)
+        state: Any = Crashed(message=message)
+        with get_client(sync_client=True) as client:
+            flow_run = client.read_flow_run(UUID(self.flow_run_id))
+            client.set_flow_run_state(flow_run.id, state, force=True)
+            try:
+                client.request("POST", "/events", json=[pipeline_event(ENDED_EVENT, self.flow_run_id, self.deployment_id)])
+            except Exception as err:  # noqa: BLE001 - the Crashed state closes it too, later
+                log.warning("rlcore: end of flow run %s not sent: %s", self.flow_run_id, err)
+        run_end.run_ended(flow_run, state, "crashed", "flow")
+
+    def __enter__(self) -> ServeWatch:
+        import signal
+
+        if threading.current_thread() is threading.main_thread():
+            self._sigint = signal.signal(signal.SIGINT, signal.SIG_IGN)
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        import signal
+
+        self._stop.set()
+        if self._sigint is not None:
+            signal.signal(signal.SIGINT, self._sigint)  # type: ignore[arg-type]
+
+
+def _kill_children() -> None:
+    """SIGKILL every process this one started (and theirs): none outlives the run."""
+    import psutil  # type: ignore[import-untyped]  # no stubs in the lock
+
+    for child in psutil.Process().children(recursive=True):
+        with contextlib.suppress(psutil.Error):
+            child.kill()
+
+
+def served_heartbeat() -> contextlib.AbstractContextManager[object]:
+    """What a flow run that `pipeline serve` started keeps up while it runs: its heartbeat (a
+    deployment's run on a server, when serve asked for one) and the watch on its serving process;
+    else nothing."""
     interval = heartbeat_interval()
-    if interval is None:
-        return contextlib.nullcontext()
+    serve_pid = os.environ.get(SERVE_PID_ENV)
     from prefect.runtime import deployment, flow_run
 
+    stack = contextlib.ExitStack()
     if not flow_run.id or not deployment.id:
-        return contextlib.nullcontext()
-    return Heartbeat(str(flow_run.id), str(deployment.id), interval)
+        return stack
+    if serve_pid:
+        stack.enter_context(ServeWatch(int(serve_pid), str(flow_run.id), str(deployment.id)))
+    if interval is not None:
+        stack.enter_context(Heartbeat(str(flow_run.id), str(deployment.id), interval))
+    return stack
 
 
 @dataclass(frozen=True)
@@ -202,7 +319,7 @@ def install_failure_notifications(webhook_url: str | None, deployment_id: UUID, 
         name=unresponsive_name,
         description=f"Mark runs of {flow_name}/{deployment_name} crashed after {unresponsive_after_s:g} s without an "
                     "rlcore heartbeat or a final state",
-        trigger=EventTrigger(after={HEARTBEAT_EVENT}, expect={HEARTBEAT_EVENT, *TERMINAL_EVENTS},
+        trigger=EventTrigger(after={HEARTBEAT_EVENT}, expect={HEARTBEAT_EVENT, ENDED_EVENT, *TERMINAL_EVENTS},
                              match={"prefect.resource.id": "prefect.flow-run.*"}, match_related=ours,
                              for_each={"prefect.resource.id"}, posture=Posture.Proactive, threshold=1,
                              within=timedelta(seconds=unresponsive_after_s)),

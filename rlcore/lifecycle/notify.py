@@ -1,9 +1,10 @@
-"""Webhook notifications: a JSON POST on promotion, rejection, health stop, failure and crash
-(pipeline; failure also for `rlcore train`), and when `rlcore train` finishes. A pipeline run's
+"""Webhook notifications: a JSON POST on promotion, rejection, health stop, failure, crash and
+cancellation (pipeline; failure also for `rlcore train`), and when `rlcore train` finishes. A pipeline run's
 notifications carry an `id` a receiver can drop repeats by ("<flow run id>:failed" for a failed
 run, whoever sends it) and, with a Prefect server, `prefect_ui`: the flow run's page. A run whose
 process is killed cannot report itself: its `crashed` comes from the process serving it, or from
-the Prefect server (rlcore.lifecycle.run_end, rlcore.lifecycle.automations).
+the Prefect server (rlcore.lifecycle.run_end, rlcore.lifecycle.automations); a run orphaned by the
+death of its serving process reports its own.
 
 A notification must never fail the pipeline that sends it: errors are logged and reported as
 False. No URL configured means no notification (and no network access). The URL is a secret
@@ -27,8 +28,9 @@ from rlcore.redact import redact_json, redact_secret, redact_text
 log = logging.getLogger(__name__)
 
 # `crashed`: the process running a pipeline run died (rlcore.lifecycle.run_end, or the Prefect
-# server for a run whose serving process died too: rlcore.lifecycle.automations).
-EVENTS = ("promoted", "rejected", "health_stop", "failed", "crashed", "finished")
+# server for a run whose serving process died too: rlcore.lifecycle.automations); `cancelled`: the
+# run was cancelled (from the UI/API, or `pipeline serve` stopped by SIGINT/SIGTERM).
+EVENTS = ("promoted", "rejected", "health_stop", "failed", "crashed", "cancelled", "finished")
 
 
 def build_payload(event: str, summary: dict[str, Any]) -> dict[str, Any]:

@@ -1,20 +1,23 @@
 """A pipeline run that did not complete, recorded once, by whoever outlives it: every MLflow run it
-left open ends FAILED (the run raised) or KILLED (it crashed: its process was killed or died) with
-the reason, and the webhook gets one `failed` or `crashed` notification whose `id` is
+left open ends FAILED (the run raised) or KILLED (it crashed or was cancelled: its process was
+killed, died or was stopped) with the reason, and the webhook gets one `failed`, `crashed` or
+`cancelled` notification (the event names the run's final Prefect state) whose `id` is
 "<flow run id>:<event>".
 
 `rl_pipeline` calls `run_ended` from its Prefect hooks: `on_failure` in the flow-run process,
 `on_crashed` in the serving process (Prefect's runner, when the run's process exited without a
-final state) or in the run's own process (interrupted: SIGTERM, Ctrl-C); `on_cancellation` ends
-the MLflow runs of a cancelled run (KILLED) without a notification. A run whose serving
-process died with it is marked crashed and notified by the Prefect server
-(`rlcore.lifecycle.automations`); its MLflow runs are ended by the next `pipeline serve`
-(`end_runs_of_finished_flow_runs`).
+final state) or in the run's own process (interrupted: SIGTERM, Ctrl-C; or orphaned: its serving
+process died, `rlcore.lifecycle.automations.ServeWatch`); `on_cancellation` in the serving process
+(a cancel from the UI/API, or `pipeline serve` stopped by SIGINT/SIGTERM: Prefect's runner cancels
+the runs it has). A run whose serving process died with it (the whole machine) is marked crashed
+and notified by the Prefect server (`rlcore.lifecycle.automations`); its MLflow runs are ended by
+the next `pipeline serve` (`end_runs_of_finished_flow_runs`).
 """
 
 from __future__ import annotations
 
 import logging
+import threading
 from typing import Any, Literal
 
 from rlcore.config import Config
@@ -24,7 +27,11 @@ log = logging.getLogger(__name__)
 
 RunEnd = Literal["failed", "crashed", "cancelled"]
 MLFLOW_STATUS: dict[RunEnd, str] = {"failed": "FAILED", "crashed": "KILLED", "cancelled": "KILLED"}
-NOTIFIED: tuple[RunEnd, ...] = ("failed", "crashed")  # a cancelled run was stopped on purpose: no alert
+NOTIFIED: tuple[RunEnd, ...] = ("failed", "crashed", "cancelled")  # one notification per run that did not complete
+STOPPED_MESSAGE = "Cancelled: `pipeline serve` was stopped (SIGINT/SIGTERM) while this run was starting"
+serve_stopping = threading.Event()  # set in the serving process when a SIGINT/SIGTERM stops it
+_sent: set[str] = set()  # the notification ids this process sent: a second hook about the same end sends none
+_sent_lock = threading.Lock()
 
 
 def notification_id(flow_run_id: str, event: str) -> str:
@@ -68,7 +75,7 @@ def run_ended(flow_run: Any, state: Any, event: RunEnd, detected_by: str) -> Non
                 name = client.read_flow_run(flow_run.id).name
         except Exception:  # noqa: BLE001
             name = flow_run.name
-        reason = state.message or state.name
+        reason = state.message or state.name or event
         config = config_of(dict(flow_run.parameters or {}))
         if config is None:
             return
@@ -76,8 +83,10 @@ def run_ended(flow_run: Any, state: Any, event: RunEnd, detected_by: str) -> Non
 
         ended = end_open_runs(config, {"prefect.flow_run_id": flow_run_id}, MLFLOW_STATUS[event], reason)
         log.info("pipeline run %s %s: ended %d MLflow run(s) %s", name, event, len(ended), MLFLOW_STATUS[event])
-        if event not in NOTIFIED:
-            return
+        with _sent_lock:
+            if event not in NOTIFIED or notification_id(flow_run_id, event) in _sent:
+                return
+            _sent.add(notification_id(flow_run_id, event))
         notify(config.registry.webhook_url, event, {
             "id": notification_id(flow_run_id, event), "pipeline_run": name, "error": reason, "state": state.name,
             "flow_run_id": flow_run_id, "prefect_ui": flow_run_ui_url(flow_run_id), "detected_by": detected_by})
@@ -117,8 +126,27 @@ def on_failure(flow: Any, flow_run: Any, state: Any) -> None:
 
 
 def on_crashed(flow: Any, flow_run: Any, state: Any) -> None:
-    """`rl_pipeline`'s on_crashed hook (in the serving process, or the interrupted run's own)."""
+    """`rl_pipeline`'s on_crashed hook (in the serving process, or the interrupted run's own). In a
+    serving process that is being stopped, the crash is the stop's doing (a Ctrl-C reaches the
+    whole process group, and a run still starting has not yet learnt to ignore it): the run is
+    set Cancelled, as the runs the stop cancels are, and reported so."""
+    if _in_serving_process() and serve_stopping.is_set():
+        run_ended(flow_run, _cancel(flow_run), "cancelled", "rlcore pipeline serve")
+        return
     run_ended(flow_run, state, "crashed", "rlcore pipeline serve" if _in_serving_process() else "flow")
+
+
+def _cancel(flow_run: Any) -> Any:
+    from prefect.client.orchestration import get_client
+    from prefect.states import Cancelled
+
+    state: Any = Cancelled(message=STOPPED_MESSAGE)
+    try:
+        with get_client(sync_client=True) as client:
+            client.set_flow_run_state(flow_run.id, state, force=True)
+    except Exception as err:  # noqa: BLE001 - reported as cancelled all the same
+        log.warning("could not set flow run %s Cancelled: %s", flow_run.id, err)
+    return state
 
 
 def on_cancellation(flow: Any, flow_run: Any, state: Any) -> None:

@@ -144,7 +144,7 @@ def sft_stage(config: Config, sft: dict[str, Any], workdir: str | Path, ctx: Pip
             "tracking": sft_config.tracking.model_copy(update={"mlflow_uri": store.tracking_uri, "run_id": run_id})})
     try:
         model_dir, history = run_sft_config(sft_config)
-    except BaseException as err:
+    except Exception as err:  # an interrupt (a signal) leaves it open: run_end's hook ends it KILLED, with the reason
         if run_id is not None:
             store.set_tags(run_id, {"failure": str(err)[:4000]})
             store.end_run(run_id, "FAILED")
@@ -222,7 +222,7 @@ def train_stage(config: Config, prepared: PreparedData, workdir: str | Path, ctx
         stopped = breach.to_dict()
     except TrainingStopped as err:
         stopped = {"metric": None, "reason": str(err), "check": "trainer"}
-    except BaseException as err:
+    except Exception as err:  # an interrupt (a signal) leaves it open: run_end's hook ends it KILLED, with the reason
         store.set_tags(run_id, {"failure": str(err)[:4000]})
         log_training(store, run_id, output_dir, run_config.model_dump(mode="json"))
         store.end_run(run_id, "FAILED")

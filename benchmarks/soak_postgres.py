@@ -18,10 +18,12 @@ the stores are read:
   the gate's decision (promoted / rejected); failures (flow runs FAILED or CRASHED);
 - lines naming a database error in the Prefect server's, the MLflow server's and PostgreSQL's logs
   (tests/postgres.py `DB_ERROR`, `PG_ERROR`), counted before the servers are stopped;
+- automation errors: the server's `prefect.automation.action.failed` events and its log's "Action
+  failed" lines (none may follow a run that completed);
 - whether every dropped file made one flow run, every flow run that started has exactly one MLflow
   pipeline run, and flow runs = MLflow runs = promoted + rejected + failures.
 
-Exit status 0 when that balance holds and no database error was logged, 1 otherwise. Logs and the
+Exit status 0 when that balance holds and no database or automation error was logged, 1 otherwise. Logs and the
 stores' files stay in `--out` (default: a new folder under /tmp)."""
 
 from __future__ import annotations
@@ -73,8 +75,21 @@ def main() -> int:
                 flow_runs, late, drops = soak(args, out, api, env, tracking, train_file)
                 errors = {"Prefect server": db_errors(prefect_log), "MLflow server": db_errors(out / "mlflow-server.log"),
                           "PostgreSQL": db_errors(pg.log, PG_ERROR)}
+                errors["Prefect automations"] = automation_errors(api, prefect_log)
                 mlflow = mlflow_accounting(tracking)
     return report(flow_runs, late, drops, mlflow, errors, out)
+
+
+def automation_errors(api: str, prefect_log: Path) -> list[str]:
+    """Every action an automation failed to take: the server's `prefect.automation.action.failed`
+    events and its log's "Action failed" lines (the liveness automation acting on a run that had
+    already completed was issue 41's cron-run symptom)."""
+    body = {"filter": {"event": {"prefix": ["prefect.automation.action.failed"]}}, "limit": 200}
+    got = PREFECT_HTTP.post(f"{api}/events/filter", json=body, timeout=30)
+    got.raise_for_status()
+    failed = [f"event {e['occurred']}: {e.get('payload', {}).get('reason', '')}" for e in got.json()["events"]]
+    text = prefect_log.read_text(errors="replace") if prefect_log.is_file() else ""
+    return failed + [line for line in text.splitlines() if "Action failed" in line]
 
 
 def soak(args: argparse.Namespace, out: Path, api: str, env: dict[str, str], tracking: str,
@@ -208,7 +223,8 @@ def report(flow_runs: list[dict[str, Any]], late: int, drops: int, mlflow: dict[
     print(f"registered versions of {MODEL}: {len(mlflow['versions'])} by decision {dict(sorted(decisions.items()))}")
     print(f"gate rejections: {rejected}; failures (flow runs FAILED/CRASHED): {len(failures)}")
     for name, lines in errors.items():
-        print(f"database errors in the {name} log: {len(lines)}")
+        print(f"{'errors in' if name == 'Prefect automations' else 'database errors in the'} {name}"
+              f"{'' if name == 'Prefect automations' else ' log'}: {len(lines)}")
         for line in lines[:5]:
             print(f"    {line[:200]}")
     if unmatched_flow or unmatched_ml:

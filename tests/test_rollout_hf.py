@@ -3,6 +3,8 @@ n samples and seeds, top-k, weight updates (tied embeddings), the backend factor
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import numpy as np
 import pytest
 import torch
@@ -355,3 +357,50 @@ def test_decode_attention_without_repeated_kv_heads_equals_sdpa(kv_heads):
     # value): 1.0014e-5 at a log-prob of -1.08 was seen on an AVX-512 AMD EPYC; a stale cache row or a
     # wrong mask moves log-probs by 1e-3 or more
     torch.testing.assert_close(got["rollout_log_probs"] * mask, reference_log_probs(plain, got, 0.8) * mask, atol=1e-5, rtol=2e-6)
+
+
+class _SwitchAt:
+    """A `WeightSwitch` that loads `new` weights at the `at`-th step boundary (counting from 0)."""
+
+    def __init__(self, engine: HFRolloutEngine, new: torch.nn.Module, at: int) -> None:
+        self.engine, self.new, self.at = engine, new, at
+        self.calls, self.v = 0, 7
+
+    def version(self) -> int:
+        return self.v
+
+    def between_steps(self) -> bool:
+        self.calls += 1
+        if self.calls - 1 != self.at:
+            return False
+        self.engine.update_weights(self.new.state_dict().items())
+        self.v = 8
+        return True
+
+
+def test_weights_taken_between_decode_steps_continue_as_the_new_weights_would_from_that_prefix():
+    """Weights changed at a step boundary: the tokens before it are the old weights', the rest
+    (and their log-probs) exactly what the new weights decode from that prefix (KV cache
+    recomputed), and each token carries the version it was drawn under."""
+    greedy = SamplingParams(n=1, do_sample=False, max_new_tokens=10)
+    prompts = prompt_batch([5, 3])
+    old = HFRolloutEngine(tiny_model(0), pad_token_id=PAD, eos_token_ids=[])
+    before = old.generate(prompts, greedy)
+    assert hf_mod.TOKEN_VERSIONS not in before.tensors  # no switch: the output as ever
+
+    engine = HFRolloutEngine(tiny_model(0), pad_token_id=PAD, eos_token_ids=[])
+    engine.weight_switch = switch = _SwitchAt(engine, tiny_model(1), at=3)
+    out = engine.generate(prompts, greedy)
+    assert switch.calls == 9  # asked at every boundary, not only at the end
+    versions = out[hf_mod.TOKEN_VERSIONS]
+    assert (versions[:, :4] == 7).all() and (versions[:, 4:] == 8).all()
+    assert torch.equal(out["responses"][:, :4], before["responses"][:, :4])
+    assert not torch.equal(out["responses"][:, 4:], before["responses"][:, 4:])  # the new weights decide
+
+    new = HFRolloutEngine(tiny_model(1), pad_token_id=PAD, eos_token_ids=[])
+    prefix = Batch(tensors={"input_ids": torch.cat([prompts["input_ids"], out["responses"][:, :4]], dim=1),
+                   "attention_mask": torch.cat([prompts["attention_mask"], torch.ones(2, 4, dtype=torch.long)], dim=1)},
+                   meta=dict(prompts.meta))
+    after = new.generate(prefix, replace(greedy, max_new_tokens=6))
+    assert torch.equal(out["responses"][:, 4:], after["responses"])
+    torch.testing.assert_close(out["rollout_log_probs"][:, 4:], after["rollout_log_probs"], atol=1e-5, rtol=1e-5)

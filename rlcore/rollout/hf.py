@@ -7,13 +7,20 @@ first real token, padding masked), the KV cache repeated `n` times, then one tok
 all prompts x n at once. Rows that emitted an EOS stop: they get pad tokens and mask 0, and are
 dropped from the cache once enough of them piled up, so long stragglers do not pay for
 finished rows. The loop stops as soon as every row is finished.
+
+With a `WeightSwitch` set (`trainer.async_weight_sync=step`), new weights may arrive between two
+decode steps: the loop asks the switch at every step boundary, and when the weights changed it
+recomputes the KV cache of the rows still decoding (prompt plus the tokens so far) with the new
+weights, so every later token, and its log-prob, is exactly the new policy's given its prefix (a
+kept cache would mix old keys and values with new weights: a policy neither version is). Each
+token's policy version is returned beside it (`token_versions`).
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
 from dataclasses import replace
-from typing import TYPE_CHECKING, Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar, Protocol
 
 import torch
 from transformers import AutoModelForCausalLM, PreTrainedModel
@@ -33,6 +40,20 @@ if TYPE_CHECKING:
 # being decoded: compacting copies the cache, so doing it on every single finish costs more than
 # it saves on small batches.
 _COMPACT_FRACTION = 0.25
+
+TOKEN_VERSIONS = "token_versions"  # rollout output tensor [N, R]: each response token's policy version
+
+
+class WeightSwitch(Protocol):
+    """Where a decode loop may take new weights between two steps (the async rollout's gate)."""
+
+    def version(self) -> int:
+        """The policy version of the engine's weights now."""
+        ...
+
+    def between_steps(self) -> bool:
+        """Let a waiting weight sync change the weights now; True when they changed."""
+        ...
 
 
 
@@ -61,6 +82,7 @@ class HFRolloutEngine:
         self._eos = torch.tensor(self.eos_token_ids, dtype=torch.long, device=self.device)
         self._asleep = False
         self._targets: dict[str, torch.Tensor] | None = None  # `_named_targets`, until sleep or wake moves the model
+        self.weight_switch: WeightSwitch | None = None  # new weights between decode steps (`generate` only)
 
     @classmethod
     def from_pretrained(
@@ -112,10 +134,13 @@ class HFRolloutEngine:
         prompt_mask = batch.tensors["attention_mask"]
         check_left_padded(prompt_mask)
 
-        responses, response_mask, log_probs = self._decode(
-            prompt_ids.to(self.device), prompt_mask.to(self.device), params
+        responses, response_mask, log_probs, versions = self._decode(
+            prompt_ids.to(self.device), prompt_mask.to(self.device), params, switch=self.weight_switch
         )
-        return rollout_output(batch, responses, response_mask, log_probs, params)
+        out = rollout_output(batch, responses, response_mask, log_probs, params)
+        if versions is not None:
+            out.tensors[TOKEN_VERSIONS] = versions.to(out.tensors["responses"].device)
+        return out
 
     @torch.inference_mode()
     def generate_turns(
@@ -134,7 +159,7 @@ class HFRolloutEngine:
         ids, mask = left_pad(contexts, self.pad_token_id)
         limits = torch.tensor(list(max_tokens), dtype=torch.long, device=self.device)
         one = replace(params, n=1, max_new_tokens=int(limits.max()))
-        tokens, response_mask, log_probs = self._decode(
+        tokens, response_mask, log_probs, _ = self._decode(
             ids.to(self.device), mask.to(self.device), one, limits=limits,
             keys=torch.tensor(list(keys), dtype=torch.long, device=self.device))
         lengths = response_mask.sum(-1).long().tolist()
@@ -142,12 +167,14 @@ class HFRolloutEngine:
 
     def _decode(
         self, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, params: SamplingParams,
-        limits: torch.Tensor | None = None, keys: torch.Tensor | None = None,
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """The decoding loop. Returns (responses [N,R] long, mask [N,R] float, log-probs [N,R] float32).
+        limits: torch.Tensor | None = None, keys: torch.Tensor | None = None, switch: WeightSwitch | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """The decoding loop. Returns (responses [N,R] long, mask [N,R] float, log-probs [N,R] float32,
+        each token's policy version [N,R] long: with a `switch` only, else None).
 
         `limits` [N]: a row stops after that many tokens (`params.max_new_tokens` caps them all);
-        `keys` [N] (with n=1): keyed draws instead of the seeded generator's stream.
+        `keys` [N] (with n=1): keyed draws instead of the seeded generator's stream; `switch`: new
+        weights may arrive between two steps (the module docstring).
         """
         n, max_new = params.n, params.max_new_tokens
         num_rows = prompt_ids.shape[0] * n
@@ -186,6 +213,8 @@ class HFRolloutEngine:
         # Attention mask of the rows in the cache: prompt, then one 1 per generated token.
         attn = torch.cat([mask, mask.new_ones(num_rows, max_new)], dim=1)
         prompt_len = prompt_ids.shape[1]
+        versions = None if switch is None else torch.zeros(num_rows, max_new, dtype=torch.long, device=dev)
+        version = 0 if switch is None else switch.version()  # of the weights the current logits came from
 
         for step in range(max_new):
             uniforms = None
@@ -197,6 +226,8 @@ class HFRolloutEngine:
             tokens[live_rows, step] = tok[live]
             log_probs[live_rows, step] = lp[live]
             lengths[live_rows] = step + 1
+            if versions is not None:
+                versions[live_rows, step] = version
             done = done | torch.isin(tok, self._eos)
             if limits is not None:
                 done = done | (limits[rows] <= step + 1)
@@ -208,19 +239,34 @@ class HFRolloutEngine:
                 cache.batch_select_indices(keep)
                 rows, tok, next_pos, attn = rows[keep], tok[keep], next_pos[keep], attn[keep]
                 done = done[keep]
-            out = self.model(
-                input_ids=tok.unsqueeze(-1),
-                attention_mask=attn[:, : prompt_len + step + 1],
-                position_ids=next_pos.unsqueeze(-1),
-                past_key_values=cache,
-                use_cache=True,
-            )
-            logits = out.logits[:, -1, :]
+            if switch is not None and switch.between_steps():
+                version = switch.version()
+                prefix = torch.cat([prompt_ids.repeat_interleave(n, dim=0)[rows], tokens[rows, : step + 1]], dim=1)
+                cache, logits = self._prefill_again(prefix, attn[:, : prompt_len + step + 1], prompt_len + max_new)
+            else:
+                out = self.model(
+                    input_ids=tok.unsqueeze(-1),
+                    attention_mask=attn[:, : prompt_len + step + 1],
+                    position_ids=next_pos.unsqueeze(-1),
+                    past_key_values=cache,
+                    use_cache=True,
+                )
+                logits = out.logits[:, -1, :]
             next_pos = next_pos + 1
 
         resp_len = max(1, int(lengths.max()))
         response_mask = (torch.arange(resp_len, device=dev) < lengths.unsqueeze(-1)).float()
-        return tokens[:, :resp_len], response_mask, log_probs[:, :resp_len]
+        return (tokens[:, :resp_len], response_mask, log_probs[:, :resp_len],
+                None if versions is None else versions[:, :resp_len])
+
+    def _prefill_again(self, ids: torch.Tensor, mask: torch.Tensor, capacity: int) -> tuple[Any, torch.Tensor]:
+        """A fresh KV cache of `ids` (left-padded prompt plus the tokens decoded so far, `mask` its
+        attention) on the weights now, and the logits after its last token."""
+        mask = mask.long()
+        cache = make_decode_cache(self.model.config, capacity=capacity)
+        out = self.model(input_ids=ids, attention_mask=mask, position_ids=(mask.cumsum(dim=1) - 1).clamp(min=0),
+                         past_key_values=cache, use_cache=True, logits_to_keep=1)
+        return cache, out.logits[:, -1, :]
 
     # ------------------------------------------------------------------ weights and memory
 

@@ -19,7 +19,18 @@ from rlcore.cli import CONFIG_DIR, tiny_example_overrides
 from rlcore.config import config_from_dict, load_config
 from rlcore.protocol import RIGHT_PAD, Batch
 from rlcore.tracking import read_jsonl
-from rlcore.trainer.async_rollout import BufferClosed, EngineGate, GroupBuffer, PromptGroup, join_generations
+from rlcore.rollout import HFRolloutEngine, SamplingParams
+from rlcore.rollout.output import TOKEN_VERSIONS
+from rlcore.trainer.async_rollout import (
+    BufferClosed,
+    DecodeSwitch,
+    EngineGate,
+    GroupBuffer,
+    PromptGroup,
+    interrupted,
+    join_generations,
+    oldest_version,
+)
 from rlcore.trainer.run import make_trainer
 
 WAIT = 60.0  # generous: a slow machine is not a failure
@@ -306,6 +317,93 @@ def test_decoupled_objective_matches_a_hand_computation():
     assert loss.item() == pytest.approx((-2.2 + 0.5 + 0.0) / 3, abs=1e-5)
 
 
+# ----- new weights between decode steps (trainer.async_weight_sync=step) ---------------------------
+
+
+class _PausingSwitch(DecodeSwitch):
+    """The gate's switch, stopping at boundary `at` until a weight sync has been handed over
+    (so the sync is requested mid-generation, whatever the machine's speed)."""
+
+    def __init__(self, gate: EngineGate, version, at: int) -> None:
+        super().__init__(gate, version)
+        self.gate, self.at, self.calls = gate, at, 0
+        self.reached = threading.Event()
+
+    def between_steps(self) -> bool:
+        self.calls += 1
+        if self.calls == self.at:
+            self.reached.set()
+            assert _wait_for(lambda: self.gate.job_waiting), "the sync was never handed over"
+        return super().between_steps()
+
+
+def _wait_for(condition) -> bool:
+    deadline = time.monotonic() + WAIT
+    while not condition():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.005)
+    return True
+
+
+def test_a_sync_requested_mid_generation_is_taken_at_the_next_decode_step_and_versions_switch_there():
+    """The real hf engine generating under the gate: a sync handed over at decode step 3 runs
+    there, on the generating thread, before the generation ends; the tokens after it carry the
+    new version, the group's staleness is its oldest token's, the sample counts as interrupted."""
+    from test_rollout_hf import PAD, prompt_batch, tiny_model  # tests/ is on sys.path
+
+    gate, state = EngineGate(), {"version": 4}
+    engine = HFRolloutEngine(tiny_model(0), pad_token_id=PAD, eos_token_ids=[])
+    engine.weight_switch = switch = _PausingSwitch(gate, lambda: state["version"], at=3)
+    new = tiny_model(1).state_dict()
+    seen: dict = {}
+
+    def job() -> None:  # what `AsyncRollout.update_weights` hands over: the sync, then the version
+        seen["thread"], seen["boundary"] = threading.get_ident(), switch.calls
+        engine.update_weights(new.items())
+        state["version"] = 5
+
+    def generate() -> None:
+        seen["generator"] = threading.get_ident()
+        with gate.generation() as go:
+            assert go
+            seen["out"] = engine.generate(prompt_batch([5, 3]), SamplingParams(n=2, do_sample=False, max_new_tokens=8))
+
+    thread, errors = _in_thread(generate)
+    assert switch.reached.wait(WAIT)
+    gate.at_step_boundary(job)  # returns once the generation ran the sync
+    thread.join(WAIT)
+    assert not errors.get("error")
+    assert seen["thread"] == seen["generator"] and seen["boundary"] == 3  # not after the generation
+    versions = seen["out"][TOKEN_VERSIONS]
+    assert (versions[:, :3] == 4).all() and (versions[:, 3:] == 5).all()
+    assert interrupted(seen["out"]) == 4 and oldest_version(seen["out"], started=4) == 4
+    unchanged = HFRolloutEngine(tiny_model(0), pad_token_id=PAD, eos_token_ids=[]).generate(
+        prompt_batch([5, 3]), SamplingParams(n=2, do_sample=False, max_new_tokens=8))
+    assert interrupted(unchanged) == 0  # without a switch: no versions, nothing interrupted
+
+
+def test_a_sync_with_no_generation_in_flight_runs_on_the_calling_thread_and_its_error_reaches_it():
+    gate, where = EngineGate(), []
+    gate.at_step_boundary(lambda: where.append(threading.get_ident()))
+    assert where == [threading.get_ident()]
+    assert gate.step_boundary() is False  # nothing handed over any more
+
+    def fail() -> None:
+        raise RuntimeError("bucket lost")
+
+    def generate() -> None:
+        with gate.generation():
+            assert _wait_for(lambda: gate.job_waiting)
+            assert gate.step_boundary() is True
+
+    thread, errors = _in_thread(generate)
+    with pytest.raises(RuntimeError, match="bucket lost"):
+        gate.at_step_boundary(fail)
+    thread.join(WAIT)
+    assert not errors.get("error")
+
+
 # ----- refused at load ----------------------------------------------------------------------------
 
 BASE = {"model": {"path": "m"}, "data": {"train_files": ["t"]}}
@@ -325,6 +423,9 @@ def _load(**sections) -> None:
     ({"trainer": {"backend": "ray"}}, r"trainer\.off_policy=async with trainer\.backend=ray"),
     ({"trainer": {"overlap_with": "process"}}, r"trainer\.overlap_with=process with trainer\.off_policy=async"),
     ({"trainer": {"max_staleness": -1}}, r"max_staleness"),
+    ({"trainer": {"async_weight_sync": "step"}, "rollout": {"backend": "vllm"}},
+     r"trainer\.async_weight_sync=step with rollout\.backend=vllm"),
+    ({"trainer": {"async_weight_sync": "decode"}}, r"async_weight_sync"),
 ])
 def test_async_is_refused_at_load_naming_the_key(sections, message):
     with pytest.raises(ValueError, match=message):
@@ -336,6 +437,8 @@ def test_max_staleness_without_async_is_refused():
         config_from_dict({**BASE, "trainer": {"off_policy": "one_step", "max_staleness": 2}})
     with pytest.raises(ValueError, match=r"async_chunk_prompts is set, but trainer\.off_policy='sync' does not read it"):
         config_from_dict({**BASE, "trainer": {"async_chunk_prompts": 2}})
+    with pytest.raises(ValueError, match=r"async_weight_sync is set, but trainer\.off_policy='sync' does not read it"):
+        config_from_dict({**BASE, "trainer": {"async_weight_sync": "step"}})
 
 
 # ----- a tiny run ---------------------------------------------------------------------------------
@@ -343,12 +446,12 @@ def test_max_staleness_without_async_is_refused():
 PROMPTS, N = 4, 4
 
 
-def _async_config(example, out: Path, steps: int):
+def _async_config(example, out: Path, steps: int, *extra: str):
     return load_config(CONFIG_DIR / "tiny_grpo.yaml", tiny_example_overrides(example, str(out)) + [
         f"data.train_batch_size={PROMPTS}", "actor.ppo_mini_batch_size=4", f"rollout.n={N}", "data.val_batch_size=64",
         f"trainer.total_steps={steps}", "trainer.save_every=2", "trainer.val_every=100", "trainer.loggers=[jsonl]",
         "trainer.val_before_train=false", "trainer.off_policy=async", "trainer.max_staleness=1", "trainer.async_chunk_prompts=2",
-        "actor.behaviour_correction=decoupled", "actor.tis_cap=5", SCORE_IN_PROCESS])
+        "actor.behaviour_correction=decoupled", "actor.tis_cap=5", SCORE_IN_PROCESS, *extra])
 
 
 def _prompts_per_step(run: Path) -> list[set[str]]:
@@ -380,3 +483,17 @@ def test_a_tiny_async_grpo_run_trains_within_the_staleness_bound_logs_it_and_res
     make_trainer(_async_config(tiny_example, tmp_path / "resumed", 2)).fit()
     make_trainer(_async_config(tiny_example, tmp_path / "resumed", steps)).fit()
     assert _prompts_per_step(tmp_path / "resumed") == straight
+
+
+@pytest.mark.slow
+def test_a_tiny_async_run_taking_weights_between_decode_steps_trains_and_counts_interrupted_generations(
+        tiny_example, tmp_path):
+    """The sync runs on the rollout's own thread (a call back into its group there must not wait
+    for itself) and the run ends; every sample stays within the bound by its oldest token."""
+    make_trainer(_async_config(tiny_example, tmp_path / "run", 3, "trainer.async_weight_sync=step")).fit()
+    records = [r for r in read_jsonl(tmp_path / "run" / "metrics.jsonl") if r["step"] > 0]
+    assert [r["step"] for r in records] == [1, 2, 3]
+    for r in records:
+        assert r["async/staleness_0"] + r["async/staleness_1"] == PROMPTS * N
+        assert 0 <= r["async/interrupted_generations"] <= PROMPTS * N
+        assert r["time/weight_sync_wait_s"] >= 0 and math.isfinite(r["actor/pg_loss"])

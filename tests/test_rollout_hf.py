@@ -13,6 +13,7 @@ from transformers import LlamaConfig, LlamaForCausalLM
 from rlcore.protocol import Batch
 from rlcore.rollout import HFRolloutEngine, RolloutEngine, SamplingParams, make_rollout_engine
 from rlcore.rollout import hf as hf_mod
+from rlcore.rollout.output import TOKEN_VERSIONS
 from rlcore.rollout.sampling import filter_logits, sample_categorical
 
 PAD = 0
@@ -386,13 +387,13 @@ def test_weights_taken_between_decode_steps_continue_as_the_new_weights_would_fr
     prompts = prompt_batch([5, 3])
     old = HFRolloutEngine(tiny_model(0), pad_token_id=PAD, eos_token_ids=[])
     before = old.generate(prompts, greedy)
-    assert hf_mod.TOKEN_VERSIONS not in before.tensors  # no switch: the output as ever
+    assert TOKEN_VERSIONS not in before.tensors  # no switch: the output as ever
 
     engine = HFRolloutEngine(tiny_model(0), pad_token_id=PAD, eos_token_ids=[])
     engine.weight_switch = switch = _SwitchAt(engine, tiny_model(1), at=3)
     out = engine.generate(prompts, greedy)
     assert switch.calls == 9  # asked at every boundary, not only at the end
-    versions = out[hf_mod.TOKEN_VERSIONS]
+    versions = out[TOKEN_VERSIONS]
     assert (versions[:, :4] == 7).all() and (versions[:, 4:] == 8).all()
     assert torch.equal(out["responses"][:, :4], before["responses"][:, :4])
     assert not torch.equal(out["responses"][:, 4:], before["responses"][:, 4:])  # the new weights decide

@@ -108,6 +108,14 @@ def check_async(config: ConfigTree) -> None:
         raise ValueError(f"algorithm.adv_estimator={config.algorithm.adv_estimator!r} with trainer.off_policy=async: "
                          "its greedy baseline is generated for the step's own prompts, which the async rollout "
                          "chose earlier; use trainer.off_policy=sync or one_step")
+    if config.trainer.async_weight_sync == "step":
+        if config.rollout.backend not in ("hf", "auto"):
+            raise ValueError(f"trainer.async_weight_sync=step with rollout.backend={config.rollout.backend}: only the hf "
+                             "engine takes new weights between decode steps; use rollout.backend=hf or "
+                             "trainer.async_weight_sync=generation")
+        if config.rollout.agent.enabled:
+            raise ValueError("trainer.async_weight_sync=step with rollout.agent: agent turns take new weights between "
+                             "turns only; use trainer.async_weight_sync=generation")
 
 
 def check_validation_sampling(config: ConfigTree) -> None:

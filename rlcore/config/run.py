@@ -39,6 +39,11 @@ class TrainerConfig(Section):
         None, ge=1, description="trainer.off_policy=async: prompts per generate call (a step's batch is generated in "
         "chunks of this many); new weights reach the engine between two calls, so a weight sync waits for one "
         "chunk, not a whole batch. Default: the step's whole batch in one call")
+    async_weight_sync: Literal["generation", "step"] = Field(
+        "generation", description="trainer.off_policy=async: when new weights reach the engine. generation: between "
+        "two generate calls (a sync waits for the call in flight); step: between two decode steps of the call in "
+        "flight (rollout.backend=hf), which goes on with the new weights (its KV cache recomputed), each token "
+        "recording its policy version (token_versions; a group's staleness is its oldest token's)")
     device_peak_tflops: float | None = Field(
         None, gt=0, description="dense peak TFLOP/s of one device at the compute dtype, for throughput/<phase>_mfu; "
         "default: detected for known NVIDIA GPUs (bf16 tensor-core peak, rlcore.flops), none on CPU (no MFU reported)")
@@ -59,7 +64,7 @@ class TrainerConfig(Section):
     @model_validator(mode="after")
     def _check_max_staleness(self) -> TrainerConfig:
         """Read only by the async mode: set with another it would change nothing."""
-        for key in ("max_staleness", "async_chunk_prompts"):
+        for key in ("max_staleness", "async_chunk_prompts", "async_weight_sync"):
             if self.off_policy != "async" and differs_from_default(self, key):
                 raise ValueError(f"{key} is set, but trainer.off_policy={self.off_policy!r} does not read it "
                                  "(only trainer.off_policy=async)")

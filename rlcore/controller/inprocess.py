@@ -15,6 +15,7 @@ A failure is raised as `WorkerError` with the original exception as `__cause__`
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
@@ -34,7 +35,8 @@ class InProcessWorkerGroup(WorkerGroup):
     def __init__(self, worker_factory: Callable[[int, int], Worker], world_size: int = 1,
                  role: str = "worker", *, own_thread: bool = False, cores: float | None = None):
         super().__init__(role, world_size)
-        self._thread = (ThreadPoolExecutor(1, thread_name_prefix=f"rlcore-{role}", initializer=use_cores, initargs=(cores,))
+        self._thread_id: int | None = None  # of the group's own thread, once started
+        self._thread = (ThreadPoolExecutor(1, thread_name_prefix=f"rlcore-{role}", initializer=self._enter, initargs=(cores,))
                         if own_thread else None)
         try:
             self._on_thread(lambda: self._build(worker_factory, world_size, role))
@@ -43,9 +45,20 @@ class InProcessWorkerGroup(WorkerGroup):
                 self._thread.shutdown(wait=True)
             raise
 
+    def _enter(self, cores: float | None) -> None:
+        """The group's own thread starting: remember it, and use its share of the cores."""
+        self._thread_id = threading.get_ident()
+        use_cores(cores)
+
+    def _here(self) -> bool:
+        """Whether a call runs on the calling thread: without an own thread, or from inside it (a
+        worker method calling back into its group, as a weight sync taken between two decode
+        steps does: submitting would wait for itself)."""
+        return self._thread is None or threading.get_ident() == self._thread_id
+
     def _on_thread(self, fn: Callable[[], Any]) -> Any:
         """Run `fn` where this group's workers live (its thread, or here), and wait for it."""
-        return fn() if self._thread is None else self._thread.submit(fn).result()
+        return fn() if self._here() else self._thread.submit(fn).result()  # type: ignore[union-attr]
 
     def _build(self, worker_factory: Callable[[int, int], Worker], world_size: int, role: str) -> None:
         self.workers: list[Worker] = []
@@ -81,8 +94,8 @@ class InProcessWorkerGroup(WorkerGroup):
         def run_all() -> list[Any]:  # stops at the first failing rank, like the gather would
             return [self._run(rank, method, args, kwargs) for rank, args, kwargs in calls]
 
-        if self._thread is not None:
-            return self._thread.submit(run_all).result
+        if not self._here():
+            return self._thread.submit(run_all).result  # type: ignore[union-attr]
         results: list[Any] = []
         error: WorkerError | None = None
         try:

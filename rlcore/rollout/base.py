@@ -106,6 +106,19 @@ class RolloutEngine(Protocol):
         ...
 
 
+class WeightSwitch(Protocol):
+    """Where a decode loop may take new weights between two steps (`trainer.async_weight_sync=step`:
+    the async rollout's gate lets a waiting weight sync in there)."""
+
+    def version(self) -> int:
+        """The policy version of the engine's weights now."""
+        ...
+
+    def between_steps(self) -> bool:
+        """Let a waiting weight sync change the weights now; True when they changed."""
+        ...
+
+
 def reload_group(name: str) -> str:
     """The module group an engine reloads a weight with (its parent module's parent): a weight sync
     sends each group whole. `model.layers.3.self_attn.q_proj.weight` -> `model.layers.3.self_attn`

@@ -20,16 +20,16 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
 from dataclasses import replace
-from typing import TYPE_CHECKING, Any, ClassVar, Protocol
+from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
 from transformers import AutoModelForCausalLM, PreTrainedModel
 
 from rlcore.protocol import Batch
-from rlcore.rollout.base import SamplingParams
+from rlcore.rollout.base import SamplingParams, WeightSwitch
 from rlcore.rollout.decode_attention import use_decode_attention
 from rlcore.rollout.kv_cache import make_decode_cache
-from rlcore.rollout.output import check_left_padded, left_pad, rollout_output
+from rlcore.rollout.output import TOKEN_VERSIONS, check_left_padded, left_pad, rollout_output
 from rlcore.rollout.sampling import choose_tokens, keyed_uniforms
 from rlcore.rollout_backends import HF, BackendTraits
 
@@ -40,20 +40,6 @@ if TYPE_CHECKING:
 # being decoded: compacting copies the cache, so doing it on every single finish costs more than
 # it saves on small batches.
 _COMPACT_FRACTION = 0.25
-
-TOKEN_VERSIONS = "token_versions"  # rollout output tensor [N, R]: each response token's policy version
-
-
-class WeightSwitch(Protocol):
-    """Where a decode loop may take new weights between two steps (the async rollout's gate)."""
-
-    def version(self) -> int:
-        """The policy version of the engine's weights now."""
-        ...
-
-    def between_steps(self) -> bool:
-        """Let a waiting weight sync change the weights now; True when they changed."""
-        ...
 
 
 

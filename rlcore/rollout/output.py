@@ -13,6 +13,9 @@ from rlcore.protocol import Batch
 from rlcore.rollout.base import SamplingParams
 
 PROMPT_KEYS = ("input_ids", "attention_mask", "position_ids")
+# rollout output tensor [N, R] beside `responses`: the policy version each token was drawn under
+# (an engine that takes new weights between decode steps: `rlcore.rollout.base.WeightSwitch`)
+TOKEN_VERSIONS = "token_versions"
 
 
 def check_left_padded(mask: torch.Tensor) -> None:
@@ -81,7 +84,7 @@ def response_right_pad(pad_token_id: int) -> dict[str, float | str]:
     `info[RIGHT_PAD]`): pad tokens, masks and log-probs 0, positions as the row's last (what
     `rollout_output` gives a row whose response ended early)."""
     return {"responses": pad_token_id, "input_ids": pad_token_id, "response_mask": 0, "attention_mask": 0,
-            "rollout_log_probs": 0.0, "position_ids": "edge"}
+            "rollout_log_probs": 0.0, "position_ids": "edge", TOKEN_VERSIONS: "edge"}
 
 
 _HOST = socket.gethostname()

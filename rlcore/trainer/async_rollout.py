@@ -40,12 +40,13 @@ from rlcore.config import Config
 from rlcore.data import PromptLoader
 from rlcore.protocol import RIGHT_PAD, Batch
 from rlcore.rollout import SamplingParams
+from rlcore.rollout.output import TOKEN_VERSIONS
 from rlcore.trainer.groups import WorkerGroups, required
 from rlcore.trainer.metrics import Timer
 from rlcore.trainer.rollout_parts import stamp_policy_version, train_sampling
 
-__all__ = ["AsyncRollout", "BufferClosed", "EngineGate", "GroupBuffer", "PromptGroup", "WaitClock", "chunk_sampling",
-           "join_generations"]
+__all__ = ["AsyncRollout", "BufferClosed", "DecodeSwitch", "EngineGate", "GroupBuffer", "PromptGroup", "WaitClock",
+           "chunk_sampling", "interrupted", "join_generations", "oldest_version"]
 
 
 @dataclass(frozen=True)
@@ -150,6 +151,9 @@ class EngineGate:
         self._exclusive = False
         self._woken = False
         self._waiting = 0  # exclusive users waiting for the generation in flight
+        self._job: Callable[[], None] | None = None  # handed to the generation in flight (`at_step_boundary`)
+        self._job_done = False
+        self._job_error: BaseException | None = None
         self.wait = WaitClock()  # the generator waiting for exclusive users, or until `ready`
 
     @contextmanager
@@ -177,7 +181,7 @@ class EngineGate:
 
     @contextmanager
     def exclusive(self) -> Iterator[None]:
-        """The engine alone (weight sync, validation): waits for the generation in flight."""
+        """The engine alone (weight sync, validation, a checkpoint): waits for the generation in flight."""
         with self._cond:
             self._waiting += 1
             self._cond.wait_for(lambda: not self._generating and not self._exclusive)
@@ -189,6 +193,95 @@ class EngineGate:
             with self._cond:
                 self._exclusive = False
                 self._cond.notify_all()
+
+    @property
+    def job_waiting(self) -> bool:
+        """Whether a job handed over by `at_step_boundary` waits for a decode step boundary."""
+        with self._cond:
+            return self._job is not None
+
+    def at_step_boundary(self, job: Callable[[], None]) -> None:
+        """Run `job` with the engine alone, as soon as possible: handed to the generation in flight,
+        which runs it between two decode steps (`step_boundary`, on the generating thread), or here
+        once no generation is in flight (it ended before its next step, or none was)."""
+        with self._cond:
+            self._waiting += 1
+            self._job, self._job_done, self._job_error = job, False, None
+            self._cond.wait_for(lambda: self._job_done or (not self._generating and not self._exclusive))
+            self._waiting -= 1
+            mine = not self._job_done
+            self._job = None
+            self._exclusive = self._exclusive or mine
+            error = self._job_error
+        if not mine:
+            if error is not None:
+                raise error
+            return
+        try:
+            job()
+        finally:
+            with self._cond:
+                self._exclusive = False
+                self._cond.notify_all()
+
+    def step_boundary(self) -> bool:
+        """Inside a generation, between two decode steps: run the job `at_step_boundary` handed
+        over, if any (its error goes to the thread that handed it); True when one ran."""
+        with self._cond:
+            job, self._job = self._job, None
+            if job is None:
+                return False
+            self._exclusive = True
+        error: BaseException | None = None
+        try:
+            job()
+        except BaseException as e:  # raised where the job was handed over
+            error = e
+        finally:
+            with self._cond:
+                self._exclusive = False
+                self._job_done, self._job_error = True, error
+                self._cond.notify_all()
+        return True
+
+
+class DecodeSwitch:
+    """The `WeightSwitch` the hf engine asks between decode steps: the gate's `step_boundary`,
+    on the weights' policy version."""
+
+    def __init__(self, gate: EngineGate, version: Callable[[], int]) -> None:
+        self._gate = gate
+        self._version = version
+
+    def version(self) -> int:
+        return self._version()
+
+    def between_steps(self) -> bool:
+        before = self._version()
+        with torch.inference_mode(False):  # the sync runs as it would on the trainer's thread
+            self._gate.step_boundary()
+        return self._version() != before
+
+
+def interrupted(samples: Batch) -> int:
+    """Samples whose tokens were drawn under more than one policy version (`TOKEN_VERSIONS`)."""
+    versions = samples.tensors.get(TOKEN_VERSIONS)
+    if versions is None:
+        return 0
+    mask = samples.tensors["response_mask"] > 0
+    big = torch.iinfo(versions.dtype).max
+    first = torch.where(mask, versions, big).min(dim=1).values
+    last = torch.where(mask, versions, -1).max(dim=1).values
+    return int((last > first).sum())
+
+
+def oldest_version(samples: Batch, started: int) -> int:
+    """The policy version of a group's oldest token (`TOKEN_VERSIONS`), else of its generation's start."""
+    versions = samples.tensors.get(TOKEN_VERSIONS)
+    if versions is None:
+        return started
+    mask = samples.tensors["response_mask"] > 0
+    return int(versions[mask].min()) if bool(mask.any()) else started
 
 
 def join_generations(parts: list[Batch]) -> Batch:
@@ -235,6 +328,7 @@ class AsyncRollout:
         # room for the steps the producer may run ahead (`_may_start` bounds it); one more call is in flight
         self.buffer = GroupBuffer(capacity=self.batch_groups * max(1, self.max_staleness))
         self.gate = EngineGate()
+        self.at_step = config.trainer.async_weight_sync == "step"  # new weights between decode steps
         self.version = 0  # actor updates behind the engine's weights (changed under the gate)
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
@@ -247,6 +341,8 @@ class AsyncRollout:
         self.version = self._calls = version
         self._open_until = self._next_checkpoint(version)
         self._mark = (time.perf_counter(), 0.0, 0)
+        if self.at_step:
+            required(self.groups.rollout, "rollout").set_weight_switch(DecodeSwitch(self.gate, lambda: self.version))
         self._thread = threading.Thread(target=self._produce, name="rlcore-async-rollout", daemon=True)
         self._thread.start()
 
@@ -274,7 +370,7 @@ class AsyncRollout:
                 version = self.version
                 gen = rollout.generate_sequences(chunk, chunk_sampling(sampling, i))
             for samples in stamp_policy_version(gen, version).split(self.n):
-                if not self.buffer.put(PromptGroup(samples, version)):
+                if not self.buffer.put(PromptGroup(samples, oldest_version(samples, version))):
                     return False
         return True
 
@@ -308,6 +404,8 @@ class AsyncRollout:
         lags = [version - g.version for g in taken]
         metrics = {f"async/staleness_{lag}": float(sum(self.n for x in lags if x == lag)) for lag in range(self.max_staleness + 1)}
         metrics["async/buffer_depth"] = float(len(self.buffer))
+        if self.at_step:
+            metrics["async/interrupted_generations"] = float(sum(interrupted(g.samples) for g in taken))
         return join_generations([g.samples for g in taken]), metrics
 
     def step_metrics(self, timer: Timer) -> dict[str, float]:
@@ -325,7 +423,22 @@ class AsyncRollout:
 
     def update_weights(self, sync: Callable[[], Any], version: int, timer: Timer) -> None:
         """Push the actor's weights between two generate calls (the wait for the one in flight is
-        the step's `weight_sync_wait` phase); later groups carry `version`."""
+        the step's `weight_sync_wait` phase); later groups carry `version`. With
+        `trainer.async_weight_sync=step` the generation in flight takes them at its next decode
+        step: the sync runs there, on the generating thread, while this one waits (the phase is
+        the wait until the sync starts; the sync times its own `weight_sync` phase)."""
+        if self.at_step:
+            handed = time.perf_counter()
+            started = [handed]
+
+            def job() -> None:
+                started[0] = time.perf_counter()
+                sync()
+                self.version = version
+
+            self.gate.at_step_boundary(job)
+            timer.seconds["weight_sync_wait"] = timer.seconds.get("weight_sync_wait", 0.0) + started[0] - handed
+            return
         with ExitStack() as engine:
             with timer.phase("weight_sync_wait"):
                 engine.enter_context(self.gate.exclusive())
@@ -343,3 +456,5 @@ class AsyncRollout:
         self.gate.wake()
         if self._thread is not None:
             self._thread.join()
+        if self.at_step and self._thread is not None:
+            required(self.groups.rollout, "rollout").set_weight_switch(None)

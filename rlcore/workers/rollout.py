@@ -14,6 +14,7 @@ from rlcore.protocol import RIGHT_PAD, Batch
 from rlcore.rewards.registry import load_function
 from rlcore.rewards.tools import ToolPool
 from rlcore.rollout import SamplingParams, make_rollout_engine, resolve_backend
+from rlcore.rollout.base import WeightSwitch
 from rlcore.rollout.agent import AgentLoop, AgentSettings
 from rlcore.rollout.output import response_right_pad
 from rlcore.rollout_backends import load_engine_class, support_problem
@@ -91,6 +92,15 @@ class RolloutWorker(Worker):
         # right-padded to the widest (what one rank generating the whole batch would return)
         out.info[RIGHT_PAD] = response_right_pad(self.pad_id)
         return out
+
+    @register(dispatch=Dispatch.ONE_TO_ALL)
+    def set_weight_switch(self, switch: WeightSwitch | None) -> None:
+        """Take new weights between decode steps through `switch` (`trainer.async_weight_sync=step`,
+        in process: the switch is the async rollout's gate); None: between generate calls only."""
+        if not hasattr(self.engine, "weight_switch"):
+            raise ValueError(f"trainer.async_weight_sync=step: the {self.backend} rollout engine takes new weights "
+                             "between generate calls only; use rollout.backend=hf or trainer.async_weight_sync=generation")
+        self.engine.weight_switch = switch
 
     @register(dispatch=Dispatch.ONE_TO_ALL)
     def begin_weight_sync(self, names: list[str]) -> None:

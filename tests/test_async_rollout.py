@@ -426,6 +426,8 @@ def _load(**sections) -> None:
     ({"trainer": {"async_weight_sync": "step"}, "rollout": {"backend": "vllm"}},
      r"trainer\.async_weight_sync=step with rollout\.backend=vllm"),
     ({"trainer": {"async_weight_sync": "decode"}}, r"async_weight_sync"),
+    ({"trainer": {"async_weight_sync": "step"}, "rollout": {"agent": {"interaction": "m:f"}}},
+     r"trainer\.async_weight_sync=step with rollout\.agent"),
 ])
 def test_async_is_refused_at_load_naming_the_key(sections, message):
     with pytest.raises(ValueError, match=message):

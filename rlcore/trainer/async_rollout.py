@@ -7,9 +7,12 @@ Three small parts, each with one job:
 
 - `GroupBuffer`: the bounded FIFO of `PromptGroup`s (each with the policy version it was generated
   with); `put` blocks while it is full, `take` while it lacks fresh groups; `close` wakes both.
-- `EngineGate`: generation and weight changes take turns on the engine (the hf engine takes new
-  weights between generate calls, never inside one; a weight sync is several buckets); a waiting
-  sync goes before the next generation, so the trainer is never starved by the producer. A
+- `EngineGate`: generation and weight changes take turns on the engine (a weight sync is several
+  buckets); a waiting sync goes before the next generation, so the trainer is never starved by the
+  producer. By default new weights reach the engine between generate calls; with
+  `trainer.async_weight_sync=step` the sync is handed to the generation in flight, which runs it
+  between two decode steps (`DecodeSwitch`, the hf engine's `WeightSwitch`) and goes on with the
+  new weights, each token recording its version (a group's staleness is its oldest token's). A
   generation also waits until it may start (`ready`): as AReaL's rollout controller, the producer
   runs at most `max_staleness` steps ahead of the updates, so in steady state nothing it makes is
   too old to train on (dropping stays as the bound's guard).

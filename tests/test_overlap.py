@@ -113,6 +113,26 @@ def test_a_group_on_its_own_thread_overlaps_the_caller_and_keeps_call_order(monk
     assert group._thread is not None and group._thread._shutdown
 
 
+class _CallsBack(_Probe):
+    """A method that calls back into its own group (an async weight sync run between two decode steps)."""
+
+    @register(dispatch=Dispatch.ONE_TO_ALL)
+    def call_back(self) -> tuple[int, int]:
+        return threading.get_ident(), self.group.call("record")[0][0]
+
+
+def test_a_call_back_into_the_group_from_its_own_thread_runs_there_without_waiting_for_itself():
+    group = InProcessWorkerGroup(_CallsBack, role="rollout", own_thread=True, cores=1)
+    try:
+        worker = group.workers[0]
+        worker.group = group
+        outer, inner = group.call_async("call_back").result()[0]
+        assert outer == inner == worker.setup_thread != threading.get_ident()
+        assert group.call("record")[0][0] == worker.setup_thread  # from outside: still on its thread
+    finally:
+        group.shutdown()
+
+
 def test_the_groups_thread_keeps_its_own_torch_threads(monkeypatch):
     monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
     monkeypatch.setattr(cpus, "available_cpus", lambda: 2.0)

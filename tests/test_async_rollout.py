@@ -18,9 +18,9 @@ from rlcore.algos.policy_loss import behaviour_weights, vanilla_policy_loss
 from rlcore.cli import CONFIG_DIR, tiny_example_overrides
 from rlcore.config import config_from_dict, load_config
 from rlcore.protocol import RIGHT_PAD, Batch
-from rlcore.tracking import read_jsonl
 from rlcore.rollout import HFRolloutEngine, SamplingParams
 from rlcore.rollout.output import TOKEN_VERSIONS
+from rlcore.tracking import read_jsonl
 from rlcore.trainer.async_rollout import (
     BufferClosed,
     DecodeSwitch,

@@ -14,8 +14,8 @@ from rlcore.protocol import RIGHT_PAD, Batch
 from rlcore.rewards.registry import load_function
 from rlcore.rewards.tools import ToolPool
 from rlcore.rollout import SamplingParams, make_rollout_engine, resolve_backend
-from rlcore.rollout.base import WeightSwitch
 from rlcore.rollout.agent import AgentLoop, AgentSettings
+from rlcore.rollout.base import WeightSwitch
 from rlcore.rollout.output import response_right_pad
 from rlcore.rollout_backends import load_engine_class, support_problem
 from rlcore.workers.loading import resolve_device

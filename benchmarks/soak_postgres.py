@@ -84,10 +84,12 @@ def automation_errors(api: str, prefect_log: Path) -> list[str]:
     """Every action an automation failed to take: the server's `prefect.automation.action.failed`
     events and its log's "Action failed" lines (the liveness automation acting on a run that had
     already completed was issue 41's cron-run symptom)."""
-    body = {"filter": {"event": {"prefix": ["prefect.automation.action.failed"]}}, "limit": 200}
+    body = {"filter": {"event": {"prefix": ["prefect.automation.action.failed"]}}, "limit": 50}  # the API's page
     got = PREFECT_HTTP.post(f"{api}/events/filter", json=body, timeout=30)
     got.raise_for_status()
-    failed = [f"event {e['occurred']}: {e.get('payload', {}).get('reason', '')}" for e in got.json()["events"]]
+    page = got.json()
+    failed = [f"event {e['occurred']}: {e.get('payload', {}).get('reason', '')}" for e in page["events"]]
+    failed += [f"(and {page['total'] - len(failed)} more events)"] * (page["total"] > len(failed))
     text = prefect_log.read_text(errors="replace") if prefect_log.is_file() else ""
     return failed + [line for line in text.splitlines() if "Action failed" in line]
 

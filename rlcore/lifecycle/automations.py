@@ -109,6 +109,19 @@ def pipeline_event(name: str, flow_run_id: str, deployment_id: str) -> dict[str,
                  related=[deployment]).model_dump(mode="json")
 
 
+def send_ended(flow_run_id: str, deployment_id: str) -> None:
+    """`rlcore.pipeline.ended` for a run that ended without its own Heartbeat closing: its liveness
+    countdown closes now (a cron run's final state event is evaluated late, see the module's doc).
+    Logged, not raised, when it cannot be sent: the final state closes the countdown too, later."""
+    from prefect.client.orchestration import get_client
+
+    try:
+        with get_client(sync_client=True) as client:
+            client.request("POST", "/events", json=[pipeline_event(ENDED_EVENT, flow_run_id, deployment_id)])
+    except Exception as err:  # noqa: BLE001 - see above
+        log.warning("rlcore: end of flow run %s not sent: %s", flow_run_id, err)
+
+
 class Heartbeat:
     """`rlcore.pipeline.heartbeat` events for one flow run of a deployment, from a daemon thread,
     every `interval_s` seconds while the context is open. Each event is a POST to the server's
@@ -215,10 +228,7 @@ class ServeWatch:
         with get_client(sync_client=True) as client:
             flow_run = client.read_flow_run(UUID(self.flow_run_id))
             client.set_flow_run_state(flow_run.id, state, force=True)
-            try:
-                client.request("POST", "/events", json=[pipeline_event(ENDED_EVENT, self.flow_run_id, self.deployment_id)])
-            except Exception as err:  # noqa: BLE001 - the Crashed state closes it too, later
-                log.warning("rlcore: end of flow run %s not sent: %s", self.flow_run_id, err)
+        send_ended(self.flow_run_id, self.deployment_id)
         run_end.run_ended(flow_run, state, "crashed", "flow")
 
     def __enter__(self) -> ServeWatch:

@@ -30,7 +30,7 @@ import signal
 import subprocess
 import sys
 import time
-from datetime import datetime, timedelta, timezone
+from datetime import UTC, datetime, timedelta
 from pathlib import Path
 
 import psutil
@@ -88,7 +88,7 @@ def start_long_run(api: str, dep: dict) -> str:
 def cron_soon(*minutes_ahead: int) -> str:
     """A cron (UTC, Prefect's default) that fires once at each of `minutes_ahead` minutes from now
     within the test (the hours' cross product adds firings an hour or more off: never reached)."""
-    now = datetime.now(timezone.utc).replace(second=0, microsecond=0)
+    now = datetime.now(UTC).replace(second=0, microsecond=0)
     at = [now + timedelta(minutes=m) for m in minutes_ahead]
     return f"{','.join(sorted({str(t.minute) for t in at}))} {','.join(sorted({str(t.hour) for t in at}))} * * *"
 

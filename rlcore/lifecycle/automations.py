@@ -20,7 +20,9 @@ heartbeat, nor `rlcore.pipeline.ended`, nor a final state. The ended event is wh
 countdown in practice: the server orders a flow run's state events causally, and those of a
 cron-scheduled run follow a Scheduled event that was never emitted, so its Completed event can
 reach the automation after the countdown (the automation then failed: "already in terminal
-state COMPLETED"); our own event follows nothing and is evaluated on arrival.
+state COMPLETED"); our own event follows nothing and is evaluated on arrival. A run whose process
+cannot send it (killed: the OOM killer, a cancel) has it sent by `serve` from the run's
+on_crashed/on_cancellation hook (`send_ended`).
 
 A served run also watches its serving process (`ServeWatch`): when that dies (SIGKILL, the OOM
 killer), the run ends itself within a second, Crashed, and reports that itself (one `crashed`, its

@@ -6,13 +6,16 @@ store the runs write (tests/test_failure_notify.py covers a run that raises, a S
 process, and a run killed together with its serving process):
 
 - the OOM killer: it SIGKILLs the process with the highest /proc/PID/oom_score; here the test
-  picks that process among `serve`'s descendants and SIGKILLs it (a simulation: the kernel's
-  choice made the same way, not real memory pressure);
+  picks that process among the run's processes and SIGKILLs it (a simulation: the kernel's
+  choice made the same way, as if that run held the most memory, not real memory pressure);
 - SIGKILL of `serve` alone: the run's process sees its parent gone and ends itself Crashed
   (`rlcore.lifecycle.automations.ServeWatch`) - before, it ran on as an orphan with no alert;
 - SIGINT to `serve`'s whole process group (a Ctrl-C in its terminal) and SIGTERM to `serve`: the
   runs in progress end Cancelled and are notified `cancelled` - before, a Ctrl-C sent a false
   `crashed` and left the train run FAILED with an empty reason;
+- each of these on a run the server's cron scheduler started as well as on one started through
+  the API (a cron naming two minutes soon to come: two cron runs at most, so that the CPU they
+  take is bounded and `--limit 2` leaves a slot for the API-started ones);
 - cron-scheduled runs that complete: no notification, and no `prefect.automation.action.failed`
   in the server's events after the liveness window (before: "already in terminal state
   COMPLETED" ~91 s after the last heartbeat on cron runs).
@@ -27,6 +30,7 @@ import signal
 import subprocess
 import sys
 import time
+from datetime import UTC, datetime, timedelta
 from pathlib import Path
 
 import psutil
@@ -81,6 +85,39 @@ def start_long_run(api: str, dep: dict) -> str:
     return created.json()["id"]
 
 
+def cron_soon(*minutes_ahead: int) -> str:
+    """A cron (UTC, Prefect's default) that fires once at each of `minutes_ahead` minutes from now
+    within the test (the hours' cross product adds firings an hour or more off: never reached)."""
+    now = datetime.now(UTC).replace(second=0, microsecond=0)
+    at = [now + timedelta(minutes=m) for m in minutes_ahead]
+    return f"{','.join(sorted({str(t.minute) for t in at}))} {','.join(sorted({str(t.hour) for t in at}))} * * *"
+
+
+def deployment_runs(api: str, dep: dict) -> list[dict]:
+    body = {"flow_runs": {"deployment_id": {"any_": [dep["id"]]}}, "sort": "EXPECTED_START_TIME_ASC"}
+    return PREFECT_HTTP.post(f"{api}/flow_runs/filter", json=body, timeout=scaled(5)).json()
+
+
+def pause(api: str, dep: dict) -> None:
+    """No more cron runs of this deployment: Prefect deletes those not started, so none is left
+    Scheduled for a later test's serve to pick up."""
+    PREFECT_HTTP.post(f"{api}/deployments/{dep['id']}/pause_deployment", timeout=scaled(30))
+
+
+def wait_cron_training(api: str, dep: dict, work: Path, log: Path, serve: subprocess.Popen,
+                       besides: tuple[str, ...] = ()) -> tuple[str, list[psutil.Process]]:
+    """A cron-scheduled run (not one of `besides`) in its train stage: its id and process tree."""
+    def found() -> str | None:
+        return next((r["id"] for r in deployment_runs(api, dep) if r["auto_scheduled"] and r["id"] not in besides
+                     and (r.get("state") or {}).get("type") == "RUNNING" and training(work, r["id"])), None)
+
+    wait_for("a data_prep stage", lambda: "Task run 'data_prep" in log.read_text(errors="replace"), 400, procs=[serve],
+             interval=2, progress=tree_progress(work, log))
+    run_id = wait_for("a cron run's train stage", found, 400, procs=[serve], interval=2,
+                      progress=tree_progress(work, log))
+    return run_id, tree(run_process(serve, run_id))
+
+
 def tree(proc: psutil.Process) -> list[psutil.Process]:
     try:
         return [proc, *proc.children(recursive=True)]
@@ -99,8 +136,8 @@ def alive(procs: list[psutil.Process]) -> list[psutil.Process]:
     return left
 
 
-def oom_victim(root: psutil.Process) -> psutil.Process:
-    """The process among `root`'s descendants the kernel's OOM killer would pick: the highest
+def oom_victim(procs: list[psutil.Process]) -> psutil.Process:
+    """The process among `procs` (a run's tree) the kernel's OOM killer would pick: the highest
     /proc/PID/oom_score (its share of memory, adjusted by oom_score_adj)."""
     def score(p: psutil.Process) -> int:
         try:
@@ -108,7 +145,7 @@ def oom_victim(root: psutil.Process) -> psutil.Process:
         except OSError:
             return -1
 
-    return max(root.children(recursive=True), key=score)
+    return max(procs, key=score)
 
 
 def ends(receiver: Receiver, run_id: str) -> list[dict]:
@@ -181,36 +218,47 @@ def test_the_oom_killer_and_a_sigkill_of_serve_each_give_one_crashed_and_leave_n
     api, env = prefect_api
     work, log = tmp_path / "work", tmp_path / "serve.log"
     began = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
-    serve = start_serve(api, env, work, log, receiver.url, "", *LONG)
+    serve = start_serve(api, env, work, log, receiver.url, cron_soon(3, 5), *LONG)
+    dep = None
     try:
         dep = deployment(api, serve)
 
-        # The OOM killer's choice, SIGKILLed (serve lives on and reports it).
+        # The OOM killer's choice, SIGKILLed (serve lives on and reports it): in a cron run, then
+        # in an API-started one, both in flight.
         first = start_long_run(api, dep)
+        cron, cron_procs = wait_cron_training(api, dep, work, log, serve)
         procs = wait_training(api, work, log, first, serve)
-        victim = oom_victim(psutil.Process(serve.pid))
-        print(f"\n[crash-report] oom victim: pid {victim.pid} {' '.join(victim.cmdline()[:4])}"
-              f" (the run's process: {victim.pid == procs[0].pid})")
-        since = time.monotonic()
-        victim.kill()
-        closed_once("oom-killer (simulated)", api, receiver, first, since, procs, work)
+        for kind, run_id, run_procs in (("oom-killer (simulated), cron run", cron, cron_procs),
+                                        ("oom-killer (simulated), API run", first, procs)):
+            victim = oom_victim(run_procs)
+            print(f"\n[crash-report] oom victim: pid {victim.pid} {' '.join(victim.cmdline()[:4])}"
+                  f" (the run's process: {victim.pid == run_procs[0].pid})")
+            since = time.monotonic()
+            victim.kill()
+            closed_once(kind, api, receiver, run_id, since, run_procs, work)
 
-        # SIGKILL of the serving process alone: its run ends itself, crashed, at once.
+        # SIGKILL of the serving process alone: its runs (API-started and cron) end themselves,
+        # crashed, at once.
         second = start_long_run(api, dep)
+        cron, cron_procs = wait_cron_training(api, dep, work, log, serve, besides=(cron,))
         procs = wait_training(api, work, log, second, serve)
         since = time.monotonic()
         serve.kill()
         serve.wait(timeout=scaled(30))
-        report = closed_once("SIGKILL of serve", api, receiver, second, since, procs, work, "CRASHED")
-        assert report["notifications"] == [("crashed", "flow")]
-        assert "serving process" in report["mlflow"][0][2]
-        assert list(work.glob(f"orphaned-run-{second}.log"))  # what the run wrote after serve died
+        for kind, run_id, run_procs in (("SIGKILL of serve, API run", second, procs),
+                                        ("SIGKILL of serve, cron run", cron, cron_procs)):
+            report = closed_once(kind, api, receiver, run_id, since, run_procs, work, "CRASHED")
+            assert report["notifications"] == [("crashed", "flow")]
+            assert "serving process" in report["mlflow"][0][2]
+            assert list(work.glob(f"orphaned-run-{run_id}.log"))  # what the run wrote after serve died
 
-        # The liveness window (20 s) has passed for both: the automation never failed on them.
+        # The liveness window (20 s) has passed for all: the automation never failed on them.
         wait_for("the liveness window", lambda: time.monotonic() > since + 30, 60)
         assert events(api, ["prefect.automation.action.failed"], since=began) == []
     finally:
         kill_group(serve)
+        if dep is not None:
+            pause(api, dep)
 
 
 def test_a_ctrl_c_or_sigterm_of_serve_cancels_its_runs_once_and_completed_cron_runs_raise_no_automation_error(
@@ -219,12 +267,12 @@ def test_a_ctrl_c_or_sigterm_of_serve_cancels_its_runs_once_and_completed_cron_r
     work, log = tmp_path / "work", tmp_path / "serve.log"
     began = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
     serve = start_serve(api, env, work, log, receiver.url, "* * * * *", *QUICK)
+    dep = None
     try:
         dep = deployment(api, serve)
 
         def runs() -> list[dict]:
-            body = {"flow_runs": {"deployment_id": {"any_": [dep["id"]]}}, "sort": "EXPECTED_START_TIME_ASC"}
-            return PREFECT_HTTP.post(f"{api}/flow_runs/filter", json=body, timeout=scaled(5)).json()
+            return deployment_runs(api, dep)
 
         def cron_completed() -> dict | None:
             done = [r for r in runs() if r["auto_scheduled"] and (r.get("state") or {}).get("type") == "COMPLETED"]
@@ -250,15 +298,25 @@ def test_a_ctrl_c_or_sigterm_of_serve_cancels_its_runs_once_and_completed_cron_r
         # The liveness window has passed since the completed cron run(s): no automation error.
         assert events(api, ["prefect.automation.action.failed"], since=began) == []
 
-        # SIGTERM (a service manager's stop) to the serving process alone.
-        serve = start_serve(api, env, work, log, receiver.url, "", *QUICK)
+        # SIGTERM (a service manager's stop) to the serving process alone, an API-started run and
+        # a cron run (LONG: one firing, some three minutes on) in flight. The first serve's cron runs
+        # that never started are dropped first, so that the cron run is one of the new schedule.
+        earlier = tuple(r["id"] for r in runs())
+        for run in runs():
+            if (run.get("state") or {}).get("type") == "SCHEDULED":
+                PREFECT_HTTP.delete(f"{api}/flow_runs/{run['id']}", timeout=scaled(30))
+        serve = start_serve(api, env, work, log, receiver.url, cron_soon(3), *LONG)
         dep = deployment(api, serve)
         second = start_long_run(api, dep)
+        cron, cron_procs = wait_cron_training(api, dep, work, log, serve, besides=earlier)
         procs = wait_training(api, work, log, second, serve)
         since = time.monotonic()
         serve.send_signal(signal.SIGTERM)
         assert serve.wait(timeout=scaled(90)) == 0, log.read_text()[-3000:]
-        closed_once("SIGTERM of serve", api, receiver, second, since, procs, work, "CANCELLED")
+        closed_once("SIGTERM of serve, API run", api, receiver, second, since, procs, work, "CANCELLED")
+        closed_once("SIGTERM of serve, cron run", api, receiver, cron, since, cron_procs, work, "CANCELLED")
         assert events(api, ["prefect.automation.action.failed"], since=began) == []
     finally:
         kill_group(serve)
+        if dep is not None:
+            pause(api, dep)

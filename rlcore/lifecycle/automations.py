@@ -20,7 +20,9 @@ heartbeat, nor `rlcore.pipeline.ended`, nor a final state. The ended event is wh
 countdown in practice: the server orders a flow run's state events causally, and those of a
 cron-scheduled run follow a Scheduled event that was never emitted, so its Completed event can
 reach the automation after the countdown (the automation then failed: "already in terminal
-state COMPLETED"); our own event follows nothing and is evaluated on arrival.
+state COMPLETED"); our own event follows nothing and is evaluated on arrival. A run whose process
+cannot send it (killed: the OOM killer, a cancel) has it sent by `serve` from the run's
+on_crashed/on_cancellation hook (`send_ended`).
 
 A served run also watches its serving process (`ServeWatch`): when that dies (SIGKILL, the OOM
 killer), the run ends itself within a second, Crashed, and reports that itself (one `crashed`, its
@@ -107,6 +109,19 @@ def pipeline_event(name: str, flow_run_id: str, deployment_id: str) -> dict[str,
                                   "prefect.resource.role": "deployment"})
     return Event(event=name, resource={"prefect.resource.id": f"prefect.flow-run.{flow_run_id}"},
                  related=[deployment]).model_dump(mode="json")
+
+
+def send_ended(flow_run_id: str, deployment_id: str) -> None:
+    """`rlcore.pipeline.ended` for a run that ended without its own Heartbeat closing: its liveness
+    countdown closes now (a cron run's final state event is evaluated late, see the module's doc).
+    Logged, not raised, when it cannot be sent: the final state closes the countdown too, later."""
+    from prefect.client.orchestration import get_client
+
+    try:
+        with get_client(sync_client=True) as client:
+            client.request("POST", "/events", json=[pipeline_event(ENDED_EVENT, flow_run_id, deployment_id)])
+    except Exception as err:  # noqa: BLE001 - see above
+        log.warning("rlcore: end of flow run %s not sent: %s", flow_run_id, err)
 
 
 class Heartbeat:
@@ -215,10 +230,7 @@ class ServeWatch:
         with get_client(sync_client=True) as client:
             flow_run = client.read_flow_run(UUID(self.flow_run_id))
             client.set_flow_run_state(flow_run.id, state, force=True)
-            try:
-                client.request("POST", "/events", json=[pipeline_event(ENDED_EVENT, self.flow_run_id, self.deployment_id)])
-            except Exception as err:  # noqa: BLE001 - the Crashed state closes it too, later
-                log.warning("rlcore: end of flow run %s not sent: %s", self.flow_run_id, err)
+        send_ended(self.flow_run_id, self.deployment_id)
         run_end.run_ended(flow_run, state, "crashed", "flow")
 
     def __enter__(self) -> ServeWatch:

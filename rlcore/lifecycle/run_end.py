@@ -130,10 +130,22 @@ def on_crashed(flow: Any, flow_run: Any, state: Any) -> None:
     serving process that is being stopped, the crash is the stop's doing (a Ctrl-C reaches the
     whole process group, and a run still starting has not yet learnt to ignore it): the run is
     set Cancelled, as the runs the stop cancels are, and reported so."""
+    if _in_serving_process():
+        _close_liveness(flow_run)
     if _in_serving_process() and serve_stopping.is_set():
         run_ended(flow_run, _cancel(flow_run), "cancelled", "rlcore pipeline serve")
         return
     run_ended(flow_run, state, "crashed", "rlcore pipeline serve" if _in_serving_process() else "flow")
+
+
+def _close_liveness(flow_run: Any) -> None:
+    """The run's process is gone (its Heartbeat did not close): `rlcore.pipeline.ended` for it, so
+    the server's liveness automation does not try to crash a run that has ended (a cron run's
+    Crashed/Cancelled event reaches it late)."""
+    if getattr(flow_run, "deployment_id", None) is not None:
+        from rlcore.lifecycle.automations import send_ended
+
+        send_ended(str(flow_run.id), str(flow_run.deployment_id))
 
 
 def _cancel(flow_run: Any) -> Any:
@@ -151,6 +163,8 @@ def _cancel(flow_run: Any) -> Any:
 
 def on_cancellation(flow: Any, flow_run: Any, state: Any) -> None:
     """`rl_pipeline`'s on_cancellation hook: its MLflow runs end KILLED (no notification)."""
+    if _in_serving_process():
+        _close_liveness(flow_run)
     run_ended(flow_run, state, "cancelled", "rlcore pipeline serve" if _in_serving_process() else "flow")
 
 

@@ -112,6 +112,10 @@ def postgres_cluster(databases: tuple[str, ...] = ("prefect", "mlflow"), log_dir
     who.own(root)
     data, log = root / "data", root / "server.log"
     env = dict(os.environ, LC_ALL="C.UTF-8", TZ="UTC")
+    # vLLM's CPU platform puts torch's libgomp (under /root) in LD_PRELOAD of a process that imported
+    # it (an earlier test of this xdist worker); the postgres user cannot open it, and ld.so's
+    # complaint would be an "ERROR:" line of the server's log
+    env.pop("LD_PRELOAD", None)
     proc: subprocess.Popen | None = None
     try:
         done = subprocess.run([str(bin_dir / "initdb"), "-D", str(data), "-U", ROLE, "--auth=trust", "-E", "UTF8",

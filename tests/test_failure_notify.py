@@ -282,6 +282,11 @@ def test_a_run_killed_with_its_serving_process_is_crashed_by_the_server_once_and
     try:
         dep = deployment(api, serve)
         killed = start_run(api, dep)
+        # the MLflow store is read only once a data_prep stage finished (its tables exist then): a
+        # reader opening the SQLite store while the run creates it races its migration ("table
+        # _alembic_tmp_model_versions already exists" failed the run)
+        wait_for("a data_prep stage", lambda: "Task run 'data_prep" in serve_log.read_text(errors="replace"), 400,
+                 procs=[serve], interval=2, progress=tree_progress(work, serve_log))
         wait_for("the run's train stage", lambda: training(work, killed), 400, procs=[serve], interval=2,
                  progress=tree_progress(work, serve_log))
         # a heartbeat every 5 s; the server stores events asynchronously (its event persister), so

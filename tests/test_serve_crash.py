@@ -1,6 +1,9 @@
 """Every way a served run can end badly is reported once, with the event its final Prefect state
 names, its MLflow runs closed with that status and a reason, and no process of it left behind.
-Against a real Prefect server on 127.0.0.1, a webhook receiver (given to `pipeline serve` as
+Against a real Prefect server on 127.0.0.1 keeping its database in PostgreSQL (as production
+servers do: on SQLite its trigger service dropped an end-of-run event with "database is locked"
+when two runs ended in the same 100 ms, and the liveness automation then failed on a run already
+ended; tests/postgres.py starts the cluster), a webhook receiver (given to `pipeline serve` as
 RLCORE_WEBHOOK_URL, so runs started with their own `overrides` have it too) and the SQLite MLflow
 store the runs write (tests/test_failure_notify.py covers a run that raises, a SIGKILL of the run's
 process, and a run killed together with its serving process):
@@ -30,12 +33,23 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
 
 import psutil
 import pytest
-from conftest import PREFECT_HTTP, stop_process_group, tree_progress, wait_for  # tests/ is on sys.path
+from conftest import (  # tests/ is on sys.path
+    PREFECT_HTTP,
+    prefect_env,
+    prefect_keys,
+    prefect_server,
+    reset_prefect,
+    stop_process_group,
+    tree_progress,
+    wait_for,
+)
+from postgres import Postgres, pg_cluster_fixture  # noqa: F401 - pg_cluster_fixture registers the fixture `pg_cluster`
 from test_failure_notify import (
     HEARTBEAT,
     LONG,
@@ -58,6 +72,28 @@ CLOSE_BOUND_S = 120  # from the kill or signal to the run's final state, notific
 
 # two or three served runs each, to their train stage on a loaded 2-core machine
 pytestmark = [pytest.mark.slow, pytest.mark.prefect, pytest.mark.pipeline, pytest.mark.timeout(1200)]
+
+
+@pytest.fixture(scope="module")
+def pg_prefect_server(pg_cluster: Postgres, tmp_path_factory: pytest.TempPathFactory) -> Iterator[
+        tuple[str, dict[str, str], dict[str, set[str]]]]:
+    """A Prefect server of this file's own on PostgreSQL (the scheduler looping every 5 s, as the
+    shared server's): its API URL, client environment and what it held at start."""
+    with prefect_server(tmp_path_factory.mktemp("prefect_pg"), PREFECT_API_SERVICES_SCHEDULER_LOOP_SECONDS="5",
+                        PREFECT_SERVER_DATABASE_CONNECTION_URL=pg_cluster.url("prefect", "asyncpg")) as (api, env, _log):
+        yield api, env, prefect_keys(api)
+
+
+@pytest.fixture
+def prefect_api(pg_prefect_server: tuple[str, dict[str, str], dict[str, set[str]]],
+                tmp_path: Path) -> Iterator[tuple[str, dict[str, str]]]:
+    """conftest's `prefect_api` on this file's PostgreSQL-backed server: emptied before and after."""
+    api, env, start = pg_prefect_server
+    reset_prefect(api, start)
+    try:
+        yield api, dict(env, **prefect_env(tmp_path / "prefect_client"), PREFECT_API_URL=api)
+    finally:
+        reset_prefect(api, start)
 
 
 @pytest.fixture

@@ -1,24 +1,18 @@
 """Every way a served run can end badly is reported once, with the event its final Prefect state
 names, its MLflow runs closed with that status and a reason, and no process of it left behind.
-Against a real Prefect server on 127.0.0.1 keeping its database in PostgreSQL (as production
-servers do: on SQLite its trigger service dropped an end-of-run event with "database is locked"
-when two runs ended in the same 100 ms, and the liveness automation then failed on a run already
-ended; tests/postgres.py starts the cluster), a webhook receiver (given to `pipeline serve` as
+Against a real Prefect server on 127.0.0.1, a webhook receiver (given to `pipeline serve` as
 RLCORE_WEBHOOK_URL, so runs started with their own `overrides` have it too) and the SQLite MLflow
 store the runs write (tests/test_failure_notify.py covers a run that raises, a SIGKILL of the run's
 process, and a run killed together with its serving process):
 
 - the OOM killer: it SIGKILLs the process with the highest /proc/PID/oom_score; here the test
-  picks that process among the run's processes and SIGKILLs it (a simulation: the kernel's
-  choice made the same way, as if that run held the most memory, not real memory pressure);
+  picks that process among `serve`'s descendants and SIGKILLs it (a simulation: the kernel's
+  choice made the same way, not real memory pressure);
 - SIGKILL of `serve` alone: the run's process sees its parent gone and ends itself Crashed
   (`rlcore.lifecycle.automations.ServeWatch`) - before, it ran on as an orphan with no alert;
 - SIGINT to `serve`'s whole process group (a Ctrl-C in its terminal) and SIGTERM to `serve`: the
   runs in progress end Cancelled and are notified `cancelled` - before, a Ctrl-C sent a false
   `crashed` and left the train run FAILED with an empty reason;
-- each of these on a run the server's cron scheduler started as well as on one started through
-  the API (a cron naming two minutes soon to come: two cron runs at most, so that the CPU they
-  take is bounded and `--limit 2` leaves a slot for the API-started ones);
 - cron-scheduled runs that complete: no notification, and no `prefect.automation.action.failed`
   in the server's events after the liveness window (before: "already in terminal state
   COMPLETED" ~91 s after the last heartbeat on cron runs).
@@ -33,23 +27,11 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
-from datetime import UTC, datetime, timedelta
 from pathlib import Path
 
 import psutil
 import pytest
-from conftest import (  # tests/ is on sys.path
-    PREFECT_HTTP,
-    prefect_env,
-    prefect_keys,
-    prefect_server,
-    reset_prefect,
-    stop_process_group,
-    tree_progress,
-    wait_for,
-)
-from postgres import Postgres, pg_cluster_fixture  # noqa: F401 - pg_cluster_fixture registers the fixture `pg_cluster`
+from conftest import PREFECT_HTTP, stop_process_group, tree_progress, wait_for  # tests/ is on sys.path
 from test_failure_notify import (
     HEARTBEAT,
     LONG,
@@ -72,28 +54,6 @@ CLOSE_BOUND_S = 120  # from the kill or signal to the run's final state, notific
 
 # two or three served runs each, to their train stage on a loaded 2-core machine
 pytestmark = [pytest.mark.slow, pytest.mark.prefect, pytest.mark.pipeline, pytest.mark.timeout(1200)]
-
-
-@pytest.fixture(scope="module")
-def pg_prefect_server(pg_cluster: Postgres, tmp_path_factory: pytest.TempPathFactory) -> Iterator[
-        tuple[str, dict[str, str], dict[str, set[str]]]]:
-    """A Prefect server of this file's own on PostgreSQL (the scheduler looping every 5 s, as the
-    shared server's): its API URL, client environment and what it held at start."""
-    with prefect_server(tmp_path_factory.mktemp("prefect_pg"), PREFECT_API_SERVICES_SCHEDULER_LOOP_SECONDS="5",
-                        PREFECT_SERVER_DATABASE_CONNECTION_URL=pg_cluster.url("prefect", "asyncpg")) as (api, env, _log):
-        yield api, env, prefect_keys(api)
-
-
-@pytest.fixture
-def prefect_api(pg_prefect_server: tuple[str, dict[str, str], dict[str, set[str]]],
-                tmp_path: Path) -> Iterator[tuple[str, dict[str, str]]]:
-    """conftest's `prefect_api` on this file's PostgreSQL-backed server: emptied before and after."""
-    api, env, start = pg_prefect_server
-    reset_prefect(api, start)
-    try:
-        yield api, dict(env, **prefect_env(tmp_path / "prefect_client"), PREFECT_API_URL=api)
-    finally:
-        reset_prefect(api, start)
 
 
 @pytest.fixture
@@ -121,39 +81,6 @@ def start_long_run(api: str, dep: dict) -> str:
     return created.json()["id"]
 
 
-def cron_soon(*minutes_ahead: int) -> str:
-    """A cron (UTC, Prefect's default) that fires once at each of `minutes_ahead` minutes from now
-    within the test (the hours' cross product adds firings an hour or more off: never reached)."""
-    now = datetime.now(UTC).replace(second=0, microsecond=0)
-    at = [now + timedelta(minutes=m) for m in minutes_ahead]
-    return f"{','.join(sorted({str(t.minute) for t in at}))} {','.join(sorted({str(t.hour) for t in at}))} * * *"
-
-
-def deployment_runs(api: str, dep: dict) -> list[dict]:
-    body = {"flow_runs": {"deployment_id": {"any_": [dep["id"]]}}, "sort": "EXPECTED_START_TIME_ASC"}
-    return PREFECT_HTTP.post(f"{api}/flow_runs/filter", json=body, timeout=scaled(5)).json()
-
-
-def pause(api: str, dep: dict) -> None:
-    """No more cron runs of this deployment: Prefect deletes those not started, so none is left
-    Scheduled for a later test's serve to pick up."""
-    PREFECT_HTTP.post(f"{api}/deployments/{dep['id']}/pause_deployment", timeout=scaled(30))
-
-
-def wait_cron_training(api: str, dep: dict, work: Path, log: Path, serve: subprocess.Popen,
-                       besides: tuple[str, ...] = ()) -> tuple[str, list[psutil.Process]]:
-    """A cron-scheduled run (not one of `besides`) in its train stage: its id and process tree."""
-    def found() -> str | None:
-        return next((r["id"] for r in deployment_runs(api, dep) if r["auto_scheduled"] and r["id"] not in besides
-                     and (r.get("state") or {}).get("type") == "RUNNING" and training(work, r["id"])), None)
-
-    wait_for("a data_prep stage", lambda: "Task run 'data_prep" in log.read_text(errors="replace"), 400, procs=[serve],
-             interval=2, progress=tree_progress(work, log))
-    run_id = wait_for("a cron run's train stage", found, 400, procs=[serve], interval=2,
-                      progress=tree_progress(work, log))
-    return run_id, tree(run_process(serve, run_id))
-
-
 def tree(proc: psutil.Process) -> list[psutil.Process]:
     try:
         return [proc, *proc.children(recursive=True)]
@@ -172,8 +99,8 @@ def alive(procs: list[psutil.Process]) -> list[psutil.Process]:
     return left
 
 
-def oom_victim(procs: list[psutil.Process]) -> psutil.Process:
-    """The process among `procs` (a run's tree) the kernel's OOM killer would pick: the highest
+def oom_victim(root: psutil.Process) -> psutil.Process:
+    """The process among `root`'s descendants the kernel's OOM killer would pick: the highest
     /proc/PID/oom_score (its share of memory, adjusted by oom_score_adj)."""
     def score(p: psutil.Process) -> int:
         try:
@@ -181,7 +108,7 @@ def oom_victim(procs: list[psutil.Process]) -> psutil.Process:
         except OSError:
             return -1
 
-    return max(procs, key=score)
+    return max(root.children(recursive=True), key=score)
 
 
 def ends(receiver: Receiver, run_id: str) -> list[dict]:
@@ -254,47 +181,36 @@ def test_the_oom_killer_and_a_sigkill_of_serve_each_give_one_crashed_and_leave_n
     api, env = prefect_api
     work, log = tmp_path / "work", tmp_path / "serve.log"
     began = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
-    serve = start_serve(api, env, work, log, receiver.url, cron_soon(3, 5), *LONG)
-    dep = None
+    serve = start_serve(api, env, work, log, receiver.url, "", *LONG)
     try:
         dep = deployment(api, serve)
 
-        # The OOM killer's choice, SIGKILLed (serve lives on and reports it): in a cron run, then
-        # in an API-started one, both in flight.
+        # The OOM killer's choice, SIGKILLed (serve lives on and reports it).
         first = start_long_run(api, dep)
-        cron, cron_procs = wait_cron_training(api, dep, work, log, serve)
         procs = wait_training(api, work, log, first, serve)
-        for kind, run_id, run_procs in (("oom-killer (simulated), cron run", cron, cron_procs),
-                                        ("oom-killer (simulated), API run", first, procs)):
-            victim = oom_victim(run_procs)
-            print(f"\n[crash-report] oom victim: pid {victim.pid} {' '.join(victim.cmdline()[:4])}"
-                  f" (the run's process: {victim.pid == run_procs[0].pid})")
-            since = time.monotonic()
-            victim.kill()
-            closed_once(kind, api, receiver, run_id, since, run_procs, work)
+        victim = oom_victim(psutil.Process(serve.pid))
+        print(f"\n[crash-report] oom victim: pid {victim.pid} {' '.join(victim.cmdline()[:4])}"
+              f" (the run's process: {victim.pid == procs[0].pid})")
+        since = time.monotonic()
+        victim.kill()
+        closed_once("oom-killer (simulated)", api, receiver, first, since, procs, work)
 
-        # SIGKILL of the serving process alone: its runs (API-started and cron) end themselves,
-        # crashed, at once.
+        # SIGKILL of the serving process alone: its run ends itself, crashed, at once.
         second = start_long_run(api, dep)
-        cron, cron_procs = wait_cron_training(api, dep, work, log, serve, besides=(cron,))
         procs = wait_training(api, work, log, second, serve)
         since = time.monotonic()
         serve.kill()
         serve.wait(timeout=scaled(30))
-        for kind, run_id, run_procs in (("SIGKILL of serve, API run", second, procs),
-                                        ("SIGKILL of serve, cron run", cron, cron_procs)):
-            report = closed_once(kind, api, receiver, run_id, since, run_procs, work, "CRASHED")
-            assert report["notifications"] == [("crashed", "flow")]
-            assert "serving process" in report["mlflow"][0][2]
-            assert list(work.glob(f"orphaned-run-{run_id}.log"))  # what the run wrote after serve died
+        report = closed_once("SIGKILL of serve", api, receiver, second, since, procs, work, "CRASHED")
+        assert report["notifications"] == [("crashed", "flow")]
+        assert "serving process" in report["mlflow"][0][2]
+        assert list(work.glob(f"orphaned-run-{second}.log"))  # what the run wrote after serve died
 
-        # The liveness window (20 s) has passed for all: the automation never failed on them.
+        # The liveness window (20 s) has passed for both: the automation never failed on them.
         wait_for("the liveness window", lambda: time.monotonic() > since + 30, 60)
         assert events(api, ["prefect.automation.action.failed"], since=began) == []
     finally:
         kill_group(serve)
-        if dep is not None:
-            pause(api, dep)
 
 
 def test_a_ctrl_c_or_sigterm_of_serve_cancels_its_runs_once_and_completed_cron_runs_raise_no_automation_error(
@@ -303,12 +219,12 @@ def test_a_ctrl_c_or_sigterm_of_serve_cancels_its_runs_once_and_completed_cron_r
     work, log = tmp_path / "work", tmp_path / "serve.log"
     began = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
     serve = start_serve(api, env, work, log, receiver.url, "* * * * *", *QUICK)
-    dep = None
     try:
         dep = deployment(api, serve)
 
         def runs() -> list[dict]:
-            return deployment_runs(api, dep)
+            body = {"flow_runs": {"deployment_id": {"any_": [dep["id"]]}}, "sort": "EXPECTED_START_TIME_ASC"}
+            return PREFECT_HTTP.post(f"{api}/flow_runs/filter", json=body, timeout=scaled(5)).json()
 
         def cron_completed() -> dict | None:
             done = [r for r in runs() if r["auto_scheduled"] and (r.get("state") or {}).get("type") == "COMPLETED"]
@@ -334,25 +250,15 @@ def test_a_ctrl_c_or_sigterm_of_serve_cancels_its_runs_once_and_completed_cron_r
         # The liveness window has passed since the completed cron run(s): no automation error.
         assert events(api, ["prefect.automation.action.failed"], since=began) == []
 
-        # SIGTERM (a service manager's stop) to the serving process alone, an API-started run and
-        # a cron run (LONG: one firing, some three minutes on) in flight. The first serve's cron runs
-        # that never started are dropped first, so that the cron run is one of the new schedule.
-        earlier = tuple(r["id"] for r in runs())
-        for run in runs():
-            if (run.get("state") or {}).get("type") == "SCHEDULED":
-                PREFECT_HTTP.delete(f"{api}/flow_runs/{run['id']}", timeout=scaled(30))
-        serve = start_serve(api, env, work, log, receiver.url, cron_soon(3), *LONG)
+        # SIGTERM (a service manager's stop) to the serving process alone.
+        serve = start_serve(api, env, work, log, receiver.url, "", *QUICK)
         dep = deployment(api, serve)
         second = start_long_run(api, dep)
-        cron, cron_procs = wait_cron_training(api, dep, work, log, serve, besides=earlier)
         procs = wait_training(api, work, log, second, serve)
         since = time.monotonic()
         serve.send_signal(signal.SIGTERM)
         assert serve.wait(timeout=scaled(90)) == 0, log.read_text()[-3000:]
-        closed_once("SIGTERM of serve, API run", api, receiver, second, since, procs, work, "CANCELLED")
-        closed_once("SIGTERM of serve, cron run", api, receiver, cron, since, cron_procs, work, "CANCELLED")
+        closed_once("SIGTERM of serve", api, receiver, second, since, procs, work, "CANCELLED")
         assert events(api, ["prefect.automation.action.failed"], since=began) == []
     finally:
         kill_group(serve)
-        if dep is not None:
-            pause(api, dep)

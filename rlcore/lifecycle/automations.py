@@ -47,6 +47,7 @@ from datetime import timedelta
 from typing import TYPE_CHECKING, Any, cast
 from uuid import UUID
 
+from rlcore.lifecycle.liveness import ENDED_EVENT, HEARTBEAT_EVENT, pipeline_event, send_ended
 from rlcore.lifecycle.notify import request_target
 from rlcore.redact import redact_secret
 
@@ -57,8 +58,6 @@ log = logging.getLogger(__name__)
 
 HEARTBEAT_ENV = "RLCORE_HEARTBEAT_S"  # set by `pipeline serve` for the flow-run processes it starts
 SERVE_PID_ENV = "RLCORE_SERVE_PID"  # likewise: the serving process, which its runs watch (`ServeWatch`)
-HEARTBEAT_EVENT = "rlcore.pipeline.heartbeat"
-ENDED_EVENT = "rlcore.pipeline.ended"  # the last heartbeat: the flow function returned or raised
 DEFAULT_HEARTBEAT_S = 30.0
 DEFAULT_UNRESPONSIVE_AFTER_S = 90.0  # three missed heartbeats, as Prefect's zombie-detection guide has it
 TERMINAL_EVENTS = ("prefect.flow-run.Completed", "prefect.flow-run.Failed", "prefect.flow-run.Cancelled",
@@ -99,29 +98,6 @@ def heartbeat_interval() -> float | None:
     liveness, no heartbeats)."""
     value = os.environ.get(HEARTBEAT_ENV)
     return float(value) if value else None
-
-
-def pipeline_event(name: str, flow_run_id: str, deployment_id: str) -> dict[str, object]:
-    """An rlcore event about one flow run of a deployment, as the server's `/events` takes it."""
-    from prefect.events import Event, RelatedResource
-
-    deployment = RelatedResource({"prefect.resource.id": f"prefect.deployment.{deployment_id}",
-                                  "prefect.resource.role": "deployment"})
-    return Event(event=name, resource={"prefect.resource.id": f"prefect.flow-run.{flow_run_id}"},
-                 related=[deployment]).model_dump(mode="json")
-
-
-def send_ended(flow_run_id: str, deployment_id: str) -> None:
-    """`rlcore.pipeline.ended` for a run that ended without its own Heartbeat closing: its liveness
-    countdown closes now (a cron run's final state event is evaluated late, see the module's doc).
-    Logged, not raised, when it cannot be sent: the final state closes the countdown too, later."""
-    from prefect.client.orchestration import get_client
-
-    try:
-        with get_client(sync_client=True) as client:
-            client.request("POST", "/events", json=[pipeline_event(ENDED_EVENT, flow_run_id, deployment_id)])
-    except Exception as err:  # noqa: BLE001 - see above
-        log.warning("rlcore: end of flow run %s not sent: %s", flow_run_id, err)
 
 
 class Heartbeat:

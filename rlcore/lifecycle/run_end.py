@@ -143,7 +143,7 @@ def _close_liveness(flow_run: Any) -> None:
     the server's liveness automation does not try to crash a run that has ended (a cron run's
     Crashed/Cancelled event reaches it late)."""
     if getattr(flow_run, "deployment_id", None) is not None:
-        from rlcore.lifecycle.automations import send_ended
+        from rlcore.lifecycle.liveness import send_ended
 
         send_ended(str(flow_run.id), str(flow_run.deployment_id))
 

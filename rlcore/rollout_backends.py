@@ -30,6 +30,9 @@ class BackendTraits:
     label: str = "a custom engine"  # how messages and the planner's report name it
     tensor_parallel: bool = False  # one engine spans several ranks (rollout.layout.tensor_parallel > 1)
     adapter_sync: bool = False  # serves a LoRA adapter per request (rollout.lora_sync=adapter, `load_adapter`)
+    # takes new weights between two decode steps of a generation in flight (`set_weight_switch`:
+    # trainer.async_weight_sync=step)
+    decode_step_weights: bool = False
     # "module:function" (folder path -> tokenizer) of the tokenizer it serves the model with, what the
     # start-up tokenizer check compares rlcore's ids against; None: transformers' AutoTokenizer
     serving_tokenizer: str | None = None
@@ -40,7 +43,7 @@ class BackendTraits:
     plan_note: str = "not planned itself: planned as vLLM"
 
 
-HF = BackendTraits(label="hf (rlcore's decode loop)", plan_note="rlcore's own decode loop, is planned as vLLM")
+HF = BackendTraits(label="hf (rlcore's decode loop)", decode_step_weights=True, plan_note="rlcore's own decode loop, is planned as vLLM")
 VLLM = BackendTraits(label="vLLM", tensor_parallel=True, adapter_sync=True,
                      serving_tokenizer="rlcore.rollout.vllm:vllm_tokenizer",
                      context_limit_key="rollout.vllm.max_model_len", plan_note="")

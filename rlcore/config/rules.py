@@ -15,7 +15,9 @@ from rlcore.config.model import ModelConfig
 from rlcore.config.roles import ActorConfig, LayoutConfig, LoraConfig, RewardModelConfig
 from rlcore.config.run import RayConfig
 from rlcore.config.tree import ConfigTree
+from rlcore.rollout_backends import names_where as backend_names_where
 from rlcore.rollout_backends import support_problem
+from rlcore.rollout_backends import traits_of as backend_traits_of
 
 
 def check_preference(config: ConfigTree) -> None:
@@ -109,9 +111,11 @@ def check_async(config: ConfigTree) -> None:
                          "its greedy baseline is generated for the step's own prompts, which the async rollout "
                          "chose earlier; use trainer.off_policy=sync or one_step")
     if config.trainer.async_weight_sync == "step":
-        if config.rollout.backend not in ("hf", "auto"):
-            raise ValueError(f"trainer.async_weight_sync=step with rollout.backend={config.rollout.backend}: only the hf "
-                             "engine takes new weights between decode steps; use rollout.backend=hf or "
+        backend = config.rollout.backend  # `auto` is resolved at start-up, where `set_weight_switch` refuses it
+        if backend != "auto" and not backend_traits_of(backend).decode_step_weights:
+            takes = " or ".join(backend_names_where(decode_step_weights=True))
+            raise ValueError(f"trainer.async_weight_sync=step with rollout.backend={backend}: only the {takes} engine "
+                             f"takes new weights between decode steps; use rollout.backend={takes} or "
                              "trainer.async_weight_sync=generation")
         if config.rollout.agent.enabled:
             raise ValueError("trainer.async_weight_sync=step with rollout.agent: agent turns take new weights between "

@@ -100,7 +100,10 @@ def test_a_served_run_completes_with_both_stores_in_postgresql(servers: Servers,
     from mlflow.tracking import MlflowClient
 
     # through the tracking server, then from PostgreSQL itself (MLflow's SQLAlchemy store on the database)
-    for client in (MlflowClient(servers.tracking), MlflowClient(servers.pg.url("mlflow", "psycopg2"))):
+    # each client's registry named too: an earlier test of this process may have set MLflow's global
+    # registry URI (`mlflow.set_registry_uri`), which a client given only a tracking URI would read
+    for uri in (servers.tracking, servers.pg.url("mlflow", "psycopg2")):
+        client = MlflowClient(tracking_uri=uri, registry_uri=uri)
         experiment = client.get_experiment_by_name("rlcore")
         assert experiment is not None
         runs = [r for r in client.search_runs([experiment.experiment_id], max_results=100)

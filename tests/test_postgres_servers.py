@@ -42,6 +42,17 @@ def test_missing_postgresql_binaries_are_named_with_the_package_to_install(monke
     assert str(tmp_path / "nowhere") in str(refused.value) and INSTALL_HINT in str(refused.value)
 
 
+def test_a_refusal_prefect_retries_is_not_counted_but_any_other_is(tmp_path: Path) -> None:
+    log = tmp_path / "postgresql.log"
+    log.write_text('2026-12-05 05:06:16.974 UTC [21136] ERROR:  duplicate key value violates unique constraint "pk_task_run"\n'
+                   '2026-12-05 05:06:16.974 UTC [21136] STATEMENT:  INSERT INTO task_run ...\n'
+                   '2026-12-05 05:06:17.001 UTC [21137] ERROR:  duplicate key value violates unique constraint "pk_flow_run"\n'
+                   '2026-12-05 05:06:18.000 UTC [21138] FATAL:  too many connections for role "rlcore"\n')
+    assert [line.split("] ")[1] for line in db_errors(log, PG_ERROR)] == [
+        'ERROR:  duplicate key value violates unique constraint "pk_flow_run"',
+        'FATAL:  too many connections for role "rlcore"']
+
+
 class Servers:
     def __init__(self, pg: Postgres, tracking: str, api: str, env: dict[str, str], logs: dict[str, Path]) -> None:
         self.pg, self.tracking, self.api, self.env, self.logs = pg, tracking, api, env, logs

@@ -162,7 +162,8 @@ def _cancel(flow_run: Any) -> Any:
 
 
 def on_cancellation(flow: Any, flow_run: Any, state: Any) -> None:
-    """`rl_pipeline`'s on_cancellation hook: its MLflow runs end KILLED (no notification)."""
+    """`rl_pipeline`'s on_cancellation hook: its MLflow runs end KILLED and the run's `cancelled`
+    notification goes out (once per flow run and event: `NOTIFIED`, `notification_id`)."""
     if _in_serving_process():
         _close_liveness(flow_run)
     run_ended(flow_run, state, "cancelled", "rlcore pipeline serve" if _in_serving_process() else "flow")

@@ -246,4 +246,5 @@ def db_errors(log: Path, pattern: re.Pattern[str] = DB_ERROR) -> list[str]:
     return [line for line in text.splitlines() if pattern.search(line) and not RECOVERED.search(line)]
 
 
-__all__ = ["DB_ERROR", "INSTALL_HINT", "PG_ERROR", "RECOVERED", "Postgres", "db_errors", "mlflow_server", "pg_bin_dir", "pg_cluster_fixture", "postgres_cluster"]
+__all__ = ["DB_ERROR", "INSTALL_HINT", "PG_ERROR", "RECOVERED", "Postgres", "db_errors", "mlflow_server", "pg_bin_dir",
+           "pg_cluster_fixture", "postgres_cluster"]

@@ -566,3 +566,34 @@ def test_a_tiny_async_run_taking_weights_between_decode_steps_trains_and_counts_
         assert r["async/staleness_0"] + r["async/staleness_1"] == PROMPTS * N
         assert 0 <= r["async/interrupted_generations"] <= PROMPTS * N
         assert r["time/weight_sync_wait_s"] >= 0 and math.isfinite(r["actor/pg_loss"])
+
+
+@pytest.mark.slow
+def test_agent_rollouts_under_async_generate_whole_episodes_each_stamped_with_its_policy_version(tmp_path):
+    """`rollout.agent` (the tool example's calculator) with `trainer.off_policy=async`: the rollout
+    thread runs every turn of a prompt's n episodes in one generate call, tool calls included, so
+    the weights (which change between generate calls) are one policy version per episode; step 2's
+    episodes were generated while step 1 trained, on the starting weights."""
+    from rlcore.example.tool_build import build_tool_example, tool_example_overrides
+
+    out = tmp_path / "run"
+    config = load_config(CONFIG_DIR / "tiny_tool_grpo.yaml", [
+        *tool_example_overrides(build_tool_example(seed=0), str(out)), NO_VALIDATION, f"data.train_batch_size={PROMPTS}",
+        "actor.ppo_mini_batch_size=4", f"rollout.n={N}", "rollout.agent.tool_workers=1", "trainer.total_steps=2",
+        "trainer.loggers=[jsonl]", "trainer.val_before_train=false", "trainer.off_policy=async", "trainer.max_staleness=1",
+        "actor.behaviour_correction=decoupled", "actor.tis_cap=5", SCORE_IN_PROCESS])
+    make_trainer(config).fit()
+    records = [r for r in read_jsonl(out / "metrics.jsonl") if r["step"] > 0]
+    assert [(r["async/staleness_0"], r["async/staleness_1"]) for r in records] == [(PROMPTS * N, 0), (0, PROMPTS * N)]
+    assert all(math.isfinite(r["actor/pg_loss"]) and "agent/turns_mean" in r for r in records)
+    samples = [rec["samples"] for rec in read_jsonl(out / "trace.jsonl")]
+    for step in samples:
+        by_prompt: dict[str, list[dict]] = {}
+        for s in step:
+            by_prompt.setdefault(s["uid"], []).append(s)
+        assert sorted(len(g) for g in by_prompt.values()) == [N] * PROMPTS  # whole groups
+        assert {s["policy_version"] for s in step} == {0}
+        assert all(s["finish"] for s in step)  # every episode ended (answer, a limit), none cut off
+    # episodes that called the calculator went on after its result, in the same generation
+    kinds = [[t["kind"] for t in s["turns"]] for step in samples for s in step]
+    assert any(k[:4] == ["assistant", "tool", "rendered", "assistant"] for k in kinds), kinds

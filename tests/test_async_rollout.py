@@ -5,6 +5,10 @@ computation, the refusals at load, and a tiny GRPO run that writes the async met
 from __future__ import annotations
 
 import math
+import os
+import signal
+import subprocess
+import sys
 import threading
 import time
 from pathlib import Path
@@ -12,7 +16,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from tiny_runs import SCORE_IN_PROCESS  # tests/ is on sys.path
+from conftest import stop_process_group, tree_progress, wait_for  # tests/ is on sys.path
+from timing import scaled
+from tiny_runs import SCORE_IN_PROCESS
 
 from rlcore.algos.policy_loss import behaviour_weights, vanilla_policy_loss
 from rlcore.cli import CONFIG_DIR, tiny_example_overrides
@@ -34,6 +40,7 @@ from rlcore.trainer.async_rollout import (
 from rlcore.trainer.run import make_trainer
 
 WAIT = 60.0  # generous: a slow machine is not a failure
+ROOT = Path(__file__).resolve().parents[1]
 
 
 def _group(tag: int, version: int) -> PromptGroup:
@@ -292,6 +299,20 @@ def test_a_failing_engine_stops_the_step_with_its_own_error():
         rollout.close()
 
 
+def test_a_wait_measured_on_another_thread_adds_to_its_phase():
+    """`Timer.add`: the step-boundary sync's wait (measured around a job run on the generating
+    thread) is reported as `time/weight_sync_wait_s`, summed with a `phase` of the same name."""
+    from rlcore.trainer.metrics import Timer
+
+    timer = Timer(device_memory=False)
+    with timer.phase("weight_sync_wait"):
+        pass
+    timer.add("weight_sync_wait", 2.5)
+    timer.add("elsewhere", 1.0)
+    metrics = timer.metrics()
+    assert 2.5 <= metrics["time/weight_sync_wait_s"] < 2.5 + WAIT and metrics["time/elsewhere_s"] == 1.0
+
+
 # ----- the loss correction ------------------------------------------------------------------------
 
 def test_behaviour_weights_by_hand():
@@ -448,22 +469,48 @@ def test_max_staleness_without_async_is_refused():
 PROMPTS, N = 4, 4
 
 
-def _async_config(example, out: Path, steps: int, *extra: str):
-    return load_config(CONFIG_DIR / "tiny_grpo.yaml", tiny_example_overrides(example, str(out)) + [
+def _async_overrides(example, out: Path, steps: int, *extra: str) -> list[str]:
+    return tiny_example_overrides(example, str(out)) + [
         f"data.train_batch_size={PROMPTS}", "actor.ppo_mini_batch_size=4", f"rollout.n={N}", "data.val_batch_size=64",
         f"trainer.total_steps={steps}", "trainer.save_every=2", "trainer.val_every=100", "trainer.loggers=[jsonl]",
-        "trainer.val_before_train=false", "trainer.off_policy=async", "trainer.max_staleness=1", "trainer.async_chunk_prompts=2",
-        "actor.behaviour_correction=decoupled", "actor.tis_cap=5", SCORE_IN_PROCESS, *extra])
+        "trainer.val_before_train=false", "trainer.off_policy=async", "trainer.max_staleness=1",
+        "actor.behaviour_correction=decoupled", "actor.tis_cap=5", SCORE_IN_PROCESS, *extra]
+
+
+def _async_config(example, out: Path, steps: int, *extra: str):
+    return load_config(CONFIG_DIR / "tiny_grpo.yaml", _async_overrides(example, out, steps, *extra))
 
 
 def _prompts_per_step(run: Path) -> list[set[str]]:
     return [{s["uid"] for s in rec["samples"]} for rec in read_jsonl(run / "trace.jsonl")]
 
 
+def _staleness_per_step(run: Path) -> list[dict[str, float]]:
+    """Each step's samples per policy-version lag (`async/staleness_<lag>`)."""
+    return [{k: v for k, v in r.items() if k.startswith("async/staleness_")}
+            for r in read_jsonl(run / "metrics.jsonl") if r["step"] > 0]
+
+
+def _logged_steps(run: Path) -> set[int]:
+    path = run / "metrics.jsonl"
+    return {r["step"] for r in read_jsonl(path)} if path.exists() else set()
+
+
+NO_VALIDATION = "data.val_files=[]"
+
+
 @pytest.mark.slow
-def test_a_tiny_async_grpo_run_trains_within_the_staleness_bound_logs_it_and_resumes_exactly(tiny_example, tmp_path):
-    steps = 4
-    make_trainer(_async_config(tiny_example, tmp_path / "straight", steps)).fit()
+@pytest.mark.timeout(1800)
+def test_a_tiny_async_grpo_run_trains_within_the_staleness_bound_and_a_sigkilled_run_resumes_exactly(tiny_example, tmp_path):
+    """An uninterrupted run (in process) against a real `rlcore train` SIGKILLed while it trained
+    the step after its step-2 checkpoint (the producer had drawn and generated prompts past that
+    checkpoint), then resumed by the same command: the same prompts in the same steps, none
+    trained twice or lost, the same samples per policy version in every step. One generate call
+    per step (no `async_chunk_prompts`): the step after a checkpoint generates on the weights it
+    trains from, the step after that while its predecessor trains, so each step's staleness is the
+    same in every run."""
+    steps = 5  # checkpoints at 2, 4 and 5
+    make_trainer(_async_config(tiny_example, tmp_path / "straight", steps, NO_VALIDATION)).fit()
     records = [r for r in read_jsonl(tmp_path / "straight" / "metrics.jsonl") if r["step"] > 0]
     assert [r["step"] for r in records] == list(range(1, steps + 1))
     for r in records:
@@ -473,18 +520,37 @@ def test_a_tiny_async_grpo_run_trains_within_the_staleness_bound_logs_it_and_res
         assert r["async/buffer_depth"] >= 0
         assert math.isfinite(r["actor/pg_loss"])
     assert sum(r["async/dropped_groups"] for r in records) == 0  # the producer never runs further ahead than the bound
-    # step 1 and the step after the checkpoint at 2 generate on the weights they train from
-    assert [r["async/staleness_0"] for r in records[::2]] == [PROMPTS * N] * 2
-    # steps 2 and 4 were generated while the step before trained (unless the thread lost that race twice)
-    assert records[1]["async/staleness_1"] + records[3]["async/staleness_1"] > 0
+    # step 1 and the steps after the checkpoints at 2 and 4 generate on the weights they train from;
+    # steps 2 and 4 were generated while the step before trained
+    assert [r["async/staleness_0"] for r in records] == [PROMPTS * N, 0, PROMPTS * N, 0, PROMPTS * N]
     straight = _prompts_per_step(tmp_path / "straight")
     assert [len(u) for u in straight] == [PROMPTS] * steps  # whole groups: n samples of each prompt
     assert len(set().union(*straight)) == steps * PROMPTS  # no prompt trained twice
 
-    # stopped after the checkpoint at step 2 and resumed: the same prompts for the same steps
-    make_trainer(_async_config(tiny_example, tmp_path / "resumed", 2)).fit()
-    make_trainer(_async_config(tiny_example, tmp_path / "resumed", steps)).fit()
-    assert _prompts_per_step(tmp_path / "resumed") == straight
+    # the same run as a user runs it, SIGKILLed once step 3 is logged (the producer drew step 4's
+    # prompts past the step-2 checkpoint), then the same command again
+    run = tmp_path / "killed"
+    args = [sys.executable, "-m", "rlcore.cli", "train", str(CONFIG_DIR / "tiny_grpo.yaml"),
+            *_async_overrides(tiny_example, run, steps, NO_VALIDATION)]
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    with open(tmp_path / "killed.stderr", "w") as err:
+        proc = subprocess.Popen(args, env=env, stdout=subprocess.DEVNULL, stderr=err, start_new_session=True)
+    try:
+        wait_for("step 3 of the run to be logged", lambda: 3 in _logged_steps(run), 300, procs=[proc], interval=0.02,
+                 progress=tree_progress(run))
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait(timeout=60)
+    finally:
+        stop_process_group(proc)
+    assert proc.returncode == -signal.SIGKILL
+    saved = sorted(p.name for p in (run / "checkpoints").glob("step_*"))
+    assert saved == ["step_00000002"], f"killed after another checkpoint was saved: {saved}"
+    resumed = subprocess.run(args, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+                             timeout=scaled(900))
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert "resumed from checkpoint step 2" in resumed.stderr
+    assert _prompts_per_step(run) == straight
+    assert _staleness_per_step(run) == _staleness_per_step(tmp_path / "straight")
 
 
 @pytest.mark.slow
@@ -492,10 +558,42 @@ def test_a_tiny_async_run_taking_weights_between_decode_steps_trains_and_counts_
         tiny_example, tmp_path):
     """The sync runs on the rollout's own thread (a call back into its group there must not wait
     for itself) and the run ends; every sample stays within the bound by its oldest token."""
-    make_trainer(_async_config(tiny_example, tmp_path / "run", 3, "trainer.async_weight_sync=step")).fit()
+    make_trainer(_async_config(tiny_example, tmp_path / "run", 3, "trainer.async_weight_sync=step",
+                                "trainer.async_chunk_prompts=2")).fit()
     records = [r for r in read_jsonl(tmp_path / "run" / "metrics.jsonl") if r["step"] > 0]
     assert [r["step"] for r in records] == [1, 2, 3]
     for r in records:
         assert r["async/staleness_0"] + r["async/staleness_1"] == PROMPTS * N
         assert 0 <= r["async/interrupted_generations"] <= PROMPTS * N
         assert r["time/weight_sync_wait_s"] >= 0 and math.isfinite(r["actor/pg_loss"])
+
+
+@pytest.mark.slow
+def test_agent_rollouts_under_async_generate_whole_episodes_each_stamped_with_its_policy_version(tmp_path):
+    """`rollout.agent` (the tool example's calculator) with `trainer.off_policy=async`: the rollout
+    thread runs every turn of a prompt's n episodes in one generate call, tool calls included, so
+    the weights (which change between generate calls) are one policy version per episode; step 2's
+    episodes were generated while step 1 trained, on the starting weights."""
+    from rlcore.example.tool_build import build_tool_example, tool_example_overrides
+
+    out = tmp_path / "run"
+    config = load_config(CONFIG_DIR / "tiny_tool_grpo.yaml", [
+        *tool_example_overrides(build_tool_example(seed=0), str(out)), NO_VALIDATION, f"data.train_batch_size={PROMPTS}",
+        "actor.ppo_mini_batch_size=4", f"rollout.n={N}", "rollout.agent.tool_workers=1", "trainer.total_steps=2",
+        "trainer.loggers=[jsonl]", "trainer.val_before_train=false", "trainer.off_policy=async", "trainer.max_staleness=1",
+        "actor.behaviour_correction=decoupled", "actor.tis_cap=5", SCORE_IN_PROCESS])
+    make_trainer(config).fit()
+    records = [r for r in read_jsonl(out / "metrics.jsonl") if r["step"] > 0]
+    assert [(r["async/staleness_0"], r["async/staleness_1"]) for r in records] == [(PROMPTS * N, 0), (0, PROMPTS * N)]
+    assert all(math.isfinite(r["actor/pg_loss"]) and "agent/turns_mean" in r for r in records)
+    samples = [rec["samples"] for rec in read_jsonl(out / "trace.jsonl")]
+    for step in samples:
+        by_prompt: dict[str, list[dict]] = {}
+        for s in step:
+            by_prompt.setdefault(s["uid"], []).append(s)
+        assert sorted(len(g) for g in by_prompt.values()) == [N] * PROMPTS  # whole groups
+        assert {s["policy_version"] for s in step} == {0}
+        assert all(s["finish"] for s in step)  # every episode ended (answer, a limit), none cut off
+    # episodes that called the calculator went on after its result, in the same generation
+    kinds = [[t["kind"] for t in s["turns"]] for step in samples for s in step]
+    assert any(k[:4] == ["assistant", "tool", "rendered", "assistant"] for k in kinds), kinds

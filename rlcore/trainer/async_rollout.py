@@ -440,7 +440,7 @@ class AsyncRollout:
                 self.version = version
 
             self.gate.at_step_boundary(job)
-            timer.seconds["weight_sync_wait"] = timer.seconds.get("weight_sync_wait", 0.0) + started[0] - handed
+            timer.add("weight_sync_wait", started[0] - handed)
             return
         with ExitStack() as engine:
             with timer.phase("weight_sync_wait"):

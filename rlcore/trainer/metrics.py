@@ -41,7 +41,12 @@ class Timer:
             torch.cuda.synchronize()
             peak = torch.cuda.max_memory_allocated() / 2**30
             self.peak_gib[name] = max(self.peak_gib.get(name, 0.0), peak)
-        self.seconds[name] = self.seconds.get(name, 0.0) + time.perf_counter() - start
+        self.add(name, time.perf_counter() - start)
+
+    def add(self, name: str, seconds: float) -> None:
+        """Count `seconds` to phase `name`: time measured elsewhere (a wait that ends on another
+        thread, say), reported as `time/<name>_s` like a `phase`."""
+        self.seconds[name] = self.seconds.get(name, 0.0) + seconds
 
     def metrics(self) -> dict[str, float]:
         """`time/<phase>_s` and `memory/<phase>_peak_gib`."""

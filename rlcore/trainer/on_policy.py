@@ -88,9 +88,9 @@ class OnPolicyTrainer:
         cfg = self.config.trainer
         try:
             self.step = self.rollout_version = self.checkpoints.resume()
-            if self.async_rollout is not None:
-                self.async_rollout.start(self.rollout_version)
-            with self.log:
+            with self.log:  # asks every worker where it runs: before a Ray rollout worker is kept busy generating
+                if self.async_rollout is not None:
+                    self.async_rollout.start(self.rollout_version)
                 if self.step == 0 and cfg.val_before_train and self.validator is not None:
                     with self.engine_alone():
                         self.log.validation(0, self.validator.run(self.groups, 0, self.rollout_version), self.validator.samples)

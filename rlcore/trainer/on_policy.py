@@ -16,7 +16,8 @@ group's own thread, on Ray in the rollout worker's own process; the weight sync 
 Those samples are one update old; old log-probs and values come from the current actor and
 critic, so the clipped ratio and GAE see this step's models. `trainer.off_policy=async`: a
 rollout thread generates without stopping into a bounded buffer of prompt groups and each step
-takes the next ones at most `trainer.max_staleness` updates old (see `AsyncRollout`).
+takes the next ones at most `trainer.max_staleness` updates old (see `AsyncRollout`; on Ray the
+thread's generate calls go to the rollout workers on their own pool).
 """
 
 from __future__ import annotations

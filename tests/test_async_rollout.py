@@ -441,7 +441,18 @@ def _load(**sections) -> None:
     ({"rollout": {"sleep": "always"}}, r"rollout\.sleep=always with trainer\.off_policy=async"),
     ({"rollout": {"free_memory_when_idle": True}}, r"rollout\.sleep=always with trainer\.off_policy=async"),
     ({"algorithm": {"adv_estimator": "remax"}}, r"algorithm\.adv_estimator='remax' with trainer\.off_policy=async"),
-    ({"trainer": {"backend": "ray"}}, r"trainer\.off_policy=async with trainer\.backend=ray"),
+    ({"trainer": {"backend": "ray"}, "ray": {"colocate": [["actor", "rollout"]]}},
+     r"ray\.colocate: \['actor', 'rollout'\] with trainer\.off_policy=async: .* every call of actor would wait"),
+    ({"trainer": {"backend": "ray"}, "ray": {"colocate": [["rollout", "reward"]]}}, r"ray\.colocate: .* every call of reward"),
+    ({"trainer": {"backend": "ray"}, "ray": {"pools": {"default": {"gpus_per_bundle": 1}}}},
+     r"ray\.roles\.rollout=default \(unset: the default pool\) with trainer\.off_policy=async: pool 'default' has GPUs "
+     r"and also holds actor"),
+    ({"trainer": {"backend": "ray"}, "ray": {"pools": {"default": {"gpus_per_bundle": 1}, "gen": {}},
+                                            "roles": {"rollout": "default", "actor": "gen"}},
+      "actor": {"use_kl_loss": True}},
+     r"ray\.roles\.rollout=default with trainer\.off_policy=async: pool 'default' has GPUs and also holds ref"),
+    ({"trainer": {"backend": "ray", "async_weight_sync": "step"}},
+     r"trainer\.async_weight_sync=step with trainer\.backend=ray"),
     ({"trainer": {"overlap_with": "process"}}, r"trainer\.overlap_with=process with trainer\.off_policy=async"),
     ({"trainer": {"max_staleness": -1}}, r"max_staleness"),
     ({"trainer": {"async_weight_sync": "step"}, "rollout": {"backend": "vllm"}},
@@ -453,6 +464,15 @@ def _load(**sections) -> None:
 def test_async_is_refused_at_load_naming_the_key(sections, message):
     with pytest.raises(ValueError, match=message):
         _load(**sections)
+
+
+@pytest.mark.parametrize("ray", [
+    {},  # every role in the pool 'default': on a CPU the rollout's own processes still overlap
+    {"pools": {"default": {"gpus_per_bundle": 1}, "gen": {}}, "roles": {"rollout": "gen", "reward": "gen"}},
+    {"colocate": [["actor", "ref"]]},
+])
+def test_async_on_ray_loads_with_the_rollout_in_processes_and_on_gpus_of_its_own(ray):
+    _load(trainer={"backend": "ray"}, ray=ray)
 
 
 def test_max_staleness_without_async_is_refused():

@@ -99,10 +99,9 @@ def check_off_policy(config: ConfigTree) -> None:
 
 
 def check_async(config: ConfigTree) -> None:
-    """What the first, in-process async core does not run yet, refused rather than run wrongly."""
-    if config.trainer.backend != "inprocess":
-        raise ValueError(f"trainer.off_policy=async with trainer.backend={config.trainer.backend}: the async rollout "
-                         "runs in process only for now; use trainer.backend=inprocess or trainer.off_policy=one_step")
+    """What the async rollout cannot run, refused rather than run wrongly."""
+    if config.trainer.backend == "ray":
+        check_async_on_ray(config)
     if config.trainer.overlap_with != "thread":
         raise ValueError("trainer.overlap_with=process with trainer.off_policy=async: the async rollout generates on "
                          "a thread of this process; use trainer.overlap_with=thread")
@@ -120,6 +119,30 @@ def check_async(config: ConfigTree) -> None:
         if config.rollout.agent.enabled:
             raise ValueError("trainer.async_weight_sync=step with rollout.agent: agent turns take new weights between "
                              "turns only; use trainer.async_weight_sync=generation")
+
+
+def check_async_on_ray(config: ConfigTree) -> None:
+    """On Ray the producer thread calls the rollout group remotely: its engine must be free to generate
+    while the other roles compute (no process shared with them, no GPU shared with a model it cannot
+    sleep for), and a weight sync reaches it between generate calls only."""
+    ray = config.ray
+    shared = next((group for group in ray.colocate if "rollout" in group), [])
+    others = [r for r in shared if r != "rollout" and r in config.present_roles]  # colocated in this run
+    if others:
+        raise ValueError(f"ray.colocate: {shared} with trainer.off_policy=async: the rollout generates without "
+                         f"stopping in that process, so every call of {' and '.join(others)} would wait for the "
+                         "generation in flight (nothing overlaps); take rollout out of the colocated set")
+    pool = ray.pool_of("rollout")
+    on_its_gpus = [r for r in config.trained_roles if ray.pool_of(r) == pool]
+    if on_its_gpus and pool in ray.pools and ray.pools[pool].gpus_per_bundle > 0:
+        key = f"ray.roles.rollout={pool}" + ("" if "rollout" in ray.roles else " (unset: the default pool)")
+        raise ValueError(f"{key} with trainer.off_policy=async: pool {pool!r} has GPUs and also "
+                         f"holds {' and '.join(on_its_gpus)}; the engine would stay awake on their GPUs (async cannot "
+                         "sleep it: it generates while they compute); give the rollout a pool of its own in ray.roles")
+    if config.trainer.async_weight_sync == "step":
+        raise ValueError("trainer.async_weight_sync=step with trainer.backend=ray: a sync is handed to the "
+                         "generation in flight through this process's engine gate, which a Ray worker cannot "
+                         "reach; use trainer.async_weight_sync=generation (or trainer.backend=inprocess)")
 
 
 def check_validation_sampling(config: ConfigTree) -> None:

@@ -30,7 +30,7 @@ class TrainerConfig(Section):
         description="one_step: generate step k+1's samples (with the weights before step k's update, staleness 1) "
         "while step k's update runs; async: a rollout thread generates without stopping into a bounded buffer of "
         "prompt groups, each step trains on the next groups at most trainer.max_staleness updates old (in process, "
-        "rlcore.trainer.async_rollout); GRPO and PPO (not DPO/KTO: nothing to overlap)",
+        "or on Ray with the rollout on its own pool: rlcore.trainer.async_rollout); GRPO and PPO (not DPO/KTO: nothing to overlap)",
     )
     max_staleness: int = Field(
         1, ge=0, description="trainer.off_policy=async: actor updates a sample's generating weights may lag the "

@@ -1,7 +1,10 @@
-"""`trainer.off_policy=async`, in process: a rollout thread generates without stopping and hands
+"""`trainer.off_policy=async`: a rollout thread generates without stopping and hands
 finished prompt groups (all n samples of a prompt, as group advantages need them) to a bounded
 buffer; each step trains on the next `data.train_batch_size` groups no more than
-`trainer.max_staleness` actor updates old, dropping (and counting) older ones.
+`trainer.max_staleness` actor updates old, dropping (and counting) older ones. The thread is the
+controller's, on either backend: its generate calls run on the rollout group's own thread in
+process, or in the rollout workers on their own Ray pool (remote calls; `check_async_on_ray` in
+`rlcore/config/rules.py` says which layouts), while the trainer thread drives the other groups.
 
 Three small parts, each with one job:
 

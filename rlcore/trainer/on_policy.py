@@ -16,7 +16,8 @@ group's own thread, on Ray in the rollout worker's own process; the weight sync 
 Those samples are one update old; old log-probs and values come from the current actor and
 critic, so the clipped ratio and GAE see this step's models. `trainer.off_policy=async`: a
 rollout thread generates without stopping into a bounded buffer of prompt groups and each step
-takes the next ones at most `trainer.max_staleness` updates old (see `AsyncRollout`).
+takes the next ones at most `trainer.max_staleness` updates old (see `AsyncRollout`; on Ray the
+thread's generate calls go to the rollout workers on their own pool).
 """
 
 from __future__ import annotations
@@ -88,9 +89,9 @@ class OnPolicyTrainer:
         cfg = self.config.trainer
         try:
             self.step = self.rollout_version = self.checkpoints.resume()
-            if self.async_rollout is not None:
-                self.async_rollout.start(self.rollout_version)
-            with self.log:
+            with self.log:  # asks every worker where it runs: before a Ray rollout worker is kept busy generating
+                if self.async_rollout is not None:
+                    self.async_rollout.start(self.rollout_version)
                 if self.step == 0 and cfg.val_before_train and self.validator is not None:
                     with self.engine_alone():
                         self.log.validation(0, self.validator.run(self.groups, 0, self.rollout_version), self.validator.samples)

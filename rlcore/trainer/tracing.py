@@ -85,8 +85,9 @@ TURN_TEXT_KEYS = ("text", "arguments", "result")
 
 def sample_records(gen: Batch, groups: Any, n: int, trained: bool = True) -> list[dict[str, Any]]:
     """Per-sample records of a step: ids from prompt to loss, data source, reward (and accuracy),
-    length, and which rollout/actor rank handled the sample (the dispatch is a pure function of the
-    batch; no actor rank for samples that are not `trained`: validation's); for an agent rollout,
+    length, and which rollout/actor rank handled the sample (the rollout rank as its worker stamped
+    it, else, as the actor's, re-derived from the dispatch, a pure function of the batch; no actor
+    rank for samples that are not `trained`: validation's); for an agent rollout,
     how it ended, its episode's facts (`episode_facts`: what the `agent/*` numbers are the means
     of) and every turn (kind, tool, tokens, latency, and the texts: the model's, the call's
     arguments, the tool's result); the prompt messages and, without an agent, the response text.
@@ -114,7 +115,7 @@ def sample_records(gen: Batch, groups: Any, n: int, trained: bool = True) -> lis
             rec["rm_score"] = rm_scores[j]
         if rollout_rank is not None:
             rec["rollout_rank"] = int(rollout_rank[j // n])
-        for key in ("rollout_pid", "rollout_host", "policy_version"):
+        for key in ("rollout_rank", "rollout_pid", "rollout_host", "policy_version"):
             if key in meta:
                 rec[key] = _plain(meta[key][j])
         if actor_rank is not None:

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
+import numpy as np
 import torch
 
 from rlcore.config import RoleSpec, RolloutConfig, require_spec
@@ -91,6 +92,8 @@ class RolloutWorker(Worker):
         # every rank's responses are as wide as its own longest: the group's results concatenate
         # right-padded to the widest (what one rank generating the whole batch would return)
         out.info[RIGHT_PAD] = response_right_pad(self.pad_id)
+        # which rank made each sample, for trace.jsonl: an async step joins groups of several calls
+        out.meta["rollout_rank"] = np.full(len(out), self.rank, dtype=np.int64)
         return out
 
     @register(dispatch=Dispatch.ONE_TO_ALL)

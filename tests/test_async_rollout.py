@@ -499,3 +499,24 @@ def test_a_tiny_async_run_taking_weights_between_decode_steps_trains_and_counts_
         assert r["async/staleness_0"] + r["async/staleness_1"] == PROMPTS * N
         assert 0 <= r["async/interrupted_generations"] <= PROMPTS * N
         assert r["time/weight_sync_wait_s"] >= 0 and math.isfinite(r["actor/pg_loss"])
+
+
+VLLM_RUN = ("rollout.backend=vllm", "rollout.vllm.kv_cache_gib=0.125", "rollout.vllm.max_model_len=128")
+
+
+@pytest.mark.slow
+@pytest.mark.vllm
+@pytest.mark.parametrize("weight_sync", ["generation"])
+def test_a_tiny_async_run_on_the_vllm_engine_trains_within_the_bound(tiny_example, tmp_path, weight_sync):
+    """The vLLM engine generating on the async rollout's thread while the trainer pushes weights into
+    it (between generate calls, or between decode steps of the generation in flight)."""
+    pytest.importorskip("vllm")
+    make_trainer(_async_config(tiny_example, tmp_path / "run", 3, *VLLM_RUN,
+                               f"trainer.async_weight_sync={weight_sync}")).fit()
+    records = [r for r in read_jsonl(tmp_path / "run" / "metrics.jsonl") if r["step"] > 0]
+    assert [r["step"] for r in records] == [1, 2, 3]
+    for r in records:
+        assert r["async/staleness_0"] + r["async/staleness_1"] == PROMPTS * N  # every sample within the bound
+        assert math.isfinite(r["actor/pg_loss"])
+    assert records[0]["rollout/logprob_diff_max"] < 1e-3  # step 1: engine and actor on one policy
+    assert len(set().union(*_prompts_per_step(tmp_path / "run"))) == 3 * PROMPTS  # no prompt trained twice

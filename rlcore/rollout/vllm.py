@@ -182,13 +182,39 @@ class SwitchCost:
 
     syncs: int = 0  # syncs taken mid-generation
     sync_s: float = 0.0  # seconds the generation stood still for them (the syncs themselves)
-    resume_s: float = 0.0  # seconds of the steps right after them (every request's prefix recomputed)
+    resume_s: float = 0.0  # seconds of the steps after them until every request had a token (prefixes recomputed)
     steps_s: list[float] = field(default_factory=list)  # seconds of each other engine step
 
     @property
     def recompute_s(self) -> float:
-        """The resumes' cost beyond an ordinary (median) step: the prefixes recomputed on the new weights."""
+        """The resumes' cost beyond an ordinary (median) step each: the prefixes recomputed on the new weights."""
         return self.resume_s - self.syncs * (statistics.median(self.steps_s) if self.steps_s else 0.0)
+
+
+class _Rows:
+    """The rows of one generation as its engine steps report them (`RequestOutputKind.DELTA`: new
+    tokens only): tokens, log-probs, the policy version of each token, the rows not finished."""
+
+    def __init__(self, count: int) -> None:
+        self.seqs: list[list[int]] = [[] for _ in range(count)]
+        self.lps: list[list[float]] = [[] for _ in range(count)]
+        self.versions: list[list[int]] = [[] for _ in range(count)]
+        self.unfinished = set(range(count))
+
+    def take(self, outputs: list[Any], first_row: dict[str, int], version: int) -> set[int]:
+        """Append one step's outputs (drawn on `version`'s weights); the rows that got tokens."""
+        fed: set[int] = set()
+        for out in outputs:
+            for c in out.outputs:
+                row, ids = first_row[out.request_id] + c.index, list(c.token_ids)
+                self.seqs[row] += ids
+                self.lps[row] += _sampled_logprobs(c.logprobs, ids)
+                self.versions[row] += [version] * len(ids)
+                if ids:
+                    fed.add(row)
+                if c.finished():
+                    self.unfinished.discard(row)
+        return fed
 
 
 class VLLMRolloutEngine:
@@ -413,48 +439,43 @@ class VLLMRolloutEngine:
         self, prompts: list[TokensPrompt], params: SamplingParams, switch: WeightSwitch,
     ) -> tuple[list[list[int]], list[list[float]], list[list[int]]]:
         """`LLM.generate`'s loop, asking `switch` between two engine steps (module docstring): per
-        row (prompt i's sample j at i * n + j) its tokens, their log-probs and their policy versions."""
+        row (prompt i's sample j at i * n + j) its tokens, their log-probs and their policy versions.
+        The steps after a sync, until every request it preempted has its next token, are its resume
+        (`switch_cost`)."""
         engine = self.llm.llm_engine
-        n = params.n
-        seqs: list[list[int]] = [[] for _ in range(len(prompts) * n)]
-        lps: list[list[float]] = [[] for _ in seqs]
-        versions: list[list[int]] = [[] for _ in seqs]
+        rows = _Rows(len(prompts) * params.n)
         first_row: dict[str, int] = {}
         cost = self.switch_cost = SwitchCost()
         version = switch.version()
+        resuming: set[int] = set()  # rows preempted by a sync that have no token since
         with self._seeded(params):
             try:
                 for i, (prompt, sampling) in enumerate(zip(prompts, self._sampling(len(prompts), params, delta=True))):
                     request = f"rlcore-{next(self._request_ids)}"
-                    first_row[request] = i * n
+                    first_row[request] = i * params.n
                     engine.add_request(request, prompt, sampling, lora_request=self._lora)
-                resumed_at: float | None = None  # when the step that recomputes prefixes began
                 while engine.has_unfinished_requests():
                     began = time.perf_counter()
-                    for out in engine.step():
-                        for c in out.outputs:  # new tokens only (`RequestOutputKind.DELTA`)
-                            row, ids = first_row[out.request_id] + c.index, list(c.token_ids)
-                            seqs[row] += ids
-                            lps[row] += _sampled_logprobs(c.logprobs, ids)
-                            versions[row] += [version] * len(ids)
-                    if resumed_at is not None:
-                        cost.resume_s += time.perf_counter() - resumed_at
-                        resumed_at = None
+                    fed = rows.take(engine.step(), first_row, version)
+                    took = time.perf_counter() - began
+                    if resuming:
+                        cost.resume_s += took
+                        resuming -= fed
                     else:
-                        cost.steps_s.append(time.perf_counter() - began)
+                        cost.steps_s.append(took)
                     if not engine.has_unfinished_requests():
                         break
                     paused = time.perf_counter()
                     if switch.between_steps():  # the sync ran on this thread and preempted every request
                         self._finish_sync()  # a sync that sent part of the model: what it sent is used
                         version = switch.version()
-                        resumed_at = time.perf_counter()
+                        resuming = set(rows.unfinished)
                         cost.syncs += 1
-                        cost.sync_s += resumed_at - paused
+                        cost.sync_s += time.perf_counter() - paused
             finally:
                 if engine.has_unfinished_requests():  # an error: leave no request of this call behind
                     engine.abort_request(list(first_row))
-        return seqs, lps, versions
+        return rows.seqs, rows.lps, rows.versions
 
     def generate_turns(
         self, contexts: Sequence[Sequence[int]], params: SamplingParams, max_tokens: Sequence[int], keys: Sequence[int]

@@ -298,11 +298,29 @@ def _greedy_from(model, ids: list[int], k: int) -> list[int]:
     return ids[-k:]
 
 
+class _SyncAt:
+    """A weight switch loading `model`'s weights at decode-step boundary `at` itself (no gate)."""
+
+    def __init__(self, engine, model, state: dict, at: int) -> None:
+        self.engine, self.model, self.state, self.at, self.calls = engine, model, state, at, 0
+
+    def version(self) -> int:
+        return self.state["version"]
+
+    def between_steps(self) -> bool:
+        self.calls += 1
+        if self.calls != self.at:
+            return False
+        self.engine.update_weights(self.model.state_dict().items())
+        self.state["version"] += 1
+        return True
+
+
 def test_a_sync_between_decode_steps_preempts_and_resumes_the_requests_on_the_new_weights(models):
     """`trainer.async_weight_sync=step` on vLLM: a sync handed over at decode step 3 runs there, on
     the generating thread; the tokens before it are model A's greedy, those after it model B's greedy
     from that prefix (every request resumed, its prefix recomputed on B), with B's log-probs; each
-    token carries its version. A switch that never fires changes nothing."""
+    token carries its version; so with n samples a prompt, sampled. A switch that never fires changes nothing."""
     import threading
 
     from test_async_rollout import WAIT, _in_thread, _PausingSwitch  # tests/ is on sys.path
@@ -334,7 +352,9 @@ def test_a_sync_between_decode_steps_preempts_and_resumes_the_requests_on_the_ne
         gate.at_step_boundary(job)  # returns once the generation ran the sync
         thread.join(WAIT)
         assert not errors.get("error")
-        cost = engine.switch_cost
+        cost, syncs = engine.switch_cost, engine.syncs_finished
+        engine.weight_switch = _SyncAt(engine, model_a, state, at)  # sampled, n=2: each sample its own request
+        sampled = engine.generate(batch, SamplingParams(n=2, max_new_tokens=8, seed=3))
         engine.weight_switch = DecodeSwitch(gate, lambda: state["version"])  # nothing handed over: never fires
         quiet = engine.generate(batch, greedy)
         engine.weight_switch = None
@@ -344,7 +364,7 @@ def test_a_sync_between_decode_steps_preempts_and_resumes_the_requests_on_the_ne
 
     out = seen["out"]
     assert seen["thread"] == seen["generator"] and seen["boundary"] == at  # not after the generation
-    assert engine.syncs_finished == 1 and cost.syncs == 1 and cost.sync_s > 0 and cost.resume_s > 0
+    assert syncs == 1 and cost.syncs == 1 and cost.sync_s > 0 and cost.resume_s > 0
     versions = out[TOKEN_VERSIONS]
     assert (versions[:, :at] == 4).all() and (versions[:, at:] == 5).all() and interrupted(out) == 4
     mask = out["attention_mask"][:, : out["prompts"].shape[1]].bool()
@@ -356,7 +376,13 @@ def test_a_sync_between_decode_steps_preempts_and_resumes_the_requests_on_the_ne
                                atol=1e-4, rtol=0)
     torch.testing.assert_close(out["rollout_log_probs"][:, at:], reference_log_probs(model_b, out, 1.0)[:, at:],
                                atol=1e-4, rtol=0)
-    assert quiet["responses"].tolist() == plain["responses"].tolist() and (quiet[TOKEN_VERSIONS] == 5).all()
+    versions = sampled[TOKEN_VERSIONS]
+    assert (versions[:, :at] == 5).all() and (versions[:, at:] == 6).all() and interrupted(sampled) == 8
+    torch.testing.assert_close(sampled["rollout_log_probs"][:, :at], reference_log_probs(model_b, sampled, 1.0)[:, :at],
+                               atol=1e-4, rtol=0)
+    torch.testing.assert_close(sampled["rollout_log_probs"][:, at:], reference_log_probs(model_a, sampled, 1.0)[:, at:],
+                               atol=1e-4, rtol=0)
+    assert quiet["responses"].tolist() == plain["responses"].tolist() and (quiet[TOKEN_VERSIONS] == 6).all()
     torch.testing.assert_close(quiet["rollout_log_probs"], plain["rollout_log_probs"], atol=1e-6, rtol=0)
     print(f"\nvLLM sync between decode steps: sync {cost.sync_s * 1e3:.1f} ms, resume step {cost.resume_s * 1e3:.1f} ms "
           f"(recompute beyond a median step {cost.recompute_s * 1e3:.1f} ms)")

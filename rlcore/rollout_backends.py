@@ -44,7 +44,7 @@ class BackendTraits:
 
 
 HF = BackendTraits(label="hf (rlcore's decode loop)", decode_step_weights=True, plan_note="rlcore's own decode loop, is planned as vLLM")
-VLLM = BackendTraits(label="vLLM", tensor_parallel=True, adapter_sync=True,
+VLLM = BackendTraits(label="vLLM", tensor_parallel=True, adapter_sync=True, decode_step_weights=True,
                      serving_tokenizer="rlcore.rollout.vllm:vllm_tokenizer",
                      context_limit_key="rollout.vllm.max_model_len", plan_note="")
 

@@ -20,11 +20,12 @@ from conftest import stop_process_group, tree_progress, wait_for  # tests/ is on
 from timing import scaled
 from tiny_runs import SCORE_IN_PROCESS
 
+from rlcore import rollout_backends
 from rlcore.algos.policy_loss import behaviour_weights, vanilla_policy_loss
 from rlcore.cli import CONFIG_DIR, tiny_example_overrides
 from rlcore.config import config_from_dict, load_config
 from rlcore.protocol import RIGHT_PAD, Batch
-from rlcore.rollout import HFRolloutEngine, SamplingParams
+from rlcore.rollout import BackendTraits, HFRolloutEngine, SamplingParams
 from rlcore.rollout.output import TOKEN_VERSIONS
 from rlcore.tracking import read_jsonl
 from rlcore.trainer.async_rollout import (
@@ -455,13 +456,18 @@ def _load(**sections) -> None:
      r"trainer\.async_weight_sync=step with trainer\.backend=ray"),
     ({"trainer": {"overlap_with": "process"}}, r"trainer\.overlap_with=process with trainer\.off_policy=async"),
     ({"trainer": {"max_staleness": -1}}, r"max_staleness"),
-    ({"trainer": {"async_weight_sync": "step"}, "rollout": {"backend": "vllm"}},
-     r"trainer\.async_weight_sync=step with rollout\.backend=vllm"),
+    ({"trainer": {"async_weight_sync": "step"}, "rollout": {"backend": "no_decode_steps"}},
+     r"trainer\.async_weight_sync=step with rollout\.backend=no_decode_steps: only the hf or vllm engine"),
+    ({"trainer": {"async_weight_sync": "step"}, "rollout": {"backend": "vllm", "lora_sync": "adapter"},
+      "actor": {"lora": {"rank": 8}}}, r"trainer\.async_weight_sync=step with rollout\.lora_sync=adapter"),
     ({"trainer": {"async_weight_sync": "decode"}}, r"async_weight_sync"),
     ({"trainer": {"async_weight_sync": "step"}, "rollout": {"agent": {"interaction": "m:f"}}},
      r"trainer\.async_weight_sync=step with rollout\.agent"),
 ])
-def test_async_is_refused_at_load_naming_the_key(sections, message):
+def test_async_is_refused_at_load_naming_the_key(sections, message, monkeypatch):
+    # a backend whose engine takes new weights between generate calls only
+    monkeypatch.setitem(rollout_backends._BACKENDS, "no_decode_steps",
+                        rollout_backends.Backend("rlcore.rollout.hf:HFRolloutEngine", BackendTraits(label="no steps")))
     with pytest.raises(ValueError, match=message):
         _load(**sections)
 
@@ -617,3 +623,26 @@ def test_agent_rollouts_under_async_generate_whole_episodes_each_stamped_with_it
     # episodes that called the calculator went on after its result, in the same generation
     kinds = [[t["kind"] for t in s["turns"]] for step in samples for s in step]
     assert any(k[:4] == ["assistant", "tool", "rendered", "assistant"] for k in kinds), kinds
+
+
+VLLM_RUN = ("rollout.backend=vllm", "rollout.vllm.kv_cache_gib=0.125", "rollout.vllm.max_model_len=128")
+
+
+@pytest.mark.slow
+@pytest.mark.vllm
+@pytest.mark.parametrize("weight_sync", ["generation", "step"])
+def test_a_tiny_async_run_on_the_vllm_engine_trains_within_the_bound(tiny_example, tmp_path, weight_sync):
+    """The vLLM engine generating on the async rollout's thread while the trainer pushes weights into
+    it (between generate calls, or between decode steps of the generation in flight)."""
+    pytest.importorskip("vllm")
+    make_trainer(_async_config(tiny_example, tmp_path / "run", 3, *VLLM_RUN,
+                               f"trainer.async_weight_sync={weight_sync}")).fit()
+    records = [r for r in read_jsonl(tmp_path / "run" / "metrics.jsonl") if r["step"] > 0]
+    assert [r["step"] for r in records] == [1, 2, 3]
+    for r in records:
+        assert r["async/staleness_0"] + r["async/staleness_1"] == PROMPTS * N  # every sample within the bound
+        assert math.isfinite(r["actor/pg_loss"])
+        if weight_sync == "step":  # by its oldest token
+            assert 0 <= r["async/interrupted_generations"] <= PROMPTS * N
+    assert records[0]["rollout/logprob_diff_max"] < 1e-3  # step 1: engine and actor on one policy
+    assert len(set().union(*_prompts_per_step(tmp_path / "run"))) == 3 * PROMPTS  # no prompt trained twice

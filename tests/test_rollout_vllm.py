@@ -289,6 +289,105 @@ def test_update_weights_equals_fresh_engine(models, dtype):
         torch.testing.assert_close(after_g["rollout_log_probs"], reference_log_probs(model_b, after_g, 1.0), atol=1e-4, rtol=0)
 
 
+def _greedy_from(model, ids: list[int], k: int) -> list[int]:
+    """`k` greedy tokens of `model` after `ids` (full forward passes, no cache)."""
+    ids = list(ids)
+    with torch.no_grad():
+        for _ in range(k):
+            ids.append(int(model(input_ids=torch.tensor([ids])).logits[0, -1].argmax()))
+    return ids[-k:]
+
+
+class _SyncAt:
+    """A weight switch loading `model`'s weights at decode-step boundary `at` itself (no gate)."""
+
+    def __init__(self, engine, model, state: dict, at: int) -> None:
+        self.engine, self.model, self.state, self.at, self.calls = engine, model, state, at, 0
+
+    def version(self) -> int:
+        return self.state["version"]
+
+    def between_steps(self) -> bool:
+        self.calls += 1
+        if self.calls != self.at:
+            return False
+        self.engine.update_weights(self.model.state_dict().items())
+        self.state["version"] += 1
+        return True
+
+
+def test_a_sync_between_decode_steps_preempts_and_resumes_the_requests_on_the_new_weights(models):
+    """`trainer.async_weight_sync=step` on vLLM: a sync handed over at decode step 3 runs there, on
+    the generating thread; the tokens before it are model A's greedy, those after it model B's greedy
+    from that prefix (every request resumed, its prefix recomputed on B), with B's log-probs; each
+    token carries its version; so with n samples a prompt, sampled. A switch that never fires changes nothing."""
+    import threading
+
+    from test_async_rollout import WAIT, _in_thread, _PausingSwitch  # tests/ is on sys.path
+
+    from rlcore.rollout.output import TOKEN_VERSIONS
+    from rlcore.trainer.async_rollout import DecodeSwitch, EngineGate, interrupted
+
+    model_a, dir_a, model_b, _ = models
+    batch, greedy, at = prompt_batch([5, 3, 7, 4]), SamplingParams(n=1, do_sample=False, max_new_tokens=8), 3  # vLLM: greedy n=1
+    gate, state = EngineGate(), {"version": 4}
+    engine = VLLMRolloutEngine.from_pretrained(str(dir_a), dtype="float32", eos_token_ids=[], **ENGINE_KW)
+    try:
+        engine.weight_switch = switch = _PausingSwitch(gate, lambda: state["version"], at=at)
+        seen: dict = {}
+
+        def job() -> None:  # what `AsyncRollout.update_weights` hands over: the sync, then the version
+            seen["thread"], seen["boundary"] = threading.get_ident(), switch.calls
+            engine.update_weights(model_b.state_dict().items())
+            state["version"] = 5
+
+        def generate() -> None:
+            seen["generator"] = threading.get_ident()
+            with gate.generation() as go:
+                assert go
+                seen["out"] = engine.generate(batch, greedy)
+
+        thread, errors = _in_thread(generate)
+        assert switch.reached.wait(WAIT)
+        gate.at_step_boundary(job)  # returns once the generation ran the sync
+        thread.join(WAIT)
+        assert not errors.get("error")
+        cost, syncs = engine.switch_cost, engine.syncs_finished
+        engine.weight_switch = _SyncAt(engine, model_a, state, at)  # sampled, n=2: each sample its own request
+        sampled = engine.generate(batch, SamplingParams(n=2, max_new_tokens=8, seed=3))
+        engine.weight_switch = DecodeSwitch(gate, lambda: state["version"])  # nothing handed over: never fires
+        quiet = engine.generate(batch, greedy)
+        engine.weight_switch = None
+        plain = engine.generate(batch, greedy)
+    finally:
+        engine.close()
+
+    out = seen["out"]
+    assert seen["thread"] == seen["generator"] and seen["boundary"] == at  # not after the generation
+    assert syncs == 1 and cost.syncs == 1 and cost.sync_s > 0 and cost.resume_s > 0
+    versions = out[TOKEN_VERSIONS]
+    assert (versions[:, :at] == 4).all() and (versions[:, at:] == 5).all() and interrupted(out) == 4
+    mask = out["attention_mask"][:, : out["prompts"].shape[1]].bool()
+    for row in range(4):
+        prompt = out["prompts"][row][mask[row]].tolist()
+        before = _greedy_from(model_a, prompt, at)
+        assert out["responses"][row].tolist() == before + _greedy_from(model_b, prompt + before, 8 - at)
+    torch.testing.assert_close(out["rollout_log_probs"][:, :at], reference_log_probs(model_a, out, 1.0)[:, :at],
+                               atol=1e-4, rtol=0)
+    torch.testing.assert_close(out["rollout_log_probs"][:, at:], reference_log_probs(model_b, out, 1.0)[:, at:],
+                               atol=1e-4, rtol=0)
+    versions = sampled[TOKEN_VERSIONS]
+    assert (versions[:, :at] == 5).all() and (versions[:, at:] == 6).all() and interrupted(sampled) == 8
+    torch.testing.assert_close(sampled["rollout_log_probs"][:, :at], reference_log_probs(model_b, sampled, 1.0)[:, :at],
+                               atol=1e-4, rtol=0)
+    torch.testing.assert_close(sampled["rollout_log_probs"][:, at:], reference_log_probs(model_a, sampled, 1.0)[:, at:],
+                               atol=1e-4, rtol=0)
+    assert quiet["responses"].tolist() == plain["responses"].tolist() and (quiet[TOKEN_VERSIONS] == 6).all()
+    torch.testing.assert_close(quiet["rollout_log_probs"], plain["rollout_log_probs"], atol=1e-6, rtol=0)
+    print(f"\nvLLM sync between decode steps: sync {cost.sync_s * 1e3:.1f} ms, resume step {cost.resume_s * 1e3:.1f} ms "
+          f"(recompute beyond a median step {cost.recompute_s * 1e3:.1f} ms)")
+
+
 def test_sampled_logprobs_reads_flat_and_dict_formats():
     """Both vLLM log-prob containers give the sampled tokens' log-probs, in order."""
     from vllm.logprobs import FlatLogprobs, Logprob

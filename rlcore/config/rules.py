@@ -119,6 +119,10 @@ def check_async(config: ConfigTree) -> None:
         if config.rollout.agent.enabled:
             raise ValueError("trainer.async_weight_sync=step with rollout.agent: agent turns take new weights between "
                              "turns only; use trainer.async_weight_sync=generation")
+        if config.rollout.lora_sync == "adapter":
+            raise ValueError("trainer.async_weight_sync=step with rollout.lora_sync=adapter: the requests in flight run "
+                             "with the adapter they started with, which a new one replaces; use rollout.lora_sync=merged "
+                             "or trainer.async_weight_sync=generation")
 
 
 def check_async_on_ray(config: ConfigTree) -> None:

@@ -42,7 +42,7 @@ class TrainerConfig(Section):
     async_weight_sync: Literal["generation", "step"] = Field(
         "generation", description="trainer.off_policy=async: when new weights reach the engine. generation: between "
         "two generate calls (a sync waits for the call in flight); step: between two decode steps of the call in "
-        "flight (rollout.backend=hf), which goes on with the new weights (its KV cache recomputed), each token "
+        "flight (rollout.backend=hf or vllm), which goes on with the new weights (its KV cache recomputed), each token "
         "recording its policy version (token_versions; a group's staleness is its oldest token's)")
     device_peak_tflops: float | None = Field(
         None, gt=0, description="dense peak TFLOP/s of one device at the compute dtype, for throughput/<phase>_mfu; "

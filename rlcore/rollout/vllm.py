@@ -18,6 +18,15 @@ layerwise reload however many calls it takes (`rlcore.rollout.vllm_reload`, whic
 vLLM's reload internals). A bf16 engine beside a float32 actor (`rollout.dtype`) casts every
 tensor on load; that one expected warning is dropped during syncs and at start.
 
+New weights between decode steps (`weight_switch`, `trainer.async_weight_sync=step`): `generate`
+then drives vLLM's engine step by step itself (`LLMEngine.add_request` / `step`, as `LLM.generate`
+does inside) and asks the switch between two steps. A sync taken there reloads the weights, then
+resets the prefix cache with `reset_running_requests=True`: vLLM preempts every request in flight
+and resumes it by recomputing its prefix (prompt plus the tokens so far) on the new weights, so
+each later token, and its log-prob, is the new policy's given its prefix. Each token's policy
+version is returned beside it (`token_versions`), and the cost of the last generation's syncs is
+kept in `switch_cost`.
+
 LoRA: started with `lora_rank`, the engine serves one LoRA adapter (vLLM's `enable_lora`,
 `max_lora_rank` the next of vLLM's sizes up); `load_adapter` writes the actor's adapter as a peft
 folder into the engine's temporary folder and registers it (`add_lora`, the previous one removed),
@@ -28,13 +37,16 @@ LoRA can also reach a plain engine as merged weights of the adapted layers (`upd
 from __future__ import annotations
 
 import contextlib
+import itertools
 import json
 import logging
 import os
 import shutil
+import statistics
 import tempfile
+import time
 from collections.abc import Iterable, Iterator, Sequence
-from dataclasses import replace
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, ClassVar
 
@@ -55,11 +67,12 @@ import vllm  # noqa: E402
 from vllm.inputs import TokensPrompt  # noqa: E402
 from vllm.logprobs import FlatLogprobs  # noqa: E402
 from vllm.lora.request import LoRARequest  # noqa: E402
+from vllm.sampling_params import RequestOutputKind  # noqa: E402
 
 from rlcore.cpus import core_groups  # noqa: E402
 from rlcore.protocol import Batch  # noqa: E402
-from rlcore.rollout.base import SamplingParams  # noqa: E402
-from rlcore.rollout.output import check_left_padded, rollout_output  # noqa: E402
+from rlcore.rollout.base import SamplingParams, WeightSwitch  # noqa: E402
+from rlcore.rollout.output import TOKEN_VERSIONS, check_left_padded, rollout_output  # noqa: E402
 from rlcore.rollout.vllm_reload import LayerwiseSync, quiet_expected_casts  # noqa: E402
 from rlcore.rollout_backends import VLLM, BackendTraits  # noqa: E402
 
@@ -163,6 +176,47 @@ def vllm_tokenizer(path: str) -> Any:
     return get_tokenizer(path)
 
 
+@dataclass
+class SwitchCost:
+    """What weight syncs taken between decode steps cost one generation (`_decode_with_switch`)."""
+
+    syncs: int = 0  # syncs taken mid-generation
+    sync_s: float = 0.0  # seconds the generation stood still for them (the syncs themselves)
+    resume_s: float = 0.0  # seconds of the steps after them until every request had a token (prefixes recomputed)
+    steps_s: list[float] = field(default_factory=list)  # seconds of each other engine step
+
+    @property
+    def recompute_s(self) -> float:
+        """The resumes' cost beyond an ordinary (median) step each: the prefixes recomputed on the new weights."""
+        return self.resume_s - self.syncs * (statistics.median(self.steps_s) if self.steps_s else 0.0)
+
+
+class _Rows:
+    """The rows of one generation as its engine steps report them (`RequestOutputKind.DELTA`: new
+    tokens only): tokens, log-probs, the policy version of each token, the rows not finished."""
+
+    def __init__(self, count: int) -> None:
+        self.seqs: list[list[int]] = [[] for _ in range(count)]
+        self.lps: list[list[float]] = [[] for _ in range(count)]
+        self.versions: list[list[int]] = [[] for _ in range(count)]
+        self.unfinished = set(range(count))
+
+    def take(self, outputs: list[Any], first_row: dict[str, int], version: int) -> set[int]:
+        """Append one step's outputs (drawn on `version`'s weights); the rows that got tokens."""
+        fed: set[int] = set()
+        for out in outputs:
+            for c in out.outputs:
+                row, ids = first_row[out.request_id] + c.index, list(c.token_ids)
+                self.seqs[row] += ids
+                self.lps[row] += _sampled_logprobs(c.logprobs, ids)
+                self.versions[row] += [version] * len(ids)
+                if ids:
+                    fed.add(row)
+                if c.finished():
+                    self.unfinished.discard(row)
+        return fed
+
+
 class VLLMRolloutEngine:
     """`RolloutEngine` over an in-process `vllm.LLM`. See the module docstring for the choices."""
 
@@ -216,6 +270,9 @@ class VLLMRolloutEngine:
         self._warned: set[str] = set()
         self._lora: LoRARequest | None = None  # the adapter every request runs with (`load_adapter`)
         self._lora_root: tempfile.TemporaryDirectory | None = None
+        self.weight_switch: WeightSwitch | None = None  # new weights between decode steps (`generate` only)
+        self.switch_cost = SwitchCost()  # of the last `generate` with a switch
+        self._request_ids = itertools.count()
 
     @classmethod
     def from_pretrained(
@@ -345,19 +402,20 @@ class VLLMRolloutEngine:
             TokensPrompt(prompt_token_ids=row[m.bool()].tolist())
             for row, m in zip(prompt_ids.cpu(), prompt_mask.cpu())
         ]
-        outputs = self._run(prompts, params)
-
         num_rows = len(prompts) * n
-        seqs: list[list[int]] = []
-        lps: list[list[float]] = []
-        for i, out in enumerate(outputs):
-            completions = sorted(out.outputs, key=lambda c: c.index)
-            if len(completions) != n:
-                raise RuntimeError(f"vLLM returned {len(completions)} samples for prompt {i}, expected {n}")
-            for c in completions:
-                ids = list(c.token_ids)
-                seqs.append(ids)
-                lps.append(_sampled_logprobs(c.logprobs, ids))
+        versions: list[list[int]] | None = None
+        if self.weight_switch is not None:
+            seqs, lps, versions = self._decode_with_switch(prompts, params, self.weight_switch)
+        else:
+            seqs, lps = [], []
+            for i, out in enumerate(self._run(prompts, params)):
+                completions = sorted(out.outputs, key=lambda c: c.index)
+                if len(completions) != n:
+                    raise RuntimeError(f"vLLM returned {len(completions)} samples for prompt {i}, expected {n}")
+                for c in completions:
+                    ids = list(c.token_ids)
+                    seqs.append(ids)
+                    lps.append(_sampled_logprobs(c.logprobs, ids))
         resp_len = max(1, max(len(s) for s in seqs))
         responses = torch.full((num_rows, resp_len), self.pad_token_id, dtype=torch.long)
         log_probs = torch.zeros(num_rows, resp_len, dtype=torch.float32)
@@ -368,7 +426,56 @@ class VLLMRolloutEngine:
                 log_probs[r, : len(ids)] = torch.tensor(lp, dtype=torch.float32)
         response_mask = (torch.arange(resp_len) < lengths.unsqueeze(-1)).float()
 
-        return rollout_output(batch, responses, response_mask, log_probs, params)
+        out = rollout_output(batch, responses, response_mask, log_probs, params)
+        if versions is not None:
+            stamped = torch.zeros(num_rows, resp_len, dtype=torch.long)
+            for r, v in enumerate(versions):
+                if v:
+                    stamped[r, : len(v)] = torch.tensor(v, dtype=torch.long)
+            out.tensors[TOKEN_VERSIONS] = stamped
+        return out
+
+    def _decode_with_switch(
+        self, prompts: list[TokensPrompt], params: SamplingParams, switch: WeightSwitch,
+    ) -> tuple[list[list[int]], list[list[float]], list[list[int]]]:
+        """`LLM.generate`'s loop, asking `switch` between two engine steps (module docstring): per
+        row (prompt i's sample j at i * n + j) its tokens, their log-probs and their policy versions.
+        The steps after a sync, until every request it preempted has its next token, are its resume
+        (`switch_cost`)."""
+        engine = self.llm.llm_engine
+        rows = _Rows(len(prompts) * params.n)
+        first_row: dict[str, int] = {}
+        cost = self.switch_cost = SwitchCost()
+        version = switch.version()
+        resuming: set[int] = set()  # rows preempted by a sync that have no token since
+        with self._seeded(params):
+            try:
+                for i, (prompt, sampling) in enumerate(zip(prompts, self._sampling(len(prompts), params, delta=True))):
+                    request = f"rlcore-{next(self._request_ids)}"
+                    first_row[request] = i * params.n
+                    engine.add_request(request, prompt, sampling, lora_request=self._lora)
+                while engine.has_unfinished_requests():
+                    began = time.perf_counter()
+                    fed = rows.take(engine.step(), first_row, version)
+                    took = time.perf_counter() - began
+                    if resuming:
+                        cost.resume_s += took
+                        resuming -= fed
+                    else:
+                        cost.steps_s.append(took)
+                    if not engine.has_unfinished_requests():
+                        break
+                    paused = time.perf_counter()
+                    if switch.between_steps():  # the sync ran on this thread and preempted every request
+                        self._finish_sync()  # a sync that sent part of the model: what it sent is used
+                        version = switch.version()
+                        resuming = set(rows.unfinished)
+                        cost.syncs += 1
+                        cost.sync_s += time.perf_counter() - paused
+            finally:
+                if engine.has_unfinished_requests():  # an error: leave no request of this call behind
+                    engine.abort_request(list(first_row))
+        return rows.seqs, rows.lps, rows.versions
 
     def generate_turns(
         self, contexts: Sequence[Sequence[int]], params: SamplingParams, max_tokens: Sequence[int], keys: Sequence[int]
@@ -405,11 +512,18 @@ class VLLMRolloutEngine:
 
     def _run(self, prompts: list[TokensPrompt], params: SamplingParams, max_tokens: list[int] | None = None,
              seeds: list[int] | None = None) -> list[Any]:
-        """One `LLM.generate` call with vLLM sampling params built from ours.
+        """One `LLM.generate` call with vLLM sampling params built from ours (`_sampling`, `_seeded`)."""
+        with self._seeded(params):
+            return self.llm.generate(prompts, self._sampling(len(prompts), params, max_tokens, seeds),
+                                     use_tqdm=False, lora_request=self._lora)
+
+    def _sampling(self, num_prompts: int, params: SamplingParams, max_tokens: list[int] | None = None,
+                  seeds: list[int] | None = None, delta: bool = False) -> list[vllm.SamplingParams]:
+        """vLLM's sampling params of each prompt. `delta`: each step's output carries only its new
+        tokens (`_decode_with_switch`), else a request reports once, when it finished.
 
         Seeds: a per-request seed crashes the CPU engine when a prefill is split across steps, so
-        on CPU `params.seed` instead re-seeds the global torch generator that the in-process CPU
-        sampler draws from -- inside `fork_rng`, so the caller's RNG stream is left untouched.
+        on CPU `params.seed` instead re-seeds the generator the sampler draws from (`_seeded`).
         On GPU each prompt gets the request seed `params.seed + i`.
         """
         if params.do_sample and (params.top_k != -1 or params.top_p < 1.0):
@@ -418,7 +532,7 @@ class VLLMRolloutEngine:
                 "vLLM reports log-probs of the top-k/top-p truncated distribution; they differ from "
                 "the actor's full-vocabulary log-probs (see rollout/logprob_diff_*)",
             )
-        common = dict(
+        common: dict[str, Any] = dict(
             max_tokens=params.max_new_tokens,
             logprobs=0,
             stop_token_ids=self.eos_token_ids,
@@ -430,26 +544,31 @@ class VLLMRolloutEngine:
             skip_special_tokens=False,
             # Log-probs as flat lists, not a dict of Logprob objects per token (less per-token Python).
             flat_logprobs=True,
+            output_kind=RequestOutputKind.DELTA if delta else RequestOutputKind.FINAL_ONLY,
         )
         if params.do_sample:
             common.update(temperature=params.temperature, top_p=params.top_p, top_k=params.top_k)
         else:
             common.update(temperature=0.0)
-        on_cpu = self.device.type == "cpu"
         if max_tokens is not None:  # per request (agent turns): its budget, and its seed on GPU
             common.pop("max_tokens")
-            sampling: Any = [vllm.SamplingParams(n=params.n, max_tokens=m, seed=None if seeds is None else seeds[i], **common)
-                             for i, m in enumerate(max_tokens)]
-        elif params.seed is not None and params.do_sample and not on_cpu:
-            sampling = [vllm.SamplingParams(n=params.n, seed=params.seed + i, **common) for i in range(len(prompts))]
-        else:
-            sampling = vllm.SamplingParams(n=params.n, **common)
-        reseed = params.seed is not None and params.do_sample and on_cpu
-        ctx = torch.random.fork_rng(devices=[]) if reseed else contextlib.nullcontext()
-        with ctx:
-            if reseed:
-                torch.manual_seed(params.seed)
-            return self.llm.generate(prompts, sampling, use_tqdm=False, lora_request=self._lora)
+            return [vllm.SamplingParams(n=params.n, max_tokens=m, seed=None if seeds is None else seeds[i], **common)
+                    for i, m in enumerate(max_tokens)]
+        per_request = params.seed is not None and params.do_sample and self.device.type != "cpu"
+        return [vllm.SamplingParams(n=params.n, seed=params.seed + i if per_request else None, **common)  # type: ignore[operator]
+                for i in range(num_prompts)]
+
+    @contextlib.contextmanager
+    def _seeded(self, params: SamplingParams) -> Iterator[None]:
+        """On CPU with a seed: the global torch generator that the in-process CPU sampler draws
+        from, re-seeded with `params.seed` inside `fork_rng` (the caller's RNG stream is left
+        untouched); otherwise nothing."""
+        if params.seed is None or not params.do_sample or self.device.type != "cpu":
+            yield
+            return
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(params.seed)
+            yield
 
     # ------------------------------------------------------------------ weights and memory
 

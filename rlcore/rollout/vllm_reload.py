@@ -200,7 +200,8 @@ class LayerwiseSync:
         self._loaded.update(name for name, _ in bucket)
 
     def finish(self) -> None:
-        """Finalise the open reload, if any, and drop KV blocks computed with the old weights."""
+        """Finalise the open reload, if any, and drop KV blocks computed with the old weights (those
+        of requests in flight too)."""
         if self._loaded is None:
             return
         declared = self._sync_names is not None and self._loaded >= self._sync_names
@@ -209,7 +210,9 @@ class LayerwiseSync:
         self._sync_names = None
         self._received.clear()
         self.syncs_finished += 1
-        self.llm.reset_prefix_cache()
+        # Requests in flight (a sync between decode steps, `trainer.async_weight_sync=step`) are
+        # preempted: vLLM resumes each by recomputing its prefix on the new weights.
+        self.llm.reset_prefix_cache(reset_running_requests=True)
 
     @property
     def pending(self) -> list[str]:

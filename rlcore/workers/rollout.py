@@ -102,7 +102,7 @@ class RolloutWorker(Worker):
         in process: the switch is the async rollout's gate); None: between generate calls only."""
         if not hasattr(self.engine, "weight_switch"):
             raise ValueError(f"trainer.async_weight_sync=step: the {self.backend} rollout engine takes new weights "
-                             "between generate calls only; use rollout.backend=hf or trainer.async_weight_sync=generation")
+                             "between generate calls only; use rollout.backend=hf or vllm, or trainer.async_weight_sync=generation")
         self.engine.weight_switch = switch
 
     @register(dispatch=Dispatch.ONE_TO_ALL)

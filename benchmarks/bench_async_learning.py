@@ -1,0 +1,306 @@
+"""Sync vs one_step vs async GRPO on a long-tailed length workload: throughput, trainer idle time
+and time to the tiny task's 90% greedy accuracy, side by side from one run (issue 42).
+
+    ./dev python benchmarks/bench_async_learning.py [--seeds 3] [--max-len 1024] [--prompts 16] [--n 8]
+        [--modes sync,one_step,async:1,async:2,async:4] [--target 0.9] [--val-every 2] [--max-steps 30]
+        [--weight-sync step|generation] [--device cpu|cuda] [--model tiny|5m|PATH] [--out FILE.json]
+    ./dev python benchmarks/bench_async_learning.py --quick   # smoke: 1 seed, sync and async:1, a few tiny steps
+
+The full command (the issue's workload, the defaults; hours of CPU here, minutes on a GPU):
+
+    ./dev python benchmarks/bench_async_learning.py --max-len 1024 --seeds 3 --prompts 32 --n 8 --lr 1e-4
+
+The scaled run the README reports (responses 4-128 tokens; 358 CPU s, 29 min wall on the shared
+2-core machine):
+
+    ./dev python benchmarks/bench_async_learning.py --seeds 3 --max-len 128 --prompts 16 --n 8 --lr 1e-4 \
+        --val-every 2 --max-steps 24 --out /tmp/bench_async_learning.json
+
+The workload. The tiny example (`./dev rlcore example build`: two-digit additions, SFT-warmed
+policy, GSM8K strict reward, greedy start ~33%) with every sampled response made long-tailed: each
+row's length is drawn from the lognormal `bench_lengths.py` uses (median 64, p99 1,024 tokens for
+`--max-len 1024`; median and p99 scale with `--max-len`, so 256 gives median 16, p99 256), clamped
+to [4, max-len] (`bench_vs_trl.lognormal_quantile` at a seeded uniform: the step's sampling seed, so
+every mode draws the same lengths at the same step). The rollout engine is rlcore's own hf decode
+loop (`LongTailEngine`, a subclass plugged in as `rollout.backend=module:Class`) that decodes each
+sampled row to its drawn length instead of stopping at the end token: the model still writes its
+answer and end token where it wants to (the reward decodes up to the first end token, so rewards
+are the task's), then goes on sampling; the whole row is generated, scored, and trained on (the
+update's tokens are long-tailed too, as in reasoning RL where the thinking tokens are trained).
+Greedy validation is left alone (it stops at the end token, ~6 tokens): accuracy is the task's.
+
+Per mode (`trainer.off_policy` sync, one_step on a thread, async:S = `trainer.off_policy=async
+trainer.max_staleness=S actor.behaviour_correction=decoupled` with `trainer.async_weight_sync`
+`--weight-sync`), per seed, one process each, the modes interleaved per seed: steps until greedy
+`val/acc` (validated every `--val-every` steps) first reaches `--target`, and the wall and CPU
+seconds to get there (this process tree, from `fit()`'s start: validation included, the same
+for every mode); samples per second of wall and of CPU time (the samples trained, over the steps
+after the first, a warm-up); the trainer's idle fraction (async: `async/trainer_wait_frac`;
+sync and one_step: the `time/generate` share of the step, the wait for samples). A run stops
+at the target or at `--max-steps`. The table shows mean +- sd over seeds and the ratios to sync;
+"within noise" compares the steps to the target: |mean - sync mean| <= sqrt(sd^2 + sd_sync^2).
+
+On a GPU: `--device cuda` sets `trainer.device=cuda` (the same decode loop and update run on
+it); `--model PATH` swaps the policy (its tokenizer must render the example's chat prompts; a
+model that has not learnt the task never reaches the target: then only the throughput columns
+mean anything; `5m` is bench_async's random ~5M Llama). The cuda path has not run here (no GPU).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+from bench_async import five_m_model, mode_overrides, tree_cpu_s
+from bench_vs_trl import lognormal_quantile
+
+from rlcore.rollout.base import SamplingParams
+from rlcore.rollout.hf import HFRolloutEngine
+
+LENGTHS_ENV = "RLCORE_BENCH_LONG_TAIL"  # "low,median,p99,high": how the engine draws lengths (set by the parent)
+COLUMNS = ("steps_to_target", "wall_s_to_target", "cpu_s_to_target", "samples_per_wall_s", "samples_per_cpu_s",
+           "trainer_idle_frac", "response_length_mean", "final_acc")
+
+
+def length_spec(max_len: int) -> tuple[int, float, float, int]:
+    """(low, median, p99, high) of the workload at `max_len`: bench_lengths.py's median 64 / p99 1,024, scaled."""
+    return 4, max_len / 16, float(max_len), max_len
+
+
+def draw_lengths(rows: int, seed: int, spec: tuple[int, float, float, int]) -> torch.Tensor:
+    """`rows` response lengths from the lognormal of `spec`, drawn from `seed`."""
+    low, median, p99, high = spec
+    g = torch.Generator().manual_seed(seed)
+    u = torch.rand(rows, generator=g, dtype=torch.float64).clamp(1e-9, 1 - 1e-9)
+    return torch.tensor([lognormal_quantile(float(q), median, p99, low, high) for q in u], dtype=torch.long)
+
+
+class LongTailEngine(HFRolloutEngine):
+    """rlcore's hf engine, each sampled row decoded to a drawn length (`draw_lengths`, the spec in
+    $RLCORE_BENCH_LONG_TAIL) rather than stopping at its end token; greedy calls (validation) as is."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        self._forced = threading.local()  # a forced decode ignores end tokens on its own thread only
+        super().__init__(*args, **kwargs)
+        raw = os.environ.get(LENGTHS_ENV)
+        self.spec = None if not raw else tuple(float(x) for x in raw.split(","))
+
+    @property  # type: ignore[override]
+    def _eos(self) -> torch.Tensor:
+        forced = getattr(self._forced, "eos", None)
+        return self._eos_all if forced is None else forced
+
+    @_eos.setter
+    def _eos(self, value: torch.Tensor) -> None:
+        self._eos_all = value
+
+    def _decode(self, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, params: SamplingParams,
+                limits: torch.Tensor | None = None, keys: torch.Tensor | None = None, switch: Any = None) -> Any:
+        if self.spec is None or not params.do_sample or limits is not None:
+            return super()._decode(prompt_ids, prompt_mask, params, limits=limits, keys=keys, switch=switch)
+        low, median, p99, high = self.spec
+        rows = prompt_ids.shape[0] * params.n
+        lengths = draw_lengths(rows, params.seed or 0, (int(low), median, p99, int(min(high, params.max_new_tokens))))
+        self._forced.eos = self._eos_all[:0]
+        try:
+            return super()._decode(prompt_ids, prompt_mask, params, limits=lengths.to(self.device), keys=keys, switch=switch)
+        finally:
+            self._forced.eos = None
+
+
+def run_one(mode: str, seed: int, args: argparse.Namespace) -> dict[str, Any]:
+    """Train one run in this process until the target accuracy or `--max-steps`; its numbers."""
+    from rlcore.cli import CONFIG_DIR, tiny_example_overrides
+    from rlcore.config import load_config
+    from rlcore.example import build_tiny_example
+    from rlcore.trainer.run import make_trainer
+    from rlcore.trainer.run_state import TrainingStopped
+
+    example = build_tiny_example()
+    out = tempfile.mkdtemp(prefix="rl-", dir="/tmp")
+    steps: list[dict[str, Any]] = []
+    try:
+        overrides = tiny_example_overrides(example, os.path.join(out, "run")) + [
+            f"trainer.total_steps={args.max_steps}", f"trainer.seed={seed}", f"data.train_batch_size={args.prompts}",
+            f"actor.ppo_mini_batch_size={args.prompts}", f"actor.optim.lr={args.lr}", f"rollout.n={args.n}", f"rollout.max_new_tokens={args.max_len}",
+            f"rollout.backend={Path(__file__).stem}:LongTailEngine", "trainer.val_before_train=false",
+            f"trainer.val_every={args.val_every}", f"trainer.save_every={args.max_steps}", "trainer.loggers=[jsonl]",
+            "trainer.trace=false", f"trainer.device={args.device}", *mode_overrides(mode),
+            *([f"trainer.async_weight_sync={args.weight_sync}"] if mode.startswith("async") else []),
+            "health.enabled=false",  # the filler tokens' entropy and KL are not the task's
+        ]
+        if args.model == "5m":
+            overrides.append(f"model.path={five_m_model(str(example.model_dir), os.path.join(out, 'model5m'))}")
+        elif args.model != "tiny":
+            overrides.append(f"model.path={args.model}")
+        cfg = load_config(CONFIG_DIR / "tiny_grpo.yaml", overrides)
+
+        def record(step: int, metrics: dict[str, Any]) -> None:
+            steps.append({"step": step, "wall": time.perf_counter() - t0, "cpu": tree_cpu_s() - c0,
+                          **{k: float(v) for k, v in metrics.items() if k in KEPT or k.startswith("async/")}})
+            if reached(metrics, args.target):
+                raise TrainingStopped(f"val/acc {metrics['val/acc']:.3f} >= {args.target}")
+
+        trainer = make_trainer(cfg, step_hooks=[record])
+        t0, c0 = time.perf_counter(), tree_cpu_s()
+        try:
+            trainer.fit()
+        except TrainingStopped:
+            pass
+    finally:
+        shutil.rmtree(out, ignore_errors=True)
+    return summarize_run(steps, args.prompts * args.n, args.target)
+
+
+def reached(metrics: dict[str, Any], target: float) -> bool:
+    """Whether this step's validation reached `target` (val/acc is a float32 mean: 360/400 is 0.89999998)."""
+    return metrics.get("val/acc", 0.0) >= target - 1e-6
+
+
+KEPT = ("val/acc", "time/step_s", "time/generate_s", "response_length/mean")
+
+
+def summarize_run(steps: list[dict[str, Any]], samples_per_step: int, target: float) -> dict[str, Any]:
+    """One run's columns (COLUMNS) from its per-step records."""
+    hit = next((s for s in steps if reached(s, target)), None)
+    steady = steps[1:] or steps
+    span_wall = steady[-1]["wall"] - steps[0]["wall"] if len(steps) > 1 else steps[0]["wall"]
+    span_cpu = steady[-1]["cpu"] - steps[0]["cpu"] if len(steps) > 1 else steps[0]["cpu"]
+    idle = [s["async/trainer_wait_frac"] if "async/trainer_wait_frac" in s else s.get("time/generate_s", 0.0) / s["time/step_s"]
+            for s in steady]
+    accs = [s["val/acc"] for s in steps if "val/acc" in s]
+    return {
+        "steps_to_target": hit["step"] if hit else None,
+        "wall_s_to_target": hit["wall"] if hit else None,
+        "cpu_s_to_target": hit["cpu"] if hit else None,
+        "samples_per_wall_s": samples_per_step * len(steady) / max(span_wall, 1e-9),
+        "samples_per_cpu_s": samples_per_step * len(steady) / max(span_cpu, 1e-9),
+        "trainer_idle_frac": statistics.mean(idle),
+        "response_length_mean": statistics.mean(s["response_length/mean"] for s in steps),
+        "final_acc": accs[-1] if accs else None,
+        "steps_run": len(steps), "acc_curve": [(s["step"], s["val/acc"]) for s in steps if "val/acc" in s],
+        "dropped_groups": sum(s.get("async/dropped_groups", 0.0) for s in steps),
+    }
+
+
+def child_args(args: argparse.Namespace) -> list[str]:
+    return ["--max-len", str(args.max_len), "--prompts", str(args.prompts), "--n", str(args.n), "--lr", str(args.lr), "--target", str(args.target),
+            "--val-every", str(args.val_every), "--max-steps", str(args.max_steps), "--weight-sync", args.weight_sync,
+            "--device", args.device, "--model", args.model]
+
+
+def mean_sd(values: list[float | None]) -> tuple[float | None, float | None, int]:
+    """Mean and sample sd of the values that are not None, and how many there were."""
+    got = [v for v in values if v is not None]
+    if not got:
+        return None, None, 0
+    return statistics.mean(got), (statistics.stdev(got) if len(got) > 1 else 0.0), len(got)
+
+
+def report(runs: dict[str, list[dict[str, Any]]], args: argparse.Namespace) -> dict[str, Any]:
+    """Print the table and ratios to sync; the per-mode summary."""
+    summary: dict[str, Any] = {}
+    for mode, rs in runs.items():
+        summary[mode] = {c: dict(zip(("mean", "sd", "count"), mean_sd([r[c] for r in rs]))) for c in COLUMNS}
+    head = f"  {'mode':10s}" + "".join(f"{c:>24s}" for c in COLUMNS)
+    print(head)
+    for mode, cols in summary.items():
+        cells = []
+        for c in COLUMNS:
+            m, sd, k = cols[c]["mean"], cols[c]["sd"], cols[c]["count"]
+            cell = "-" if m is None else f"{m:.3g} +- {sd:.2g}" + ("" if k == len(runs[mode]) else f" ({k}/{len(runs[mode])})")
+            cells.append(f"{cell:>24s}")
+        print(f"  {mode:10s}" + "".join(cells))
+    base = summary.get("sync")
+    if base is not None:
+        for mode, cols in summary.items():
+            if mode == "sync":
+                continue
+            ratio = {c: (cols[c]["mean"] / base[c]["mean"]) if cols[c]["mean"] and base[c]["mean"] else None
+                     for c in ("samples_per_wall_s", "samples_per_cpu_s", "wall_s_to_target", "cpu_s_to_target", "steps_to_target")}
+            a, b = cols["steps_to_target"], base["steps_to_target"]
+            noise = None
+            if a["mean"] is not None and b["mean"] is not None:
+                noise = abs(a["mean"] - b["mean"]) <= (a["sd"] ** 2 + b["sd"] ** 2) ** 0.5
+            cols["vs_sync"] = {**ratio, "steps_within_noise": noise}
+            shown = "  ".join(f"{k} {v:.2f}x" for k, v in ratio.items() if v is not None)
+            print(f"  {mode} vs sync: {shown}; steps to target within seed noise: {noise}")
+    return summary
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--seeds", type=int, default=3)
+    parser.add_argument("--modes", default="sync,one_step,async:1,async:2,async:4")
+    parser.add_argument("--max-len", type=int, default=1024, help="longest response (tokens); the lengths scale with it")
+    parser.add_argument("--prompts", type=int, default=32)
+    parser.add_argument("--n", type=int, default=8)
+    parser.add_argument("--lr", type=float, default=1e-4, help="actor learning rate (the tiny recipe's is 2e-5: the "
+                        "trained filler tokens dilute the answer's share of the token-mean loss; at 2e-5 greedy accuracy "
+                        "moved 33% -> 38% in 10 steps at --max-len 256)")
+    parser.add_argument("--target", type=float, default=0.9)
+    parser.add_argument("--val-every", type=int, default=2)
+    parser.add_argument("--max-steps", type=int, default=30)
+    parser.add_argument("--weight-sync", choices=["step", "generation"], default="step")
+    parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
+    parser.add_argument("--model", default="tiny", help="tiny (the example's), 5m (random ~5M Llama) or a model folder")
+    parser.add_argument("--out", default=None, help="write the runs and the summary as JSON here")
+    parser.add_argument("--quick", action="store_true", help="smoke: 1 seed, sync and async:1, 3 tiny steps")
+    parser.add_argument("--child", nargs=2, metavar=("MODE", "SEED"), help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.quick:
+        args.seeds, args.modes, args.max_len, args.prompts, args.n = 1, "sync,async:1", 32, 4, 4
+        args.max_steps, args.val_every = 3, 1
+    if args.max_steps < 2:
+        parser.error("--max-steps must be >= 2 (the first step is warm-up)")
+    if args.child:
+        print("RESULT " + json.dumps(run_one(args.child[0], int(args.child[1]), args)), flush=True)
+        return
+
+    from rlcore.example import build_tiny_example
+
+    build_tiny_example()  # build (or reuse) once, before the children race for it
+    modes = args.modes.split(",")
+    env = {**os.environ, LENGTHS_ENV: ",".join(str(x) for x in length_spec(args.max_len))}
+    runs: dict[str, list[dict[str, Any]]] = {m: [] for m in modes}
+    started, cpu0 = time.perf_counter(), sum(os.times()[:4])
+    for seed in range(args.seeds):
+        for mode in modes[seed % len(modes):] + modes[:seed % len(modes)]:  # a different mode first each seed
+            t = time.perf_counter()
+            proc = subprocess.run([sys.executable, __file__, "--child", mode, str(seed), *child_args(args)],
+                                  capture_output=True, text=True, env=env)
+            lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
+            if proc.returncode != 0 or not lines:
+                sys.exit(f"{mode} seed {seed} failed (rc={proc.returncode}):\n{proc.stderr[-4000:]}")
+            r = {"seed": seed, **json.loads(lines[-1][len("RESULT "):]), "process_wall_s": time.perf_counter() - t}
+            runs[mode].append(r)
+            print(f"  {mode} seed {seed}: steps to {args.target}: {r['steps_to_target']} ({r['wall_s_to_target']} s wall, "
+                  f"{r['cpu_s_to_target']} CPU s); {r['samples_per_wall_s']:.2f} samples/s wall; idle "
+                  f"{r['trainer_idle_frac']:.2f}; acc {r['acc_curve']}", flush=True)
+    low, median, p99, high = length_spec(args.max_len)
+    print(f"GRPO on the tiny task, long-tailed responses (lognormal median {median:g}, p99 {p99:g}, in [{low}, {high}] tokens), "
+          f"{args.prompts} prompts x {args.n} samples, model {args.model}, device {args.device}, async weight sync "
+          f"{args.weight_sync}; target greedy val/acc {args.target} (validated every {args.val_every} steps, at most "
+          f"{args.max_steps} steps); {args.seeds} seeds, one process per run, interleaved; cores here: {os.cpu_count()}, "
+          f"OMP_NUM_THREADS={os.environ.get('OMP_NUM_THREADS', 'unset')}; mean +- sd over seeds")
+    summary = report(runs, args)
+    total = {"wall_s": time.perf_counter() - started, "cpu_s": sum(os.times()[:4]) - cpu0}  # with the finished children
+    print(f"  whole benchmark: {total['wall_s']:.0f} s wall, {total['cpu_s']:.0f} CPU s")
+    if args.out:
+        Path(args.out).write_text(json.dumps({"args": vars(args), "runs": runs, "summary": summary, "total": total}, indent=1))
+        print(f"  wrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()

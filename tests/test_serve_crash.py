@@ -278,8 +278,12 @@ def wait_training(api: str, work: Path, log: Path, run_id: str, serve: subproces
     the run creates it can race its migration ("table _alembic_tmp_metrics already exists")."""
     wait_for("a data_prep stage", lambda: "Task run 'data_prep" in log.read_text(errors="replace"), 400, procs=[serve],
              interval=2, progress=tree_progress(work, log))
-    wait_for(f"run {run_id}'s train stage", lambda: training(work, run_id), 400, procs=[serve], interval=2,
-             progress=tree_progress(work, log))
+    def trains() -> bool:
+        if (state := state_of(flow_run(api, run_id))) in TERMINAL:  # not waited for on the other run's progress
+            raise AssertionError(f"run {run_id} ended {state} before its train stage: {log.read_text()[-3000:]}")
+        return training(work, run_id)
+
+    wait_for(f"run {run_id}'s train stage", trains, 400, procs=[serve], interval=2, progress=tree_progress(work, log))
     return tree(run_process(serve, run_id))
 
 
@@ -323,6 +327,9 @@ def test_the_oom_killer_and_a_sigkill_of_serve_each_give_one_crashed_on_cron_and
         dep = deployment(api, serve)
         pause(api, dep)  # no cron run before the test asks for one
         used: set[str] = set()
+        # serve creates the MLflow store before any run: two runs starting at once on a fresh SQLite
+        # store raced its migration ("table evaluation_datasets already exists" failed one)
+        wait_for("serve to create the MLflow store", lambda: (work / "mlflow.db").is_file(), 180, procs=[serve])
 
         # The OOM killer's choice, SIGKILLed (serve lives on and reports it): in a cron run, then
         # in an API-started one, both in flight.

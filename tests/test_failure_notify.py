@@ -33,9 +33,13 @@ from timing import scaled
 from rlcore.lifecycle.automations import LIVENESS_PREFIX, automation_names
 
 ROOT = Path(__file__).resolve().parents[1]
-# Long enough to be running when it is killed; small batches so each step is quick.
-LONG = ["trainer.total_steps=1000", "data.train_batch_size=8", "actor.ppo_mini_batch_size=4", "rollout.n=4",
-        "data.val_batch_size=128", "trainer.val_every=1000"]
+# A run that cannot end on its own within a test, whatever the machine's speed, so that it is still in
+# flight when killed: a million steps, no health guard to stop it early, no validation or checkpoint
+# on the way, and never a checkpoint resumed (its train folder is its own flow run's: always new).
+# Small batches, so that each step is quick.
+ENDLESS = ["trainer.total_steps=1000000", "trainer.val_every=1000000", "trainer.save_every=1000000",
+           "trainer.val_before_train=false", "trainer.resume=disable", "health.enabled=false",
+           "data.train_batch_size=8", "actor.ppo_mini_batch_size=4", "rollout.n=4", "data.val_batch_size=128"]
 QUICK = ["trainer.total_steps=2", "data.train_batch_size=8", "actor.ppo_mini_batch_size=4", "rollout.n=4",
          "data.val_batch_size=128"]
 HEARTBEAT = ["--heartbeat", "5", "--unresponsive-after", "20"]
@@ -88,7 +92,7 @@ def start_serve(api: str, env: dict[str, str], work: Path, log: Path, webhook: s
     env.pop("MLFLOW_TRACKING_URI", None)
     work.mkdir(exist_ok=True)
     return subprocess.Popen([sys.executable, "-m", "rlcore.cli", "pipeline", "serve", "--cron", "", *HEARTBEAT, *extra,
-                             *LONG, f"registry.webhook_url={webhook}"],
+                             *ENDLESS, f"registry.webhook_url={webhook}"],
                             cwd=work, env=env, stdout=open(log, "w"), stderr=subprocess.STDOUT, start_new_session=True)
 
 

@@ -126,11 +126,13 @@ def serve_pipeline(flow: Flow[..., Any], parameters: dict[str, Any], cron: str |
                    webhook_url: str | None = None, unresponsive_after_s: float = DEFAULT_UNRESPONSIVE_AFTER_S,
                    heartbeat_s: float = DEFAULT_HEARTBEAT_S, config: Config | None = None,
                    concurrency_limit: int | None = None) -> None:
-    """Create the deployment, its liveness and crash notifications, end the MLflow runs that runs
-    which died with an earlier serving process left open (`config`'s store), then run its flow runs
-    here (each in a process of its own, sending heartbeats) until SIGINT or SIGTERM; with
-    `watch_dir`, every new data file there is announced as an `rlcore.data.arrived` event."""
+    """Create the deployment, its liveness and crash notifications and `config`'s MLflow store (its
+    runs may start together), end the MLflow runs that runs which died with an earlier serving
+    process left open, then run its flow runs here (each in a process of its own, sending
+    heartbeats) until SIGINT or SIGTERM; with `watch_dir`, every new data file there is announced
+    as an `rlcore.data.arrived` event."""
     from rlcore.lifecycle.events import DirectoryWatcher
+    from rlcore.lifecycle.pipeline_run import prepare_store
     from rlcore.lifecycle.run_end import end_runs_of_finished_flow_runs
 
     with sealed(parameters) as stored:  # the deployment's parameters, secrets redacted; their values stay here
@@ -140,6 +142,7 @@ def serve_pipeline(flow: Flow[..., Any], parameters: dict[str, Any], cron: str |
         deployment_id = cast(UUID, runner.add_deployment(deployment))  # sync here: a UUID
         setup_liveness(deployment_id, flow.name, deployment.name, webhook_url, unresponsive_after_s, heartbeat_s)
         if config is not None:
+            prepare_store(config)  # before any run: two runs creating a fresh SQLite store at once race its migration
             ended = end_runs_of_finished_flow_runs(config)
             if ended:
                 log.warning("rlcore: ended %d MLflow run(s) of pipeline runs that died with their process", len(ended))

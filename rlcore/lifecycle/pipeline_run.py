@@ -61,6 +61,14 @@ def open_store(config: Config, workdir: str | Path) -> MlflowStore:
     return MlflowStore(uri, experiment=config.tracking.experiment)
 
 
+def prepare_store(config: Config) -> str:
+    """Create the config's MLflow store and experiment before the runs that write it start (what
+    `pipeline serve` does first): two runs creating a fresh SQLite store at once race its schema
+    migration (one fails "table ... already exists") and the experiment's creation. Returns the
+    store's tracking URI."""
+    return open_store(config, ".").tracking_uri
+
+
 # ---------------------------------------------------------------------- Prefect <-> MLflow
 def prefect_flow_run() -> dict[str, str]:
     """The Prefect flow run this code runs in (`id`, `name`, and `url` when a Prefect UI is
@@ -205,6 +213,6 @@ def end_open_runs(config: Config, tags: dict[str, str], status: str, reason: str
 __all__ = [
     "MLFLOW_TRAINING_VIEW", "MLFLOW_UI_DEFAULT", "PIPELINE_TAG", "PREFECT_UI_DEFAULT", "STAGE_TAG", "announce", "end_open_runs",
     "finish_pipeline", "load_pipeline_config", "mlflow_run_url", "mlflow_ui_base", "model_version_url", "new_run_name",
-    "notification_fields", "open_runs", "open_store", "prefect_flow_run", "prefect_flow_run_url", "prefect_ui_hint", "stage_tags",
+    "notification_fields", "open_runs", "open_store", "prefect_flow_run", "prefect_flow_run_url", "prefect_ui_hint", "prepare_store", "stage_tags",
     "start_pipeline", "tracking_uri",
 ]

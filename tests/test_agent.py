@@ -117,7 +117,9 @@ def _taught_caller(arch: str, tmp_path_factory) -> tuple[Path, object, torch.nn.
     return _CALLERS[arch]
 
 
-@pytest.fixture(scope="module", params=["llama", "qwen2"])
+# `./dev fast` teaches and rolls out the Llama caller only (each costs a model taught to call tools and a
+# rollout); the Qwen2 one (grouped-query attention) runs in the full suite.
+@pytest.fixture(scope="module", params=["llama", pytest.param("qwen2", marks=pytest.mark.slow)])
 def caller(request, tmp_path_factory):
     """The calling model on a Llama and on a Qwen2 with grouped-query attention."""
     return _taught_caller(request.param, tmp_path_factory)

@@ -29,7 +29,9 @@ Tests that must watch a server or a cluster of their own start, die or listen (t
 start their own and say why. Every test that starts Ray, vLLM, a Prefect
 server or flow, the pipeline or several torch.distributed processes carries the matching marker
 (`ray`, `vllm`, `prefect`, `pipeline`, `distributed`) beside `slow`; tests that use the fixtures
-above get the marker automatically (`pytest_collection_modifyitems`).
+above get the marker automatically (`pytest_collection_modifyitems`). `./dev fast` (`-m "not slow"`) does not even
+import a file whose module-level `pytestmark` names `slow` or an area marker (`pytest_ignore_collect`):
+each xdist worker would otherwise pay its imports (vLLM, Ray, Prefect, MLflow) for nothing.
 
 `./dev test` runs the suite on two pytest-xdist workers, each file's tests on one worker, files
 handed out in the order above (`--dist loadfile --no-loadscope-reorder`; xdist's own reorder,

@@ -111,7 +111,9 @@ def test_the_bound_setting_is_checked(files, monkeypatch):
                                                       # the 15 s bound again: [loops] above and [sft-...-exit0] are fast
                                                       pytest.param("sft", "data.tools[0]", "loops", marks=pytest.mark.slow),
                                                       ("train", "reward.function", "exit0"),
-                                                      ("train", "rollout.agent.tools[0]", "os_exit")])
+                                                      # fast: [os_exit] above and [train-reward.function-exit0]
+                                                      pytest.param("train", "rollout.agent.tools[0]", "os_exit",
+                                                                   marks=pytest.mark.slow)])
 def test_the_command_refuses_it_in_one_line(tiny_example, files, capsys, command, key, name):
     spec = f"{files / name}.py:{'compute_score' if key == 'reward.function' else 'add'}"
     out = files / "run"

@@ -29,7 +29,9 @@ Tests that must watch a server or a cluster of their own start, die or listen (t
 start their own and say why. Every test that starts Ray, vLLM, a Prefect
 server or flow, the pipeline or several torch.distributed processes carries the matching marker
 (`ray`, `vllm`, `prefect`, `pipeline`, `distributed`) beside `slow`; tests that use the fixtures
-above get the marker automatically (`pytest_collection_modifyitems`).
+above get the marker automatically (`pytest_collection_modifyitems`). `./dev fast` (`-m "not slow"`) does not even
+import a file whose module-level `pytestmark` names `slow` or an area marker (`pytest_ignore_collect`):
+each xdist worker would otherwise pay its imports (vLLM, Ray, Prefect, MLflow) for nothing.
 
 `./dev test` runs the suite on two pytest-xdist workers, each file's tests on one worker, files
 handed out in the order above (`--dist loadfile --no-loadscope-reorder`; xdist's own reorder,
@@ -484,6 +486,35 @@ def ray_driver(ray_local: str) -> Iterator[str]:
 _FIXTURE_MARKERS = {"shared_prefect_server": "prefect", "prefect_api": "prefect", "ray_local": "ray", "ray_driver": "ray",
                     "ray_cluster": "ray"}
 _AREA_MARKERS = ("ray", "prefect", "vllm", "pipeline", "distributed")
+
+
+def _module_markers(path: Path) -> set[str]:
+    """The marker names of a test file's module-level `pytestmark` (`pytest.mark.NAME`, alone or in
+    a list), read from its source without importing it."""
+    import ast
+
+    try:
+        tree = ast.parse(path.read_bytes(), str(path))
+    except (OSError, SyntaxError, ValueError):
+        return set()  # let pytest import it and report what is wrong
+    names: set[str] = set()
+    for node in tree.body:
+        if isinstance(node, ast.Assign) and any(isinstance(t, ast.Name) and t.id == "pytestmark" for t in node.targets):
+            for mark in ast.walk(node.value):
+                if isinstance(mark, ast.Attribute) and isinstance(mark.value, ast.Attribute) and mark.value.attr == "mark":
+                    names.add(mark.attr)
+    return names
+
+
+def pytest_ignore_collect(collection_path: Path, config: pytest.Config) -> bool | None:
+    """Under `-m "not slow"` (`./dev fast`), a test file whose every test is `slow` (its module-level
+    `pytestmark` names `slow` or an area marker, which implies it) is not even imported: its imports
+    (vLLM, Ray, Prefect, MLflow) would cost each xdist worker seconds for tests it then deselects."""
+    if config.option.markexpr.strip() != "not slow" or collection_path.suffix != ".py":
+        return None
+    if not collection_path.name.startswith("test_"):
+        return None
+    return True if _module_markers(collection_path) & {"slow", *_AREA_MARKERS} else None
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:

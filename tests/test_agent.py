@@ -117,7 +117,9 @@ def _taught_caller(arch: str, tmp_path_factory) -> tuple[Path, object, torch.nn.
     return _CALLERS[arch]
 
 
-@pytest.fixture(scope="module", params=["llama", "qwen2"])
+# `./dev fast` teaches and rolls out the Llama caller only (each costs a model taught to call tools and a
+# rollout); the Qwen2 one (grouped-query attention) runs in the full suite.
+@pytest.fixture(scope="module", params=["llama", pytest.param("qwen2", marks=pytest.mark.slow)])
 def caller(request, tmp_path_factory):
     """The calling model on a Llama and on a Qwen2 with grouped-query attention."""
     return _taught_caller(request.param, tmp_path_factory)
@@ -296,6 +298,7 @@ def test_tool_pool_turns_every_failure_into_an_error_the_model_reads(tmp_path):
     assert again == [] and [o.text for o in after] == ["fine"]
 
 
+@pytest.mark.slow  # five child interpreters (~1 CPU s each); fast: test_user_code.py's hostile tool files
 def test_tool_specs_and_schemas(tmp_path):
     (tmp_path / "tools.py").write_text(TOOLS_FILE + "\ndef bare(x):\n    return x\n")
     tools = load_tools([CALC, f"{tmp_path}/tools.py:slow_calc"])
@@ -326,6 +329,7 @@ def calculator(expression: str) -> str:
 '''
 
 
+@pytest.mark.slow  # an agent rollout waiting out a hang; a hang in the pool, fast: test_tool_pool_turns_every_failure_...
 def test_a_hanging_tool_holds_back_only_its_own_sample(llama_caller, tmp_path):
     folder, tokenizer, _ = llama_caller
     (tmp_path / "hangs_once.py").write_text(HANGS_ONCE)

@@ -202,7 +202,8 @@ class AnswerReward:
         return Batch(tensors={"scores": scores, "acc": scores.clone()}, meta={"response_text": np.array(answers, dtype=object)}), {}
 
 
-@pytest.mark.parametrize("conversations", [5, 2])
+# [2] (fewer recorded conversations than validation samples) is the fast case; [5] runs in the full suite
+@pytest.mark.parametrize("conversations", [pytest.param(5, marks=pytest.mark.slow), 2])
 def test_validation_is_recorded_and_every_val_agent_number_recomputes_from_it(tmp_path, capsys, conversations):
     """RLValidator through the real agent loop and tool pool (model and reward stood in), its
     samples written by StepLog as val_trace.jsonl's record: every `val/agent/*` number the

@@ -129,6 +129,7 @@ def prepared(tmp_path_factory) -> tuple[Path, dict]:
     return folder, json.loads(proc.stdout)
 
 
+@pytest.mark.slow  # `prepare` and `check` as processes over the whole wheel cache; fast: the install and probe tests above
 def test_prepared_folder_is_complete_for_the_gpu_machine(prepared):
     folder, report = prepared
     assert report["ok"] and report["problems"] == []
@@ -145,6 +146,7 @@ def test_prepared_folder_is_complete_for_the_gpu_machine(prepared):
     assert manifest["target_python"] == "3.12" and len(manifest["wheels"]) == len(names)
 
 
+@pytest.mark.slow  # see test_prepared_folder_is_complete_for_the_gpu_machine
 def test_check_names_a_missing_wheel_and_what_needed_it(prepared, tmp_path):
     folder, _ = prepared
     broken = tmp_path / ".gpu_carry"

@@ -199,6 +199,7 @@ def test_the_older_spelling_of_rollout_sleep_is_read_with_a_note(caplog):
             load_config(None, [*base, "rollout.free_memory_when_idle=" + ("true" if extra else "sometimes"), *extra])
 
 
+@pytest.mark.slow  # imports vLLM (seconds) for one table row; fast: test_rollout_backend_traits.py imports it once
 def test_vllm_sleeps_at_level_2_only_when_every_sync_sends_every_weight():
     """The sleep level the vLLM backend asks its engine for (its `engine_kwargs`, what the rollout worker passes)."""
     engine = pytest.importorskip("rlcore.rollout.vllm", reason="vllm is not installed").VLLMRolloutEngine

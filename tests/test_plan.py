@@ -171,6 +171,7 @@ def test_rollout_picks_the_smallest_tensor_parallel_size_whose_weights_and_kv_ca
     assert plans[1].weights < weights_tp1 and plans[1].concurrent >= 1
 
 
+@pytest.mark.slow  # simulates 3 layers of the 70B actor at FSDP 4 x TP 4; fast: test_layers_that_differ_are_simulated_at_full_depth
 def test_under_tensor_parallelism_the_gradient_shard_is_one_per_device_and_the_transient_is_apart():
     """The 70B actor (rlcore/configs/plan_llama3_70b_grpo.yaml, 3 of its layers) at FSDP 4 x TP 4: its
     peak falls in the backward, while FSDP reduces the root's (embedding and head) gradients. The

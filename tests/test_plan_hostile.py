@@ -7,7 +7,7 @@ The cases are generated from a fixed seed, a few hundred per entry point, and ru
 through `rlcore.cli.main`: every refusal comes before any model is built (before torch loads, for
 the hardware arguments), so a case takes milliseconds once torch is imported. Two real `rlcore
 plan` processes check the same from the outside, in the usage the README shows (the overrides
-after the options).
+after the options; `slow`: the full suite runs them).
 """
 
 from __future__ import annotations
@@ -375,6 +375,10 @@ def _rlcore(*args: str) -> subprocess.CompletedProcess[str]:
                           timeout=scaled(300))
 
 
+# Two real processes; the same refusals in process: test_hostile_plan_arguments_are_refused_naming_the_argument
+# (the 401-digit --device-memory) and test_hostile_model_config_json_is_refused_naming_the_file_and_key (a billion
+# layers).
+@pytest.mark.slow
 def test_rlcore_plan_refuses_in_one_line_as_a_process(run):
     """The README's usage (overrides after the options) with a 401-digit memory size, and with a
     config.json of a billion layers (the planner used to build them, and never returned)."""

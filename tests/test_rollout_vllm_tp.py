@@ -24,6 +24,10 @@ from rlcore.rollout import SamplingParams  # noqa: E402
 from rlcore.rollout import vllm as vllm_backend  # noqa: E402
 from rlcore.workers.rollout import RolloutWorker  # noqa: E402
 
+# The whole file is `slow`: its module imports vLLM (seconds per xdist worker), which `./dev fast`
+# then does not import at all (tests/conftest.py, pytest_ignore_collect).
+pytestmark = pytest.mark.slow
+
 EXAMPLE_TOKENIZER = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "generation_config.json")
 
 

@@ -383,6 +383,7 @@ def test_webhook_posts_with_its_credentials_and_logs_none_of_them(receiver, capl
 
 
 # ---------------------------------------------------------------------- a pipeline's params
+@pytest.mark.slow  # an MLflow store and a pipeline's start (~3 CPU s); fast: test_every_prefect_task_and_flow_redacts_its_errors
 def test_pipeline_params_carry_no_secret(receiver, tmp_path, env_secrets):
     from mlflow.tracking import MlflowClient
 

@@ -37,6 +37,7 @@ def test_wait_for_keeps_waiting_while_there_is_progress_and_not_without(monkeypa
         wait_for("a stuck stage", lambda: False, 0.2, interval=0.02, progress=lambda: 0)
 
 
+@pytest.mark.slow  # a pytest process of its own; the factor itself: the tests above
 def test_pytest_timeouts_per_test_limit_scales_with_the_factor(tmp_path):
     """A test marked timeout(200) that sleeps 5 s fails at 200 x 0.005 = 1 s."""
     (tmp_path / "test_sleepy.py").write_text(

@@ -192,6 +192,7 @@ def test_rlcore_trace_on_hostile_files_and_arguments_exits_2_with_one_line(tmp_p
     assert slowest < 60, f"a case took {slowest:.1f} s"  # never hangs: each is milliseconds here
 
 
+@pytest.mark.slow  # a real process; the same refusals in process: test_rlcore_trace_on_hostile_files_and_arguments_exits_2_with_one_line
 def test_the_console_shows_one_line_and_no_traceback(tmp_path):
     """The one real process: what a user's terminal gets for a file that is nothing but bad lines."""
     (tmp_path / "trace.jsonl").write_bytes(b"\xff\xfe\x00garbage\n" + nested(50_000).encode() + b"\n" + b'{"step": "x"}\n')

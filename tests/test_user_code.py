@@ -55,7 +55,14 @@ def files(tmp_path, monkeypatch) -> Path:
     return tmp_path
 
 
-@pytest.mark.parametrize("name", sorted(HOSTILE))
+# Each case is a child interpreter (~2 CPU s): `./dev fast` keeps one per way a file can end its
+# import (exit0: sys.exit, loops: the bound, os_exit and segfault: the interpreter ends, raises: an
+# exception); exit_text and keyboard take the same paths as exit0 and raises and run in the full suite.
+_SAME_PATH_AS_A_FAST_CASE = {"exit_text", "keyboard"}
+
+
+@pytest.mark.parametrize("name", [pytest.param(n, marks=pytest.mark.slow) if n in _SAME_PATH_AS_A_FAST_CASE else n
+                                  for n in sorted(HOSTILE)])
 def test_a_hostile_file_is_one_error_naming_it(files, name):
     spec = f"{files / name}.py:add"
     with pytest.raises(ToolSpecError) as err:
@@ -77,6 +84,7 @@ def test_a_tool_file_is_imported_by_the_child_only_and_once_per_process(files):
     assert (files / "imported").read_text() == "xx"
 
 
+@pytest.mark.slow  # waits out the 15 s bound once more (test_a_hostile_file_is_one_error_naming_it[loops] is the fast check)
 def test_the_bound_counts_per_file(files):
     """A slow import before a hung one does not eat the hung one's time; the good one's result stays."""
     (files / "slow.py").write_text("import time\ntime.sleep(2)\n" + TOOL)
@@ -99,9 +107,13 @@ def test_the_bound_setting_is_checked(files, monkeypatch):
         load_tools([f"{files / 'raises.py'}:add"])
 
 
-@pytest.mark.parametrize(("command", "key", "name"), [("sft", "data.tools[0]", "exit0"), ("sft", "data.tools[0]", "loops"),
+@pytest.mark.parametrize(("command", "key", "name"), [("sft", "data.tools[0]", "exit0"),
+                                                      # the 15 s bound again: [loops] above and [sft-...-exit0] are fast
+                                                      pytest.param("sft", "data.tools[0]", "loops", marks=pytest.mark.slow),
                                                       ("train", "reward.function", "exit0"),
-                                                      ("train", "rollout.agent.tools[0]", "os_exit")])
+                                                      # fast: [os_exit] above and [train-reward.function-exit0]
+                                                      pytest.param("train", "rollout.agent.tools[0]", "os_exit",
+                                                                   marks=pytest.mark.slow)])
 def test_the_command_refuses_it_in_one_line(tiny_example, files, capsys, command, key, name):
     spec = f"{files / name}.py:{'compute_score' if key == 'reward.function' else 'add'}"
     out = files / "run"
@@ -119,6 +131,7 @@ def test_the_command_refuses_it_in_one_line(tiny_example, files, capsys, command
     assert "Traceback" not in err and not (out / "checkpoints").exists()
 
 
+@pytest.mark.slow  # a real process; in process: test_the_command_refuses_it_in_one_line[sft-data.tools[0]-exit0]
 def test_rlcore_sft_with_a_tool_file_that_exits_exits_2(tiny_example, files):
     """The issue's case, as a user runs it: before, exit status 0 with nothing trained."""
     spec = f"{files / 'exit0.py'}:add"

@@ -138,9 +138,14 @@ class Heartbeat:
         self._thread.start()
         return self
 
-    def __exit__(self, *exc: object) -> None:
+    def stop(self) -> None:
+        """No heartbeat after this returns (one in flight is waited for); idempotent."""
         self._stop.set()
-        self._thread.join()
+        if self._thread.is_alive():
+            self._thread.join()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
         from prefect.client.orchestration import get_client
 
         try:  # closes the liveness countdown now, whenever the run's state events are evaluated
@@ -156,17 +161,21 @@ class ServeWatch:
     itself, from that thread, and exits: Prefect's runner, which would have reported the run, died
     with the parent (and had turned off crash handling in this process). In order: its output goes
     to `orphaned-run-<flow run id>.log` in the working folder (it was a pipe to the dead process:
-    the next write would kill the run with a BrokenPipeError), the run is set Crashed with the
+    the next write would kill the run with a BrokenPipeError), the run's `heartbeat` stops (a beat
+    sent after `rlcore.pipeline.ended` would restart the liveness countdown, and the automation would
+    then fail on a run already Crashed), the run is set Crashed with the
     reason, `rlcore.pipeline.ended` closes its liveness countdown, `run_end` ends its MLflow runs
     KILLED and notifies `crashed` once, then its child processes are killed and it exits. Done
     from the thread, not by a signal to the main thread, so a run blocked in native code ends as
     promptly. Also ignores SIGINT while open (see the module's doc)."""
 
-    def __init__(self, serve_pid: int, flow_run_id: str, deployment_id: str, interval_s: float = 0.5) -> None:
+    def __init__(self, serve_pid: int, flow_run_id: str, deployment_id: str, interval_s: float = 0.5,
+                 heartbeat: Heartbeat | None = None) -> None:
         self.serve_pid = serve_pid
         self.flow_run_id = flow_run_id
         self.deployment_id = deployment_id
         self.interval_s = interval_s
+        self.heartbeat = heartbeat  # stopped before the run's end is reported
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="rlcore-serve-watch", daemon=True)
         self._sigint: object = None
@@ -199,6 +208,8 @@ class ServeWatch:
 
         from rlcore.lifecycle import run_end
 
+        if self.heartbeat is not None:
+            self.heartbeat.stop()
         message = (f"rlcore: the serving process (pid {self.serve_pid}) died; the run's process (pid {os.getpid()}) "
                    "ended itself")
         log.error("%s", message)
@@ -245,10 +256,11 @@ def served_heartbeat() -> contextlib.AbstractContextManager[object]:
     stack = contextlib.ExitStack()
     if not flow_run.id or not deployment.id:
         return stack
+    heartbeat = Heartbeat(str(flow_run.id), str(deployment.id), interval) if interval is not None else None
     if serve_pid:
-        stack.enter_context(ServeWatch(int(serve_pid), str(flow_run.id), str(deployment.id)))
-    if interval is not None:
-        stack.enter_context(Heartbeat(str(flow_run.id), str(deployment.id), interval))
+        stack.enter_context(ServeWatch(int(serve_pid), str(flow_run.id), str(deployment.id), heartbeat=heartbeat))
+    if heartbeat is not None:
+        stack.enter_context(heartbeat)
     return stack
 
 

@@ -69,8 +69,10 @@ from rlcore.rollout.base import SamplingParams
 from rlcore.rollout.hf import HFRolloutEngine
 
 LENGTHS_ENV = "RLCORE_BENCH_LONG_TAIL"  # "low,median,p99,high": how the engine draws lengths (set by the parent)
+FILLER_ENV = "RLCORE_BENCH_FILLER"  # "generated" (the default) or "trained": what becomes of a row's tokens after its end token
+FILLER = ("generated", "trained")
 COLUMNS = ("steps_to_target", "wall_s_to_target", "cpu_s_to_target", "samples_per_wall_s", "samples_per_cpu_s",
-           "trainer_idle_frac", "response_length_mean", "final_acc")
+           "trainer_idle_frac", "generated_length_mean", "trained_length_mean", "final_acc")
 
 
 def length_spec(max_len: int) -> tuple[int, float, float, int]:
@@ -88,13 +90,20 @@ def draw_lengths(rows: int, seed: int, spec: tuple[int, float, float, int]) -> t
 
 class LongTailEngine(HFRolloutEngine):
     """rlcore's hf engine, each sampled row decoded to a drawn length (`draw_lengths`, the spec in
-    $RLCORE_BENCH_LONG_TAIL) rather than stopping at its end token; greedy calls (validation) as is."""
+    $RLCORE_BENCH_LONG_TAIL) rather than stopping at its end token; greedy calls (validation) as is.
+    With $RLCORE_BENCH_FILLER=generated (the default) a row's response mask ends at its first end
+    token, as a real response does: the tokens after it cost their decode steps but are not trained;
+    `trained` trains them too. `generated` counts the sampled rows and tokens of this process."""
+
+    generated = [0, 0]  # sampled rows, tokens decoded for them (this process, every engine)
+    _count = threading.Lock()
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         self._forced = threading.local()  # a forced decode ignores end tokens on its own thread only
         super().__init__(*args, **kwargs)
         raw = os.environ.get(LENGTHS_ENV)
         self.spec = None if not raw else tuple(float(x) for x in raw.split(","))
+        self.train_filler = os.environ.get(FILLER_ENV, "generated") == "trained"
 
     @property  # type: ignore[override]
     def _eos(self) -> torch.Tensor:
@@ -114,9 +123,24 @@ class LongTailEngine(HFRolloutEngine):
         lengths = draw_lengths(rows, params.seed or 0, (int(low), median, p99, int(min(high, params.max_new_tokens))))
         self._forced.eos = self._eos_all[:0]
         try:
-            return super()._decode(prompt_ids, prompt_mask, params, limits=lengths.to(self.device), keys=keys, switch=switch)
+            tokens, mask, log_probs, versions = super()._decode(prompt_ids, prompt_mask, params, limits=lengths.to(self.device),
+                                                                keys=keys, switch=switch)
         finally:
             self._forced.eos = None
+        with self._count:
+            self.generated[0] += rows
+            self.generated[1] += int(mask.sum())
+        if not self.train_filler:
+            mask = mask * up_to_first(tokens, mask, self._eos_all)
+        return tokens, mask, log_probs, versions
+
+
+def up_to_first(tokens: torch.Tensor, mask: torch.Tensor, ends: torch.Tensor) -> torch.Tensor:
+    """[N, R] 1 up to and including each row's first end token among its real tokens, 0 after it."""
+    is_end = torch.isin(tokens, ends) & (mask > 0)
+    position = torch.arange(tokens.shape[1], device=tokens.device)
+    first = torch.where(is_end.any(-1), is_end.long().argmax(-1), tokens.shape[1])
+    return (position.unsqueeze(0) <= first.unsqueeze(-1)).to(mask.dtype)
 
 
 def run_one(mode: str, seed: int, args: argparse.Namespace) -> dict[str, Any]:
@@ -153,6 +177,8 @@ def run_one(mode: str, seed: int, args: argparse.Namespace) -> dict[str, Any]:
                 raise TrainingStopped(f"val/acc {metrics['val/acc']:.3f} >= {args.target}")
 
         trainer = make_trainer(cfg, step_hooks=[record])
+        engine = engine_class()
+        engine.generated[:] = [0, 0]
         t0, c0 = time.perf_counter(), tree_cpu_s()
         try:
             trainer.fit()
@@ -160,7 +186,16 @@ def run_one(mode: str, seed: int, args: argparse.Namespace) -> dict[str, Any]:
             pass
     finally:
         shutil.rmtree(out, ignore_errors=True)
-    return summarize_run(steps, args.prompts * args.n, args.target)
+    rows, tokens = engine.generated
+    return {**summarize_run(steps, args.prompts * args.n, args.target), "generated_length_mean": tokens / max(rows, 1)}
+
+
+def engine_class() -> type[LongTailEngine]:
+    """The engine class as `rollout.backend` imports it: under the module's own name, which run as a
+    script (`__main__`) is another copy with its own counts."""
+    from bench_async_learning import LongTailEngine as imported
+
+    return imported
 
 
 def reached(metrics: dict[str, Any], target: float) -> bool:
@@ -187,7 +222,7 @@ def summarize_run(steps: list[dict[str, Any]], samples_per_step: int, target: fl
         "samples_per_wall_s": samples_per_step * len(steady) / max(span_wall, 1e-9),
         "samples_per_cpu_s": samples_per_step * len(steady) / max(span_cpu, 1e-9),
         "trainer_idle_frac": statistics.mean(idle),
-        "response_length_mean": statistics.mean(s["response_length/mean"] for s in steps),
+        "trained_length_mean": statistics.mean(s["response_length/mean"] for s in steps),
         "final_acc": accs[-1] if accs else None,
         "steps_run": len(steps), "acc_curve": [(s["step"], s["val/acc"]) for s in steps if "val/acc" in s],
         "dropped_groups": sum(s.get("async/dropped_groups", 0.0) for s in steps),
@@ -246,9 +281,13 @@ def main() -> None:
     parser.add_argument("--max-len", type=int, default=1024, help="longest response (tokens); the lengths scale with it")
     parser.add_argument("--prompts", type=int, default=32)
     parser.add_argument("--n", type=int, default=8)
-    parser.add_argument("--lr", type=float, default=1e-4, help="actor learning rate (the tiny recipe's is 2e-5: the "
-                        "trained filler tokens dilute the answer's share of the token-mean loss; at 2e-5 greedy accuracy "
-                        "moved 33% -> 38% in 10 steps at --max-len 256)")
+    parser.add_argument("--lr", type=float, default=1e-4, help="actor learning rate (5x the tiny recipe's 2e-5: "
+                        "each update moves the policy further, a harder test of staleness; with --filler trained the filler "
+                        "dilutes the answer's share of the token-mean loss: at 2e-5 greedy accuracy moved 33% -> 38% in 10 "
+                        "steps at --max-len 256)")
+    parser.add_argument("--filler", choices=FILLER, default="generated", help="the tokens a row decodes past its end "
+                        "token: generated (decoded, not trained: a real response ends at its end token) or trained "
+                        "(the update's tokens long-tailed too; nothing anchors them, see the module doc)")
     parser.add_argument("--target", type=float, default=0.9)
     parser.add_argument("--val-every", type=int, default=2)
     parser.add_argument("--max-steps", type=int, default=30)
@@ -272,7 +311,7 @@ def main() -> None:
 
     build_tiny_example()  # build (or reuse) once, before the children race for it
     modes = args.modes.split(",")
-    env = {**os.environ, LENGTHS_ENV: ",".join(str(x) for x in length_spec(args.max_len))}
+    env = {**os.environ, LENGTHS_ENV: ",".join(str(x) for x in length_spec(args.max_len)), FILLER_ENV: args.filler}
     runs: dict[str, list[dict[str, Any]]] = {m: [] for m in modes}
     started, cpu0 = time.perf_counter(), sum(os.times()[:4])
     for seed in range(args.seeds):
@@ -290,7 +329,8 @@ def main() -> None:
                   f"{r['trainer_idle_frac']:.2f}; acc {r['acc_curve']}", flush=True)
     low, median, p99, high = length_spec(args.max_len)
     print(f"GRPO on the tiny task, long-tailed responses (lognormal median {median:g}, p99 {p99:g}, in [{low}, {high}] tokens), "
-          f"{args.prompts} prompts x {args.n} samples, model {args.model}, device {args.device}, async weight sync "
+          f"the tokens past a row's end token {args.filler}; {args.prompts} prompts x {args.n} samples, model {args.model}, "
+          f"device {args.device}, async weight sync "
           f"{args.weight_sync}; target greedy val/acc {args.target} (validated every {args.val_every} steps, at most "
           f"{args.max_steps} steps); {args.seeds} seeds, one process per run, interleaved; cores here: {os.cpu_count()}, "
           f"OMP_NUM_THREADS={os.environ.get('OMP_NUM_THREADS', 'unset')}; mean +- sd over seeds")

@@ -44,6 +44,7 @@ def prompts() -> Batch:
 def test_sampled_rows_run_to_their_drawn_lengths_past_the_end_token(bench, monkeypatch):
     spec = bench.length_spec(64)  # median 4, p99 64, in [4, 64]
     monkeypatch.setenv(bench.LENGTHS_ENV, ",".join(str(x) for x in spec))
+    monkeypatch.setenv(bench.FILLER_ENV, "trained")
     m = model()
     params = SamplingParams(n=8, temperature=1.0, max_new_tokens=64, seed=11)
     out = bench.LongTailEngine(m, pad_token_id=PAD, eos_token_ids=[EOS]).generate(prompts(), params)
@@ -51,7 +52,17 @@ def test_sampled_rows_run_to_their_drawn_lengths_past_the_end_token(bench, monke
     assert out.tensors["response_mask"].sum(-1).long().tolist() == want
     assert len(set(want)) > 4 and max(want) > 4 * min(want)  # long-tailed, not one length
     # rows went on past an end token they sampled, where rlcore's own engine stops every row
-    assert any(EOS in row[: k - 1] for row, k in zip(out.tensors["responses"].tolist(), want))
+    rows = out.tensors["responses"].tolist()
+    assert any(EOS in row[: k - 1] for row, k in zip(rows, want))
+    # by default the same rows are decoded, and each is trained up to its first end token only
+    monkeypatch.setenv(bench.FILLER_ENV, "generated")
+    bench.LongTailEngine.generated[:] = [0, 0]
+    default = bench.LongTailEngine(m, pad_token_id=PAD, eos_token_ids=[EOS]).generate(prompts(), params)
+    assert default.tensors["responses"].tolist() == rows
+    assert bench.LongTailEngine.generated == [16, sum(want)]
+    trained = default.tensors["response_mask"].sum(-1).long().tolist()
+    assert trained == [row[:k].index(EOS) + 1 if EOS in row[:k] else k for row, k in zip(rows, want)]
+    assert sum(trained) < sum(want)
     plain = HFRolloutEngine(m, pad_token_id=PAD, eos_token_ids=[EOS]).generate(prompts(), params)
     plain_lengths = plain.tensors["response_mask"].sum(-1).long().tolist()
     assert not any(EOS in row[: k - 1] for row, k in zip(plain.tensors["responses"].tolist(), plain_lengths))
@@ -78,11 +89,12 @@ def test_quick_run_writes_every_column_for_each_mode(tmp_path):
     for mode, runs in result["runs"].items():
         (run,) = runs
         for column in ("steps_to_target", "wall_s_to_target", "cpu_s_to_target", "samples_per_wall_s",
-                       "samples_per_cpu_s", "trainer_idle_frac", "response_length_mean", "final_acc"):
+                       "samples_per_cpu_s", "trainer_idle_frac", "generated_length_mean", "trained_length_mean", "final_acc"):
             assert column in run, (mode, column)
         assert run["samples_per_wall_s"] > 0 and run["samples_per_cpu_s"] > 0
         assert 0.0 <= run["trainer_idle_frac"] <= 1.0
-        assert run["response_length_mean"] >= 4  # the forced floor
+        assert run["generated_length_mean"] >= 4  # the forced floor
+        assert run["trained_length_mean"] < run["generated_length_mean"]  # the filler past the end token is not trained
         assert [step for step, _ in run["acc_curve"]] == [1, 2, 3]
     assert "vs_sync" in result["summary"]["async:1"]
     assert "async:1 vs sync" in proc.stdout

@@ -247,6 +247,23 @@ def test_one_step_refuses_a_sleeping_engine_and_never_sleeps_it_by_default(tmp_p
             config_from_dict({**tree, "rollout": rollout})
 
 
+@pytest.mark.parametrize("trainer,message", [
+    ({"off_policy": "sync"}, r"trainer\.overlap_with=process with trainer\.off_policy=sync: nothing generates beside"),
+    ({"off_policy": "one_step", "backend": "ray"}, r"trainer\.overlap_with=process with trainer\.backend=ray: the rollout "
+     r"workers are Ray processes"),
+    ({"off_policy": "async", "backend": "ray"}, r"trainer\.overlap_with=process with trainer\.off_policy=async: .*\(on Ray it sends"),
+])
+def test_overlap_with_is_refused_where_it_would_place_nothing(trainer, message):
+    """`trainer.overlap_with` places the in-process rollout of a one_step run; elsewhere it would be
+    ignored, so it is refused naming the key (the in-process one_step run takes it: test above)."""
+    from rlcore.config import config_from_dict
+
+    tree = {"model": {"path": "m"}, "data": {"train_files": ["t"]}}
+    config_from_dict({**tree, "trainer": {"off_policy": "one_step", "overlap_with": "process"}})
+    with pytest.raises(ValueError, match=message):
+        config_from_dict({**tree, "trainer": {**trainer, "overlap_with": "process"}})
+
+
 @pytest.mark.slow  # a child process: ~4 s to start torch
 def test_a_group_in_a_child_process_runs_calls_in_order_and_reports_errors(monkeypatch):
     import functools

@@ -96,6 +96,23 @@ def check_off_policy(config: ConfigTree) -> None:
                          "generation and undo the overlap); unset one of them")
     if mode == "async":
         check_async(config)
+    else:
+        check_overlap_with(config)
+
+
+def check_overlap_with(config: ConfigTree) -> None:
+    """`trainer.overlap_with` places the in-process rollout worker of a one_step run; where it would
+    place nothing it is refused rather than ignored (async refuses `process` itself)."""
+    t = config.trainer
+    if t.overlap_with == "thread":  # the default
+        return
+    if t.off_policy == "sync":
+        raise ValueError(f"trainer.overlap_with={t.overlap_with} with trainer.off_policy=sync: nothing generates beside "
+                         "the update, so there is no rollout worker to place; set trainer.off_policy=one_step or unset "
+                         "trainer.overlap_with")
+    if t.backend == "ray":
+        raise ValueError(f"trainer.overlap_with={t.overlap_with} with trainer.backend=ray: the rollout workers are Ray "
+                         "processes of their own already (placed by ray.roles); unset trainer.overlap_with")
 
 
 def check_async(config: ConfigTree) -> None:
@@ -103,8 +120,9 @@ def check_async(config: ConfigTree) -> None:
     if config.trainer.backend == "ray":
         check_async_on_ray(config)
     if config.trainer.overlap_with != "thread":
-        raise ValueError("trainer.overlap_with=process with trainer.off_policy=async: the async rollout generates on "
-                         "a thread of this process; use trainer.overlap_with=thread")
+        raise ValueError("trainer.overlap_with=process with trainer.off_policy=async: the async rollout's producer is a "
+                         "thread of the trainer's process (on Ray it sends the generate calls to the rollout workers); "
+                         "use trainer.overlap_with=thread")
     if "reward_baselines" in estimator_inputs(config.algorithm.adv_estimator):
         raise ValueError(f"algorithm.adv_estimator={config.algorithm.adv_estimator!r} with trainer.off_policy=async: "
                          "its greedy baseline is generated for the step's own prompts, which the async rollout "

@@ -17,9 +17,11 @@ heavier than the tiny recipe's (temperature 8, 48 new tokens: long responses) so
 share of the step, as on real models. `--model 5m` swaps the tiny example's policy for a ~5M
 parameter Llama of the same vocabulary (random weights: its answers are noise, the work is real).
 The sync run skips the old-log-prob pass by default (one mini-batch: exactly on-policy); the
-one-step run cannot; `--recompute always` makes both run it. In process, `async:S` runs
-`trainer.off_policy=async trainer.max_staleness=S actor.behaviour_correction=decoupled` (S = 1, 2),
-`async:S:C` with `trainer.async_chunk_prompts=C` (a weight sync waits for C prompts' generation).
+one-step run cannot; `--recompute always` makes both run it. `async:S` runs
+`trainer.off_policy=async trainer.max_staleness=S actor.behaviour_correction=decoupled` (S = 1, 2;
+on Ray the controller's producer thread sends the generate calls to the rollout worker on `gen`),
+`async:S:C` with `trainer.async_chunk_prompts=C` (in process: a weight sync waits for C prompts'
+generation).
 "wait" is the share of step time the trainer spent in `time/generate` (sync: generating; one_step
 and async: waiting for samples).
 """
@@ -40,10 +42,10 @@ from rlcore.cli import CONFIG_DIR, tiny_example_overrides
 from rlcore.config import load_config
 from rlcore.example import build_tiny_example
 
-# in process, one_step runs the rollout worker on a thread (the default) or in a child process
-# and async:S at trainer.max_staleness=S (in process only, for now)
+# in process, one_step runs the rollout worker on a thread (the default) or in a child process;
+# async:S at trainer.max_staleness=S, in process on a thread, on Ray from the controller's thread
 MODES = {"inprocess": ("sync", "one_step:thread", "one_step:process", "async:1", "async:2", "async:2:4"),
-         "ray": ("sync", "one_step")}
+         "ray": ("sync", "one_step", "async:1", "async:2")}
 
 
 def mode_overrides(mode: str) -> list[str]:

@@ -51,6 +51,7 @@ def test_async_grpo_on_ray_trains_within_the_bound_as_in_process_and_resumes_exa
         assert r["async/staleness_0"] + r["async/staleness_1"] == PROMPTS * N  # every sample within the bound
         assert 0 <= r["rollout/staleness_max"] <= 1
         assert 0 <= r["async/trainer_wait_frac"] <= 1 and 0 <= r["async/rollout_wait_frac"] <= 1
+        assert all(0 <= r[f"async/rollout_wait_frac_rank_{rank}"] <= 1 for rank in (0, 1))  # each rollout worker's
         assert r["async/buffer_depth"] >= 0 and r["async/dropped_groups"] == 0
         assert math.isfinite(r["actor/pg_loss"])
     # step 1 and step 3 (after the checkpoint at 2) generate on the weights they train from

@@ -199,10 +199,16 @@ def test_generations_with_different_prompt_widths_join_left_padded():
 # ----- the producer, with a stand-in engine (instant, or failing) -------------------------------
 
 class _Engine:
-    """Stands in for the rollout group: n one-token samples per prompt, instantly; counts calls."""
+    """Stands in for the rollout group: n one-token samples per prompt, instantly; counts calls.
+    Its ranks report `busy_per_call` seconds of generating per call (one rank: 0)."""
 
-    def __init__(self, n: int, error: Exception | None = None, hold: threading.Semaphore | None = None) -> None:
+    def __init__(self, n: int, error: Exception | None = None, hold: threading.Semaphore | None = None,
+                 busy_per_call: tuple[float, ...] = (0.0,)) -> None:
         self.n, self.error, self.calls, self.hold, self.entered, self.seeds = n, error, 0, hold, 0, []
+        self.busy_per_call = busy_per_call
+
+    def generate_seconds(self) -> list[float]:
+        return [self.calls * busy for busy in self.busy_per_call]
 
     def generate_sequences(self, prompts: Batch, sampling) -> Batch:
         self.entered += 1
@@ -283,6 +289,51 @@ def test_chunks_of_a_step_take_the_weights_pushed_between_them():
         assert list(batch.meta["policy_version"]) == [0, 0, 1, 1]
         assert metrics["async/staleness_1"] == metrics["async/staleness_0"] == 2
         assert engine.seeds[0] != engine.seeds[1]  # each chunk draws its own stream
+    finally:
+        hold.release(100)
+        rollout.close()
+
+
+def test_each_rollout_rank_reports_the_share_of_the_step_it_was_not_generating():
+    """Two ranks, one generating through every call (its share of the batch the longest) and one
+    finishing at once: the first waited none of the step, the second all of it, each reported
+    apart beside the producer's own wait."""
+    from rlcore.trainer.metrics import Timer
+
+    engine = _Engine(n=2, busy_per_call=(1e6, 0.0))
+    rollout = _producer(engine, _Loader(), max_staleness=0)
+    rollout.start(0)
+    try:
+        rollout.next_batch(0, Timer())
+        _wait_until(lambda: engine.calls == 1, "the step's generation returned")
+        metrics = rollout.step_metrics(Timer())
+        assert metrics["async/rollout_wait_frac_rank_0"] == 0.0  # generating longer than the step lasted: clipped
+        assert metrics["async/rollout_wait_frac_rank_1"] == 1.0
+        assert 0.0 <= metrics["async/rollout_wait_frac"] <= 1.0
+    finally:
+        rollout.close()
+
+
+def test_a_validation_waiting_for_the_generation_in_flight_counts_as_the_trainers_wait():
+    """Validation between steps takes the engine alone, after the generation in flight: the trainer
+    idles meanwhile, and the next step's `async/trainer_wait_frac` says so (it read ~0 before)."""
+    from rlcore.trainer.metrics import Timer
+
+    hold = threading.Semaphore(0)
+    engine = _Engine(n=2, hold=hold)
+    rollout = _producer(engine, _Loader())
+    started = time.perf_counter()
+    rollout.start(0)
+    try:
+        _wait_until(lambda: engine.entered == 1, "the first generation in flight")
+        asked = time.perf_counter()
+        threading.Timer(0.5, hold.release).start()  # the generation ends half a second from now
+        with rollout.exclusive():
+            got = time.perf_counter()
+        metrics = rollout.step_metrics(Timer())
+        ended = time.perf_counter()
+        assert got - asked >= 0.4
+        assert metrics["async/trainer_wait_frac"] >= 0.9 * (got - asked) / (ended - started)
     finally:
         hold.release(100)
         rollout.close()
@@ -543,6 +594,7 @@ def test_a_tiny_async_grpo_run_trains_within_the_staleness_bound_and_a_sigkilled
         assert r["async/staleness_0"] + r["async/staleness_1"] == PROMPTS * N  # every sample within the bound
         assert 0 <= r["rollout/staleness_max"] <= 1
         assert 0 <= r["async/trainer_wait_frac"] <= 1 and 0 <= r["async/rollout_wait_frac"] <= 1
+        assert 0 <= r["async/rollout_wait_frac_rank_0"] <= 1 and "async/rollout_wait_frac_rank_1" not in r
         assert r["async/buffer_depth"] >= 0
         assert math.isfinite(r["actor/pg_loss"])
     assert sum(r["async/dropped_groups"] for r in records) == 0  # the producer never runs further ahead than the bound

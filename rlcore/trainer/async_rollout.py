@@ -341,12 +341,16 @@ class AsyncRollout:
         self._calls = 0  # generate calls started, one step's prompts each
         self._open_until = 0  # the last step whose prompts may be drawn before the next checkpoint is saved
         self._mark = (time.perf_counter(), 0.0, 0)  # (time, producer wait, dropped) at the last step's metrics
+        self._busy: list[float] = []  # each rollout rank's generating seconds after the producer's last call
+        self._busy_mark: list[float] = []  # the same at the last step's metrics
+        self._engine_waits = [0.0, 0.0]  # the trainer's waits for the engine outside a step (validation): total, at the last metrics
 
     def start(self, version: int) -> None:
         """Start generating on the engine's weights (after `version` updates: a resumed run's step)."""
         self.version = self._calls = version
         self._open_until = self._next_checkpoint(version)
         self._mark = (time.perf_counter(), 0.0, 0)
+        self._busy = self._busy_mark = required(self.groups.rollout, "rollout").generate_seconds()  # validation's, before
         if self.at_step:
             required(self.groups.rollout, "rollout").set_weight_switch(DecodeSwitch(self.gate, lambda: self.version))
         self._thread = threading.Thread(target=self._produce, name="rlcore-async-rollout", daemon=True)
@@ -375,6 +379,7 @@ class AsyncRollout:
                     return False
                 version = self.version
                 gen = rollout.generate_sequences(chunk, chunk_sampling(sampling, i))
+                self._busy = rollout.generate_seconds()
             for samples in stamp_policy_version(gen, version).split(self.n):
                 if not self.buffer.put(PromptGroup(samples, oldest_version(samples, version))):
                     return False
@@ -415,16 +420,27 @@ class AsyncRollout:
         return join_generations([g.samples for g in taken]), metrics
 
     def step_metrics(self, timer: Timer) -> dict[str, float]:
-        """Since the last call: the share of wall time the trainer waited for samples and the
-        producer waited (buffer full, or the engine taken by a weight sync or validation), and the
-        groups dropped as too stale."""
+        """Since the last call: the share of wall time the trainer waited (for samples, for the
+        generation in flight before a weight sync, and before a validation between steps) and the
+        producer waited (buffer full, or the engine taken by a weight sync or validation), the
+        share each rollout rank was not generating (`async/rollout_wait_frac_rank_<r>`: the
+        producer's waits, plus a rank's wait for the slowest rank of each call; a call's seconds
+        count when it returns, so a step's value is clipped to [0, 1]), and the groups dropped as
+        too stale."""
         now = time.perf_counter()
         waited, dropped = self.buffer.put_wait.total(now) + self.gate.wait.total(now), self.buffer.dropped
         then, waited_then, dropped_then = self._mark
         self._mark = (now, waited, dropped)
+        busy, busy_then = list(self._busy), self._busy_mark or [0.0] * len(self._busy)
+        self._busy_mark = busy
         wall = max(now - then, 1e-9)
-        return {"async/trainer_wait_frac": min(timer.seconds.get("generate", 0.0) / wall, 1.0),
-                "async/rollout_wait_frac": min((waited - waited_then) / wall, 1.0),
+        total, before = self._engine_waits
+        self._engine_waits[1] = total
+        trainer_waited = timer.seconds.get("generate", 0.0) + timer.seconds.get("weight_sync_wait", 0.0) + total - before
+        ranks = {f"async/rollout_wait_frac_rank_{rank}": min(max(1.0 - (seconds - before) / wall, 0.0), 1.0)
+                 for rank, (seconds, before) in enumerate(zip(busy, busy_then))}
+        return {"async/trainer_wait_frac": min(trainer_waited / wall, 1.0),
+                "async/rollout_wait_frac": min((waited - waited_then) / wall, 1.0), **ranks,
                 "async/dropped_groups": float(dropped - dropped_then)}
 
     def update_weights(self, sync: Callable[[], Any], version: int, timer: Timer) -> None:
@@ -451,9 +467,14 @@ class AsyncRollout:
             sync()
             self.version = version
 
-    def exclusive(self) -> Any:
-        """The engine alone (validation), between two generations."""
-        return self.gate.exclusive()
+    @contextmanager
+    def exclusive(self) -> Iterator[None]:
+        """The engine alone (validation), between two generations: the wait for the one in flight
+        is the trainer's, counted in the next step's `async/trainer_wait_frac`."""
+        asked = time.perf_counter()
+        with self.gate.exclusive():
+            self._engine_waits[0] += time.perf_counter() - asked
+            yield
 
     def close(self) -> None:
         """Stop the producer (after the generation in flight) without hanging on a full buffer."""

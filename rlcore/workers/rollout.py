@@ -4,6 +4,7 @@ engine, its tools running in this worker's sandboxed tool pool."""
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterable
 
 import numpy as np
@@ -33,6 +34,7 @@ class RolloutWorker(Worker):
         self.engine = None
         self.agent: AgentLoop | None = None
         self.tools: ToolPool | None = None
+        self.busy_s = 0.0  # in generate_sequences, since the worker started
 
     def setup(self, model_path: str | None = None) -> None:
         spec, rollout = self.spec, self.spec.section
@@ -88,13 +90,24 @@ class RolloutWorker(Worker):
     def generate_sequences(self, batch: Batch, sampling: SamplingParams) -> Batch:
         """`sampling.n` responses per prompt, each prompt's consecutively (`rlcore.rollout.base.RolloutEngine`)."""
         generator = self.agent if self.agent is not None else self.engine
-        out = generator.generate(batch, sampling)
+        started = time.perf_counter()
+        try:
+            out = generator.generate(batch, sampling)
+        finally:
+            self.busy_s += time.perf_counter() - started
         # every rank's responses are as wide as its own longest: the group's results concatenate
         # right-padded to the widest (what one rank generating the whole batch would return)
         out.info[RIGHT_PAD] = response_right_pad(self.pad_id)
         # which rank made each sample, for trace.jsonl: an async step joins groups of several calls
         out.meta["rollout_rank"] = np.full(len(out), self.rank, dtype=np.int64)
         return out
+
+    @register(dispatch=Dispatch.ONE_TO_ALL)
+    def generate_seconds(self) -> float:
+        """Seconds this rank has spent generating since it started: the async rollout's measure of
+        how long each rollout worker waited (a rank that finishes its share of a call early waits
+        for the slowest)."""
+        return self.busy_s
 
     @register(dispatch=Dispatch.ONE_TO_ALL)
     def set_weight_switch(self, switch: WeightSwitch | None) -> None:

@@ -49,8 +49,10 @@ trainer.max_staleness=S actor.behaviour_correction=decoupled` with `trainer.asyn
 `val/acc` (validated every `--val-every` steps) first reaches `--target`, and the wall and CPU
 seconds to get there (this process tree, from `fit()`'s start: validation included, the same
 for every mode); samples per second of wall and of CPU time (the samples trained, over the steps
-after the first, a warm-up); the trainer's idle fraction (async: `async/trainer_wait_frac`;
-sync and one_step: the `time/generate` share of the step, the wait for samples). A run stops
+after the first, a warm-up); the trainer's idle fraction over the same steps (`trainer_idle`: the
+wall time between two steps' records less the trainer's own work, summed, over the wall time; so
+also the waits no phase times, as one_step's and async's validation waiting for the generation in
+flight). A run stops
 at the target or at `--max-steps`. The table shows mean +- sd over seeds and the ratios to sync;
 "within noise" compares the steps to the target: |mean - sync mean| <= sqrt(sd^2 + sd_sync^2).
 
@@ -217,7 +219,20 @@ def reached(metrics: dict[str, Any], target: float) -> bool:
     return metrics.get("val/acc", 0.0) >= target - 1e-6
 
 
-KEPT = ("val/acc", "time/step_s", "time/generate_s", "response_length/mean")
+KEPT = ("val/acc", "time/step_s", "time/generate_s", "time/weight_sync_s", "time/weight_sync_wait_s", "time/validate_s",
+        "response_length/mean")
+
+
+def trainer_idle(step: dict[str, Any], wall_before: float) -> tuple[float, float]:
+    """The seconds since the last step's record that the trainer was not working, and those seconds:
+    its work is the step less its waits (for samples; the weight sync, which in one_step is mostly
+    the wait for the generation in flight, and takes milliseconds itself on the tiny model) plus
+    validation; whatever else passed, it waited (e.g. for a generation in flight before validating).
+    One measure for every mode."""
+    work = (step["time/step_s"] - step.get("time/generate_s", 0.0) - step.get("time/weight_sync_s", 0.0)
+            - step.get("time/weight_sync_wait_s", 0.0) + step.get("time/validate_s", 0.0))
+    wall = step["wall"] - wall_before
+    return min(max(wall - work, 0.0), wall), wall
 
 
 def summarize_run(steps: list[dict[str, Any]], samples_per_step: int, target: float) -> dict[str, Any]:
@@ -226,8 +241,7 @@ def summarize_run(steps: list[dict[str, Any]], samples_per_step: int, target: fl
     steady = steps[1:] or steps
     span_wall = steady[-1]["wall"] - steps[0]["wall"] if len(steps) > 1 else steps[0]["wall"]
     span_cpu = steady[-1]["cpu"] - steps[0]["cpu"] if len(steps) > 1 else steps[0]["cpu"]
-    idle = [s["async/trainer_wait_frac"] if "async/trainer_wait_frac" in s else s.get("time/generate_s", 0.0) / s["time/step_s"]
-            for s in steady]
+    idle = [trainer_idle(s, before["wall"]) for before, s in zip(steps, steps[1:])] or [trainer_idle(steps[0], 0.0)]
     accs = [s["val/acc"] for s in steps if "val/acc" in s]
     return {
         "steps_to_target": hit["step"] if hit else None,
@@ -235,7 +249,7 @@ def summarize_run(steps: list[dict[str, Any]], samples_per_step: int, target: fl
         "cpu_s_to_target": hit["cpu"] if hit else None,
         "samples_per_wall_s": samples_per_step * len(steady) / max(span_wall, 1e-9),
         "samples_per_cpu_s": samples_per_step * len(steady) / max(span_cpu, 1e-9),
-        "trainer_idle_frac": statistics.mean(idle),
+        "trainer_idle_frac": sum(waited for waited, _ in idle) / max(sum(wall for _, wall in idle), 1e-9),
         "trained_length_mean": statistics.mean(s["response_length/mean"] for s in steps),
         "final_acc": accs[-1] if accs else None,
         "steps_run": len(steps), "acc_curve": [(s["step"], s["val/acc"]) for s in steps if "val/acc" in s],

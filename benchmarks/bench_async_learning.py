@@ -56,6 +56,13 @@ flight). A run stops
 at the target or at `--max-steps`. The table shows mean +- sd over seeds and the ratios to sync;
 "within noise" compares the steps to the target: |mean - sync mean| <= sqrt(sd^2 + sd_sync^2).
 
+A slower update (`--trainer-delay S`): here generation takes ~20x the update (the trained tokens
+are the ~6 up to each row's end token), so the async producer is never more than one version
+ahead and async:2 and async:4 train at staleness 1 like async:1. `--trainer-delay` makes the
+trainer sleep S seconds after each step (counted as its work), as a large model's update on a GPU
+would take, so the producer runs up to `max_staleness` ahead; "samples by lag" shows what each
+run trained at each staleness.
+
 On a GPU: `--device cuda` sets `trainer.device=cuda` (the same decode loop and update run on
 it); `--model PATH` swaps the policy (its tokenizer must render the example's chat prompts; a
 model that has not learnt the task never reaches the target: then only the throughput columns
@@ -191,6 +198,7 @@ def run_one(mode: str, seed: int, args: argparse.Namespace) -> dict[str, Any]:
                           **{k: float(v) for k, v in metrics.items() if k in KEPT or k.startswith("async/")}})
             if reached(metrics, args.target):
                 raise TrainingStopped(f"val/acc {metrics['val/acc']:.3f} >= {args.target}")
+            time.sleep(args.trainer_delay)  # a slower update: the producer runs ahead meanwhile
 
         trainer = make_trainer(cfg, step_hooks=[record])
         engine = engine_class()
@@ -203,7 +211,8 @@ def run_one(mode: str, seed: int, args: argparse.Namespace) -> dict[str, Any]:
     finally:
         shutil.rmtree(out, ignore_errors=True)
     rows, tokens = engine.generated
-    return {**summarize_run(steps, args.prompts * args.n, args.target), "generated_length_mean": tokens / max(rows, 1)}
+    return {**summarize_run(steps, args.prompts * args.n, args.target, args.trainer_delay),
+            "generated_length_mean": tokens / max(rows, 1)}
 
 
 def engine_class() -> type[LongTailEngine]:
@@ -223,25 +232,26 @@ KEPT = ("val/acc", "time/step_s", "time/generate_s", "time/weight_sync_s", "time
         "response_length/mean")
 
 
-def trainer_idle(step: dict[str, Any], wall_before: float) -> tuple[float, float]:
+def trainer_idle(step: dict[str, Any], wall_before: float, delay: float = 0.0) -> tuple[float, float]:
     """The seconds since the last step's record that the trainer was not working, and those seconds:
     its work is the step less its waits (for samples; the weight sync, which in one_step is mostly
     the wait for the generation in flight, and takes milliseconds itself on the tiny model) plus
-    validation; whatever else passed, it waited (e.g. for a generation in flight before validating).
-    One measure for every mode."""
+    validation, and `delay` (`--trainer-delay`, slept after the last record, stands for update work);
+    whatever else passed, it waited (e.g. for a generation in flight before validating). One
+    measure for every mode."""
     work = (step["time/step_s"] - step.get("time/generate_s", 0.0) - step.get("time/weight_sync_s", 0.0)
-            - step.get("time/weight_sync_wait_s", 0.0) + step.get("time/validate_s", 0.0))
+            - step.get("time/weight_sync_wait_s", 0.0) + step.get("time/validate_s", 0.0) + delay)
     wall = step["wall"] - wall_before
     return min(max(wall - work, 0.0), wall), wall
 
 
-def summarize_run(steps: list[dict[str, Any]], samples_per_step: int, target: float) -> dict[str, Any]:
+def summarize_run(steps: list[dict[str, Any]], samples_per_step: int, target: float, delay: float = 0.0) -> dict[str, Any]:
     """One run's columns (COLUMNS) from its per-step records."""
     hit = next((s for s in steps if reached(s, target)), None)
     steady = steps[1:] or steps
     span_wall = steady[-1]["wall"] - steps[0]["wall"] if len(steps) > 1 else steps[0]["wall"]
     span_cpu = steady[-1]["cpu"] - steps[0]["cpu"] if len(steps) > 1 else steps[0]["cpu"]
-    idle = [trainer_idle(s, before["wall"]) for before, s in zip(steps, steps[1:])] or [trainer_idle(steps[0], 0.0)]
+    idle = [trainer_idle(s, before["wall"], delay) for before, s in zip(steps, steps[1:])] or [trainer_idle(steps[0], 0.0)]
     accs = [s["val/acc"] for s in steps if "val/acc" in s]
     return {
         "steps_to_target": hit["step"] if hit else None,
@@ -254,12 +264,15 @@ def summarize_run(steps: list[dict[str, Any]], samples_per_step: int, target: fl
         "final_acc": accs[-1] if accs else None,
         "steps_run": len(steps), "acc_curve": [(s["step"], s["val/acc"]) for s in steps if "val/acc" in s],
         "dropped_groups": sum(s.get("async/dropped_groups", 0.0) for s in steps),
+        "samples_by_lag": {key.rsplit("_", 1)[1]: sum(s.get(key, 0.0) for s in steps)
+                           for key in sorted({k for s in steps for k in s if k.startswith("async/staleness_")})},
     }
 
 
 def child_args(args: argparse.Namespace) -> list[str]:
     return ["--max-len", str(args.max_len), "--prompts", str(args.prompts), "--n", str(args.n), "--lr", str(args.lr), "--target", str(args.target),
             "--val-every", str(args.val_every), "--max-steps", str(args.max_steps), "--weight-sync", args.weight_sync,
+            "--trainer-delay", str(args.trainer_delay),
             "--device", args.device, "--model", args.model]
 
 
@@ -317,6 +330,9 @@ def main() -> None:
                         "token: generated (decoded, not trained: a real response ends at its end token) or trained "
                         "(the update's tokens long-tailed too; nothing anchors them, see the module doc)")
     parser.add_argument("--target", type=float, default=0.9)
+    parser.add_argument("--trainer-delay", type=float, default=0.0, help="seconds the trainer sleeps after each step: "
+                        "an update slower than generation (a large model's on a GPU), so that async runs up to "
+                        "max_staleness ahead; the wall columns include it")
     parser.add_argument("--val-every", type=int, default=2)
     parser.add_argument("--max-steps", type=int, default=30)
     parser.add_argument("--weight-sync", choices=["step", "generation"], default="step")
@@ -354,7 +370,7 @@ def main() -> None:
             runs[mode].append(r)
             print(f"  {mode} seed {seed}: steps to {args.target}: {r['steps_to_target']} ({r['wall_s_to_target']} s wall, "
                   f"{r['cpu_s_to_target']} CPU s); {r['samples_per_wall_s']:.2f} samples/s wall; idle "
-                  f"{r['trainer_idle_frac']:.2f}; acc {r['acc_curve']}", flush=True)
+                  f"{r['trainer_idle_frac']:.2f}; samples by lag {r['samples_by_lag']}; acc {r['acc_curve']}", flush=True)
     low, median, p99, high = length_spec(args.max_len)
     print(f"GRPO on the tiny task, long-tailed responses (lognormal median {median:g}, p99 {p99:g}, in [{low}, {high}] tokens), "
           f"the tokens past a row's end token {args.filler}; {args.prompts} prompts x {args.n} samples, model {args.model}, "

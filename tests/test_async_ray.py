@@ -12,7 +12,7 @@ import os
 from pathlib import Path
 
 import pytest
-from tiny_runs import SCORE_IN_PROCESS  # tests/ is on sys.path
+from tiny_runs import SCORE_IN_PROCESS, prompts_per_step  # tests/ is on sys.path
 
 from rlcore.cli import CONFIG_DIR, tiny_example_overrides
 from rlcore.config import Config, load_config
@@ -37,9 +37,6 @@ def _config(example, out: Path, steps: int, *extra: str) -> Config:
         *extra])
 
 
-def _prompts_per_step(run: Path) -> list[set[str]]:
-    return [{s["uid"] for s in rec["samples"]} for rec in read_jsonl(run / "trace.jsonl")]
-
 
 @pytest.mark.timeout(900)  # four tiny trainings, three of them starting Ray workers
 def test_async_grpo_on_ray_trains_within_the_bound_as_in_process_and_resumes_exactly(tiny_example, tmp_path, ray_driver):
@@ -63,15 +60,15 @@ def test_async_grpo_on_ray_trains_within_the_bound_as_in_process_and_resumes_exa
     assert made_by == {(w["rank"], w["pid"]) for w in trace[0]["workers"]["rollout"]}
     assert os.getpid() not in {pid for _, pid in made_by} and len(made_by) == 2
 
-    on_ray_prompts = _prompts_per_step(tmp_path / "ray")
+    on_ray_prompts = prompts_per_step(tmp_path / "ray")
     assert [len(u) for u in on_ray_prompts] == [PROMPTS] * STEPS  # whole groups: n samples of each prompt
     assert len(set().union(*on_ray_prompts)) == STEPS * PROMPTS  # no prompt trained twice
 
     # the in-process async run at the same seed trains the same prompts in the same steps
     make_trainer(_config(tiny_example, tmp_path / "inprocess", STEPS)).fit()
-    assert _prompts_per_step(tmp_path / "inprocess") == on_ray_prompts
+    assert prompts_per_step(tmp_path / "inprocess") == on_ray_prompts
 
     # stopped after the checkpoint at step 2 and resumed on Ray: the same prompts again
     make_trainer(_config(tiny_example, tmp_path / "resumed", 2, *on_ray)).fit()
     make_trainer(_config(tiny_example, tmp_path / "resumed", STEPS, *on_ray)).fit()
-    assert _prompts_per_step(tmp_path / "resumed") == on_ray_prompts
+    assert prompts_per_step(tmp_path / "resumed") == on_ray_prompts

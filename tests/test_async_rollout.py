@@ -18,7 +18,7 @@ import pytest
 import torch
 from conftest import stop_process_group, tree_progress, wait_for  # tests/ is on sys.path
 from timing import scaled
-from tiny_runs import SCORE_IN_PROCESS
+from tiny_runs import SCORE_IN_PROCESS, prompts_per_step
 
 from rlcore import rollout_backends
 from rlcore.algos.policy_loss import behaviour_weights, vanilla_policy_loss
@@ -558,9 +558,6 @@ def _async_config(example, out: Path, steps: int, *extra: str):
     return load_config(CONFIG_DIR / "tiny_grpo.yaml", _async_overrides(example, out, steps, *extra))
 
 
-def _prompts_per_step(run: Path) -> list[set[str]]:
-    return [{s["uid"] for s in rec["samples"]} for rec in read_jsonl(run / "trace.jsonl")]
-
 
 def _staleness_per_step(run: Path) -> list[dict[str, float]]:
     """Each step's samples per policy-version lag (`async/staleness_<lag>`)."""
@@ -601,7 +598,7 @@ def test_a_tiny_async_grpo_run_trains_within_the_staleness_bound_and_a_sigkilled
     # step 1 and the steps after the checkpoints at 2 and 4 generate on the weights they train from;
     # steps 2 and 4 were generated while the step before trained
     assert [r["async/staleness_0"] for r in records] == [PROMPTS * N, 0, PROMPTS * N, 0, PROMPTS * N]
-    straight = _prompts_per_step(tmp_path / "straight")
+    straight = prompts_per_step(tmp_path / "straight")
     assert [len(u) for u in straight] == [PROMPTS] * steps  # whole groups: n samples of each prompt
     assert len(set().union(*straight)) == steps * PROMPTS  # no prompt trained twice
 
@@ -627,7 +624,7 @@ def test_a_tiny_async_grpo_run_trains_within_the_staleness_bound_and_a_sigkilled
                              timeout=scaled(900))
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert "resumed from checkpoint step 2" in resumed.stderr
-    assert _prompts_per_step(run) == straight
+    assert prompts_per_step(run) == straight
     assert _staleness_per_step(run) == _staleness_per_step(tmp_path / "straight")
 
 
@@ -697,4 +694,4 @@ def test_a_tiny_async_run_on_the_vllm_engine_trains_within_the_bound(tiny_exampl
         if weight_sync == "step":  # by its oldest token
             assert 0 <= r["async/interrupted_generations"] <= PROMPTS * N
     assert records[0]["rollout/logprob_diff_max"] < 1e-3  # step 1: engine and actor on one policy
-    assert len(set().union(*_prompts_per_step(tmp_path / "run"))) == 3 * PROMPTS  # no prompt trained twice
+    assert len(set().union(*prompts_per_step(tmp_path / "run"))) == 3 * PROMPTS  # no prompt trained twice

@@ -37,7 +37,6 @@ def _config(example, out: Path, steps: int, *extra: str) -> Config:
         *extra])
 
 
-
 @pytest.mark.timeout(900)  # four tiny trainings, three of them starting Ray workers
 def test_async_grpo_on_ray_trains_within_the_bound_as_in_process_and_resumes_exactly(tiny_example, tmp_path, ray_driver):
     on_ray = (*ON_RAY, f"ray.address={ray_driver}")

@@ -340,16 +340,17 @@ class AsyncRollout:
         self._thread: threading.Thread | None = None
         self._calls = 0  # generate calls started, one step's prompts each
         self._open_until = 0  # the last step whose prompts may be drawn before the next checkpoint is saved
-        self._mark = (time.perf_counter(), 0.0, 0)  # (time, producer wait, dropped) at the last step's metrics
+        self._engine_waited = 0.0  # the trainer's waits for the engine outside a step (validation)
+        # (time, producer wait, dropped, trainer's engine wait) at the last step's metrics
+        self._mark = (time.perf_counter(), 0.0, 0, 0.0)
         self._busy: list[float] = []  # each rollout rank's generating seconds after the producer's last call
         self._busy_mark: list[float] = []  # the same at the last step's metrics
-        self._engine_waits = [0.0, 0.0]  # the trainer's waits for the engine outside a step (validation): total, at the last metrics
 
     def start(self, version: int) -> None:
         """Start generating on the engine's weights (after `version` updates: a resumed run's step)."""
         self.version = self._calls = version
         self._open_until = self._next_checkpoint(version)
-        self._mark = (time.perf_counter(), 0.0, 0)
+        self._mark = (time.perf_counter(), 0.0, 0, self._engine_waited)
         self._busy = self._busy_mark = required(self.groups.rollout, "rollout").generate_seconds()  # validation's, before
         if self.at_step:
             required(self.groups.rollout, "rollout").set_weight_switch(DecodeSwitch(self.gate, lambda: self.version))
@@ -429,16 +430,15 @@ class AsyncRollout:
         too stale."""
         now = time.perf_counter()
         waited, dropped = self.buffer.put_wait.total(now) + self.gate.wait.total(now), self.buffer.dropped
-        then, waited_then, dropped_then = self._mark
-        self._mark = (now, waited, dropped)
-        busy, busy_then = list(self._busy), self._busy_mark or [0.0] * len(self._busy)
+        then, waited_then, dropped_then, engine_waited_then = self._mark
+        self._mark = (now, waited, dropped, self._engine_waited)
+        busy, busy_then = list(self._busy), self._busy_mark
         self._busy_mark = busy
         wall = max(now - then, 1e-9)
-        total, before = self._engine_waits
-        self._engine_waits[1] = total
-        trainer_waited = timer.seconds.get("generate", 0.0) + timer.seconds.get("weight_sync_wait", 0.0) + total - before
-        ranks = {f"async/rollout_wait_frac_rank_{rank}": min(max(1.0 - (seconds - before) / wall, 0.0), 1.0)
-                 for rank, (seconds, before) in enumerate(zip(busy, busy_then))}
+        trainer_waited = (timer.seconds.get("generate", 0.0) + timer.seconds.get("weight_sync_wait", 0.0)
+                          + self._engine_waited - engine_waited_then)
+        ranks = {f"async/rollout_wait_frac_rank_{rank}": min(max(1.0 - (seconds - seconds_then) / wall, 0.0), 1.0)
+                 for rank, (seconds, seconds_then) in enumerate(zip(busy, busy_then))}
         return {"async/trainer_wait_frac": min(trainer_waited / wall, 1.0),
                 "async/rollout_wait_frac": min((waited - waited_then) / wall, 1.0), **ranks,
                 "async/dropped_groups": float(dropped - dropped_then)}
@@ -473,7 +473,7 @@ class AsyncRollout:
         is the trainer's, counted in the next step's `async/trainer_wait_frac`."""
         asked = time.perf_counter()
         with self.gate.exclusive():
-            self._engine_waits[0] += time.perf_counter() - asked
+            self._engine_waited += time.perf_counter() - asked
             yield
 
     def close(self) -> None:
